@@ -1,0 +1,1 @@
+"""neurons package."""
