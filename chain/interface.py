@@ -1,0 +1,217 @@
+"""The one chain interface the neurons and scripts use.
+
+Two implementations: `SubtensorChain` (bittensor SDK 11, a real node) and
+`DevnetChain` (embedded, SQLite). Neurons never import the SDK; they hold a
+`Chain` and react to the typed errors below.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------- errors
+class ChainError(Exception):
+    """A chain operation failed. `name` is subtensor's error name when there is one."""
+
+    name: str = "ChainError"
+    transient: bool = False
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        if name:
+            self.name = name
+
+
+class NotRegistered(ChainError):
+    """The hotkey has no uid on the subnet (subtensor: HotKeyNotRegisteredInSubNet)."""
+
+    name = "HotKeyNotRegisteredInSubNet"
+
+
+class AlreadyRegistered(ChainError):
+    name = "HotKeyAlreadyRegisteredInSubNet"
+
+
+class RateLimited(ChainError):
+    """Too soon: SettingWeightsTooFast, ServingRateLimitExceeded, registration limits."""
+
+    name = "SettingWeightsTooFast"
+    transient = True
+
+
+class NoValidatorPermit(ChainError):
+    name = "NeuronNoValidatorPermit"
+
+
+class NotEnoughStake(ChainError):
+    name = "NotEnoughStakeToSetWeights"
+
+
+class InvalidWeights(ChainError):
+    """Too few weights, out-of-range uids, a max-weight violation, a stale version key."""
+
+    name = "InvalidWeights"
+
+
+class SubnetNotFound(ChainError):
+    name = "SubnetNotExists"
+
+
+class RegistrationFailed(ChainError):
+    """The subnet is full and nothing can be pruned, or the burn could not be paid."""
+
+    name = "RegistrationFailed"
+
+
+class ChainConnectionError(ChainError):
+    """The node (or the devnet's database) cannot be reached; retry later."""
+
+    name = "ConnectionError"
+    transient = True
+
+
+# ---------------------------------------------------------------- data
+@dataclass(frozen=True)
+class Endpoint:
+    ip: str
+    port: int
+    protocol: int = 4
+    version: int = 1
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class NeuronInfo:
+    uid: int
+    hotkey: str
+    coldkey: str
+    stake: float  # subnet stake in alpha units (float); weights of consensus follow it
+    validator_permit: bool
+    endpoint: Endpoint | None
+    last_update: int
+    block_at_registration: int
+    incentive: float = 0.0
+    dividends: float = 0.0
+    emission: float = 0.0
+    rank: float = 0.0
+    trust: float = 0.0
+    consensus: float = 0.0
+    validator_trust: float = 0.0
+    active: bool = True
+
+
+@dataclass(frozen=True)
+class MetagraphSnapshot:
+    netuid: int
+    block: int
+    neurons: tuple[NeuronInfo, ...] = ()
+    tempo: int = 0
+
+    def by_hotkey(self, hotkey: str) -> NeuronInfo | None:
+        for n in self.neurons:
+            if n.hotkey == hotkey:
+                return n
+        return None
+
+    def by_uid(self, uid: int) -> NeuronInfo | None:
+        for n in self.neurons:
+            if n.uid == uid:
+                return n
+        return None
+
+    @property
+    def validators(self) -> tuple[NeuronInfo, ...]:
+        return tuple(n for n in self.neurons if n.validator_permit)
+
+    def __len__(self) -> int:
+        return len(self.neurons)
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    tempo: int
+    weights_rate_limit: int
+    max_weight_limit: float  # fraction in (0, 1]; 1.0 means disabled
+    min_allowed_weights: int
+    max_uids: int
+    immunity_period: int
+    commit_reveal: bool = False
+    weights_version: int = 0
+    activity_cutoff: int = 5000
+
+
+@dataclass(frozen=True)
+class SetWeightsOutcome:
+    """What a successful set-weights did: the block it landed at and the u16 row stored."""
+
+    block: int
+    uids: tuple[int, ...] = ()
+    weights_u16: tuple[int, ...] = ()
+    committed: bool = False  # commit-reveal: the chain will reveal later
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- interface
+class Chain(abc.ABC):
+    """Everything a neuron needs from the chain. All methods are async and time-bounded.
+
+    `wallet` arguments are bittensor wallets (`bt.Wallet`) or anything with
+    `.hotkey` and `.coldkeypub` keypairs (`.coldkey` where the operation is the coldkey's).
+    """
+
+    @abc.abstractmethod
+    async def block(self) -> int: ...
+
+    @abc.abstractmethod
+    async def metagraph(self, netuid: int) -> MetagraphSnapshot: ...
+
+    @abc.abstractmethod
+    async def hyperparameters(self, netuid: int) -> Hyperparameters: ...
+
+    @abc.abstractmethod
+    async def blocks_until_next_epoch(self, netuid: int) -> int: ...
+
+    @abc.abstractmethod
+    async def uid_of(self, hotkey: str, netuid: int) -> int | None: ...
+
+    @abc.abstractmethod
+    async def register(self, wallet, netuid: int) -> int:
+        """Register the wallet's hotkey; returns its uid. Raises AlreadyRegistered, RegistrationFailed."""
+
+    @abc.abstractmethod
+    async def publish_endpoint(self, wallet, netuid: int, ip: str, port: int) -> None:
+        """ServeAxon. Raises RateLimited (name ServingRateLimitExceeded) when re-published too soon."""
+
+    @abc.abstractmethod
+    async def set_weights(self, wallet, netuid: int, weights: dict[int, float], version_key: int) -> SetWeightsOutcome:
+        """Raises NotRegistered, NoValidatorPermit, RateLimited, InvalidWeights, ChainConnectionError."""
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+def connect(spec: str, **kwargs) -> Chain:
+    """Open a chain by name: `devnet:PATH` (embedded SQLite devnet), or `finney`, `test`,
+    `local`, `ws://...`/`wss://...` (a subtensor node through the bittensor SDK)."""
+    if spec.startswith("devnet:"):
+        from chain.devnet import DevnetChain
+
+        return DevnetChain(spec[len("devnet:"):], **kwargs)
+    if spec in ("finney", "test", "local") or spec.startswith(("ws://", "wss://")):
+        from chain.subtensor import SubtensorChain
+
+        return SubtensorChain(spec, **kwargs)
+    raise ValueError(
+        f"unknown chain {spec!r}: use devnet:PATH, finney, test, local, or a ws:// / wss:// URL"
+    )
