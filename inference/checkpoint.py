@@ -1,0 +1,661 @@
+"""Checkpoints in the Kimi K3 release layout: the one place that knows tensor names (model.md section 7).
+
+A checkpoint directory holds
+- safetensors shards `model-00001-of-0000N.safetensors` and `model.safetensors.index.json` (weight_map),
+- `config.json` (HF style, `ModelConfig.to_hf_config()`),
+- `k3_manifest.json`: sha256 and size of every shard file, total bytes, the config hash, and the model
+  fingerprint derived from them (what miners report and validators check).
+
+Text tensors are named `language_model.<model state_dict key>`; `vision_tower.*` and `mm_projector.*`
+belong to the release's multimodal wrapper and are skipped. Routed experts are MXFP4
+(`weight_packed` / `weight_scale`, uint8); conv weights, A_log, dt_bias, o_norm and the router's
+correction bias are fp32; everything else is bf16.
+
+Public API: `expected_tensors`, `TensorSpec`, `write_checkpoint`, `state_dict_to_checkpoint_tensors`,
+`write_manifest`, `verify_manifest`, `fingerprint`, `read_manifest`, `read_config`, `read_weight_map`,
+`load_tensors`, `load_checkpoint`, `random_tensor`, `make_random_checkpoint`, `CheckpointError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from inference import mxfp4
+from inference.config import MXFP4_BLOCK, ConfigError, ModelConfig
+
+PREFIX = "language_model."
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "k3_manifest.json"
+CONFIG_FILE = "config.json"
+MANIFEST_FORMAT = "k3-manifest-v1"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+PACKED_SUFFIX = ".weight_packed"
+SCALE_SUFFIX = ".weight_scale"
+
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def num_parameters(name: str, spec: TensorSpec) -> int:
+    """Parameters a tensor holds: packed MXFP4 bytes count two weights each, their scales none."""
+    if name.endswith(PACKED_SUFFIX):
+        return 2 * spec.numel
+    if name.endswith(SCALE_SUFFIX):
+        return 0
+    return spec.numel
+
+
+def is_text_tensor(name: str) -> bool:
+    return not name.startswith(NON_TEXT_PREFIXES)
+
+
+def model_key(name: str) -> str:
+    """Checkpoint tensor name -> model state_dict key."""
+    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+
+# ------------------------------------------------------------------- names
+def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
+    """Every text tensor of a checkpoint for `config`, in layer order: full name -> shape and dtype."""
+    c = config
+    D, V = c.hidden_size, c.vocab_size
+    bf16, fp32, u8 = torch.bfloat16, torch.float32, torch.uint8
+    specs: dict[str, TensorSpec] = {}
+
+    def add(name: str, shape, dtype=bf16):
+        specs[PREFIX + name] = TensorSpec(tuple(int(s) for s in shape), dtype)
+
+    add("model.embed_tokens.weight", (V, D))
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for site in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            add(p + site + ".weight", (D,))
+        add(p + "self_attention_res_proj.weight", (1, D))
+        add(p + "mlp_res_proj.weight", (1, D))
+        a = p + "self_attn."
+        if c.is_mla(i):
+            Hm, v = c.mla_heads, c.v_head_dim
+            if c.q_lora_rank:
+                add(a + "q_a_proj.weight", (c.q_lora_rank, D))
+                add(a + "q_a_layernorm.weight", (c.q_lora_rank,))
+                add(a + "q_b_proj.weight", (Hm * c.qk_head_dim, c.q_lora_rank))
+            else:
+                add(a + "q_proj.weight", (Hm * c.qk_head_dim, D))
+            add(a + "kv_a_proj_with_mqa.weight", (c.mla_cache_width, D))
+            add(a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
+            add(a + "kv_b_proj.weight", (Hm * (c.qk_nope_head_dim + v), c.kv_lora_rank))
+            if c.mla_output_gate:
+                add(a + "g_proj.weight", (Hm * v, D))
+            add(a + "o_proj.weight", (D, Hm * v))
+        else:
+            H, d, P, K = c.kda_heads, c.kda_head_dim, c.kda_proj_size, c.conv_kernel_size
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                add(a + proj + ".weight", (P, D))
+            for conv in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                add(a + conv + ".weight", (P, 1, K), fp32)
+            add(a + "A_log", (c.a_log_size,), fp32)
+            add(a + "f_a_proj.weight", (d, D))
+            add(a + "f_b_proj.weight", (P, d))
+            add(a + "dt_bias", (P,), fp32)
+            add(a + "b_proj.weight", (H, D))
+            if c.full_rank_output_gate:
+                add(a + "g_proj.weight", (P, D))
+            else:
+                add(a + "g_a_proj.weight", (d, D))
+                add(a + "g_b_proj.weight", (P, d))
+            add(a + "o_norm.weight", (d,), fp32)
+            add(a + "o_proj.weight", (D, P))
+        if not c.is_moe(i):
+            I = c.dense_intermediate_size
+            add(p + "mlp.gate_proj.weight", (I, D))
+            add(p + "mlp.up_proj.weight", (I, D))
+            add(p + "mlp.down_proj.weight", (D, I))
+            continue
+        m = p + "block_sparse_moe."
+        E, Lt, Ie, S = c.num_experts, c.latent_size, c.expert_intermediate_size, c.shared_expert_intermediate_size
+        add(m + "gate.weight", (E, D))
+        add(m + "gate.e_score_correction_bias", (E,), fp32)
+        add(m + "routed_expert_down_proj.weight", (Lt, D))
+        add(m + "routed_expert_up_proj.weight", (D, Lt))
+        if c.latent_moe_norm:
+            add(m + "routed_expert_norm.weight", (Lt,))
+        if S:
+            add(m + "shared_experts.gate_proj.weight", (S, D))
+            add(m + "shared_experts.up_proj.weight", (S, D))
+            add(m + "shared_experts.down_proj.weight", (D, S))
+        # One spec object per expert tensor kind, shared by all experts (K3 has 494,592 of these names).
+        per_expert = {}
+        for w, (out_f, in_f) in (("w1", (Ie, Lt)), ("w2", (Lt, Ie)), ("w3", (Ie, Lt))):
+            if c.mxfp4_experts:
+                per_expert[w + PACKED_SUFFIX] = TensorSpec((out_f, in_f // 2), u8)
+                per_expert[w + SCALE_SUFFIX] = TensorSpec((out_f, in_f // MXFP4_BLOCK), u8)
+            else:
+                per_expert[w + ".weight"] = TensorSpec((out_f, in_f))
+        for e in range(E):
+            for suffix, spec in per_expert.items():
+                specs[f"{PREFIX}{m}experts.{e}.{suffix}"] = spec
+    add("model.norm.weight", (D,))
+    add("model.output_attn_res_norm.weight", (D,))
+    add("model.output_attn_res_proj.weight", (1, D))
+    add("lm_head.weight", (V, D))
+    return specs
+
+
+def state_dict_to_checkpoint_tensors(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A model state_dict -> checkpoint tensors: prefixed names, A_log padded, dtypes as released."""
+    out = {}
+    remaining = set(state_dict)
+    for name, spec in expected_tensors(config).items():
+        key = model_key(name)
+        if key not in state_dict:
+            raise CheckpointError(f"state_dict has no {key!r} (checkpoint tensor {name}, shape {list(spec.shape)})")
+        remaining.discard(key)
+        t = state_dict[key].detach().cpu()
+        if name.endswith(".A_log") and t.numel() < spec.numel:
+            t = torch.cat([t.reshape(-1).float(), t.new_zeros(spec.numel - t.numel(), dtype=torch.float32)])
+        if spec.dtype == torch.uint8 and t.dtype != torch.uint8:
+            raise CheckpointError(f"{key} must be uint8 (MXFP4), the state_dict holds {t.dtype}")
+        if t.numel() != spec.numel:
+            raise CheckpointError(f"{key}: state_dict shape {list(t.shape)} does not fit checkpoint shape {list(spec.shape)}")
+        out[name] = t.reshape(spec.shape).to(spec.dtype).contiguous()
+    if remaining:
+        raise CheckpointError(f"state_dict has tensors the checkpoint layout does not know: {sorted(remaining)[:5]}")
+    return out
+
+
+# ------------------------------------------------------------------ writing
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fingerprint_of(shard_hashes: Iterable[str], config_hash: str) -> str:
+    blob = "\n".join(sorted(shard_hashes)) + "\nconfig:" + config_hash
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def shard_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def _plan_shards(names: list[str], nbytes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Fill shards in order up to max_shard_bytes; a tensor larger than that gets a shard of its own."""
+    shards: list[list[str]] = []
+    size = 0
+    for name in names:
+        if not shards or (size + nbytes[name] > max_shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes[name]
+    return shards
+
+
+def _write_sharded(
+    names: list[str],
+    nbytes: Mapping[str, int],
+    produce: Callable[[str], torch.Tensor],
+    config: ModelConfig,
+    out_dir: Path,
+    max_shard_bytes: int,
+    overwrite: bool,
+    progress: bool,
+) -> dict:
+    if max_shard_bytes < 1:
+        raise ValueError("max_shard_bytes must be positive")
+    out_dir = Path(out_dir)
+    if (out_dir / INDEX_FILE).exists() or (out_dir / MANIFEST_FILE).exists():
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} already holds a checkpoint; choose another directory or overwrite it (overwrite=True, --overwrite)")
+        for old in out_dir.glob("model-*-of-*.safetensors"):
+            old.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = _plan_shards(names, nbytes, max_shard_bytes)
+    weight_map = {}
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc="writing", file=sys.stderr,
+               disable=not progress)
+    for k, group in enumerate(plan, start=1):
+        fname = shard_name(k, len(plan))
+        tensors = {name: produce(name).contiguous() for name in group}
+        tmp = out_dir / (fname + ".partial")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        tmp.replace(out_dir / fname)
+        for name in group:
+            weight_map[name] = fname
+        bar.update(sum(nbytes[n] for n in group))
+        del tensors
+    bar.close()
+    index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_config(), indent=2))
+    return write_manifest(out_dir, config)
+
+
+def _check_against_spec(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+    specs = expected_tensors(config)
+    for name, spec in specs.items():
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor {name} (shape {list(spec.shape)}, {spec.dtype})")
+        t = tensors[name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise CheckpointError(
+                f"tensor {name} is {list(t.shape)} {t.dtype}; the layout needs {list(spec.shape)} {spec.dtype}"
+            )
+    extra = [n for n in tensors if n not in specs and is_text_tensor(n)]
+    if extra:
+        raise CheckpointError(f"tensors outside the layout for this config: {extra[:5]}")
+
+
+def write_checkpoint(
+    tensors: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    out_dir: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    strict: bool = True,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Write checkpoint tensors (full names, as `expected_tensors`) as shards plus index, config and manifest.
+
+    With strict (the default) the tensors must be exactly the layout of `config` (plus optional
+    vision/projector tensors); strict=False writes whatever is given (tests use it for broken
+    checkpoints). Returns the manifest.
+    """
+    if strict:
+        _check_against_spec(tensors, config)
+    names = list(tensors)
+    nbytes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
+    return _write_sharded(names, nbytes, lambda n: tensors[n].detach().cpu(), config, Path(out_dir),
+                          max_shard_bytes, overwrite, progress)
+
+
+# ----------------------------------------------------------------- manifest
+def read_weight_map(ckpt_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> shard file name, from the index (or the shard headers when there is no index)."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / INDEX_FILE
+    if index.exists():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index: {exc}") from None
+    shards = sorted(ckpt_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{ckpt_dir} holds no {INDEX_FILE} and no .safetensors files")
+    weight_map = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                weight_map[name] = shard.name
+    return weight_map
+
+
+def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None) -> dict:
+    """Hash every shard and write `k3_manifest.json` (also for a downloaded release that lacks one)."""
+    ckpt_dir = Path(ckpt_dir)
+    config = config or read_config(ckpt_dir)
+    files = sorted(set(read_weight_map(ckpt_dir).values()))
+    shards = {}
+    for fname in files:
+        path = ckpt_dir / fname
+        if not path.exists():
+            raise CheckpointError(f"shard {fname} named by the index is missing from {ckpt_dir}")
+        shards[fname] = {"sha256": _sha256_file(path), "bytes": path.stat().st_size}
+    config_hash = config.config_hash()
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "model_id": config.model_id,
+        "config_hash": config_hash,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "num_shards": len(shards),
+        "total_bytes": sum(s["bytes"] for s in shards.values()),
+        "tensor_bytes": _index_total_size(ckpt_dir),
+        "shards": shards,
+        "fingerprint": _fingerprint_of((s["sha256"] for s in shards.values()), config_hash),
+    }
+    (ckpt_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _index_total_size(ckpt_dir: Path) -> int | None:
+    index = ckpt_dir / INDEX_FILE
+    if not index.exists():
+        return None
+    return json.loads(index.read_text()).get("metadata", {}).get("total_size")
+
+
+def read_manifest(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / MANIFEST_FILE
+    if not path.exists():
+        raise CheckpointError(
+            f"{path} is missing: create it with inference.checkpoint.write_manifest({str(ckpt_dir)!r})"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("shards"), dict):
+        raise CheckpointError(f"{path} is not a {MANIFEST_FORMAT} manifest")
+    return manifest
+
+
+def fingerprint(ckpt_dir: str | Path) -> str:
+    """The short model fingerprint (16 hex digits): sha256 over the sorted shard hashes and the config hash."""
+    manifest = read_manifest(ckpt_dir)
+    return _fingerprint_of((s["sha256"] for s in manifest["shards"].values()), manifest["config_hash"])
+
+
+def verify_manifest(ckpt_dir: str | Path, progress: bool = False) -> dict:
+    """Recompute every shard hash; raise CheckpointError naming the first missing, resized or altered file."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    indexed = set(read_weight_map(ckpt_dir).values())
+    unlisted = sorted(indexed - set(manifest["shards"]))
+    if unlisted:
+        raise CheckpointError(f"shard {unlisted[0]} is in the index but not in the manifest")
+    config_hash = read_config(ckpt_dir).config_hash()
+    if config_hash != manifest["config_hash"]:
+        raise CheckpointError(f"{CONFIG_FILE} does not match the config hash in the manifest")
+    for fname, entry in tqdm(sorted(manifest["shards"].items()), desc="verifying", file=sys.stderr,
+                             disable=not progress):
+        path = ckpt_dir / fname
+        if not path.exists():
+            raise CheckpointError(f"shard {fname} is missing from {ckpt_dir}")
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"shard {fname} has {path.stat().st_size} bytes; the manifest says {entry['bytes']}")
+        if _sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"shard {fname} is corrupt: its sha256 differs from the manifest")
+    if manifest.get("fingerprint") not in (None, fingerprint(ckpt_dir)):
+        raise CheckpointError(f"{MANIFEST_FILE}: the recorded fingerprint does not follow from its shard hashes")
+    return manifest
+
+
+def read_config(ckpt_dir: str | Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_file(Path(ckpt_dir) / CONFIG_FILE)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+# ------------------------------------------------------------------ loading
+def load_tensors(
+    ckpt_dir: str | Path, names_or_predicate: Iterable[str] | Callable[[str], bool]
+) -> dict[str, torch.Tensor]:
+    """Load only the selected tensors, opening only the shards that hold them (memory-mapped reads).
+
+    Names may be given with or without the `language_model.` prefix; the result is keyed as asked.
+    A predicate is applied to the full checkpoint names, which then key the result.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    weight_map = read_weight_map(ckpt_dir)
+    wanted: dict[str, str] = {}  # checkpoint name -> result key
+    if callable(names_or_predicate):
+        wanted = {n: n for n in weight_map if names_or_predicate(n)}
+    else:
+        for key in names_or_predicate:
+            if key in weight_map:
+                wanted[key] = key
+            elif PREFIX + key in weight_map:
+                wanted[PREFIX + key] = key
+            else:
+                raise CheckpointError(f"tensor {key} is not in the checkpoint at {ckpt_dir}")
+    by_shard: dict[str, list[str]] = {}
+    for name in wanted:
+        by_shard.setdefault(weight_map[name], []).append(name)
+    out = {}
+    for fname, names in sorted(by_shard.items()):
+        with safe_open(ckpt_dir / fname, framework="pt") as f:
+            for name in names:
+                out[wanted[name]] = f.get_tensor(name)
+    return out
+
+
+def _header_specs(ckpt_dir: Path, weight_map: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of every tensor, read from the shard headers without loading data."""
+    specs = {}
+    by_shard: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        by_shard.setdefault(fname, []).append(name)
+    for fname, names in sorted(by_shard.items()):
+        path = ckpt_dir / fname
+        if not path.exists():
+            raise CheckpointError(f"shard {fname} named by the index is missing from {ckpt_dir}")
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"the index places {name} in {fname}, which does not hold it")
+                sl = f.get_slice(name)
+                if sl.get_dtype() not in _SAFETENSORS_DTYPES:
+                    raise CheckpointError(f"tensor {name} in {fname} has unsupported dtype {sl.get_dtype()}")
+                specs[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+    return specs
+
+
+def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool = True, progress: bool = True) -> dict:
+    """Copy a checkpoint's text tensors into `model` (state_dict keys = names minus `language_model.`).
+
+    Checks everything against the shard headers before copying anything: every model tensor must be
+    present with its shape (A_log: any shape with at least H elements, the first H used); no text tensor
+    may be left over. Float tensors are cast to the model tensor's dtype; MXFP4 bytes stay uint8.
+    Returns {"tensors": loaded count, "bytes": bytes read, "skipped": non-text tensors skipped}.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {ckpt_dir}")
+    if verify:
+        verify_manifest(ckpt_dir, progress=progress)
+    model_config = getattr(model, "config", None)
+    if isinstance(model_config, ModelConfig):
+        ckpt_config = read_config(ckpt_dir)
+        differ = [f for f in ModelConfig.__dataclass_fields__
+                  if f != "model_id" and getattr(ckpt_config, f) != getattr(model_config, f)]
+        if differ:
+            raise CheckpointError(f"checkpoint config differs from the model's in {differ}")
+    weight_map = read_weight_map(ckpt_dir)
+    skipped = [n for n in weight_map if not is_text_tensor(n)]
+    text = {model_key(n): n for n in weight_map if is_text_tensor(n)}
+    header = _header_specs(ckpt_dir, {n: weight_map[n] for n in text.values()})
+    targets = model.state_dict(keep_vars=True)
+
+    for key, target in targets.items():
+        if key not in text:
+            hint = ""
+            if key.endswith(PACKED_SUFFIX) and key[: -len(PACKED_SUFFIX)] + ".weight" in text:
+                hint = " (the checkpoint stores this expert unquantised as .weight; the model expects MXFP4)"
+            elif key.endswith(".weight") and key[: -len(".weight")] + PACKED_SUFFIX in text:
+                hint = " (the checkpoint stores this expert as MXFP4; the model expects a plain weight)"
+            raise CheckpointError(
+                f"missing tensor {PREFIX + key}: the model expects shape {list(target.shape)}, "
+                f"the checkpoint has none{hint}"
+            )
+        shape, dtype = header[text[key]]
+        if key.endswith(".A_log"):
+            fits = math.prod(shape) >= target.numel()
+        else:
+            fits = shape == tuple(target.shape)
+        if not fits:
+            raise CheckpointError(
+                f"tensor {text[key]} has shape {list(shape)} in the checkpoint but the model expects "
+                f"{list(target.shape)}"
+            )
+        if (dtype == torch.uint8) != (target.dtype == torch.uint8):
+            raise CheckpointError(
+                f"tensor {text[key]} is {dtype} in the checkpoint but the model holds {target.dtype} "
+                "(MXFP4 bytes must meet uint8 buffers)"
+            )
+    extra = sorted(k for k in text if k not in targets)
+    if extra:
+        raise CheckpointError(
+            f"unexpected tensor {text[extra[0]]} in the checkpoint ({len(extra)} the model does not have)"
+        )
+
+    by_shard: dict[str, list[str]] = {}
+    for key in targets:
+        by_shard.setdefault(weight_map[text[key]], []).append(key)
+    total = sum(math.prod(header[text[k]][0]) * header[text[k]][1].itemsize for k in targets)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, disable=not progress)
+    with torch.no_grad():
+        for fname, keys in sorted(by_shard.items()):
+            with safe_open(ckpt_dir / fname, framework="pt") as f:
+                for key in keys:
+                    t = f.get_tensor(text[key])
+                    target = targets[key]
+                    if key.endswith(".A_log"):
+                        t = t.reshape(-1)[: target.numel()].reshape(target.shape)
+                    target.copy_(t)
+                    bar.update(t.numel() * t.element_size())
+    bar.close()
+    return {"tensors": len(targets), "bytes": total, "skipped": len(skipped)}
+
+
+# ----------------------------------------------------------- random weights
+# Scales of the random weights: chosen so that the tiny model's next-token distributions are neither
+# uniform nor one-hot (see tests/test_checkpoint.py); projections get unit-variance outputs.
+LM_HEAD_GAIN = 2.0  # logits std of about 2 after the final norm
+NORM_JITTER = 0.1  # norm weights 1 + 0.1 * N(0, 1)
+CONV_STD = 0.5
+DT_BIAS_STD = 0.1
+CORRECTION_BIAS_STD = 0.01
+E2M1_RMS = 2.93  # root mean square of the 16 E2M1 values, uniform codes
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def expert_scale_exponents(in_features: int) -> tuple[int, int]:
+    """Biased E8M0 exponents giving random on-grid experts about 1/sqrt(in_features) standard deviation."""
+    k = round(math.log2(1.0 / (math.sqrt(in_features) * E2M1_RMS)))
+    return 127 + k - 1, 127 + k
+
+
+def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -> torch.Tensor:
+    """The deterministic random value of one checkpoint tensor (depends only on seed, name and shape)."""
+    key = model_key(name)
+    if key.endswith((PACKED_SUFFIX, SCALE_SUFFIX)):
+        base = key.rsplit(".", 1)[0]
+        out_f = spec.shape[0]
+        in_f = spec.shape[1] * (2 if key.endswith(PACKED_SUFFIX) else MXFP4_BLOCK)
+        g = torch.Generator().manual_seed(_seed_for(seed, base))
+        packed, scale = mxfp4.random_on_grid(out_f, in_f, g, expert_scale_exponents(in_f))
+        return packed if key.endswith(PACKED_SUFFIX) else scale
+    g = torch.Generator().manual_seed(_seed_for(seed, key))
+    normal = torch.randn(spec.shape, generator=g, dtype=torch.float32)
+    if key.endswith(".A_log"):
+        H = config.kda_heads
+        a = torch.zeros(spec.numel)
+        a[:H] = torch.log(1 + 15 * torch.rand(H, generator=g))  # log(uniform(1, 16))
+        t = a.reshape(spec.shape)
+    elif key.endswith(".dt_bias"):
+        t = DT_BIAS_STD * normal
+    elif key.endswith("e_score_correction_bias"):
+        t = CORRECTION_BIAS_STD * normal
+    elif "conv1d" in key:
+        t = CONV_STD * normal
+    elif key.endswith("norm.weight"):  # every RMSNorm: layer, AttnRes, MLA low-rank, o_norm, latent
+        t = 1 + NORM_JITTER * normal
+    elif key == "model.embed_tokens.weight":
+        t = normal
+    elif key == "lm_head.weight":
+        t = LM_HEAD_GAIN * normal / math.sqrt(spec.shape[1])
+    else:  # projections [out, in], AttnRes projections [1, D]
+        t = normal / math.sqrt(spec.shape[-1])
+    return t.to(spec.dtype)
+
+
+def random_checkpoint_tensors(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """All random checkpoint tensors in memory (small configs only)."""
+    return {name: random_tensor(name, spec, config, seed) for name, spec in expected_tensors(config).items()}
+
+
+def make_random_checkpoint(
+    config: ModelConfig,
+    out_dir: str | Path,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Write a seeded random checkpoint of `config`, one shard in memory at a time; returns the manifest.
+
+    Same config, seed and shard size give the same bytes and so the same fingerprint.
+    """
+    specs = expected_tensors(config)
+    return _write_sharded(
+        list(specs),
+        {n: s.nbytes for n, s in specs.items()},
+        lambda n: random_tensor(n, specs[n], config, seed),
+        config,
+        Path(out_dir),
+        max_shard_bytes,
+        overwrite,
+        progress,
+    )
+
+
+__all__ = [
+    "CheckpointError",
+    "TensorSpec",
+    "PREFIX",
+    "expected_tensors",
+    "num_parameters",
+    "model_key",
+    "is_text_tensor",
+    "state_dict_to_checkpoint_tensors",
+    "write_checkpoint",
+    "write_manifest",
+    "read_manifest",
+    "verify_manifest",
+    "fingerprint",
+    "read_config",
+    "read_weight_map",
+    "load_tensors",
+    "load_checkpoint",
+    "random_tensor",
+    "random_checkpoint_tensors",
+    "make_random_checkpoint",
+]

@@ -1,0 +1,206 @@
+"""btauth/1 request signing and verification (bittensor.http_auth), and the
+replay store shared by every worker process of a server.
+
+Client: `sign_request(...)` over the exact body bytes that will be sent,
+bound to the receiving miner's hotkey; every send (each retry too) signs
+again, for a fresh nonce. Server: `verify_request(...)` on the raw body before
+parsing it; it returns the caller's hotkey or raises `AuthFailure` with the
+HTTP status to answer with. Verification does not look at the chain:
+metagraph membership, validator permit and stake are the caller's checks.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Optional
+
+from bittensor import http_auth
+
+from .schemas import error_body
+
+AUTH_MAX_AGE_S = http_auth.DEFAULT_MAX_AGE  # 10 s freshness window
+AUTH_ALLOWED_SKEW_S = http_auth.DEFAULT_ALLOWED_SKEW  # 2 s of forward clock drift
+DEFAULT_NONCE_RETENTION_S = 60.0
+
+_REQUIRED_HEADERS = (
+    http_auth.HEADER_VERSION,
+    http_auth.HEADER_HOTKEY,
+    http_auth.HEADER_RECEIVER,
+    http_auth.HEADER_NONCE,
+    http_auth.HEADER_SIGNATURE,
+)
+
+# http_auth error class -> (HTTP status, our error code). http_auth's messages
+# never echo the signature or payload, so they are returned to the caller.
+_FAILURES: tuple[tuple[type[http_auth.AuthError], int, str], ...] = (
+    (http_auth.WrongReceiver, 403, "wrong_receiver"),
+    (http_auth.MalformedAuth, 401, "malformed_auth"),
+    (http_auth.StaleRequest, 401, "stale_request"),
+    (http_auth.BadSignature, 401, "bad_signature"),
+    (http_auth.ReplayedRequest, 401, "replayed_request"),
+)
+
+
+class AuthFailure(Exception):
+    """A request that failed authentication; answer with `status` and `to_json()`."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def to_json(self) -> bytes:
+        return error_body(self.code, self.message)
+
+    def __repr__(self) -> str:
+        return f"AuthFailure({self.status}, {self.code!r}, {self.message!r})"
+
+
+def hotkey_signer(key):
+    """The hotkey Keypair to sign with: a Keypair passes through; a wallet gives
+    its `.hotkey` once (a Wallet handed to http_auth re-reads its key file on
+    every signature)."""
+    if hasattr(key, "sign") and hasattr(key, "ss58_address"):
+        return key
+    if hasattr(key, "hotkey"):
+        return key.hotkey
+    raise TypeError(f"cannot sign with {type(key).__name__}: pass a hotkey Keypair or a wallet")
+
+
+def sign_request(
+    hotkey_keypair,
+    method: str,
+    path: str,
+    body: bytes,
+    receiver_ss58: str,
+    nonce_ns: Optional[int] = None,
+) -> dict[str, str]:
+    """btauth/1 headers for sending exactly `body` to `path` (with its query
+    string, as sent) on the server whose hotkey is `receiver_ss58`."""
+    return http_auth.sign(
+        hotkey_keypair, method=method, path=path, body=body, receiver_ss58=receiver_ss58, nonce_ns=nonce_ns
+    )
+
+
+def verify_request(
+    headers: Mapping[str, str],
+    body: bytes,
+    method: str,
+    path: str,
+    own_hotkey_ss58: str,
+    nonce_store: http_auth.NonceStore,
+    max_age_s: float = AUTH_MAX_AGE_S,
+    allowed_skew_s: float = AUTH_ALLOWED_SKEW_S,
+) -> str:
+    """Authenticate a received request; returns the caller's hotkey ss58.
+
+    `body` is the raw received bytes, `path` the request target as received
+    (aiohttp: `request.raw_path`, which keeps the query string). Raises
+    AuthFailure: 403 for a request signed for another receiver, 401 for
+    anything else (missing headers, stale, bad signature, replay), 503 when
+    the replay store cannot be reached.
+    """
+    present = {key.lower() for key in headers.keys()}
+    missing = [name for name in _REQUIRED_HEADERS if name.lower() not in present]
+    if missing:
+        raise AuthFailure(
+            401,
+            "missing_auth",
+            f"missing btauth/1 headers: {', '.join(missing)}; sign the request with "
+            "bittensor.http_auth.sign(..., receiver_ss58=<this server's hotkey>)",
+        )
+    try:
+        caller = http_auth.verify(
+            headers,
+            body,
+            method=method,
+            path=path,
+            self_hotkey_ss58=own_hotkey_ss58,
+            max_age=max_age_s,
+            allowed_skew=allowed_skew_s,
+            require_receiver=True,
+            nonce_store=nonce_store,
+        )
+    except http_auth.AuthError as error:
+        for kind, status, code in _FAILURES:
+            if isinstance(error, kind):
+                raise AuthFailure(status, code, str(error)) from None
+        raise AuthFailure(401, "unauthorized", str(error)) from None
+    except sqlite3.Error:
+        raise AuthFailure(503, "replay_store_unavailable", "the replay store is unavailable; retry") from None
+    return caller.hotkey_ss58
+
+
+class SQLiteNonceStore:
+    """Replay store for http_auth, shared by all worker processes of one server
+    through one SQLite file (WAL).
+
+    `check_and_store` is a single INSERT against a (hotkey, nonce) primary key,
+    so of two workers racing on the same nonce exactly one wins. Rows older than
+    `retention` seconds are pruned; `retention` must cover the verifier's
+    freshness window plus skew (http_auth checks this attribute). Each process
+    opens its own connection, lazily (safe across fork).
+    """
+
+    def __init__(self, path: str | os.PathLike, retention_s: float = DEFAULT_NONCE_RETENTION_S,
+                 busy_timeout_s: float = 5.0):
+        if retention_s < AUTH_MAX_AGE_S + AUTH_ALLOWED_SKEW_S:
+            raise ValueError(
+                f"retention_s={retention_s} is shorter than the btauth freshness window "
+                f"({AUTH_MAX_AGE_S + AUTH_ALLOWED_SKEW_S} s): replays inside the gap would pass"
+            )
+        self.path = Path(path)
+        self.retention = float(retention_s)
+        self.busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._connection: Optional[sqlite3.Connection] = None
+        self._pid = -1
+        self._next_prune = 0.0
+        self._connect()  # fail early on a bad path
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._connection is None or self._pid != os.getpid():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: autocommit, every INSERT is its own transaction.
+            connection = sqlite3.connect(
+                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            connection.execute("PRAGMA journal_mode=WAL")
+            # Survives a process crash; only a power loss can drop the newest rows.
+            connection.execute("PRAGMA synchronous=NORMAL")
+            connection.execute(
+                "CREATE TABLE IF NOT EXISTS btauth_nonces ("
+                " hotkey TEXT NOT NULL, nonce NOT NULL, seen_at REAL NOT NULL,"
+                " PRIMARY KEY (hotkey, nonce)) WITHOUT ROWID"
+            )
+            connection.execute("CREATE INDEX IF NOT EXISTS btauth_nonces_seen_at ON btauth_nonces (seen_at)")
+            self._connection, self._pid = connection, os.getpid()
+        return self._connection
+
+    def check_and_store(self, hotkey_ss58: str, nonce_ns: int) -> bool:
+        """True (and remembered) if this (hotkey, nonce) was never seen, else False."""
+        now = time.time()
+        # The nonce column has no type affinity: integers outside SQLite's signed
+        # 64-bit range are kept exactly, as text, instead of being rounded to REAL.
+        nonce_key = nonce_ns if -(2**63) <= nonce_ns < 2**63 else str(nonce_ns)
+        with self._lock:
+            connection = self._connect()
+            if now >= self._next_prune:
+                connection.execute("DELETE FROM btauth_nonces WHERE seen_at < ?", (now - self.retention,))
+                self._next_prune = now + self.retention / 4
+            cursor = connection.execute(
+                "INSERT OR IGNORE INTO btauth_nonces (hotkey, nonce, seen_at) VALUES (?, ?, ?)",
+                (hotkey_ss58, nonce_key, now),
+            )
+            return cursor.rowcount == 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None and self._pid == os.getpid():
+                self._connection.close()
+            self._connection = None

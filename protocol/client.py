@@ -1,0 +1,461 @@
+"""The one HTTP client for talking to miners (aiohttp).
+
+Every call serialises its request once, signs those exact bytes with btauth/1
+(bound to the miner's hotkey) and sends them. Every wait has a deadline:
+
+- `connect`: the TCP connection to the miner;
+- `first_byte`: from the start of the call until the response headers and,
+  for a generation, the first complete event (upload, prefill, first token);
+- `between_events`: from one complete event (or body chunk, for JSON
+  answers) to the next; only complete NDJSON lines count, so a miner cannot
+  keep a stalled stream alive by trickling bytes or blank lines;
+- `total`: the whole call.
+
+Failures are typed: MinerUnreachable, MinerHTTPError (non-200 with its JSON
+error body), MinerTimeout(kind), MinerProtocolError (malformed or oversized
+answers, a stream without a final event), MinerStreamError (the miner sent an
+error event mid-stream). `generate` records, on the client's monotonic clock,
+when each event arrived, for TTFT and stream-buffering checks.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from .auth import hotkey_signer, sign_request
+from .schemas import (
+    CAPABILITIES_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    JSON_CONTENT_TYPE,
+    NDJSON_CONTENT_TYPE,
+    SCORE_PATH,
+    Capabilities,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    Health,
+    ScoreRequest,
+    ScoreResponse,
+    TokenEvent,
+    decode_event,
+    describe_validation_error,
+    encode_model,
+    parse_error_body,
+)
+
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# Error bodies are small; past this the body is not read further.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+Model = TypeVar("Model", bound=BaseModel)
+Event = Union[TokenEvent, FinalEvent, ErrorEvent]
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """Seconds; see the module docstring for what each one bounds."""
+
+    connect: float = 3.0
+    first_byte: float = 60.0
+    between_events: float = 10.0
+    total: float = 600.0
+
+    def __post_init__(self):
+        for name in ("connect", "first_byte", "between_events", "total"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"ClientTimeouts.{name} must be a positive number of seconds, got {value!r}")
+
+
+# ---------------------------------------------------------------- errors
+class MinerError(Exception):
+    """A call to a miner failed. `partial` holds what a generation had received."""
+
+    partial: Optional["GenerateResult"] = None
+
+
+class MinerUnreachable(MinerError):
+    """The connection could not be made or was dropped."""
+
+
+class MinerHTTPError(MinerError):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"HTTP {status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class MinerTimeout(MinerError):
+    """`kind` is "connect", "first_byte", "between_events" or "total"."""
+
+    def __init__(self, kind: str, limit_s: float):
+        super().__init__(f"{kind} timeout after {limit_s:g} s")
+        self.kind = kind
+        self.limit_s = limit_s
+
+
+class MinerProtocolError(MinerError):
+    """The answer broke the protocol: malformed, too large, out of order or incomplete."""
+
+
+class MinerStreamError(MinerError):
+    """The miner ended a generation with an error event."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"miner error {code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# ---------------------------------------------------------------- results
+@dataclass(frozen=True)
+class TimedEvent:
+    event: Event
+    arrived_s: float  # when its last byte was read, seconds after the call started
+
+
+@dataclass
+class GenerateResult:
+    request: GenerateRequest
+    body: bytes  # the exact bytes sent and signed: verify_response needs them
+    started_at: float  # wall clock (time.time()) at the start of the call
+    headers_s: Optional[float] = None  # response headers, seconds after the start
+    events: list[TimedEvent] = field(default_factory=list)
+    final: Optional[FinalEvent] = None
+    error: Optional[ErrorEvent] = None
+
+    @property
+    def token_events(self) -> list[TimedEvent]:
+        return [timed for timed in self.events if isinstance(timed.event, TokenEvent)]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All generated tokens in order: what the response signature covers."""
+        return [token for timed in self.token_events for token in timed.event.token_ids]
+
+    @property
+    def token_arrivals_s(self) -> list[float]:
+        """Arrival time of each token (tokens of one event share its time)."""
+        return [timed.arrived_s for timed in self.token_events for _ in timed.event.token_ids]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [lp for timed in self.token_events for lp in timed.event.logprobs]
+
+    @property
+    def text(self) -> str:
+        return "".join(timed.event.text for timed in self.token_events)
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        events = self.token_events
+        return events[0].arrived_s if events else None
+
+    @property
+    def total_s(self) -> Optional[float]:
+        return self.events[-1].arrived_s if self.events else None
+
+
+# ---------------------------------------------------------------- deadlines
+class _CallClock:
+    """The deadlines of one call, on the event loop's monotonic clock."""
+
+    def __init__(self, timeouts: ClientTimeouts):
+        self.loop = asyncio.get_running_loop()
+        self.timeouts = timeouts
+        self.start = self.loop.time()
+        self.total_at = self.start + timeouts.total
+
+    def elapsed(self) -> float:
+        return self.loop.time() - self.start
+
+    async def within(self, awaitable: Awaitable, kind: str, at: float):
+        """Await with a deadline `at` for `kind`, capped by the total deadline."""
+        limit = getattr(self.timeouts, kind)
+        if at >= self.total_at:
+            kind, at, limit = "total", self.total_at, self.timeouts.total
+        try:
+            async with asyncio.timeout_at(at):
+                return await awaitable
+        except aiohttp.ServerTimeoutError:  # aiohttp's own (sock_connect) timeout
+            raise MinerTimeout("connect", self.timeouts.connect) from None
+        except TimeoutError:
+            raise MinerTimeout(kind, limit) from None
+
+
+# ---------------------------------------------------------------- client
+class MinerClient:
+    """Signed calls to miners with one hotkey. Use as `async with MinerClient(...)`
+    or call `close()`; a session passed in is left open for its owner."""
+
+    def __init__(
+        self,
+        keypair,
+        timeouts: ClientTimeouts = ClientTimeouts(),
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        session: Optional[aiohttp.ClientSession] = None,
+        max_connections: int = 1024,
+    ):
+        if max_response_bytes < 1024:
+            raise ValueError("max_response_bytes must be at least 1024")
+        self.signer = hotkey_signer(keypair)
+        self.timeouts = timeouts
+        self.max_response_bytes = max_response_bytes
+        self.max_connections = max_connections
+        self._session = session
+        self._owns_session = session is None
+        self._last_nonce = 0
+
+    async def __aenter__(self) -> "MinerClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # auto_decompress off: we ask for identity encoding, and the size
+            # limit then counts exactly the bytes the miner sent.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    def _sign(self, method: str, path: str, body: bytes, receiver_ss58: str) -> dict[str, str]:
+        # Strictly increasing nonces, so two requests signed in the same
+        # nanosecond by this client never look like a replay to the miner.
+        nonce = max(time.time_ns(), self._last_nonce + 1)
+        self._last_nonce = nonce
+        return sign_request(self.signer, method, path, body, receiver_ss58, nonce_ns=nonce)
+
+    # ------------------------------------------------------------ generate
+    async def stream_generate(
+        self,
+        base_url: str,
+        receiver_ss58: str,
+        request: GenerateRequest,
+        timeouts: Optional[ClientTimeouts] = None,
+        result: Optional[GenerateResult] = None,
+    ) -> AsyncIterator[TimedEvent]:
+        """Yield the events of one generation as they arrive; the last one is a
+        FinalEvent or an ErrorEvent. Close the iterator if you stop early
+        (`contextlib.aclosing`). `result`, when given, is filled as events arrive."""
+        body = encode_model(request)
+        clock = _CallClock(timeouts or self.timeouts)
+        if result is not None:
+            result.body = body
+        headers = self._sign("POST", GENERATE_PATH, body, receiver_ss58)
+        response = await self._send(clock, "POST", _url(base_url, GENERATE_PATH), body, headers, NDJSON_CONTENT_TYPE)
+        try:
+            if result is not None:
+                result.headers_s = clock.elapsed()
+            await self._raise_for_status(response, clock)
+            _expect_content_type(response, NDJSON_CONTENT_TYPE)
+            async for timed in self._events(response, clock):
+                if result is not None:
+                    result.events.append(timed)
+                yield timed
+        finally:
+            _finish(response)
+
+    async def generate(
+        self,
+        base_url: str,
+        receiver_ss58: str,
+        request: GenerateRequest,
+        timeouts: Optional[ClientTimeouts] = None,
+    ) -> GenerateResult:
+        """Run one generation to its final event. On failure the raised MinerError
+        carries what had arrived in `.partial`."""
+        result = GenerateResult(request=request, body=b"", started_at=time.time())
+        try:
+            async with aclosing(self.stream_generate(base_url, receiver_ss58, request, timeouts, result)) as events:
+                async for timed in events:
+                    if isinstance(timed.event, FinalEvent):
+                        result.final = timed.event
+                    elif isinstance(timed.event, ErrorEvent):
+                        result.error = timed.event
+                        raise MinerStreamError(timed.event.code, timed.event.message)
+        except MinerError as error:
+            error.partial = result
+            raise
+        return result
+
+    async def _events(self, response: aiohttp.ClientResponse, clock: _CallClock) -> AsyncIterator[TimedEvent]:
+        timeouts = clock.timeouts
+        kind, at = "first_byte", clock.start + timeouts.first_byte
+        buffer = bytearray()
+        received = 0
+        next_index = 0
+        count = 0
+        ended = False
+        while not ended:
+            chunk = await _read_chunk(response, clock, kind, at)
+            at_eof = not chunk
+            arrived = clock.elapsed()
+            received += len(chunk)
+            if received > self.max_response_bytes:
+                raise MinerProtocolError(f"response larger than {self.max_response_bytes} bytes")
+            buffer += chunk
+            lines = buffer.split(b"\n")
+            # The last piece is an incomplete line, kept for the next chunk (at EOF: the last line).
+            buffer = bytearray() if at_eof else bytearray(lines.pop())
+            for line in lines:
+                if not line.strip():
+                    continue
+                if ended:
+                    raise MinerProtocolError("data after the final event")
+                count += 1
+                try:
+                    event = decode_event(bytes(line))
+                except ValidationError as error:
+                    raise MinerProtocolError(f"event {count} is malformed: {describe_validation_error(error)[0]}") from None
+                if isinstance(event, TokenEvent):
+                    if event.index != next_index:
+                        raise MinerProtocolError(f"token event {count} has index {event.index}, expected {next_index}")
+                    next_index += len(event.token_ids)
+                else:
+                    ended = True
+                yield TimedEvent(event, arrived)
+                kind, at = "between_events", clock.start + arrived + timeouts.between_events
+            if at_eof and not ended:
+                raise MinerProtocolError("stream ended without a final event")
+
+    # ------------------------------------------------------------ JSON calls
+    async def score(
+        self,
+        base_url: str,
+        receiver_ss58: str,
+        request: ScoreRequest,
+        timeouts: Optional[ClientTimeouts] = None,
+    ) -> ScoreResponse:
+        """Teacher-forced logprobs; checks the answer covers exactly the asked positions."""
+        body = encode_model(request)
+        answer = await self._json_call("POST", base_url, SCORE_PATH, body, receiver_ss58, ScoreResponse, timeouts)
+        if answer.request_id != request.request_id:
+            raise MinerProtocolError(f"score answer is for request {answer.request_id!r}, not {request.request_id!r}")
+        positions = request.resolved_positions()
+        if [scored.position for scored in answer.scores] != positions:
+            raise MinerProtocolError("score answer does not cover exactly the requested positions, in order")
+        for scored in answer.scores:
+            if scored.token_id != request.token_ids[scored.position]:
+                raise MinerProtocolError(f"score answer at position {scored.position} names the wrong token id")
+            if len(scored.top) != request.top_k:
+                raise MinerProtocolError(
+                    f"score answer at position {scored.position} has {len(scored.top)} alternatives, asked {request.top_k}"
+                )
+        return answer
+
+    async def capabilities(
+        self, base_url: str, receiver_ss58: str, timeouts: Optional[ClientTimeouts] = None
+    ) -> Capabilities:
+        return await self._json_call("GET", base_url, CAPABILITIES_PATH, None, receiver_ss58, Capabilities, timeouts)
+
+    async def health(self, base_url: str, timeouts: Optional[ClientTimeouts] = None) -> Health:
+        """Unauthenticated liveness."""
+        return await self._json_call("GET", base_url, HEALTH_PATH, None, None, Health, timeouts)
+
+    async def _json_call(self, method, base_url, path, body, receiver_ss58, model: type[Model], timeouts) -> Model:
+        clock = _CallClock(timeouts or self.timeouts)
+        headers = {} if receiver_ss58 is None else self._sign(method, path, body or b"", receiver_ss58)
+        response = await self._send(clock, method, _url(base_url, path), body, headers, JSON_CONTENT_TYPE)
+        try:
+            await self._raise_for_status(response, clock)
+            _expect_content_type(response, JSON_CONTENT_TYPE)
+            raw = await self._read_body(response, clock, self.max_response_bytes, over_limit="error")
+        finally:
+            _finish(response)
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as error:
+            raise MinerProtocolError(f"{model.__name__} answer is malformed: {describe_validation_error(error)[0]}") from None
+
+    # ------------------------------------------------------------ HTTP plumbing
+    async def _send(self, clock, method, url, body, headers, accept) -> aiohttp.ClientResponse:
+        headers = {**headers, "Accept": accept, "Accept-Encoding": "identity"}
+        if body is not None:
+            headers["Content-Type"] = JSON_CONTENT_TYPE
+        request = self._session_now().request(
+            method,
+            url,
+            data=body,
+            headers=headers,
+            allow_redirects=False,  # a redirect would re-send a request signed for another path
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=clock.timeouts.connect),
+        )
+        try:
+            return await clock.within(request, "first_byte", clock.start + clock.timeouts.first_byte)
+        except aiohttp.ClientResponseError as error:
+            raise MinerProtocolError(f"bad HTTP response: {error.message}") from None
+        except (aiohttp.ClientError, OSError) as error:
+            raise MinerUnreachable(f"cannot reach {url}: {error}") from None
+
+    async def _raise_for_status(self, response: aiohttp.ClientResponse, clock: _CallClock) -> None:
+        if response.status == 200:
+            return
+        raw = await self._read_body(response, clock, MAX_ERROR_BODY_BYTES, over_limit="truncate")
+        detail = parse_error_body(raw)
+        if detail is not None:
+            raise MinerHTTPError(response.status, detail.code, detail.message)
+        raise MinerHTTPError(
+            response.status, "unparseable_error", f"HTTP {response.status} without a JSON error body"
+        )
+
+    async def _read_body(self, response, clock: _CallClock, limit: int, over_limit: str) -> bytes:
+        data = bytearray()
+        while True:
+            chunk = await _read_chunk(
+                response, clock, "between_events", clock.loop.time() + clock.timeouts.between_events
+            )
+            if not chunk:
+                return bytes(data)
+            data += chunk
+            if len(data) > limit:
+                if over_limit == "truncate":
+                    return bytes(data[:limit])
+                raise MinerProtocolError(f"response larger than {limit} bytes")
+
+
+async def _read_chunk(response: aiohttp.ClientResponse, clock: _CallClock, kind: str, at: float) -> bytes:
+    """The next bytes of the body (b"" at its end)."""
+    try:
+        return await clock.within(response.content.readany(), kind, at)
+    except aiohttp.ClientPayloadError as error:
+        raise MinerProtocolError(f"broken response body: {error}") from None
+    except (aiohttp.ClientError, OSError) as error:
+        raise MinerUnreachable(f"connection dropped mid-response: {error}") from None
+
+
+def _expect_content_type(response: aiohttp.ClientResponse, expected: str) -> None:
+    if response.content_type.lower() != expected:
+        raise MinerProtocolError(f"expected Content-Type {expected}, got {response.content_type!r}")
+
+
+def _finish(response: aiohttp.ClientResponse) -> None:
+    # A body not read to its end would leave the connection mid-response: close it.
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
+
+
+def _url(base_url: str, path: str) -> str:
+    if not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"miner URL must start with http:// or https://, got {base_url!r}")
+    return base_url.rstrip("/") + path

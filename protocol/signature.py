@@ -1,0 +1,83 @@
+"""Response signatures: a miner's non-repudiable statement of what it answered.
+
+The digest (docs/subnet.md section 2) is 64 bytes:
+
+    sha256(request body bytes, exactly as received) || sha256(token ids)
+
+where the token ids are every generated token in stream order (the
+concatenation of all token events' `token_ids`), each encoded as an unsigned
+32-bit little-endian integer, concatenated with no length prefix (no tokens:
+the sha256 of the empty string).
+
+The hotkey signs, with sr25519, `RESPONSE_SIGNATURE_DOMAIN + digest`. The
+domain prefix keeps a response signature from ever being valid as any other
+message the same hotkey signs (a btauth/1 payload, an extrinsic).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from bittensor.sp_core import CRYPTO_SR25519
+from bittensor.sp_core import verify as sp_core_verify
+
+from .schemas import ResponseSignature
+
+RESPONSE_SIGNATURE_DOMAIN = b"k3-subnet/response/v1\n"
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Canonical bytes of a token id list: u32 little-endian each."""
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers in 0..2**32-1") from None
+
+
+def response_digest(request_body: bytes, token_ids: Sequence[int]) -> bytes:
+    """sha256(request_body) || sha256(encode_token_ids(token_ids)), 64 bytes."""
+    return hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
+
+
+def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int]) -> ResponseSignature:
+    """Sign a finished generation with the miner's hotkey (an sr25519 Keypair)."""
+    if getattr(hotkey_keypair, "crypto_type", CRYPTO_SR25519) != CRYPTO_SR25519:
+        raise ValueError("response signatures use sr25519; this hotkey has another crypto type")
+    digest = response_digest(request_body, token_ids)
+    signature = bytes(hotkey_keypair.sign(RESPONSE_SIGNATURE_DOMAIN + digest))
+    return ResponseSignature(
+        hotkey=hotkey_keypair.ss58_address,
+        request_sha256=digest[:32].hex(),
+        tokens_sha256=digest[32:].hex(),
+        signature=signature.hex(),
+    )
+
+
+def verify_response(
+    signature: ResponseSignature,
+    request_body: bytes,
+    token_ids: Sequence[int],
+    expected_hotkey_ss58: str,
+) -> bool:
+    """True when `signature` is `expected_hotkey_ss58`'s signature over this exact
+    request body and these exact token ids."""
+    if signature.hotkey != expected_hotkey_ss58:
+        return False
+    try:
+        digest = response_digest(request_body, token_ids)
+    except ValueError:
+        return False
+    if digest[:32].hex() != signature.request_sha256 or digest[32:].hex() != signature.tokens_sha256:
+        return False
+    try:
+        return bool(
+            sp_core_verify(
+                RESPONSE_SIGNATURE_DOMAIN + digest,
+                bytes.fromhex(signature.signature),
+                expected_hotkey_ss58,
+                CRYPTO_SR25519,
+            )
+        )
+    except ValueError:  # undecodable address or signature bytes
+        return False
