@@ -554,7 +554,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
 # ----------------------------------------------------------- random weights
 # Scales of the random weights: chosen so that the tiny model's next-token distributions are neither
 # uniform nor one-hot (see tests/test_checkpoint.py); projections get unit-variance outputs.
-LM_HEAD_GAIN = 2.0  # logits std of about 2 after the final norm
+LM_HEAD_GAIN = 3.0  # logits of std ~3 after the final norm, as in the model's own init
 NORM_JITTER = 0.1  # norm weights 1 + 0.1 * N(0, 1)
 CONV_STD = 0.5
 DT_BIAS_STD = 0.1
@@ -571,6 +571,10 @@ def expert_scale_exponents(in_features: int) -> tuple[int, int]:
     """Biased E8M0 exponents giving random on-grid experts about 1/sqrt(in_features) standard deviation."""
     k = round(math.log2(1.0 / (math.sqrt(in_features) * E2M1_RMS)))
     return 127 + k - 1, 127 + k
+
+
+RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                           "routed_expert_up_proj.weight")
 
 
 def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -> torch.Tensor:
@@ -602,7 +606,14 @@ def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -
         t = normal
     elif key == "lm_head.weight":
         t = LM_HEAD_GAIN * normal / math.sqrt(spec.shape[1])
-    else:  # projections [out, in], AttnRes projections [1, D]
+    elif key.endswith("attn_res_proj.weight") or key.endswith("_res_proj.weight"):
+        # AttnRes query vectors: source logits of std ~0.5 (the model's own init, see inference/model.py)
+        t = 0.5 * normal / math.sqrt(spec.shape[-1])
+    elif key.endswith(RESIDUAL_BRANCH_OUTPUTS):
+        # outputs feeding the residual stream get 1/sqrt(2 * layers), as in the model's init: with gain 1
+        # the 13-layer tiny model amplifies fp32 rounding ~1000x and prefill and decode drift apart
+        t = normal / math.sqrt(spec.shape[-1]) / math.sqrt(2 * config.num_layers)
+    else:  # projections [out, in]
         t = normal / math.sqrt(spec.shape[-1])
     return t.to(spec.dtype)
 

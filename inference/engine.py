@@ -1,0 +1,594 @@
+"""The serving engine: one interface for the miner, whatever runs underneath.
+
+`Engine.generate(request)` validates and admits the request at once (raising
+`EngineError` with a clear code when it cannot be served) and returns an
+`EventStream`: an async iterator of `TokenEvent`s then one `FinalEvent`.
+`Engine.score(...)` runs a teacher-forced prefill and returns per-position
+logprobs. `LocalEngine` runs a model in-process (the reference model, or a
+sharded model with the same `new_cache`/`forward` surface) under a scheduler
+that does continuous batching with chunked prefill; `RemoteEngine`
+(`inference.remote_engine`) adapts an OpenAI-compatible server.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.config import ModelConfig
+from inference.engine_metrics import EngineMetrics
+from inference.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------- types
+class EngineError(Exception):
+    """A request the engine will not or cannot serve. `code` is machine-readable:
+    invalid_request, context_too_long, over_capacity, queue_full, engine_unavailable, engine_failure."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = ""
+
+
+@dataclass
+class TokenEvent:
+    index: int  # position of this token in the completion, 0-based
+    token_id: int
+    text: str  # text piece this token completes (may be "" mid-character)
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class FinalEvent:
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float
+    ttft_ms: float | None  # from submission to the first token
+    total_ms: float
+    prefill_ms: float | None = None
+
+
+@dataclass
+class ScoredPosition:
+    position: int  # index into token_ids: logprob of token_ids[position] given token_ids[:position]
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    model_id: str
+    model_fingerprint: str
+    vocab_size: int
+    max_context: int
+    max_concurrent_sequences: int
+    engine_kind: str  # "reference" | "sharded" | "remote"
+    layout: dict = field(default_factory=dict)
+    precision: str = "fp32"
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    status: str  # "ok" | "degraded" | "down"
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class EventStream:
+    """Async iterator over one request's events. Closing it (or dropping the
+    consumer) cancels the request; the engine frees its sequence at the next step."""
+
+    def __init__(self, queue: asyncio.Queue, on_close):
+        self._queue = queue
+        self._on_close = on_close
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, EngineError):
+            self._done = True
+            raise item
+        if isinstance(item, FinalEvent):
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._on_close()
+
+    def __del__(self):
+        if not self._done:
+            try:
+                self._on_close()
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class Engine(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> EventStream: ...
+
+    @abc.abstractmethod
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]: ...
+
+    @abc.abstractmethod
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @abc.abstractmethod
+    def health(self) -> EngineHealth: ...
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+
+# ------------------------------------------------------------ local engine
+@dataclass(frozen=True)
+class EngineSettings:
+    max_context: int = 32768
+    max_concurrent_sequences: int = 64
+    cache_memory_budget_bytes: int = 2 << 30
+    max_waiting: int = 128
+    step_token_budget: int = 512  # tokens per forward step (decode tokens first, then prefill chunks)
+    min_prefill_chunk: int = 32  # prefill progresses at least this much per step even under heavy decode
+    cache_dtype_bytes: int = 4  # fp32 caches on CPU
+
+
+class _Sequence:
+    __slots__ = (
+        "request_id", "kind", "token_ids", "prompt_len", "sampling", "sampler", "cache", "consumed",
+        "generated", "text", "text_emitted", "queue", "reserved", "submitted_at", "admitted_at",
+        "prefill_done_at", "first_token_at", "last_token_at", "cancelled", "finished",
+        "positions", "top_k", "scores", "future", "decoder",
+    )
+
+    def __init__(self, kind, token_ids, sampling=None, request_id=""):
+        self.request_id = request_id
+        self.kind = kind  # "generate" | "score"
+        self.token_ids = list(token_ids)  # prompt, then generated tokens appended
+        self.prompt_len = len(token_ids)
+        self.sampling = sampling
+        self.sampler = TokenSampler(sampling) if sampling else None
+        self.cache = None
+        self.consumed = 0  # tokens fed through the model
+        self.generated: list[int] = []
+        self.text = ""
+        self.text_emitted = 0
+        self.queue: asyncio.Queue | None = None
+        self.reserved = 0
+        self.submitted_at = time.perf_counter()
+        self.admitted_at = None
+        self.prefill_done_at = None
+        self.first_token_at = None
+        self.last_token_at = None
+        self.cancelled = False
+        self.finished = False
+        self.positions: set[int] | None = None
+        self.top_k = 0
+        self.scores: list[ScoredPosition] = []
+        self.future: asyncio.Future | None = None
+        self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.consumed < self.prompt_len
+
+
+class LocalEngine(Engine):
+    """Continuous batching over an in-process model.
+
+    `model` needs `config`, `new_cache()` and `forward(token_ids, caches, all_logits)`;
+    `tokenizer` needs `incremental_decoder()`, `eos_id` and optionally `stop_ids`. Model steps run in one worker thread so
+    the event loop (HTTP, streaming) stays responsive while the model computes.
+    """
+
+    def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings(), *,
+                 model_fingerprint: str = "", engine_kind: str = "reference", layout: dict | None = None,
+                 metrics: EngineMetrics | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.model_fingerprint = model_fingerprint
+        self.engine_kind = engine_kind
+        self.layout = layout or {}
+        self.metrics = metrics or EngineMetrics()
+        self.max_context = min(settings.max_context, self.config.max_position_embeddings)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._reserved_bytes = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-step")
+        self._health = EngineHealth("down", "not started")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {tokenizer.eos_id})
+        self.steps = 0
+        self.last_step_timing: dict[str, float] = {}
+
+    # ------------------------------------------------------------ memory
+    def sequence_bytes(self, length: int) -> int:
+        """Cache memory of one sequence of `length` tokens (KDA constant part + MLA per token)."""
+        c, b = self.config, self.settings.cache_dtype_bytes
+        kda = c.num_kda_layers * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4 + c.kda_conv_bytes_per_sequence(4)
+        return kda + c.mla_cache_bytes_per_token(b) * length
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting_sequences(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.create_task(self._run(), name="k3-scheduler")
+            self._health = EngineHealth("ok")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for seq in list(self._waiting) + list(self._running):
+            self._fail(seq, EngineError("engine_unavailable", "the engine is shutting down"))
+        self._waiting.clear()
+        self._running.clear()
+        self._reserved_bytes = 0
+        self._health = EngineHealth("down", "stopped")
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            await asyncio.get_running_loop().run_in_executor(None, close)
+
+    def health(self) -> EngineHealth:
+        return self._health
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            model_id=self.config.model_id,
+            model_fingerprint=self.model_fingerprint,
+            vocab_size=self.config.vocab_size,
+            max_context=self.max_context,
+            max_concurrent_sequences=self.settings.max_concurrent_sequences,
+            engine_kind=self.engine_kind,
+            layout=self.layout,
+            precision=str(getattr(self.model, "dtype", "fp32")).replace("torch.", ""),
+        )
+
+    # ------------------------------------------------------------ requests
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        V = self.config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < V), None)
+        if bad is not None:
+            raise EngineError("invalid_request", f"token id {bad!r} is outside the vocabulary 0..{V - 1}")
+
+    def _admissible(self, length: int) -> int:
+        if length > self.max_context:
+            raise EngineError(
+                "context_too_long",
+                f"prompt plus max_tokens is {length} tokens, more than this engine's context of {self.max_context}",
+            )
+        need = self.sequence_bytes(length)
+        if need > self.settings.cache_memory_budget_bytes:
+            raise EngineError(
+                "context_too_long",
+                f"a sequence of {length} tokens needs {need} bytes of cache, more than the whole budget "
+                f"({self.settings.cache_memory_budget_bytes} bytes)",
+            )
+        return need
+
+    def _enqueue(self, seq: _Sequence) -> None:
+        if self._task is None or self._health.status == "down":
+            raise EngineError("engine_unavailable", f"the engine is not serving ({self._health.detail or 'stopped'})")
+        if len(self._waiting) >= self.settings.max_waiting:
+            raise EngineError("queue_full", f"the wait queue is full ({self.settings.max_waiting} requests); retry later")
+        seq.queue = asyncio.Queue()
+        self._waiting.append(seq)
+        self._admit()  # admitted at once when there is room: only what cannot run yet waits
+        self._wake.set()
+
+    def generate(self, request: GenerationRequest) -> EventStream:
+        p = request.sampling
+        problems = p.problems()
+        if not request.prompt_token_ids:
+            problems.append("the prompt is empty")
+        if problems:
+            raise EngineError("invalid_request", "; ".join(problems))
+        self._check_tokens(request.prompt_token_ids)
+        seq = _Sequence("generate", request.prompt_token_ids, p, request.request_id)
+        seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+        seq.reserved = self._admissible(len(request.prompt_token_ids) + p.max_tokens)
+        self._enqueue(seq)
+        return EventStream(seq.queue, lambda: self._cancel(seq))
+
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+        if len(token_ids) < 2:
+            raise EngineError("invalid_request", "scoring needs at least 2 tokens")
+        if not 0 <= top_k <= MAX_LOGPROBS:
+            raise EngineError("invalid_request", f"top_k must lie in 0..{MAX_LOGPROBS}")
+        self._check_tokens(token_ids)
+        n = len(token_ids)
+        wanted = set(range(1, n)) if positions is None else set(positions)
+        bad = sorted(p for p in wanted if not 1 <= p < n)
+        if bad:
+            raise EngineError("invalid_request", f"positions {bad[:5]} are outside 1..{n - 1}")
+        seq = _Sequence("score", token_ids)
+        seq.positions, seq.top_k = wanted, top_k
+        seq.reserved = self._admissible(n)
+        seq.future = asyncio.get_running_loop().create_future()
+        self._enqueue(seq)
+        try:
+            return await seq.future
+        except asyncio.CancelledError:
+            self._cancel(seq)
+            raise
+
+    def _cancel(self, seq: _Sequence) -> None:
+        if not seq.finished:
+            seq.cancelled = True
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------ scheduler
+    def _admit(self) -> None:
+        s = self.settings
+        while self._waiting:
+            seq = self._waiting[0]
+            if seq.cancelled:
+                self._waiting.popleft()
+                seq.finished = True
+                continue
+            if len(self._running) >= s.max_concurrent_sequences:
+                break
+            if self._reserved_bytes + seq.reserved > s.cache_memory_budget_bytes:
+                break
+            self._waiting.popleft()
+            seq.cache = self.model.new_cache()
+            seq.admitted_at = time.perf_counter()
+            self._reserved_bytes += seq.reserved
+            self._running.append(seq)
+        self.metrics.queue_length.set(len(self._waiting))
+
+    def _release(self, seq: _Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            self._reserved_bytes -= seq.reserved
+        seq.cache = None
+        seq.finished = True
+
+    def _plan_step(self) -> list[tuple[_Sequence, list[int]]]:
+        """Decode tokens for every sequence past its prompt, then prefill chunks within the budget.
+
+        Prefill goes shortest-remaining-first, so a short prompt is not stuck behind a long one;
+        the oldest prefilling sequence always advances by at least `min_prefill_chunk`, so a long
+        prompt is never starved by a stream of short ones."""
+        s = self.settings
+        batch = [(seq, [seq.token_ids[seq.consumed]]) for seq in self._running if not seq.in_prefill]
+        budget = max(s.step_token_budget - len(batch), s.min_prefill_chunk)
+        prefilling = [seq for seq in self._running if seq.in_prefill]
+        grant: dict[int, int] = {}
+        if prefilling:
+            oldest = prefilling[0]
+            grant[id(oldest)] = min(oldest.prompt_len - oldest.consumed, s.min_prefill_chunk, budget)
+            budget -= grant[id(oldest)]
+            for seq in sorted(prefilling, key=lambda q: q.prompt_len - q.consumed):
+                if budget <= 0:
+                    break
+                extra = min(seq.prompt_len - seq.consumed - grant.get(id(seq), 0), budget)
+                grant[id(seq)] = grant.get(id(seq), 0) + extra
+                budget -= extra
+        for seq in prefilling:
+            n = grant.get(id(seq), 0)
+            if n > 0:
+                batch.append((seq, seq.token_ids[seq.consumed:seq.consumed + n]))
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for seq in [q for q in self._running if q.cancelled]:
+                self._finish(seq, "cancelled")
+            self._admit()
+            self._update_gauges()
+            if not self._running:
+                # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._plan_step()
+            all_logits = any(seq.kind == "score" for seq, _ in batch)
+            ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
+            caches = [seq.cache for seq, _ in batch]
+            t0 = time.perf_counter()
+            try:
+                logits = await loop.run_in_executor(
+                    self._executor, self._forward, ids, caches, all_logits
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a model or shard failure: fail this step's sequences, recover
+                await self._on_step_failure(exc)
+                continue
+            t1 = time.perf_counter()
+            self._after_step(batch, logits, all_logits)
+            t2 = time.perf_counter()
+            self.steps += 1
+            self.last_step_timing = {"forward_s": t1 - t0, "post_s": t2 - t1, "batch": len(batch)}
+            self.metrics.step_seconds.observe(t2 - t0)
+            await asyncio.sleep(0)  # let consumers read and new requests arrive
+
+    def _forward(self, ids, caches, all_logits):
+        with torch.inference_mode():
+            return self.model.forward(ids, caches, all_logits=all_logits)
+
+    async def _on_step_failure(self, exc: Exception) -> None:
+        log.error("model step failed: %s", exc)
+        self._health = EngineHealth("degraded", f"model step failed: {exc}")
+        err = EngineError("engine_failure", f"the model failed during this request: {exc}")
+        for seq in list(self._running):
+            self._fail(seq, err)
+            self._release(seq)
+        recover = getattr(self.model, "recover", None)
+        if recover is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, recover)
+                self._health = EngineHealth("ok", f"recovered after: {exc}")
+            except Exception as rexc:  # still broken: refuse new work until recovered
+                self._health = EngineHealth("down", f"recovery failed: {rexc}")
+                for seq in list(self._waiting):
+                    self._fail(seq, EngineError("engine_unavailable", self._health.detail))
+                self._waiting.clear()
+        else:
+            self._health = EngineHealth("ok", f"last failure: {exc}")
+
+    def _after_step(self, batch, logits, all_logits) -> None:
+        now = time.perf_counter()
+        sample_rows, sample_seqs = [], []
+        for (seq, chunk), out in zip(batch, logits):
+            start = seq.consumed
+            seq.consumed += len(chunk)
+            if seq.cancelled:
+                continue
+            if seq.kind == "score":
+                self._collect_scores(seq, start, out)
+                if not seq.in_prefill:
+                    if not seq.future.done():
+                        seq.future.set_result(sorted(seq.scores, key=lambda s: s.position))
+                    self._release(seq)
+                continue
+            if seq.in_prefill:
+                continue
+            if seq.prefill_done_at is None:
+                seq.prefill_done_at = now
+            sample_rows.append(out[-1] if all_logits else out)
+            sample_seqs.append(seq)
+        if sample_seqs:
+            rows = torch.stack(sample_rows).float()
+            logprobs = torch.log_softmax(rows, dim=-1)
+            for seq, row, lp in zip(sample_seqs, rows, logprobs):
+                self._emit_token(seq, seq.sampler.choose(row, lp), now)
+
+    def _collect_scores(self, seq: _Sequence, start: int, out: torch.Tensor) -> None:
+        # row r of `out` holds logits after token start + r, i.e. it predicts token start + r + 1
+        lp = torch.log_softmax(out.float(), dim=-1)
+        for r in range(out.shape[0]):
+            pos = start + r + 1
+            if pos in seq.positions:
+                tok = seq.token_ids[pos]
+                top = []
+                if seq.top_k:
+                    v, i = torch.topk(lp[r], seq.top_k)
+                    top = [(int(a), float(b)) for a, b in zip(i, v)]
+                seq.scores.append(ScoredPosition(pos, tok, float(lp[r, tok]), top))
+
+    def _emit_token(self, seq: _Sequence, sampled: SampledToken, now: float) -> None:
+        p = seq.sampling
+        index = len(seq.generated)
+        seq.generated.append(sampled.token_id)
+        seq.token_ids.append(sampled.token_id)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft_seconds.observe(now - seq.submitted_at)
+        else:
+            self.metrics.inter_token_seconds.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        self.metrics.generated_tokens.inc()
+        self.metrics.record_token(now)
+
+        is_eos = sampled.token_id in self._stop_ids and not p.ignore_eos
+        piece, stop_hit = "", False
+        if not is_eos:
+            before = len(seq.text)
+            seq.text += seq.decoder.push(sampled.token_id)
+            if len(seq.generated) >= p.max_tokens:
+                seq.text += seq.decoder.flush()
+            # text pieces are the plain detokenisation: the token that completes a stop string
+            # ends the generation, and its text is streamed as is (not trimmed)
+            stop_hit = bool(p.stop) and find_stop(seq.text, p.stop, before) != -1
+            piece = seq.text[before:]
+        seq.queue.put_nowait(TokenEvent(index, sampled.token_id, piece, sampled.logprob, sampled.top))
+        if is_eos:
+            self._finish(seq, "eos")
+        elif stop_hit:
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= p.max_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        end = time.perf_counter()
+        if seq.queue is not None and not seq.finished:
+            ms = lambda a, b: None if a is None or b is None else (b - a) * 1000.0  # noqa: E731
+            seq.queue.put_nowait(FinalEvent(
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=len(seq.generated),
+                queue_ms=ms(seq.submitted_at, seq.admitted_at) or 0.0,
+                ttft_ms=ms(seq.submitted_at, seq.first_token_at),
+                total_ms=ms(seq.submitted_at, end),
+                prefill_ms=ms(seq.admitted_at, seq.prefill_done_at),
+            ))
+        if seq.future is not None and not seq.future.done():
+            seq.future.set_exception(EngineError("cancelled", "the request was cancelled"))
+        self._release(seq)
+
+    def _fail(self, seq: _Sequence, err: EngineError) -> None:
+        if seq.finished:
+            return
+        if seq.queue is not None:
+            seq.queue.put_nowait(err)
+        if seq.future is not None and not seq.future.done():
+            seq.future.set_exception(err)
+        seq.finished = True
+
+    def _update_gauges(self) -> None:
+        self.metrics.active_sequences.set(len(self._running))
+        self.metrics.cache_bytes_reserved.set(self._reserved_bytes)
+        self.metrics.queue_length.set(len(self._waiting))

@@ -1,0 +1,360 @@
+"""Kimi Delta Attention (docs/model.md section 2).
+
+Two kernels with one contract (the same as fla-core's `naive_recurrent_kda`):
+
+    kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None) -> (o, final_state)
+    kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64) -> (o, final_state)
+
+    q, k [B, T, H, K]   used as given (the layer L2-normalises them); q is scaled by `scale` (K^-1/2) inside
+    v    [B, T, H, V]
+    g    [B, T, H, K]   log-decay per key channel (<= 0)
+    beta [B, T, H]      delta-rule write strength
+    initial_state / final_state [B, H, K, V]
+    o    [B, T, H, V]
+
+Both compute in fp32 (fp64 when q is fp64, which the tests use for a tight check) and return fp32
+outputs; the caller casts. `kda_recurrent` is the per-token recurrence written as the spec states it:
+it is the reference and the decode path. `kda_chunked` is the chunkwise-parallel prefill form and is
+tested against it.
+
+`KDAAttention` is the full layer (projections, short convolutions, gates, kernel, gated output norm)
+with an explicit per-sequence `KDALayerCache` whose size never depends on the sequence length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.config import ModelConfig
+
+# Prefills at least this long use the chunked kernel; shorter ones (and decode) the recurrence.
+CHUNKED_MIN_TOKENS = 16
+# Log-decays below this are floored before exp (see `_decay`).
+_MIN_EXPONENT = -30.0
+# Values per [span, B*H, chunk, K] tensor in kda_chunked: bounds memory and keeps the span in cache.
+_SPAN_ELEMENTS = 1 << 17
+# eps inside the square root of the q/k L2 normalisation (model.md section 2, step 3).
+_L2_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------- kernels
+def _check_kernel_inputs(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K]; got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    expected = {
+        "k": (k, (B, T, H, K)),
+        "v": (v, (B, T, H, V)),
+        "g": (g, (B, T, H, K)),
+        "beta": (beta, (B, T, H)),
+    }
+    if initial_state is not None:
+        expected["initial_state"] = (initial_state, (B, H, K, V))
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} to match q {tuple(q.shape)}; got {tuple(tensor.shape)}")
+    return B, T, H, K, V
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
+    """The KDA recurrence, one token at a time (model.md section 2, step 6). Returns (o, final_state)."""
+    B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(q)
+    scale = K ** -0.5 if scale is None else scale
+    q = q.to(dtype) * scale
+    k, v, beta = k.to(dtype), v.to(dtype), beta.to(dtype)
+    alpha = g.to(dtype).exp()  # every exponent is <= 0
+    if initial_state is None:
+        S = q.new_zeros(B, H, K, V)
+    else:
+        S = initial_state.to(dtype).clone()
+    o = q.new_empty(B, T, H, V)
+    for t in range(T):
+        k_t = k[:, t]  # [B, H, K]
+        S = S * alpha[:, t, :, :, None]  # decay the key channels
+        pred = torch.einsum("bhk,bhkv->bhv", k_t, S)  # predict with the decayed state
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - pred)  # delta-rule write
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)  # read the updated state
+    return o, S
+
+
+def _decay(G_to: torch.Tensor, G_from: torch.Tensor) -> torch.Tensor:
+    """exp(G_to - G_from), the decay from one position to a later one (exponent <= 0), floored at e^-40.
+
+    A factor below e^-40 (4e-18) cannot show next to the O(1) terms it is summed with, and flooring
+    both factors of a split pair keeps their product a normal fp32 number: CPUs compute exp and
+    products in the denormal range (below e^-87) on a slow path, up to 30 times slower.
+    """
+    return torch.sub(G_to, G_from).clamp_(min=_MIN_EXPONENT).exp_()
+
+
+def _decayed_scores(Q, K_rows, K, G, A_q, A_k):
+    """Fill A_q[i, j] = sum_c Q[i, c] exp(G[i, c] - G[j, c]) K[j, c] for j <= i, and A_k the same with
+    K_rows in place of Q for j < i (its diagonal is left alone).
+
+    Q, K_rows, K, G: [..., C, Kd] with C a power of two; A_q, A_k: [..., C, C], zero-filled. Entries
+    above the diagonal stay zero.
+
+    Only pairs i >= j are exponentiated, and every exponent is <= 0. Exponentiating each pair directly
+    costs a [C, C, Kd] tensor, so the pairs are split by halving: in a block [lo, hi) with midpoint m,
+    a pair in the lower-left quarter (i >= m > j) factors at m as exp(G_i - G_m) * exp(G_m - G_j),
+    both exponents <= 0 (nothing overflows, and what underflows is negligible next to the terms it
+    joins), which turns the quarter into one matrix product. The two diagonal quarters are the same
+    problem at half the size, down to single pairs i = j.
+    """
+    C = K.shape[-2]
+    lead = K.shape[:-2]
+    A_q.diagonal(0, -2, -1).copy_((Q * K).sum(-1))  # i = j: exp(0) = 1
+    L = C
+    while L >= 2:
+        nb, h = C // L, L // 2
+        Gb, Kb = G.unflatten(-2, (nb, L)), K.unflatten(-2, (nb, L))  # [..., nb, L, Kd], views
+        G_mid = Gb[..., h:h + 1, :]
+        row_decay = _decay(Gb[..., h:, :], G_mid) if h > 1 else None  # rows i >= m, decayed back to m
+        col_t = _decay(G_mid, Gb[..., :h, :]).mul_(Kb[..., :h, :]).transpose(-1, -2)  # cols j < m, up to m
+        for A, X in ((A_q, Q), (A_k, K_rows)):
+            rows = X.unflatten(-2, (nb, L))[..., h:, :]
+            quarter = (rows if row_decay is None else rows * row_decay) @ col_t  # [..., nb, h, h]
+            blocks = A.view(*lead, nb, L, nb, L).diagonal(0, -4, -2)  # [..., L, L, nb]: the diagonal blocks
+            blocks[..., h:, :h, :].copy_(quarter.movedim(-3, -1))
+        L = h
+
+
+def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+    """Chunkwise-parallel KDA (model.md section 2, "Chunkwise-parallel form"). Returns (o, final_state).
+
+    Equal to `kda_recurrent` up to rounding. chunk_size must be a power of two. The work inside each
+    chunk is vectorised over batch, heads and a span of chunks; only the state pass runs chunk by
+    chunk. Spans hold about _SPAN_ELEMENTS values per [span, B*H, C, K] tensor, so memory stays
+    bounded for any T and the working set stays in cache.
+    """
+    B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two; got {chunk_size}")
+    dtype = _compute_dtype(q)
+    scale = K ** -0.5 if scale is None else scale
+    if initial_state is None:
+        S = torch.zeros(B * H, K, V, dtype=dtype, device=q.device)
+    else:
+        S = initial_state.to(dtype).reshape(B * H, K, V)
+    o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
+    span = chunk_size * max(1, _SPAN_ELEMENTS // (B * H * chunk_size * max(K, V)))
+    for t0 in range(0, T, span):
+        t = slice(t0, min(T, t0 + span))
+        S = _kda_span(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale, S, chunk_size, out=o[:, t])
+    return o, S.reshape(B, H, K, V)
+
+
+def _kda_span(q, k, v, g, beta, scale, S, C, out):
+    """Chunked KDA over the tokens of one span, from state S [B*H, K, V]; writes `out`, returns the state."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dtype = S.dtype
+    n = -(-T // C)
+    pad = n * C - T
+    BH = B * H
+
+    def to_chunks(x):
+        # [B, T, H, ...] -> [n, B*H, C, ...] (may be a view of x: never modify in place).
+        # Padding rows have k = 0, beta = 0, g = 0: identity steps.
+        x = x.to(dtype)
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        x = x.reshape(B, n, C, H, *x.shape[3:]).movedim(3, 2)  # [B, n, H, C, ...]
+        return x.transpose(0, 1).reshape(n, BH, C, *x.shape[4:]).contiguous()
+
+    Q = to_chunks(q)  # the scale is applied to the output
+    Kc, Vc, bc = to_chunks(k), to_chunks(v), to_chunks(beta)[..., None]  # bc: [n, BH, C, 1]
+    G = to_chunks(g).cumsum(-2)  # row i sums the log-decays of steps 0..i of its chunk
+    K_beta = Kc * bc
+
+    # Aqk[i, j] for j <= i, and N[i, j] = beta_i (K_i decayed K_j) for i > j.
+    A_qk = Q.new_zeros(n, BH, C, C)
+    N = Q.new_zeros(n, BH, C, C)
+    _decayed_scores(Q, K_beta, Kc, G, A_qk, N)
+    # (I + N) [W | U] = diag(beta) [exp(G) K | V]: forward substitution on a unit lower triangular
+    # matrix (the solver reads neither the diagonal nor the upper part of N).
+    exp_G = G.clamp(min=_MIN_EXPONENT).exp_()  # the decay from the chunk start (see `_decay`)
+    rhs = Q.new_empty(n, BH, K + V, C).mT  # column-major, the layout LAPACK works in
+    torch.mul(K_beta, exp_G, out=rhs[..., :K])
+    torch.mul(Vc, bc, out=rhs[..., K:])
+    WU = torch.linalg.solve_triangular(N, rhs, upper=False, unitriangular=True)
+    W, U = WU[..., :K], WU[..., K:]
+
+    # Across a chunk the state moves as S' = exp(G_last) S + (exp(G_last - G) K)^T Vn with Vn = U - W S,
+    # that is S' = M S + R with M = diag(exp(G_last)) - (exp(G_last - G) K)^T W and R = (...)^T U, all
+    # chunks at once; only S' = M S + R runs chunk by chunk.
+    K_to_end_t = _decay(G[..., -1:, :], G).mul_(Kc).transpose(-1, -2)  # [n, BH, K, C]: keys decayed to chunk end
+    M = torch.matmul(K_to_end_t, W).neg_()
+    M.diagonal(0, -2, -1).add_(exp_G[..., -1, :])
+    R = torch.matmul(K_to_end_t, U)
+    states = Q.new_empty(n + 1, BH, K, V)  # states[c]: the state entering chunk c
+    states[0] = S
+    for c in range(n):
+        torch.baddbmm(R[c], M[c], states[c], out=states[c + 1])
+    # Vn = U - W S and O = scale (Q exp(G) S + Aqk Vn), for all chunks of the span at once
+    S_in = states[:n].view(n * BH, K, V)
+    V_new = torch.baddbmm(U.reshape(n * BH, C, V), W.reshape(n * BH, C, K), S_in, alpha=-1)
+    O = torch.baddbmm(torch.bmm(A_qk.view(n * BH, C, C), V_new), Q.mul_(exp_G).view(n * BH, C, K), S_in)
+    torch.mul(O.view(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :T], scale, out=out)
+    return states[n]
+
+
+# ------------------------------------------------------------------------------------------ layer
+@dataclass
+class KDALayerCache:
+    """Decode cache of one KDA layer for one sequence; its size does not depend on the length."""
+
+    conv: torch.Tensor  # [3, P, kernel-1] fp32: last inputs of the q, k, v convolutions, oldest first
+    state: torch.Tensor  # [H, d, d] fp32: the recurrent state (key channels x value channels)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.state.nbytes
+
+    def clone(self) -> "KDALayerCache":
+        return KDALayerCache(conv=self.conv.clone(), state=self.state.clone())
+
+
+def _l2_normalise(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + _L2_EPS)
+
+
+class KDAAttention(nn.Module):
+    """One KDA layer (model.md section 2). Attribute names equal the checkpoint's `self_attn.*` names."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        D, H, d = config.hidden_size, config.kda_heads, config.kda_head_dim
+        P, kernel = config.kda_proj_size, config.conv_kernel_size
+        self.num_heads, self.head_dim, self.proj_size, self.kernel_size = H, d, P, kernel
+        self.gate_lower_bound = config.gate_lower_bound
+
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, kernel, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, kernel, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, kernel, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(D, d, bias=False)
+        self.f_b_proj = nn.Linear(d, P, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        # exp(A_log) in [1, 16] per head; dt_bias small per channel. The checkpoint overwrites both.
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1.0, 16.0).log())
+        self.dt_bias = nn.Parameter(0.1 * torch.randn(P))
+        if config.full_rank_output_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, d, bias=False)
+            self.g_b_proj = nn.Linear(d, P, bias=False)
+        self.o_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    # -------------------------------------------------------------------------------- cache
+    def new_cache(self) -> KDALayerCache:
+        device = self.A_log.device
+        H, d, P = self.num_heads, self.head_dim, self.proj_size
+        return KDALayerCache(
+            conv=torch.zeros(3, P, self.kernel_size - 1, dtype=torch.float32, device=device),
+            state=torch.zeros(H, d, d, dtype=torch.float32, device=device),
+        )
+
+    def _check_cache(self, cache: KDALayerCache) -> None:
+        H, d, P = self.num_heads, self.head_dim, self.proj_size
+        conv_shape, state_shape = (3, P, self.kernel_size - 1), (H, d, d)
+        if tuple(cache.conv.shape) != conv_shape or tuple(cache.state.shape) != state_shape:
+            raise ValueError(
+                f"KDA cache has conv {tuple(cache.conv.shape)} and state {tuple(cache.state.shape)}; this layer "
+                f"needs conv {conv_shape} and state {state_shape} (make it with new_cache())"
+            )
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        D = self.config.hidden_size
+        if x.dim() != 2 or x.shape[-1] != D or x.shape[0] < 1:
+            raise ValueError(f"KDAAttention expects {what} of shape [n >= 1, {D}]; got {tuple(x.shape)}")
+
+    # ------------------------------------------------------------------------------ pieces
+    def _short_conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU of q, k, v, continuing from the cached window.
+
+        x: [B, T, D]; window: [B, 3, P, kernel-1] fp32. Returns (q, k, v each [B, T, P] fp32, new window).
+        """
+        B, T, _ = x.shape
+        P = self.proj_size
+        projected = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float()  # [B, T, 3P]
+        inputs = torch.cat([window.reshape(B, 3 * P, -1), projected.transpose(1, 2)], dim=-1)  # [B, 3P, k-1+T]
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).float()
+        out = F.silu(F.conv1d(inputs, weight, groups=3 * P)).transpose(1, 2)  # [B, T, 3P]
+        new_window = inputs[..., inputs.shape[-1] - (self.kernel_size - 1):].reshape(B, 3, P, -1)
+        q, k, v = out.split(P, dim=-1)
+        return q, k, v, new_window
+
+    def log_decay(self, g_raw: torch.Tensor) -> torch.Tensor:
+        """log_alpha [..., H, d] fp32 from the gate input g_raw [..., H, d] (model.md section 2, step 4)."""
+        H, d = self.num_heads, self.head_dim
+        a = self.A_log.float().exp()[:, None]  # [H, 1]: one rate per head, over its d channels
+        z = g_raw.float() + self.dt_bias.float().view(H, d)
+        if self.gate_lower_bound is None:  # Kimi Linear
+            return -a * F.softplus(z)
+        return self.gate_lower_bound * torch.sigmoid(a * z)  # K3: in (lower bound, 0)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.full_rank_output_gate:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def _attend(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, chunked: bool):
+        """x [B, T, D], window [B, 3, P, k-1], state [B, H, d, d] -> (y [B, T, D], window, state)."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        q, k, v, window = self._short_conv(x, window)
+        q = _l2_normalise(q.view(B, T, H, d))
+        k = _l2_normalise(k.view(B, T, H, d))
+        v = v.view(B, T, H, d)
+        g = self.log_decay(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, d))
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        kernel = kda_chunked if chunked else kda_recurrent
+        o, state = kernel(q, k, v, g, beta, scale=d ** -0.5, initial_state=state)  # o [B, T, H, d] fp32
+        weight = self.o_norm.weight.float()
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * weight
+        o = o * torch.sigmoid(self._output_gate(x).float().view(B, T, H, d))
+        y = self.o_proj(o.reshape(B, T, H * d).to(x.dtype))
+        return y, window, state
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, cache: KDALayerCache) -> torch.Tensor:
+        """x [T, D]: T >= 1 new tokens of one sequence after those in `cache`, which is updated in place."""
+        self._check_input(x, "x")
+        self._check_cache(cache)
+        chunked = x.shape[0] >= CHUNKED_MIN_TOKENS
+        y, window, state = self._attend(x[None], cache.conv[None], cache.state[None], chunked)
+        cache.conv.copy_(window[0])
+        cache.state.copy_(state[0])
+        return y[0]
+
+    def forward_batch_decode(self, x: torch.Tensor, caches: list[KDALayerCache]) -> torch.Tensor:
+        """x [B, D]: one new token for each of B sequences, computed as one batch; updates each cache."""
+        self._check_input(x, "x (one token per sequence)")
+        if len(caches) != x.shape[0]:
+            raise ValueError(f"forward_batch_decode got {x.shape[0]} tokens but {len(caches)} caches")
+        for cache in caches:
+            self._check_cache(cache)
+        window = torch.stack([c.conv for c in caches])
+        state = torch.stack([c.state for c in caches])
+        y, window, state = self._attend(x[:, None], window, state, chunked=False)
+        for b, cache in enumerate(caches):
+            cache.conv.copy_(window[b])
+            cache.state.copy_(state[b])
+        return y[:, 0]
+
+
+__all__ = ["kda_recurrent", "kda_chunked", "KDALayerCache", "KDAAttention", "CHUNKED_MIN_TOKENS"]

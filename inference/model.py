@@ -1,0 +1,382 @@
+"""The Kimi K3 decoder stack with explicit per-sequence caches (model.md sections 1-6).
+
+`KimiK3Model(config).forward(token_ids, caches)` runs a batch of sequences, each continuing from its own
+`SequenceCache` (a fresh one from `new_cache()` for a new prompt). Per-token work (embedding, projections,
+norms, MoE, Attention Residuals) runs on the concatenation of all new tokens; only the attention kernels loop
+over sequences. A step where every sequence brings exactly one token takes the batched decode paths
+(KDA `forward_batch_decode`, MLA absorbed form over padded latent caches).
+
+The residual stream is carried as a `ResidualState`: the per-sequence token counts, the completed block
+sums of Attention Residuals (the embedding first) and the running partial sum of the current block, all
+[N, D] fp32 over the N concatenated tokens. That state is everything a layer needs from earlier layers, which
+gives the split the sharded runtime uses:
+
+    state = model.embed(ids, lengths)                     # stage 0
+    state = model.run_layers(a, b, state, caches)         # any contiguous range [a, b); ship `state` between stages
+    logits = model.head(state, rows)                      # last stage
+    for c in caches: c.advance(n_new)                     # once all layers ran
+
+Inside a layer, expert parallelism splits the MLP half:
+
+    layer = model.layers[i]
+    state, x = layer.attend(state, caches)                # AttnRes, attention, AttnRes, post-attention norm
+    moe = layer.block_sparse_moe
+    ids, w = moe.route(x); z = moe.down(x)                # on the layer's home device
+    y = sum(moe.expert_partial(z, ids, w, experts=held_by_d) for each device d)   # latent z crosses, y returns
+    state = layer.add_mlp(state, moe.finish(y, x))
+
+These entry points run under torch.inference_mode (this is an inference engine): caches they touched hold
+inference tensors, so keep extending them through these entry points (clone() gives ordinary tensors).
+A `SequenceCache` may hold only a stage's layers (`new_cache(layers=range(a, b))`); the others stay None.
+`model.routing_observer = fn` makes every MoE layer call fn(layer_index, expert_ids [T, k]) when it routes.
+
+Initialisation (random, for the tiny model and tests; real weights come from inference.checkpoint): linear
+layers N(0, 1/in_features), except the outputs of the residual branches (attention o_proj, MLP and shared-
+expert down_proj, routed_expert_up_proj), which get the GPT-2 factor 1/sqrt(2 * num_layers); the embedding
+N(0, 1); the Attention Residuals query vectors N(0, 0.25/D) (source logits of std ~0.5); the router N(0, 1/D)
+with a N(0, 0.02) correction bias; MXFP4 experts on the grid with std ~1/sqrt(in) (moe.MXFP4Linear); lm_head
+N(0, 9/D), so that after the final norm (unit RMS) logits have std ~3: the tiny model's next-token
+distributions then have a top probability around 0.35 (neither uniform nor one-hot) and depend on context.
+Measured on the tiny model: with unit gain on the branch outputs and query std 1/sqrt(D) the network
+amplifies fp32 rounding ~1000x (logit sensitivity to the embedding), so a prefill and a token-by-token decode
+differ by up to 1e-3; with the values above the amplification is ~30-70x and they agree within ~2e-5.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from inference.config import ModelConfig
+from inference.kda import KDAAttention, KDALayerCache
+from inference.layers import RMSNorm, attn_res
+from inference.mla import MLAAttention, MLALayerCache
+from inference.moe import DenseMLP, LatentMoE, RoutingObserver
+
+# Tensors that stay fp32 whatever the model dtype (model.md sections 2 and 4), by name suffix.
+FP32_TENSOR_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+# Random initialisation (see the module docstring for why these values).
+LOGIT_STD = 3.0
+ATTN_RES_QUERY_STD = 0.5
+RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj", "shared_experts.down_proj", "routed_expert_up_proj")
+
+
+# --------------------------------------------------------------------------- state and caches
+@dataclass
+class ResidualState:
+    """The residual stream of N concatenated new tokens between layers (Attention Residuals form).
+
+    lengths: new tokens per sequence (sum = N); blocks: completed block sums [N, D] fp32, the embedding
+    first; partial: running sum of the current block [N, D] fp32.
+    """
+
+    lengths: tuple[int, ...]
+    blocks: list[Tensor]
+    partial: Tensor
+
+    @property
+    def last_rows(self) -> list[int]:
+        """Row of each sequence's last new token in the concatenation."""
+        rows, end = [], 0
+        for n in self.lengths:
+            end += n
+            rows.append(end - 1)
+        return rows
+
+    def select(self, rows: Sequence[int] | Tensor) -> "ResidualState":
+        """The state restricted to some rows (for the head); lengths become one per selected row."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.partial.device)
+        return ResidualState((1,) * len(idx), [b[idx] for b in self.blocks], self.partial[idx])
+
+
+LayerCache = KDALayerCache | MLALayerCache
+
+
+class SequenceCache:
+    """All decode state of one sequence: per-layer caches in layer order (None for layers not held here).
+
+    KDA layers hold constant-size conv windows and recurrent state; MLA layers a latent cache that grows by
+    mla_cache_width values per token. `length` counts the tokens the sequence has consumed.
+    """
+
+    def __init__(self, layers: list[LayerCache | None], length: int = 0):
+        self.layers = layers
+        self.length = length
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    @property
+    def kda_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers if isinstance(c, KDALayerCache))
+
+    @property
+    def mla_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers if isinstance(c, MLALayerCache))
+
+    @property
+    def nbytes(self) -> int:
+        return self.kda_nbytes + self.mla_nbytes
+
+    def clone(self) -> "SequenceCache":
+        return SequenceCache([None if c is None else c.clone() for c in self.layers], self.length)
+
+
+# --------------------------------------------------------------------------- one decoder layer
+class DecoderLayer(nn.Module):
+    """Attention (KDA or MLA) and MLP (dense or LatentMoE) joined by two Attention Residuals sites."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.is_mla = config.is_mla(layer_idx)
+        self.self_attn = MLAAttention(config) if self.is_mla else KDAAttention(config)
+        self.is_moe = config.is_moe(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(config, layer_idx)
+        else:
+            self.mlp = DenseMLP(D, config.dense_intermediate_size, config)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.input_layernorm.weight.dtype
+
+    def new_cache(self) -> LayerCache:
+        return self.self_attn.new_cache()
+
+    def _site(self, partial: Tensor, blocks: list[Tensor], proj: nn.Linear, norm: RMSNorm) -> Tensor:
+        return attn_res(partial, blocks, proj.weight, norm.weight, self.config.rms_norm_eps)
+
+    def attention(self, x: Tensor, lengths: Sequence[int], caches: list[LayerCache]) -> Tensor:
+        """x [N, D] (concatenated new tokens) -> [N, D]; loops over sequences except in a pure decode step."""
+        if all(n == 1 for n in lengths):
+            return self.self_attn.forward_batch_decode(x, caches)
+        outs, start = [], 0
+        for n, cache in zip(lengths, caches):
+            outs.append(self.self_attn(x[start: start + n], cache))
+            start += n
+        return torch.cat(outs)
+
+    @torch.inference_mode()
+    def attend(self, state: ResidualState, caches: list[SequenceCache]) -> tuple[ResidualState, Tensor]:
+        """First half of the layer: returns the updated state and the MLP input x [N, D] (model dtype)."""
+        blocks, partial = list(state.blocks), state.partial
+        h = self._site(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm) if blocks else partial
+        if self.layer_idx % self.config.attn_res_block_size == 0:
+            blocks.append(partial)
+            partial = None
+        layer_caches = [self._layer_cache(c) for c in caches]
+        a = self.attention(self.input_layernorm(h).to(self.compute_dtype), state.lengths, layer_caches).float()
+        partial = a if partial is None else partial + a
+        h = self._site(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        x = self.post_attention_layernorm(h).to(self.compute_dtype)
+        return ResidualState(state.lengths, blocks, partial), x
+
+    def mlp_forward(self, x: Tensor) -> Tensor:
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+    @staticmethod
+    def add_mlp(state: ResidualState, m: Tensor) -> ResidualState:
+        """Second half: add the MLP output to the running partial sum."""
+        return ResidualState(state.lengths, state.blocks, state.partial + m.float())
+
+    @torch.inference_mode()
+    def forward(self, state: ResidualState, caches: list[SequenceCache]) -> ResidualState:
+        state, x = self.attend(state, caches)
+        return self.add_mlp(state, self.mlp_forward(x))
+
+    def _layer_cache(self, cache: SequenceCache) -> LayerCache:
+        if len(cache.layers) <= self.layer_idx or cache.layers[self.layer_idx] is None:
+            raise ValueError(f"this sequence cache holds no state for layer {self.layer_idx}")
+        return cache.layers[self.layer_idx]
+
+
+class KimiK3Decoder(nn.Module):
+    """The `model.` part of the checkpoint: embedding, layers, final norm and the output AttnRes site."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+
+# --------------------------------------------------------------------------- the whole model
+class KimiK3Model(nn.Module):
+    """Kimi K3 text model. state_dict keys are the release's tensor names without `language_model.`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self._routing_observer: RoutingObserver | None = None
+        # Construction draws from the global RNG (submodules initialise themselves); fork it so a seed
+        # always gives the same model and callers' random streams are untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = KimiK3Decoder(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self._init_weights()
+        self._cast(dtype)
+
+    # ------------------------------------------------------------ weights
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        cfg = self.config
+        D = cfg.hidden_size
+        branch_gain = 1.0 / math.sqrt(2 * cfg.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                gain = branch_gain if name.endswith(RESIDUAL_BRANCH_OUTPUTS) else 1.0
+                module.weight.normal_(0.0, gain / math.sqrt(module.in_features))
+        self.model.embed_tokens.weight.normal_(0.0, 1.0)
+        self.lm_head.weight.normal_(0.0, LOGIT_STD / math.sqrt(D))
+        for proj in [self.model.output_attn_res_proj] + [
+            p for layer in self.model.layers for p in (layer.self_attention_res_proj, layer.mlp_res_proj)
+        ]:
+            proj.weight.normal_(0.0, ATTN_RES_QUERY_STD / math.sqrt(D))
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.gate.weight.normal_(0.0, 1.0 / math.sqrt(D))
+                layer.block_sparse_moe.gate.e_score_correction_bias.normal_(0.0, 0.02)
+        # MXFP4 experts initialise themselves on the grid (MXFP4Linear), from the seeded RNG above.
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """Cast floating tensors to dtype except those the format keeps in fp32."""
+        for mod_name, module in self.named_modules():
+            for kind in ("_parameters", "_buffers"):
+                store = getattr(module, kind)
+                for name, t in store.items():
+                    if t is None or not t.is_floating_point():
+                        continue
+                    full = f"{mod_name}.{name}" if mod_name else name
+                    target = torch.float32 if full.endswith(FP32_TENSOR_SUFFIXES) else dtype
+                    if t.dtype != target:
+                        if kind == "_parameters":
+                            t.data = t.data.to(target)
+                        else:
+                            store[name] = t.to(target)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def set_dequantize_cache(self, enabled: bool) -> None:
+        """Routed MXFP4 experts: keep dequantised copies (True) or decode on every call (False, default)."""
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.set_dequantize_cache(enabled)
+
+    @property
+    def routing_observer(self) -> RoutingObserver | None:
+        return self._routing_observer
+
+    @routing_observer.setter
+    def routing_observer(self, fn: RoutingObserver | None) -> None:
+        self._routing_observer = fn
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.routing_observer = fn
+
+    # ------------------------------------------------------------- caches
+    def new_cache(self, layers: Iterable[int] | None = None) -> SequenceCache:
+        """Empty decode state for a new sequence (only for `layers` if given: a pipeline stage's share)."""
+        wanted = set(range(self.config.num_layers) if layers is None else layers)
+        return SequenceCache([layer.new_cache() if i in wanted else None for i, layer in enumerate(self.layers)])
+
+    # ------------------------------------------------------ layer-level API
+    attn_res = staticmethod(attn_res)  # the per-token Attention Residuals mix (inference.layers.attn_res)
+
+    @torch.inference_mode()
+    def embed(self, ids: Tensor, lengths: Sequence[int] | None = None) -> ResidualState:
+        """Concatenated token ids [N] -> the initial residual state (the embedding is the first partial sum)."""
+        lengths = tuple(lengths) if lengths is not None else (int(ids.shape[0]),)
+        if sum(lengths) != ids.shape[0]:
+            raise ValueError(f"lengths {lengths} do not add up to the {ids.shape[0]} token ids")
+        return ResidualState(lengths, [], self.model.embed_tokens(ids).float())
+
+    @torch.inference_mode()
+    def run_layer(self, i: int, state: ResidualState, caches: list[SequenceCache]) -> ResidualState:
+        return self.layers[i](state, caches)
+
+    @torch.inference_mode()
+    def run_layers(self, start: int, stop: int, state: ResidualState, caches: list[SequenceCache]) -> ResidualState:
+        """Layers [start, stop) on the state; caches must hold those layers."""
+        if not 0 <= start <= stop <= self.config.num_layers:
+            raise ValueError(f"layer range [{start}, {stop}) is outside 0..{self.config.num_layers}")
+        if len(caches) != len(state.lengths):
+            raise ValueError(f"{len(state.lengths)} sequences in the state but {len(caches)} caches")
+        for i in range(start, stop):
+            state = self.layers[i](state, caches)
+        return state
+
+    @torch.inference_mode()
+    def head(self, state: ResidualState, rows: Sequence[int] | Tensor | None = None) -> Tensor:
+        """Output AttnRes site, final norm and lm_head on the given rows (all if None): fp32 logits [n, V]."""
+        if rows is not None:
+            state = state.select(rows)
+        h = attn_res(state.partial, state.blocks, self.model.output_attn_res_proj.weight,
+                     self.model.output_attn_res_norm.weight, self.config.rms_norm_eps)
+        return self.lm_head(self.model.norm(h).to(self.dtype)).float()
+
+    # -------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, token_ids: list[Tensor], caches: list[SequenceCache], all_logits: bool = False) -> list[Tensor]:
+        """Run each sequence's new tokens after its cache; returns per sequence fp32 logits
+        [T_i, V] (all_logits) or [V] (last new token). Updates the caches in place."""
+        self._check_batch(token_ids, caches)
+        lengths = [int(t.shape[0]) for t in token_ids]
+        device = self.lm_head.weight.device
+        ids = torch.cat([t.to(device=device, dtype=torch.long) for t in token_ids])
+        state = self.embed(ids, lengths)
+        state = self.run_layers(0, self.config.num_layers, state, caches)
+        if all_logits:
+            logits = self.head(state)
+            out = list(torch.split(logits, lengths))
+        else:
+            out = list(self.head(state, state.last_rows))
+        for cache, n in zip(caches, lengths):
+            cache.advance(n)
+        return out
+
+    def _check_batch(self, token_ids: list[Tensor], caches: list[SequenceCache]) -> None:
+        cfg = self.config
+        if not token_ids:
+            raise ValueError("forward needs at least one sequence")
+        if len(token_ids) != len(caches):
+            raise ValueError(f"{len(token_ids)} token sequences but {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("the same SequenceCache appears twice in one batch; clone it for a second sequence")
+        for b, (t, cache) in enumerate(zip(token_ids, caches)):
+            if not isinstance(t, Tensor) or t.dim() != 1 or t.numel() == 0:
+                raise ValueError(f"sequence {b}: token ids must be a non-empty 1-D tensor")
+            if t.is_floating_point():
+                raise ValueError(f"sequence {b}: token ids must be integers, got {t.dtype}")
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"sequence {b}: token id out of range 0..{cfg.vocab_size - 1} (saw {lo}..{hi})")
+            if len(cache.layers) != cfg.num_layers or any(c is None for c in cache.layers):
+                raise ValueError(f"sequence {b}: forward needs a cache holding all {cfg.num_layers} layers "
+                                 "(model.new_cache()); stage caches go through run_layers")
+            if cache.length + t.numel() > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"sequence {b}: {cache.length} cached + {t.numel()} new tokens exceed the context of "
+                    f"{cfg.max_position_embeddings}"
+                )
+
+
+__all__ = ["KimiK3Model", "SequenceCache", "ResidualState", "DecoderLayer", "FP32_TENSOR_SUFFIXES"]

@@ -1,0 +1,214 @@
+"""Feed-forward parts of Kimi K3 (model.md section 4): SiTU-GLU MLPs, the noaux_tc router and Stable LatentMoE.
+
+A MoE layer computes, per token:
+    ids, w = route(x)                    # sigmoid scores, bias steers selection only, renormalised weights
+    z      = down(x)                     # D -> latent, once per token
+    y      = expert_partial(z, ids, w)   # sum_j w_j * Expert_j(z) inside the latent (MXFP4 experts)
+    out    = finish(y, x)                # latent RMSNorm, latent -> D, plus the shared experts on x
+Each step is callable on its own so that expert parallelism can send z to the devices holding the selected
+experts and add up the partial sums they return (the sum over disjoint expert subsets equals the whole sum).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from inference import mxfp4
+from inference.config import ModelConfig
+from inference.layers import RMSNorm
+
+RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, k])
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
+    """SiTU-GLU in fp32: beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta). sigmoid sees the uncapped g."""
+    g, u = gate.float(), up.float()
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+
+
+class DenseMLP(nn.Module):
+    """gate_proj / up_proj / down_proj with SiTU-GLU: the dense layer-0 MLP and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, config: ModelConfig):
+        super().__init__()
+        self.beta, self.linear_beta = config.situ_beta, config.situ_linear_beta
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        act = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+        return self.down_proj(act.to(x.dtype))
+
+
+class Router(nn.Module):
+    """noaux_tc routing in fp32: `route(x [T, D]) -> (expert_ids [T, k] int64, weights [T, k] fp32)`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.randn(config.num_experts, config.hidden_size) / math.sqrt(config.hidden_size))
+        # Only steers which experts are picked; the weights come from the unbiased scores. Always fp32.
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def scores(self, x: Tensor) -> Tensor:
+        """Unbiased sigmoid affinities [T, E] fp32."""
+        return torch.sigmoid(x.float() @ self.weight.float().T)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        s = self.scores(x)
+        choice = s + self.e_score_correction_bias.float()
+        if cfg.n_group > 1:
+            T = choice.shape[0]
+            grouped = choice.view(T, cfg.n_group, -1)
+            # A group is rated by the sum of its two best (biased) scores; the other groups are masked out.
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
+            keep = group_score.topk(cfg.topk_group, dim=-1).indices
+            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~kept[..., None], float("-inf")).view(T, -1)
+        ids = choice.topk(cfg.experts_per_token, dim=-1).indices
+        weights = s.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling_factor
+
+    forward = route
+
+
+class MXFP4Linear(nn.Module):
+    """A bias-free linear layer whose weight [out, in] is stored as MXFP4 (weight_packed, weight_scale buffers).
+
+    `dense_cache` (set through LatentMoE.set_dequantize_cache) switches between decoding the weight on every
+    call and reusing a dequantised copy.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # Random weights on the MXFP4 grid (from the global RNG). Uniform E2M1 codes have RMS ~2.9, so
+        # block scales around 0.35/sqrt(in) give std ~1/sqrt(in), like a default linear layer.
+        top = 127 + round(math.log2(0.35 / math.sqrt(in_features)))
+        packed, scale = mxfp4.random_on_grid(out_features, in_features, scale_exponents=(top - 1, top))
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scale)
+        self.dense_cache: mxfp4.DequantizedCache | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return mxfp4.mxfp4_matmul(x, self.weight_packed, self.weight_scale, cache=self.dense_cache)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype)
+
+
+class Expert(nn.Module):
+    """One routed expert living in the latent: w1 gate and w3 up (latent -> width), w2 down (width -> latent)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.beta, self.linear_beta = config.situ_beta, config.situ_linear_beta
+        L, F = config.latent_size, config.expert_intermediate_size
+        make = MXFP4Linear if config.mxfp4_experts else (lambda i, o: nn.Linear(i, o, bias=False))
+        self.w1 = make(L, F)
+        self.w2 = make(F, L)
+        self.w3 = make(L, F)
+
+    def forward(self, z: Tensor) -> Tensor:
+        act = situ_glu(self.w1(z), self.w3(z), self.beta, self.linear_beta)
+        return self.w2(act.to(z.dtype))
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE plus shared experts (module names follow the checkpoint's `block_sparse_moe.*`)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = -1):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, L = config.hidden_size, config.latent_size
+        self.gate = Router(config)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        if config.latent_moe_norm:
+            self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)
+        if config.num_shared_experts:
+            self.shared_experts = DenseMLP(D, config.shared_expert_intermediate_size, config)
+        self.experts = nn.ModuleList(Expert(config) for _ in range(config.num_experts))
+        self.routing_observer: RoutingObserver | None = None
+        self._dense_cache: mxfp4.DequantizedCache | None = None
+
+    # ------------------------------------------------------------- switches
+    def set_dequantize_cache(self, enabled: bool) -> None:
+        """True: keep a dequantised copy of each MXFP4 expert weight after first use; False: decode every call."""
+        self._dense_cache = mxfp4.DequantizedCache() if enabled else None
+        for module in self.experts.modules():
+            if isinstance(module, MXFP4Linear):
+                module.dense_cache = self._dense_cache
+
+    @property
+    def dequantize_cache(self) -> bool:
+        return self._dense_cache is not None
+
+    # --------------------------------------------------------------- pieces
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, D] -> (expert_ids [T, k], weights [T, k] fp32); reports the ids to the routing observer."""
+        ids, weights = self.gate.route(x)
+        if self.routing_observer is not None:
+            self.routing_observer(self.layer_idx, ids)
+        return ids, weights
+
+    def down(self, x: Tensor) -> Tensor:
+        """x [T, D] -> z [T, latent] in x.dtype: what crosses the network under expert parallelism."""
+        return self.routed_expert_down_proj(x)
+
+    def expert_partial(self, z: Tensor, ids: Tensor, weights: Tensor, experts: Iterable[int] | None = None) -> Tensor:
+        """sum over the selected experts (optionally only those in `experts`) of w * Expert(z): [T, latent] fp32.
+
+        Tokens are grouped by expert, so each expert that was hit runs once on all its tokens.
+        """
+        T, k = ids.shape
+        E = self.config.num_experts
+        allowed = None
+        if experts is not None:
+            allowed = {int(e) for e in experts}
+            bad = [e for e in allowed if not 0 <= e < E]
+            if bad:
+                raise ValueError(f"expert ids {sorted(bad)} are outside 0..{E - 1}")
+        y = torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order].float()
+        counts = torch.bincount(flat, minlength=E).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            if allowed is None or e in allowed:
+                rows = token_of[start:end]
+                out = self.experts[e](z[rows])
+                y.index_add_(0, rows, out.float() * w_sorted[start:end, None])
+            start = end
+        return y
+
+    def finish(self, y_latent: Tensor, x: Tensor) -> Tensor:
+        """Latent RMSNorm on the weighted sum, latent -> D, plus the shared experts on the full-width x."""
+        y = y_latent.float()
+        if self.config.latent_moe_norm:
+            y = self.routed_expert_norm(y)
+        out = self.routed_expert_up_proj(y.to(x.dtype))
+        if self.config.num_shared_experts:
+            out = out + self.shared_experts(x)
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, weights = self.route(x)
+        return self.finish(self.expert_partial(self.down(x), ids, weights), x)
+
+
+__all__ = ["situ_glu", "DenseMLP", "Router", "MXFP4Linear", "Expert", "LatentMoE", "RoutingObserver"]

@@ -1,0 +1,92 @@
+"""Choosing and building the engine a miner (or a validator's reference) serves with.
+
+One setting picks what runs underneath the same `Engine` interface:
+- `reference`: the reference model in this process, from a checkpoint directory;
+- `sharded`: the model split over several processes (a plan file, or a shard count for a simple plan);
+- `remote`: an OpenAI-compatible server (vLLM, SGLang) that serves Kimi K3 on GPUs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inference.checkpoint import fingerprint, load_checkpoint, read_config
+from inference.config import ModelConfig
+from inference.engine import Engine, EngineSettings, LocalEngine
+from inference.model import KimiK3Model
+from inference.tokenizer import load_tokenizer
+
+ENGINE_KINDS = ("reference", "sharded", "remote")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class EngineSpecError(ValueError):
+    """The engine settings do not describe an engine that can be built."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str = "reference"
+    checkpoint: str | None = None  # reference and sharded: checkpoint directory
+    plan: str | None = None  # sharded: a plan file from scripts/plan_cluster.py
+    shards: int | None = None  # sharded: number of local shard processes (a simple plan is built)
+    shard_mode: str = "both"  # sharded with a shard count: "pipeline", "expert" or "both"
+    remote_url: str | None = None  # remote: base URL of the OpenAI-compatible server
+    remote_model: str | None = None  # remote: the model name the server serves
+    remote_api_key: str | None = None
+    remote_score_mode: str = "prompt_logprobs"  # "prompt_logprobs" (vLLM) or "echo"
+    dtype: str = "float32"
+    settings: EngineSettings = field(default_factory=EngineSettings)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.kind not in ENGINE_KINDS:
+            out.append(f"engine kind {self.kind!r} is not one of {ENGINE_KINDS}")
+        if self.kind in ("reference", "sharded"):
+            if not self.checkpoint:
+                out.append(f"the {self.kind} engine needs a checkpoint directory")
+            elif not (Path(self.checkpoint) / "config.json").exists():
+                out.append(f"{self.checkpoint} is not a checkpoint directory (no config.json); "
+                           "make one with scripts/make_checkpoint.py")
+        if self.kind == "sharded" and not (self.plan or self.shards):
+            out.append("the sharded engine needs a plan file or a shard count")
+        if self.kind == "remote" and not (self.remote_url and self.remote_model):
+            out.append("the remote engine needs the server URL and the model name it serves")
+        if self.dtype not in _DTYPES:
+            out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        return out
+
+
+def load_reference_model(checkpoint: str | Path, dtype: str = "float32", verify: bool = True,
+                         progress: bool = False) -> tuple[KimiK3Model, object, str]:
+    """The reference model with its weights, its tokenizer and the checkpoint fingerprint."""
+    config = read_config(checkpoint)
+    model = KimiK3Model(config, dtype=_DTYPES[dtype]).eval()
+    load_checkpoint(model, checkpoint, verify=verify, progress=progress)
+    return model, load_tokenizer(checkpoint, config), fingerprint(checkpoint)
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    problems = spec.problems()
+    if problems:
+        raise EngineSpecError("; ".join(problems))
+    if spec.kind == "reference":
+        model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
+        return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
+                           layout={"processes": 1})
+    if spec.kind == "sharded":
+        from inference.sharded import build_sharded_engine  # noqa: PLC0415 (spawns processes; load lazily)
+
+        return build_sharded_engine(spec)
+    from inference.remote_engine import RemoteEngine, RemoteSettings  # noqa: PLC0415
+
+    config = read_config(spec.checkpoint) if spec.checkpoint else ModelConfig.kimi_k3()
+    return RemoteEngine(
+        RemoteSettings(base_url=spec.remote_url, model_name=spec.remote_model, api_key=spec.remote_api_key,
+                       score_mode=spec.remote_score_mode, max_context=spec.settings.max_context,
+                       max_concurrent_sequences=spec.settings.max_concurrent_sequences),
+        vocab_size=config.vocab_size, eos_id=config.eos_token_id,
+        model_fingerprint=fingerprint(spec.checkpoint) if spec.checkpoint else "",
+    )

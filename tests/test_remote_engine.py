@@ -1,0 +1,157 @@
+"""The remote (OpenAI-compatible) engine against a real server on loopback backed by the reference engine."""
+import asyncio
+import json
+
+import pytest
+import torch
+from aiohttp import web
+
+from inference.config import ModelConfig
+from inference.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
+from inference.model import KimiK3Model
+from inference.openai_server import OpenAICompatibleServer
+from inference.remote_engine import RemoteEngine, RemoteSettings
+from inference.sampling import SamplingParams
+from inference.tokenizer import ByteTokenizer
+
+CONFIG = ModelConfig.tiny()
+MODEL_NAME = "kimi-k3-tiny"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return KimiK3Model(CONFIG).eval()
+
+
+async def start_app(app):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def served(model):
+    tok = ByteTokenizer.from_config(CONFIG)
+    local = LocalEngine(model, tok, EngineSettings(max_context=4096))
+    await local.start()
+    runner, url = await start_app(OpenAICompatibleServer(local, tok, MODEL_NAME).app)
+    yield local, url
+    await runner.cleanup()
+    await local.stop()
+
+
+def remote(url, **kw):
+    return RemoteEngine(RemoteSettings(base_url=url, model_name=MODEL_NAME, max_context=4096, **kw),
+                        vocab_size=CONFIG.vocab_size, eos_id=CONFIG.eos_token_id)
+
+
+async def run(stream):
+    tokens, final = [], None
+    async for ev in stream:
+        if isinstance(ev, TokenEvent):
+            tokens.append(ev)
+        else:
+            final = ev
+    return tokens, final
+
+
+PROMPT = [(5 * j + 1) % 256 for j in range(30)]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_tokens=12, logprobs=4),
+                                      SamplingParams(max_tokens=10, temperature=0.8, top_k=8, seed=3, logprobs=2)])
+async def test_remote_generation_matches_the_local_engine(served, sampling):
+    local, url = served
+    expected, _ = await run(local.generate(GenerationRequest(PROMPT, sampling)))
+    async with remote(url) as engine:
+        assert engine.health().ok
+        tokens, final = await run(engine.generate(GenerationRequest(PROMPT, sampling)))
+    assert [t.token_id for t in tokens] == [t.token_id for t in expected]
+    for got, want in zip(tokens, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [i for i, _ in got.top_logprobs] == [i for i, _ in want.top_logprobs]
+    assert isinstance(final, FinalEvent) and final.completion_tokens == len(tokens)
+    assert final.prompt_tokens == len(PROMPT) and final.ttft_ms is not None
+
+
+@pytest.mark.parametrize("mode", ["prompt_logprobs", "echo"])
+async def test_remote_scoring_matches_the_local_engine(served, mode):
+    local, url = served
+    positions = [3, 10, 29]
+    expected = await local.score(PROMPT, positions, 5)
+    async with remote(url, score_mode=mode) as engine:
+        got = await engine.score(PROMPT, positions, 5)
+    assert [s.position for s in got] == positions
+    for g, w in zip(got, expected):
+        assert g.token_id == w.token_id
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [i for i, _ in g.top] == [i for i, _ in w.top]
+
+
+async def test_remote_errors_are_mapped(served):
+    local, url = served
+    async with remote(url) as engine:
+        with pytest.raises(EngineError) as e:
+            await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5000))))
+        assert e.value.code == "context_too_long"
+    # the server itself refuses (its context is 4096, the adapter is told 100000)
+    async with RemoteEngine(RemoteSettings(base_url=url, model_name=MODEL_NAME, max_context=100000),
+                            vocab_size=CONFIG.vocab_size) as engine:
+        with pytest.raises(EngineError) as e:
+            await run(engine.generate(GenerationRequest(PROMPT * 200, SamplingParams(max_tokens=4))))
+        assert e.value.code == "context_too_long" and "HTTP 400" in e.value.message
+        tokens, _ = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
+        assert len(tokens) == 3
+    async with RemoteEngine(RemoteSettings(base_url=url, model_name="another-model"),
+                            vocab_size=CONFIG.vocab_size) as engine:
+        assert not engine.health().ok and "does not serve" in engine.health().detail
+        with pytest.raises(EngineError) as e:
+            await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
+        assert "HTTP 404" in e.value.message
+
+
+async def test_dropped_connection_and_stalled_stream_fail_cleanly():
+    async def models(request):
+        return web.json_response({"data": [{"id": MODEL_NAME}]})
+
+    async def one_token_then(request, stall: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None,
+                              "logprobs": {"tokens": ["token_id:97"], "token_logprobs": [-0.5],
+                                           "top_logprobs": [{"token_id:97": -0.5}]}}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if stall:
+            await asyncio.sleep(30)
+        else:
+            request.transport.close()
+        return resp
+
+    async def dropping(request):
+        return await one_token_then(request, stall=False)
+
+    async def stalling(request):
+        return await one_token_then(request, stall=True)
+
+    app = web.Application()
+    app.add_routes([web.get("/drop/v1/models", models), web.post("/drop/v1/completions", dropping),
+                    web.get("/stall/v1/models", models), web.post("/stall/v1/completions", stalling)])
+    runner, url = await start_app(app)
+    loop = asyncio.get_running_loop()
+    try:
+        async with remote(url + "/drop") as engine:
+            with pytest.raises(EngineError) as e:
+                await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
+            assert e.value.code == "engine_failure"
+        async with remote(url + "/stall", between_events_timeout_s=0.5) as engine:
+            t0 = loop.time()
+            with pytest.raises(EngineError) as e:
+                await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
+            assert e.value.code == "engine_failure" and "stalled" in e.value.message
+            assert loop.time() - t0 < 5
+    finally:
+        await runner.cleanup()
