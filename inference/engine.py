@@ -241,7 +241,8 @@ class LocalEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {tokenizer.eos_id})
         self.steps = 0
-        self.last_step_timing: dict[str, float] = {}
+        self.step_stats: dict[int, list] = {}  # batch size -> [steps, cycle seconds, forward seconds]
+        self._last_forward_s = 0.0
 
     # ------------------------------------------------------------ memory
     def sequence_bytes(self, length: int) -> int:
@@ -443,6 +444,7 @@ class LocalEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            cycle_start = time.perf_counter()
             batch = self._plan_step()
             all_logits = any(seq.kind == "score" for seq, _ in batch)
             ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
@@ -459,15 +461,22 @@ class LocalEngine(Engine):
                 continue
             t1 = time.perf_counter()
             self._after_step(batch, logits, all_logits)
-            t2 = time.perf_counter()
             self.steps += 1
-            self.last_step_timing = {"forward_s": t1 - t0, "post_s": t2 - t1, "batch": len(batch)}
-            self.metrics.step_seconds.observe(t2 - t0)
             await asyncio.sleep(0)  # let consumers read and new requests arrive
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - t0)
+            # per batch size: [steps, whole cycle seconds, seconds inside the model's forward]
+            stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
+            stat[0] += 1
+            stat[1] += t2 - cycle_start
+            stat[2] += self._last_forward_s
 
     def _forward(self, ids, caches, all_logits):
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            return self.model.forward(ids, caches, all_logits=all_logits)
+            out = self.model.forward(ids, caches, all_logits=all_logits)
+        self._last_forward_s = time.perf_counter() - t0
+        return out
 
     async def _on_step_failure(self, exc: Exception) -> None:
         log.error("model step failed: %s", exc)

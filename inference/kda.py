@@ -30,8 +30,9 @@ from torch import nn
 
 from inference.config import ModelConfig
 
-# Prefills at least this long use the chunked kernel; shorter ones (and decode) the recurrence.
-CHUNKED_MIN_TOKENS = 16
+# Prefills at least this long use the chunked kernel; shorter ones (and decode) the recurrence. A chunk
+# costs about as much as 16 to 32 recurrent steps, at the tiny size and at the full one alike.
+CHUNKED_MIN_TOKENS = 32
 # Log-decays below this are floored before exp (see `_decay`).
 _MIN_EXPONENT = -30.0
 # Values per [span, B*H, chunk, K] tensor in kda_chunked: bounds memory and keeps the span in cache.
@@ -87,21 +88,23 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
 
 
 def _decay(G_to: torch.Tensor, G_from: torch.Tensor) -> torch.Tensor:
-    """exp(G_to - G_from), the decay from one position to a later one (exponent <= 0), floored at e^-40.
+    """exp(G_to - G_from), the decay from one position to a later one (exponent <= 0), floored at e^-30.
 
-    A factor below e^-40 (4e-18) cannot show next to the O(1) terms it is summed with, and flooring
-    both factors of a split pair keeps their product a normal fp32 number: CPUs compute exp and
-    products in the denormal range (below e^-87) on a slow path, up to 30 times slower.
+    A factor below e^-30 (1e-13) cannot show next to the O(1) terms it is summed with (the tests
+    hold fp64 results to 1e-10), and flooring both factors of a split pair keeps their products far
+    from the denormal range (below e^-87), where CPUs compute exp and products on a slow path, up to
+    30 times slower.
     """
     return torch.sub(G_to, G_from).clamp_(min=_MIN_EXPONENT).exp_()
 
 
-def _decayed_scores(Q, K_rows, K, G, A_q, A_k):
-    """Fill A_q[i, j] = sum_c Q[i, c] exp(G[i, c] - G[j, c]) K[j, c] for j <= i, and A_k the same with
-    K_rows in place of Q for j < i (its diagonal is left alone).
+def _decayed_scores(X2, K, G, A2):
+    """Fill A2[..., i, x, j] = sum_c X2[..., i, x, c] exp(G[..., i, c] - G[..., j, c]) K[..., j, c] for
+    x = 0, 1 and j < i, and the diagonal A2[..., i, 0, i] = X2[..., i, 0, :] . K[..., i, :] (exp(0) = 1).
 
-    Q, K_rows, K, G: [..., C, Kd] with C a power of two; A_q, A_k: [..., C, C], zero-filled. Entries
-    above the diagonal stay zero.
+    X2: [..., C, 2, Kd], two row inputs side by side (queries and beta-scaled keys) so that each
+    product below serves both; K, G: [..., C, Kd], C a power of two; A2: [..., C, 2, C] zero-filled.
+    Entries above the diagonal stay zero.
 
     Only pairs i >= j are exponentiated, and every exponent is <= 0. Exponentiating each pair directly
     costs a [C, C, Kd] tensor, so the pairs are split by halving: in a block [lo, hi) with midpoint m,
@@ -110,21 +113,20 @@ def _decayed_scores(Q, K_rows, K, G, A_q, A_k):
     joins), which turns the quarter into one matrix product. The two diagonal quarters are the same
     problem at half the size, down to single pairs i = j.
     """
-    C = K.shape[-2]
-    lead = K.shape[:-2]
-    A_q.diagonal(0, -2, -1).copy_((Q * K).sum(-1))  # i = j: exp(0) = 1
+    *lead, C, Kd = K.shape
+    A2[..., 0, :].diagonal(0, -2, -1).copy_((X2[..., 0, :] * K).sum(-1))
     L = C
     while L >= 2:
         nb, h = C // L, L // 2
         Gb, Kb = G.unflatten(-2, (nb, L)), K.unflatten(-2, (nb, L))  # [..., nb, L, Kd], views
         G_mid = Gb[..., h:h + 1, :]
-        row_decay = _decay(Gb[..., h:, :], G_mid) if h > 1 else None  # rows i >= m, decayed back to m
-        col_t = _decay(G_mid, Gb[..., :h, :]).mul_(Kb[..., :h, :]).transpose(-1, -2)  # cols j < m, up to m
-        for A, X in ((A_q, Q), (A_k, K_rows)):
-            rows = X.unflatten(-2, (nb, L))[..., h:, :]
-            quarter = (rows if row_decay is None else rows * row_decay) @ col_t  # [..., nb, h, h]
-            blocks = A.view(*lead, nb, L, nb, L).diagonal(0, -4, -2)  # [..., L, L, nb]: the diagonal blocks
-            blocks[..., h:, :h, :].copy_(quarter.movedim(-3, -1))
+        col = _decay(G_mid, Gb[..., :h, :]).mul_(Kb[..., :h, :])  # columns j < m, decayed up to m
+        rows = X2.unflatten(-3, (nb, L))[..., h:, :, :]  # [..., nb, h, 2, Kd]: rows i >= m
+        if h > 1:
+            rows = rows * _decay(Gb[..., h:, :], G_mid).unsqueeze(-2)  # ... decayed back to m
+        quarter = rows.reshape(*lead, nb, 2 * h, Kd) @ col.transpose(-1, -2)  # [..., nb, 2h, h]
+        blocks = A2.view(*lead, nb, L, 2, nb, L).diagonal(0, -5, -2)  # [..., L, 2, L, nb]: diagonal blocks
+        blocks[..., h:, :, :h, :].copy_(quarter.view(*lead, nb, h, 2, h).movedim(-4, -1))
         L = h
 
 
@@ -157,54 +159,59 @@ def _kda_span(q, k, v, g, beta, scale, S, C, out):
     """Chunked KDA over the tokens of one span, from state S [B*H, K, V]; writes `out`, returns the state."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    dtype = S.dtype
+    dtype, device = S.dtype, S.device
     n = -(-T // C)
     pad = n * C - T
-    BH = B * H
+    lead = (n, B, H)
+    batch = n * B * H
 
     def to_chunks(x):
-        # [B, T, H, ...] -> [n, B*H, C, ...] (may be a view of x: never modify in place).
+        # [B, T, H, ...] -> [n, B, H, C, ...], a view of x where possible: never written to.
         # Padding rows have k = 0, beta = 0, g = 0: identity steps.
         x = x.to(dtype)
         if pad:
             x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.reshape(B, n, C, H, *x.shape[3:]).movedim(3, 2)  # [B, n, H, C, ...]
-        return x.transpose(0, 1).reshape(n, BH, C, *x.shape[4:]).contiguous()
+        return x.unflatten(1, (n, C)).movedim(3, 2).transpose(0, 1)
 
-    Q = to_chunks(q)  # the scale is applied to the output
-    Kc, Vc, bc = to_chunks(k), to_chunks(v), to_chunks(beta)[..., None]  # bc: [n, BH, C, 1]
-    G = to_chunks(g).cumsum(-2)  # row i sums the log-decays of steps 0..i of its chunk
-    K_beta = Kc * bc
+    Kc, Vc = to_chunks(k), to_chunks(v)
+    bc = to_chunks(beta).unsqueeze(-1)  # [n, B, H, C, 1]
+    G = torch.empty(*lead, C, K, dtype=dtype, device=device)
+    torch.cumsum(to_chunks(g), dim=-2, out=G)  # row i sums the log-decays of steps 0..i of its chunk
+    X2 = torch.empty(*lead, C, 2, K, dtype=dtype, device=device)
+    Q, K_beta = X2[..., 0, :], X2[..., 1, :]
+    Q.copy_(to_chunks(q))  # the scale is applied to the output
+    torch.mul(Kc, bc, out=K_beta)
 
-    # Aqk[i, j] for j <= i, and N[i, j] = beta_i (K_i decayed K_j) for i > j.
-    A_qk = Q.new_zeros(n, BH, C, C)
-    N = Q.new_zeros(n, BH, C, C)
-    _decayed_scores(Q, K_beta, Kc, G, A_qk, N)
+    # Aqk[i, j] for j <= i, and N[i, j] = beta_i (K_i decayed K_j) for i > j, side by side.
+    A2 = torch.zeros(*lead, C, 2, C, dtype=dtype, device=device)
+    _decayed_scores(X2, Kc, G, A2)
+    A_qk, N = A2[..., 0, :], A2[..., 1, :]
     # (I + N) [W | U] = diag(beta) [exp(G) K | V]: forward substitution on a unit lower triangular
-    # matrix (the solver reads neither the diagonal nor the upper part of N).
+    # matrix; the solver reads neither the diagonal nor the upper part of N. It is posed transposed,
+    # [W | U]^T (I + N)^T = rhs^T, because that hands LAPACK both operands in its column-major layout.
     exp_G = G.clamp(min=_MIN_EXPONENT).exp_()  # the decay from the chunk start (see `_decay`)
-    rhs = Q.new_empty(n, BH, K + V, C).mT  # column-major, the layout LAPACK works in
+    rhs = torch.empty(*lead, C, K + V, dtype=dtype, device=device)
     torch.mul(K_beta, exp_G, out=rhs[..., :K])
     torch.mul(Vc, bc, out=rhs[..., K:])
-    WU = torch.linalg.solve_triangular(N, rhs, upper=False, unitriangular=True)
-    W, U = WU[..., :K], WU[..., K:]
+    WU = torch.linalg.solve_triangular(N.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
+    W, U = WU[..., :K].reshape(n, B * H, C, K), WU[..., K:].reshape(n, B * H, C, V)
 
-    # Across a chunk the state moves as S' = exp(G_last) S + (exp(G_last - G) K)^T Vn with Vn = U - W S,
-    # that is S' = M S + R with M = diag(exp(G_last)) - (exp(G_last - G) K)^T W and R = (...)^T U, all
-    # chunks at once; only S' = M S + R runs chunk by chunk.
-    K_to_end_t = _decay(G[..., -1:, :], G).mul_(Kc).transpose(-1, -2)  # [n, BH, K, C]: keys decayed to chunk end
-    M = torch.matmul(K_to_end_t, W).neg_()
-    M.diagonal(0, -2, -1).add_(exp_G[..., -1, :])
-    R = torch.matmul(K_to_end_t, U)
-    states = Q.new_empty(n + 1, BH, K, V)  # states[c]: the state entering chunk c
+    # The state pass, chunk by chunk: Vn = U - W S, then S = exp(G_last) S + (exp(G_last - G) K)^T Vn.
+    state_decay = exp_G[..., -1, :, None].reshape(n, B * H, K, 1)  # the decay over a whole chunk
+    K_to_end_t = _decay(G[..., -1:, :], G).mul_(Kc).transpose(-1, -2).reshape(n, B * H, K, C)
+    states = torch.empty(n + 1, B * H, K, V, dtype=dtype, device=device)  # states[c] enters chunk c
     states[0] = S
+    V_new = torch.empty(n, B * H, C, V, dtype=dtype, device=device)
     for c in range(n):
-        torch.baddbmm(R[c], M[c], states[c], out=states[c + 1])
-    # Vn = U - W S and O = scale (Q exp(G) S + Aqk Vn), for all chunks of the span at once
-    S_in = states[:n].view(n * BH, K, V)
-    V_new = torch.baddbmm(U.reshape(n * BH, C, V), W.reshape(n * BH, C, K), S_in, alpha=-1)
-    O = torch.baddbmm(torch.bmm(A_qk.view(n * BH, C, C), V_new), Q.mul_(exp_G).view(n * BH, C, K), S_in)
-    torch.mul(O.view(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :T], scale, out=out)
+        torch.baddbmm(U[c], W[c], states[c], alpha=-1, out=V_new[c])
+        torch.baddbmm(state_decay[c] * states[c], K_to_end_t[c], V_new[c], out=states[c + 1])
+    # O = Q exp(G) S + Aqk Vn, for all chunks of the span at once
+    O = torch.baddbmm(
+        torch.bmm(A_qk.reshape(batch, C, C), V_new.view(batch, C, V)),
+        (Q * exp_G).reshape(batch, C, K),
+        states[:n].view(batch, K, V),
+    )
+    torch.mul(O.view(*lead, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :T], scale, out=out)
     return states[n]
 
 
@@ -283,7 +290,7 @@ class KDAAttention(nn.Module):
             raise ValueError(f"KDAAttention expects {what} of shape [n >= 1, {D}]; got {tuple(x.shape)}")
 
     # ------------------------------------------------------------------------------ pieces
-    def _short_conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _short_conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Causal depthwise conv + SiLU of q, k, v, continuing from the cached window.
 
         x: [B, T, D]; window: [B, 3, P, kernel-1] fp32. Returns (q, k, v each [B, T, P] fp32, new window).
@@ -324,8 +331,8 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         kernel = kda_chunked if chunked else kda_recurrent
         o, state = kernel(q, k, v, g, beta, scale=d ** -0.5, initial_state=state)  # o [B, T, H, d] fp32
-        weight = self.o_norm.weight.float()
-        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * weight
+        # o_norm by hand: in fp32 whatever dtype the module was cast to
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
         o = o * torch.sigmoid(self._output_gate(x).float().view(B, T, H, d))
         y = self.o_proj(o.reshape(B, T, H * d).to(x.dtype))
         return y, window, state
