@@ -61,10 +61,11 @@ _STATUS_CODES = {400: "invalid_request", 413: "context_too_long", 429: "over_cap
 
 class RemoteEngine(Engine):
     def __init__(self, settings: RemoteSettings, *, vocab_size: int, eos_id: int | None = None,
-                 model_fingerprint: str = ""):
+                 model_fingerprint: str = "", stop_ids=()):
         self.settings = settings
         self.vocab_size = vocab_size
         self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.model_fingerprint = model_fingerprint
         self._session: aiohttp.ClientSession | None = None
         self._health = EngineHealth("down", "not started")
@@ -196,6 +197,7 @@ class RemoteEngine(Engine):
         t0 = time.perf_counter()
         resp = await self._post("/completions", body)
         first_at = None
+        last_token = None
         index = 0
         finish_reason, usage = None, None
         try:
@@ -214,7 +216,8 @@ class RemoteEngine(Engine):
                                      key=lambda kv: -kv[1])[: p.logprobs]
                         if first_at is None:
                             first_at = time.perf_counter()
-                        yield TokenEvent(index, parse_token_key(tok), texts[j], float(lp["token_logprobs"][j]), top)
+                        last_token = parse_token_key(tok)
+                        yield TokenEvent(index, last_token, texts[j], float(lp["token_logprobs"][j]), top)
                         index += 1
                     if choice.get("finish_reason"):
                         finish_reason = choice["finish_reason"]
@@ -227,8 +230,14 @@ class RemoteEngine(Engine):
         if usage and usage.get("completion_tokens") not in (None, completion):
             raise EngineError("engine_failure",
                               f"the server reported {usage['completion_tokens']} completion tokens but streamed {completion}")
+        if finish_reason == "length":
+            reason = "length"
+        elif last_token is not None and last_token in self.stop_ids:
+            reason = "eos"  # OpenAI servers say "stop" for both; the last token tells them apart
+        else:
+            reason = "stop"
         yield FinalEvent(
-            finish_reason="length" if finish_reason == "length" else "stop",
+            finish_reason=reason,
             prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion, queue_ms=0.0,
             ttft_ms=None if first_at is None else (first_at - t0) * 1000, total_ms=(end - t0) * 1000,
         )

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from inference.checkpoint import fingerprint, load_checkpoint, read_config
-from inference.config import ModelConfig
 from inference.engine import Engine, EngineSettings, LocalEngine
 from inference.model import KimiK3Model
 from inference.tokenizer import load_tokenizer
@@ -44,7 +43,7 @@ class EngineSpec:
         out = []
         if self.kind not in ENGINE_KINDS:
             out.append(f"engine kind {self.kind!r} is not one of {ENGINE_KINDS}")
-        if self.kind in ("reference", "sharded"):
+        if self.kind in ("reference", "sharded", "remote"):
             if not self.checkpoint:
                 out.append(f"the {self.kind} engine needs a checkpoint directory")
             elif not (Path(self.checkpoint) / "config.json").exists():
@@ -54,6 +53,9 @@ class EngineSpec:
             out.append("the sharded engine needs a plan file or a shard count")
         if self.kind == "remote" and not (self.remote_url and self.remote_model):
             out.append("the remote engine needs the server URL and the model name it serves")
+        if self.kind == "remote" and not self.checkpoint:
+            out.append("the remote engine needs a checkpoint directory with the model's config.json, manifest and "
+                       "tokenizer (the weights may be absent): it gives the fingerprint and the tokenizer")
         if self.dtype not in _DTYPES:
             out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         return out
@@ -82,11 +84,12 @@ def build_engine(spec: EngineSpec) -> Engine:
         return build_sharded_engine(spec)
     from inference.remote_engine import RemoteEngine, RemoteSettings  # noqa: PLC0415
 
-    config = read_config(spec.checkpoint) if spec.checkpoint else ModelConfig.kimi_k3()
+    config = read_config(spec.checkpoint)
     return RemoteEngine(
         RemoteSettings(base_url=spec.remote_url, model_name=spec.remote_model, api_key=spec.remote_api_key,
                        score_mode=spec.remote_score_mode, max_context=spec.settings.max_context,
                        max_concurrent_sequences=spec.settings.max_concurrent_sequences),
         vocab_size=config.vocab_size, eos_id=config.eos_token_id,
-        model_fingerprint=fingerprint(spec.checkpoint) if spec.checkpoint else "",
+        stop_ids=getattr(load_tokenizer(spec.checkpoint, config), "stop_ids", ()),
+        model_fingerprint=fingerprint(spec.checkpoint),
     )

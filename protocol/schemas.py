@@ -167,6 +167,8 @@ class GenerateRequest(_WireModel):
     prompt_token_ids: Optional[TokenIds] = Field(None, min_length=1)
     # Text prompts only: let the tokenizer add the model's special prefix (BOS).
     add_special_tokens: bool = False
+    # Text prompts only: wrap the prompt as one user turn in the model's chat template.
+    chat: bool = False
     max_tokens: int = Field(ge=1, le=2**31 - 1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -233,9 +235,9 @@ class GenerateRequest(_WireModel):
             raise PydanticCustomError(
                 "prompt_choice", "give exactly one of prompt (text) or prompt_token_ids"
             )
-        if self.add_special_tokens and self.prompt is None:
+        if (self.add_special_tokens or self.chat) and self.prompt is None:
             raise PydanticCustomError(
-                "prompt_choice", "add_special_tokens only applies to a text prompt"
+                "prompt_choice", "add_special_tokens and chat only apply to a text prompt"
             )
         return self
 

@@ -1,0 +1,397 @@
+"""Command-line flags and environment variables -> settings dataclasses, in one place.
+
+A program declares its options as a table of `Option`s: where the value goes
+in the settings (a dotted path such as "server.port" or
+"engine.settings.max_context"), its flag, its environment variable, how to
+read it from text, its default and a help line. `read_options` resolves each
+one (flag, else environment variable, else default) into a nested dict and
+`build_settings` turns that dict into the program's (nested, frozen) settings
+dataclasses. `--help` lists every option by group with its environment
+variable and default; `options_table` renders the same table as Markdown for
+the README.
+
+Shared groups live here so the miner and the validator spell them the same
+way: wallet and chain (with their dataclasses `WalletSettings`,
+`ChainSettings`), engine (`inference.serving.EngineSpec`) and logging. Each
+program adds its own options beside its own settings.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING = object()
+
+
+class SettingsError(ValueError):
+    """An option value (from a flag or from the environment) that cannot be used."""
+
+
+# ---------------------------------------------------------------- value readers
+def flag(text: str) -> bool:
+    """A yes/no value from the environment: 1/true/yes/on or 0/false/no/off."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a yes/no value (use true/false, 1/0, yes/no, on/off)")
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: "1048576", "512MiB", "2GiB", "1.5GB"."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 1048576, 512MiB, 2GiB, 1.5GB)")
+    value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a size")
+    return int(value)
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{text!r} must be a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{text!r} must be a number >= 0")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{text!r} must be an integer >= 0")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{text!r} is not a port (0..65535; 0 picks a free port)")
+    return value
+
+
+def optional_int(text: str) -> int | None:
+    """An integer, or nothing for an empty string."""
+    return None if text.strip() == "" else int(text)
+
+
+def optional_text(text: str) -> str | None:
+    return None if text.strip() == "" else text
+
+
+def expanded_path(text: str) -> str:
+    return os.path.expanduser(text)
+
+
+# argparse prints the reader's __name__ in "invalid ... value" messages.
+for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "positive number"),
+                       (non_negative_float, "number >= 0"), (non_negative_int, "integer >= 0"),
+                       (port_number, "port"), (optional_int, "integer"), (optional_text, "text"),
+                       (expanded_path, "path")):
+    _reader.__name__ = _name
+
+
+# ---------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class Option:
+    """One setting: `dest` is its dotted path in the settings dataclasses."""
+
+    dest: str
+    flag: str
+    env: str | None
+    read: Callable[[str], Any]
+    default: Any
+    help: str
+    group: str = "general"
+    choices: tuple = ()
+    required: bool = False
+    secret: bool = False  # never printed back (API keys)
+    metavar: str | None = None
+
+    @property
+    def is_switch(self) -> bool:
+        return self.read is flag
+
+
+def _describe_default(option: Option) -> str:
+    if option.required:
+        return "required"
+    if option.secret and option.default:
+        return "(set)"
+    if option.default is None or option.default == "":
+        return "unset"
+    if option.is_switch:
+        return "on" if option.default else "off"
+    if option.read is byte_size:
+        return _human_size(option.default)
+    return str(option.default)
+
+
+def _human_size(size: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def _metavar(option: Option) -> str:
+    if option.metavar:
+        return option.metavar
+    if option.flag.endswith("-s"):
+        return "SECONDS"
+    if option.read in (int, non_negative_int, optional_int):
+        return "N"
+    if option.read in (float, positive_float, non_negative_float):
+        return "X"
+    return option.dest.rsplit(".", 1)[-1].upper()
+
+
+def build_parser(options: Sequence[Option], prog: str | None = None, description: str | None = None,
+                 epilog: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser for `options`; every flag defaults to "not given" so that the
+    environment can fill it in `read_options`."""
+    _check_table(options)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for option in options:
+        group = groups.get(option.group) or groups.setdefault(option.group, parser.add_argument_group(option.group))
+        where = f"env {option.env}; " if option.env else ""
+        text = f"{option.help} [{where}default: {_describe_default(option)}]"
+        kwargs: dict[str, Any] = dict(dest=option.dest, default=argparse.SUPPRESS, help=text)
+        if option.is_switch:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = option.read
+            kwargs["metavar"] = _metavar(option)
+            if option.choices:
+                kwargs["choices"] = option.choices
+                kwargs["metavar"] = "{" + ",".join(map(str, option.choices)) + "}"
+        group.add_argument(option.flag, **kwargs)
+    return parser
+
+
+def read_options(
+    options: Sequence[Option],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str | None = None,
+    description: str | None = None,
+) -> dict[str, Any]:
+    """Resolve every option (flag, else environment variable, else default) into a nested dict
+    keyed by the parts of `dest`. A bad value or a missing required option exits with status 2
+    and a message naming the flag and the variable (argparse's behaviour)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(options, prog, description)
+    given = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    for option in options:
+        if option.dest in given:
+            value = given[option.dest]
+        elif option.env and environ.get(option.env) is not None:
+            raw = environ[option.env]
+            try:
+                value = option.read(raw)
+            except (TypeError, ValueError) as error:
+                parser.error(f"environment variable {option.env}={raw!r} (for {option.flag}): {error}")
+            if option.choices and value not in option.choices:
+                parser.error(f"environment variable {option.env}={raw!r} (for {option.flag}) must be one of "
+                             f"{', '.join(map(str, option.choices))}")
+        elif option.required:
+            where = f" or set {option.env}" if option.env else ""
+            parser.error(f"{option.flag} is required: {option.help}; pass {option.flag}{where}")
+        else:
+            value = option.default
+        _put(values, option.dest, value)
+    return values
+
+
+def _put(tree: dict, dest: str, value: Any) -> None:
+    *parents, leaf = dest.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _check_table(options: Sequence[Option]) -> None:
+    seen_dest, seen_flag, seen_env = set(), set(), set()
+    for option in options:
+        for seen, key, what in ((seen_dest, option.dest, "dest"), (seen_flag, option.flag, "flag"),
+                                (seen_env, option.env, "env")):
+            if key is not None and key in seen:
+                raise ValueError(f"two options share the {what} {key!r}")
+            seen.add(key)
+
+
+# ---------------------------------------------------------------- dataclasses
+def build_settings(cls: type, values: Mapping[str, Any], base=None):
+    """An instance of dataclass `cls` from a nested dict: a dict value for a dataclass-typed field
+    becomes that dataclass (recursively); fields absent from `values` keep their defaults (or those
+    of `base`, an existing instance). An unknown key is a mistake in the option table and raises."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no settings named {unknown}")
+    converted = {}
+    for name, value in values.items():
+        if isinstance(value, Mapping):
+            inner_base = getattr(base, name) if base is not None else _default_instance(fields[name])
+            inner_cls = hints.get(name)
+            if not (isinstance(inner_cls, type) and dataclasses.is_dataclass(inner_cls)):
+                inner_cls = type(inner_base) if inner_base is not None else None
+            if inner_cls is None:
+                raise TypeError(f"{cls.__name__}.{name} is not a dataclass but the options give it sub-settings")
+            value = build_settings(inner_cls, value, inner_base)
+        converted[name] = value
+    return dataclasses.replace(base, **converted) if base is not None else cls(**converted)
+
+
+def _default_instance(field: dataclasses.Field):
+    """The field's default when it is a dataclass instance (given directly or by a factory)."""
+    if field.default is not dataclasses.MISSING:
+        return field.default if dataclasses.is_dataclass(field.default) else None
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = field.default_factory()  # type: ignore[misc]
+        return value if dataclasses.is_dataclass(value) else None
+    return None
+
+
+# ---------------------------------------------------------------- documentation
+def options_table(options: Iterable[Option]) -> str:
+    """Markdown: flag, environment variable, default, meaning."""
+    lines = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for option in options:
+        lines.append(f"| `{option.flag}` | `{option.env or '-'}` | {_describe_default(option)} | {option.help} |")
+    return "\n".join(lines)
+
+
+def describe_values(options: Iterable[Option], values: Mapping[str, Any]) -> str:
+    """One `flag=value` per line for the log at start-up; secrets are masked."""
+    lines = []
+    for option in options:
+        node: Any = values
+        for part in option.dest.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, Mapping) else _MISSING
+        if node is _MISSING:
+            continue
+        shown = "***" if option.secret and node else node
+        lines.append(f"{option.flag}={shown}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- shared groups
+@dataclass(frozen=True)
+class WalletSettings:
+    name: str = "default"
+    hotkey: str = "default"
+    path: str = "~/.bittensor/wallets"
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    network: str = "finney"
+    netuid: int = 1
+    metagraph_refresh_s: float = 60.0
+    timeout_s: float = 30.0
+
+
+def wallet_options(default_name: str = "default") -> tuple[Option, ...]:
+    """Options of `WalletSettings` (dest "wallet.*")."""
+    return (
+        Option("wallet.name", "--wallet-name", "K3_WALLET_NAME", str, default_name,
+               "bittensor wallet (coldkey) name", group="wallet"),
+        Option("wallet.hotkey", "--wallet-hotkey", "K3_WALLET_HOTKEY", str, "default",
+               "hotkey name inside the wallet; it signs answers and is the on-chain identity", group="wallet"),
+        Option("wallet.path", "--wallet-path", "K3_WALLET_PATH", expanded_path, "~/.bittensor/wallets",
+               "directory holding the wallets", group="wallet"),
+    )
+
+
+def chain_options() -> tuple[Option, ...]:
+    """Options of `ChainSettings` (dest "chain.*")."""
+    return (
+        Option("chain.network", "--chain", "K3_CHAIN", str, "finney",
+               "chain to use: devnet:PATH (embedded SQLite devnet), finney, test, local, or a ws:// / wss:// URL",
+               group="chain", metavar="SPEC"),
+        Option("chain.netuid", "--netuid", "K3_NETUID", int, None, "the subnet's netuid", group="chain",
+               required=True),
+        Option("chain.metagraph_refresh_s", "--metagraph-refresh-s", "K3_METAGRAPH_REFRESH_S", positive_float, 60.0,
+               "seconds between metagraph reads", group="chain"),
+        Option("chain.timeout_s", "--chain-timeout-s", "K3_CHAIN_TIMEOUT_S", positive_float, 30.0,
+               "deadline of one chain read or write; on expiry the last metagraph is kept", group="chain"),
+    )
+
+
+def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
+    """Options of `inference.serving.EngineSpec` (dest "engine.*")."""
+    p = env_prefix
+    return (
+        Option("engine.kind", "--engine", f"{p}KIND", str, "reference",
+               "what serves the model: reference (in-process model), sharded (shard processes), remote "
+               "(an OpenAI-compatible server such as vLLM or SGLang)", group="engine",
+               choices=("reference", "sharded", "remote")),
+        Option("engine.checkpoint", "--checkpoint", f"{p}CHECKPOINT", optional_text, None,
+               "checkpoint directory (reference and sharded: the weights; remote: at least config.json, "
+               "k3_manifest.json and the tokenizer, for the fingerprint and text prompts)", group="engine",
+               metavar="DIR"),
+        Option("engine.plan", "--plan", f"{p}PLAN", optional_text, None,
+               "sharded: placement plan file from scripts/plan_cluster.py", group="engine", metavar="FILE"),
+        Option("engine.shards", "--shards", f"{p}SHARDS", optional_int, None,
+               "sharded: number of local shard processes (a simple plan is built)", group="engine", metavar="N"),
+        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str, "both",
+               "sharded with --shards: split by pipeline stage, by expert, or both", group="engine",
+               choices=("pipeline", "expert", "both")),
+        Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text, None,
+               "remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", group="engine",
+               metavar="URL"),
+        Option("engine.remote_model", "--remote-model", f"{p}REMOTE_MODEL", optional_text, None,
+               "remote: the model name the server serves", group="engine", metavar="NAME"),
+        Option("engine.remote_api_key", "--remote-api-key", f"{p}REMOTE_API_KEY", optional_text, None,
+               "remote: bearer token for the server (prefer the environment variable)", group="engine",
+               secret=True, metavar="KEY"),
+        Option("engine.remote_score_mode", "--remote-score-mode", f"{p}REMOTE_SCORE_MODE", str, "prompt_logprobs",
+               "remote: how the server scores prompts (prompt_logprobs for vLLM, echo for others)", group="engine",
+               choices=("prompt_logprobs", "echo")),
+        Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "float32", "weights dtype of the in-process model",
+               group="engine", choices=("float32", "bfloat16")),
+        Option("engine.settings.max_context", "--max-context", f"{p}MAX_CONTEXT", int, 32768,
+               "largest prompt plus output, in tokens", group="engine"),
+        Option("engine.settings.max_concurrent_sequences", "--max-concurrent", f"{p}MAX_CONCURRENT", int, 64,
+               "sequences served at once (the miner's declared capacity)", group="engine"),
+        Option("engine.settings.cache_memory_budget_bytes", "--cache-memory", f"{p}CACHE_MEMORY", byte_size, 2 << 30,
+               "memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits or is refused",
+               group="engine", metavar="SIZE"),
+        Option("engine.settings.max_waiting", "--max-waiting", f"{p}MAX_WAITING", int, 128,
+               "requests that may wait for cache memory before new ones are refused", group="engine"),
+    )
+
+
+def logging_options() -> tuple[Option, ...]:
+    return (
+        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "INFO", "log level", group="logging",
+               choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    )

@@ -1,0 +1,38 @@
+#!/usr/bin/env python3
+"""Kimi K3 subnet miner: serves signed generations to the subnet's validators.
+
+    python neurons/miner.py --chain devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
+        --wallet-name miner --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
+        --engine reference --checkpoint ckpt/tiny --host 0.0.0.0 --port 8091 --external-ip 203.0.113.7
+
+Every flag can also be set by the environment variable shown in --help; a flag wins over the
+environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams at once).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from neurons.cli_settings import describe_values  # noqa: E402
+from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, _ = read_miner_settings(argv, prog="neurons/miner.py", description=__doc__)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("k3.miner").info("settings:\n%s",
+                                       describe_values(miner_options(), dataclasses.asdict(settings)))
+    try:
+        return asyncio.run(serve(settings))
+    except MinerSetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

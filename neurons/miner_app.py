@@ -1,0 +1,1044 @@
+"""The miner: serves Kimi K3 generations to the subnet's validators over signed HTTP.
+
+Every authenticated request passes, in this order and before any parsing:
+1. the body size limit (413);
+2. btauth/1 verification on the raw body: shape, receiver, freshness,
+   signature, replay (401, or 403 for a request signed for another miner);
+3. the validator gate, from the latest metagraph snapshot: registered on the
+   subnet (403 not_registered), holding a validator permit (403
+   no_validator_permit), with at least the configured stake (403
+   insufficient_stake); no snapshot yet is 503;
+4. the caller's budget, proportional to its share of validator stake with a
+   floor: requests per window (429 rate_limited), and for generate and score
+   streams at once (429 caller_streams), under the global cap of the engine's
+   capacity (429 over_capacity). A 429 carries Retry-After and never waits.
+Only then is the body parsed (400/413 with a message naming the field) and
+handed to the engine. A generation is streamed as NDJSON: the engine's first
+event is awaited before the headers go out, so that a refusal by the engine
+is a proper HTTP status; later failures become an `error` event. The final
+event carries usage, timings, the model fingerprint and the hotkey's
+signature over the exact request bytes and every emitted token id.
+
+The metagraph is re-read in the background with a timeout; when the chain
+cannot be read the last snapshot is kept and /health says so. The endpoint is
+published on chain at start (a serving rate limit keeps the existing entry).
+Prometheus metrics are served on a separate port bound to 127.0.0.1.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from chain.interface import Chain, ChainError, MetagraphSnapshot, NotRegistered, RateLimited, connect
+from inference.engine import Engine, EngineError, GenerationRequest
+from inference.engine import FinalEvent as EngineFinalEvent
+from inference.engine import TokenEvent as EngineTokenEvent
+from inference.sampling import SamplingParams
+from inference.serving import EngineSpec, EngineSpecError, build_engine
+from inference.version import __version__
+from neurons.cli_settings import (
+    ChainSettings,
+    Option,
+    WalletSettings,
+    build_settings,
+    byte_size,
+    chain_options,
+    engine_options,
+    expanded_path,
+    flag,
+    logging_options,
+    non_negative_float,
+    non_negative_int,
+    optional_int,
+    optional_text,
+    port_number,
+    positive_float,
+    read_options,
+    wallet_options,
+)
+from protocol.auth import AuthFailure, SQLiteNonceStore, hotkey_signer, verify_request
+from protocol.schemas import (
+    CAPABILITIES_PATH,
+    DEFAULT_LIMITS,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    JSON_CONTENT_TYPE,
+    LOGPROB_FLOOR,
+    NDJSON_CONTENT_TYPE,
+    SCORE_PATH,
+    Capabilities,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    Health,
+    Limits,
+    ProtocolError,
+    ScoredPosition,
+    ScoreRequest,
+    ScoreResponse,
+    Timings,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+    encode_event,
+    encode_model,
+    error_body,
+    parse_generate,
+    parse_score,
+)
+from protocol.signature import sign_response
+
+log = logging.getLogger("k3.miner")
+
+# Bodies above this are hashed, parsed and tokenised in a worker thread: a
+# 64 MiB prompt would otherwise stall every other stream for a noticeable time.
+OFF_LOOP_BYTES = 1 << 20
+METRICS_HOST = "127.0.0.1"
+MAX_MILLIS = 1e9
+_ERROR_CODE = re.compile(r"^[a-z0-9_]{1,64}$")
+
+
+class MinerSetupError(RuntimeError):
+    """The miner cannot start as configured; the message says what to change."""
+
+
+# ---------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 8091
+    external_ip: str | None = None
+    external_port: int | None = None
+    publish: bool = True
+    publish_retry_s: float = 600.0
+    metrics: bool = True
+    metrics_port: int = 9091
+    nonce_store: str = "~/.k3-subnet/miner-nonces.sqlite"
+    max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
+    max_output_tokens: int = DEFAULT_LIMITS.max_tokens
+    shutdown_grace_s: float = 30.0
+    first_event_timeout_s: float = 600.0
+    stall_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class AccessSettings:
+    """Who may call, and how much. Budgets are shares of the miner by stake, with floors."""
+
+    min_validator_stake: float = 1000.0
+    window_s: float = 60.0
+    requests_per_window: int = 1200  # all validators together; each gets its stake share
+    min_requests: int = 30  # per window, whatever the stake: small validators can still measure
+    min_streams: int = 1
+    overcommit: float = 2.0  # a validator may open up to share * overcommit of the capacity
+    max_streams: int = 0  # global cap; 0 = the engine's declared capacity
+
+
+@dataclass(frozen=True)
+class MinerSettings:
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    wallet: WalletSettings = field(default_factory=WalletSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    access: AccessSettings = field(default_factory=AccessSettings)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    log_level: str = "INFO"
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these settings, each with what to do about it."""
+        out = list(self.engine.problems())
+        s, a, c = self.server, self.access, self.chain
+        if self.engine.kind == "remote" and not self.engine.checkpoint:
+            out.append("the remote engine needs --checkpoint: a directory with the served model's config.json, "
+                       "k3_manifest.json (its fingerprint) and tokenizer files")
+        if not 0 <= c.netuid <= 65535:
+            out.append(f"--netuid {c.netuid} is not a netuid (0..65535)")
+        if s.publish and not s.external_ip and s.host in ("0.0.0.0", "::", ""):
+            out.append(f"--host {s.host or '(all)'} is not an address validators can reach: set --external-ip "
+                       "(the public address to publish on chain), or --no-publish")
+        if s.metrics and s.metrics_port and s.metrics_port == s.port:
+            out.append(f"--metrics-port and --port are both {s.port}; give metrics its own port")
+        if s.max_body_bytes < 1024:
+            out.append("--max-body must be at least 1 KiB")
+        if s.max_output_tokens < 1:
+            out.append("--max-output-tokens must be at least 1")
+        if a.min_validator_stake < 0:
+            out.append("--min-validator-stake cannot be negative")
+        if a.requests_per_window < 1 or a.min_requests < 1 or a.min_streams < 1:
+            out.append("--budget-requests, --budget-min-requests and --budget-min-streams must be at least 1")
+        if a.overcommit <= 0 or a.window_s <= 0:
+            out.append("--budget-overcommit and --budget-window-s must be positive")
+        return out
+
+
+def server_options() -> tuple[Option, ...]:
+    p, g = "K3_MINER_", "server"
+    return (
+        Option("server.host", "--host", f"{p}HOST", str, "0.0.0.0", "address to bind the API to", group=g),
+        Option("server.port", "--port", f"{p}PORT", port_number, 8091, "API port (0 picks a free one)", group=g),
+        Option("server.external_ip", "--external-ip", f"{p}EXTERNAL_IP", optional_text, None,
+               "address published on chain, when validators reach you at another address than --host "
+               "(NAT, proxy); default: --host", group=g, metavar="IP"),
+        Option("server.external_port", "--external-port", f"{p}EXTERNAL_PORT", optional_int, None,
+               "port published on chain; default: the bound port", group=g, metavar="PORT"),
+        Option("server.publish", "--publish", f"{p}PUBLISH", flag, True,
+               "publish the endpoint on chain at start (ServeAxon)", group=g),
+        Option("server.publish_retry_s", "--publish-retry-s", f"{p}PUBLISH_RETRY_S", positive_float, 600.0,
+               "when the published endpoint differs from ours (rate limited, not yet registered), retry "
+               "publishing at most this often", group=g),
+        Option("server.metrics", "--metrics", f"{p}METRICS", flag, True,
+               f"serve Prometheus /metrics on {METRICS_HOST}", group=g),
+        Option("server.metrics_port", "--metrics-port", f"{p}METRICS_PORT", port_number, 9091,
+               f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)", group=g),
+        Option("server.nonce_store", "--nonce-store", f"{p}NONCE_STORE", expanded_path,
+               "~/.k3-subnet/miner-nonces.sqlite",
+               "SQLite file of seen request nonces (replay protection), shared by every worker of this miner; "
+               "give each miner its own", group=g, metavar="FILE"),
+        Option("server.max_body_bytes", "--max-body", f"{p}MAX_BODY", byte_size, DEFAULT_LIMITS.max_body_bytes,
+               "largest request body, e.g. 64MiB (larger: 413)", group=g, metavar="SIZE"),
+        Option("server.max_output_tokens", "--max-output-tokens", f"{p}MAX_OUTPUT_TOKENS", int,
+               DEFAULT_LIMITS.max_tokens, "largest max_tokens a request may ask for", group=g),
+        Option("server.shutdown_grace_s", "--shutdown-grace-s", f"{p}SHUTDOWN_GRACE_S", non_negative_float, 30.0,
+               "on SIGINT/SIGTERM, how long open streams may finish before they are ended", group=g),
+        Option("server.first_event_timeout_s", "--first-event-timeout-s", f"{p}FIRST_EVENT_TIMEOUT_S",
+               positive_float, 600.0, "longest wait for a generation's first token (covers the prefill)", group=g),
+        Option("server.stall_timeout_s", "--stall-timeout-s", f"{p}STALL_TIMEOUT_S", positive_float, 120.0,
+               "longest wait between two tokens before the stream is ended with an error event", group=g),
+    )
+
+
+def access_options() -> tuple[Option, ...]:
+    p, g = "K3_MINER_", "validators and budgets"
+    return (
+        Option("access.min_validator_stake", "--min-validator-stake", f"{p}MIN_VALIDATOR_STAKE", non_negative_float,
+               1000.0, "least subnet stake (alpha) a caller with a validator permit needs", group=g),
+        Option("access.window_s", "--budget-window-s", f"{p}BUDGET_WINDOW_S", positive_float, 60.0,
+               "length of the request-budget window", group=g),
+        Option("access.requests_per_window", "--budget-requests", f"{p}BUDGET_REQUESTS", int, 1200,
+               "requests per window for all validators together; each gets its share of validator stake",
+               group=g),
+        Option("access.min_requests", "--budget-min-requests", f"{p}BUDGET_MIN_REQUESTS", int, 30,
+               "requests per window every permitted validator gets, whatever its stake", group=g),
+        Option("access.min_streams", "--budget-min-streams", f"{p}BUDGET_MIN_STREAMS", int, 1,
+               "concurrent streams every permitted validator gets, whatever its stake", group=g),
+        Option("access.overcommit", "--budget-overcommit", f"{p}BUDGET_OVERCOMMIT", positive_float, 2.0,
+               "a validator may hold up to (stake share x this) of the capacity in streams at once", group=g),
+        Option("access.max_streams", "--max-streams", f"{p}MAX_STREAMS", non_negative_int, 0,
+               "global cap on streams at once (0: the engine's capacity, --max-concurrent); beyond it: 429",
+               group=g),
+    )
+
+
+def miner_options() -> tuple[Option, ...]:
+    return (wallet_options() + chain_options() + server_options() + access_options() + engine_options()
+            + logging_options())
+
+
+def read_miner_settings(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    extra: Sequence[Option] = (),
+    prog: str | None = None,
+    description: str | None = None,
+) -> tuple[MinerSettings, dict[str, Any]]:
+    """Settings from flags and environment; `extra` options (a script's own) come back as a dict."""
+    options = miner_options() + tuple(extra)
+    values = read_options(options, argv, environ, prog=prog, description=description)
+    extras = {top: values.pop(top) for top in {o.dest.split(".")[0] for o in extra}}
+    return build_settings(MinerSettings, values), extras
+
+
+# ---------------------------------------------------------------- refusals
+class Refusal(Exception):
+    """A request answered with an error status and a JSON body; never reaches the engine."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
+                 close: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.close = close
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        response = web.Response(status=self.status, body=error_body(self.code, self.message),
+                                content_type=JSON_CONTENT_TYPE, headers=headers)
+        if self.close:  # the unread rest of an oversized body is not worth draining
+            response.force_close()
+        return response
+
+
+# Engine refusal code -> (HTTP status, Retry-After seconds)
+_ENGINE_STATUS = {
+    "invalid_request": (400, None),
+    "context_too_long": (400, None),
+    "queue_full": (429, 1.0),
+    "over_capacity": (429, 1.0),
+    "engine_unavailable": (503, 5.0),
+    "engine_failure": (503, 5.0),
+}
+
+
+def engine_refusal(error: EngineError) -> Refusal:
+    status, retry = _ENGINE_STATUS.get(error.code, (503, 5.0))
+    return Refusal(status, _wire_code(error.code), _public_message(error), retry)
+
+
+def _wire_code(code: str) -> str:
+    return code if _ERROR_CODE.match(code or "") else "engine_failure"
+
+
+def _public_message(error: EngineError) -> str:
+    # An engine failure's message can carry internals (exception text, paths); the caller gets a plain one.
+    if error.code in ("invalid_request", "context_too_long", "queue_full", "over_capacity"):
+        return error.message[:1024]
+    if error.code == "engine_unavailable":
+        return "the engine is not serving right now; retry later"
+    return "the engine failed on this request; retry later"
+
+
+# ---------------------------------------------------------------- validator gate
+@dataclass(frozen=True)
+class CallerBudget:
+    uid: int
+    stake: float
+    requests_per_window: int
+    max_streams: int
+
+
+class ValidatorAccess:
+    """Who may call this miner and with what budget, computed once per metagraph snapshot.
+
+    A caller must be registered, hold a validator permit and have at least
+    `min_validator_stake`. Its budget is its share of the stake of all such
+    validators: `requests_per_window * share` requests per window and
+    `capacity * min(1, share * overcommit)` streams at once, each at least its floor.
+    """
+
+    def __init__(self, snapshot: MetagraphSnapshot | None, settings: AccessSettings, capacity: int):
+        self.snapshot = snapshot
+        self.settings = settings
+        self._neurons = {n.hotkey: n for n in snapshot.neurons} if snapshot is not None else {}
+        self._budgets: dict[str, CallerBudget] = {}
+        eligible = [n for n in self._neurons.values()
+                    if n.validator_permit and n.stake >= settings.min_validator_stake]
+        total = sum(n.stake for n in eligible)
+        for n in eligible:
+            share = n.stake / total if total > 0 else 0.0
+            requests = max(settings.min_requests, math.ceil(settings.requests_per_window * share))
+            streams = math.ceil(capacity * min(1.0, share * settings.overcommit))
+            streams = min(capacity, max(settings.min_streams, streams))
+            self._budgets[n.hotkey] = CallerBudget(n.uid, n.stake, requests, streams)
+
+    def check(self, hotkey: str) -> CallerBudget:
+        budget = self._budgets.get(hotkey)
+        if budget is not None:
+            return budget
+        if self.snapshot is None:
+            raise Refusal(503, "metagraph_unavailable",
+                          "this miner has not read the subnet's metagraph yet; retry shortly", 5.0)
+        neuron = self._neurons.get(hotkey)
+        netuid = self.snapshot.netuid
+        if neuron is None:
+            raise Refusal(403, "not_registered", f"hotkey {hotkey} is not registered on subnet {netuid}")
+        if not neuron.validator_permit:
+            raise Refusal(403, "no_validator_permit",
+                          f"uid {neuron.uid} has no validator permit on subnet {netuid}")
+        raise Refusal(403, "insufficient_stake",
+                      f"uid {neuron.uid} has stake {neuron.stake:g}, below this miner's minimum of "
+                      f"{self.settings.min_validator_stake:g}")
+
+    def budget_of(self, hotkey: str) -> CallerBudget | None:
+        return self._budgets.get(hotkey)
+
+
+class CallerBudgets:
+    """Per-caller request rate (a token bucket holding one window's worth) and streams at once,
+    under a global cap. Everything here runs on the event loop: no locks needed."""
+
+    def __init__(self, window_s: float, capacity: int):
+        self.window_s = window_s
+        self.capacity = capacity
+        self._buckets: dict[str, tuple[float, float]] = {}  # hotkey -> (tokens, updated at)
+        self._streams: dict[str, int] = {}
+        self.streams_in_flight = 0
+
+    def take_request(self, hotkey: str, budget: CallerBudget, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        size = float(budget.requests_per_window)
+        rate = size / self.window_s
+        tokens, updated = self._buckets.get(hotkey, (size, now))
+        tokens = min(size, tokens + (now - updated) * rate)
+        if tokens < 1.0:
+            self._buckets[hotkey] = (tokens, now)
+            wait = (1.0 - tokens) / rate
+            raise Refusal(429, "rate_limited",
+                          f"this hotkey may send {budget.requests_per_window} requests per {self.window_s:g} s "
+                          f"(its stake share); retry in {wait:.1f} s", wait)
+        self._buckets[hotkey] = (tokens - 1.0, now)
+
+    def open_stream(self, hotkey: str, budget: CallerBudget) -> None:
+        mine = self._streams.get(hotkey, 0)
+        if mine >= budget.max_streams:
+            raise Refusal(429, "caller_streams",
+                          f"this hotkey has {mine} streams open; its limit (stake share) is {budget.max_streams}",
+                          1.0)
+        if self.streams_in_flight >= self.capacity:
+            raise Refusal(429, "over_capacity", f"all {self.capacity} streams of this miner are busy; retry later",
+                          1.0)
+        self._streams[hotkey] = mine + 1
+        self.streams_in_flight += 1
+
+    def close_stream(self, hotkey: str) -> None:
+        left = self._streams.get(hotkey, 0) - 1
+        if left > 0:
+            self._streams[hotkey] = left
+        else:
+            self._streams.pop(hotkey, None)
+        self.streams_in_flight -= 1
+
+    @contextlib.contextmanager
+    def stream_slot(self, hotkey: str, budget: CallerBudget):
+        self.open_stream(hotkey, budget)
+        try:
+            yield
+        finally:
+            self.close_stream(hotkey)
+
+
+# ---------------------------------------------------------------- metagraph
+class MetagraphWatch:
+    """The latest metagraph snapshot, re-read with a deadline; a failed read keeps the last one."""
+
+    def __init__(self, chain: Chain, netuid: int, timeout_s: float):
+        self.chain = chain
+        self.netuid = netuid
+        self.timeout_s = timeout_s
+        self.snapshot: MetagraphSnapshot | None = None
+        self.read_at: float | None = None  # monotonic time of the last good read
+        self.last_error: str | None = None  # why the latest read failed (None: it worked)
+        self.failures = 0
+
+    async def refresh(self) -> bool:
+        try:
+            snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure to read (typed chain errors, SDK or OS errors,
+            # our deadline) must leave the miner serving on the last snapshot.
+            self.failures += 1
+            self.last_error = "timed out" if isinstance(error, TimeoutError) else type(error).__name__
+            log.warning("metagraph read failed (%s: %s); keeping the snapshot of block %s",
+                        self.last_error, error, self.snapshot.block if self.snapshot else "none")
+            return False
+        self.snapshot, self.read_at, self.last_error = snapshot, time.monotonic(), None
+        return True
+
+    @property
+    def age_s(self) -> float | None:
+        return None if self.read_at is None else time.monotonic() - self.read_at
+
+
+# ---------------------------------------------------------------- metrics
+class MinerMetrics:
+    """Miner counters, in their own registry (the engine has its own)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("k3_miner_requests", "Answered requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.auth_failures = Counter("k3_miner_auth_failures",
+                                     "Requests refused by authentication or the validator gate, by reason",
+                                     ["reason"], registry=r)
+        self.rejections = Counter("k3_miner_rejections", "429 answers by reason", ["reason"], registry=r)
+        self.stream_errors = Counter("k3_miner_stream_errors", "Generations ended by an error event, by code",
+                                     ["code"], registry=r)
+        self.disconnects = Counter("k3_miner_client_disconnects",
+                                   "Requests whose client left before the answer was complete", registry=r)
+        self.streams_active = Gauge("k3_miner_streams_active", "Generate and score requests in flight", registry=r)
+        self.metagraph_block = Gauge("k3_miner_metagraph_block", "Block of the metagraph snapshot in use",
+                                     registry=r)
+        self.metagraph_age = Gauge("k3_miner_metagraph_age_seconds", "Age of the metagraph snapshot in use",
+                                   registry=r)
+        self.metagraph_failures = Counter("k3_miner_metagraph_read_failures", "Failed metagraph reads",
+                                          registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_ENDPOINTS = {GENERATE_PATH: "generate", SCORE_PATH: "score", CAPABILITIES_PATH: "capabilities",
+              HEALTH_PATH: "health"}
+
+
+# ---------------------------------------------------------------- wire conversion
+def _logprob(value: float) -> float:
+    value = float(value)
+    if math.isnan(value):
+        raise EngineError("engine_failure", "the engine produced a NaN logprob")
+    # -inf (a token of probability 0 among the top-k) goes on the wire as the protocol's floor.
+    return min(max(value, LOGPROB_FLOOR), 0.0)
+
+
+def wire_token_event(event: EngineTokenEvent) -> TokenEvent:
+    # Validating one plain dict is cheaper than building the nested models one by one.
+    return TokenEvent.model_validate({
+        "index": int(event.index),
+        "token_ids": [int(event.token_id)],
+        "text": str(event.text),
+        "logprobs": [_logprob(event.logprob)],
+        "top_logprobs": [[{"token_id": int(t), "logprob": _logprob(lp)} for t, lp in event.top_logprobs]],
+    })
+
+
+def _millis(value: float | None, fallback: float) -> float:
+    value = fallback if value is None or not math.isfinite(value) else value
+    return float(min(max(value, 0.0), MAX_MILLIS))
+
+
+def sampling_params(request: GenerateRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+        top_k=request.top_k, seed=request.seed, stop=tuple(request.stop), logprobs=request.logprobs,
+    )
+
+
+def prompt_token_ids(request: GenerateRequest, tokenizer, chat: bool = False) -> list[int]:
+    """The prompt as token ids: given ids as they are; text through the tokenizer, as one user turn of
+    the chat template when `chat` is asked (the template ends with the assistant's turn opening)."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": request.prompt}],
+                                             add_generation_prompt=True, add_bos=request.add_special_tokens)
+    return tokenizer.encode(request.prompt, add_bos=request.add_special_tokens)
+
+
+@dataclass
+class Admission:
+    hotkey: str
+    budget: CallerBudget
+    body: bytes
+
+
+# ---------------------------------------------------------------- the server
+class MinerServer:
+    """The HTTP API over one engine. `start()` serves; `close()` drains and stops (engine included)."""
+
+    def __init__(self, settings: MinerSettings, *, engine: Engine, tokenizer, chain: Chain, wallet,
+                 nonce_store: SQLiteNonceStore):
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chain = chain
+        self.wallet = wallet  # what the chain takes for publication (a bt.Wallet, or anything with .hotkey)
+        self.keypair = hotkey_signer(wallet)
+        self.hotkey = self.keypair.ss58_address
+        self.nonce_store = nonce_store
+        caps = engine.capabilities()
+        if not caps.model_fingerprint:
+            raise MinerSetupError("the engine reports no model fingerprint; give --checkpoint (its k3_manifest.json "
+                                  "names the model the validators check)")
+        self.engine_capabilities = caps
+        declared = caps.max_concurrent_sequences
+        self.capacity = min(settings.access.max_streams, declared) if settings.access.max_streams else declared
+        self.limits = Limits(
+            max_body_bytes=settings.server.max_body_bytes,
+            max_tokens=max(1, min(settings.server.max_output_tokens, caps.max_context - 1)),
+            max_prompt_tokens=min(DEFAULT_LIMITS.max_prompt_tokens, caps.max_context),
+            max_score_tokens=min(DEFAULT_LIMITS.max_score_tokens, caps.max_context),
+        )
+        self._capabilities_body = encode_model(Capabilities(
+            model_id=caps.model_id, model_fingerprint=caps.model_fingerprint, vocab_size=caps.vocab_size,
+            max_context=caps.max_context, max_concurrent_streams=self.capacity, engine=caps.engine_kind,
+            layout=dict(caps.layout), precision=caps.precision or "unknown", software_version=__version__,
+            limits=self.limits,
+        ))
+        self.metrics = MinerMetrics()
+        self.metrics.streams_active.set_function(lambda: self.budgets.streams_in_flight)
+        self.metrics.metagraph_age.set_function(lambda: self.metagraph.age_s or 0.0)
+        self.metagraph = MetagraphWatch(chain, settings.chain.netuid, settings.chain.timeout_s)
+        self.access = ValidatorAccess(None, settings.access, self.capacity)
+        self.budgets = CallerBudgets(settings.access.window_s, self.capacity)
+        self.app = self._build_app()
+        self.draining = False
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.publication: str = "not attempted"
+        self._last_publish_attempt = -math.inf
+        self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self._refresher: asyncio.Task | None = None
+        self._skip_grace = asyncio.Event()
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[self._answer_errors])
+        app.add_routes([
+            web.post(GENERATE_PATH, self.handle_generate),
+            web.post(SCORE_PATH, self.handle_score),
+            web.get(CAPABILITIES_PATH, self.handle_capabilities),
+            web.get(HEALTH_PATH, self.handle_health),
+        ])
+        return app
+
+    async def start(self) -> None:
+        s = self.settings.server
+        await self.engine.start()
+        if not await self.refresh_metagraph():
+            log.error("cannot read the metagraph of subnet %d yet: every validator gets 503 until a read works",
+                      self.settings.chain.netuid)
+        # handler_cancellation: a client that disconnects cancels its handler at once, which closes the
+        # engine stream and frees the sequence even while the engine is still prefilling.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, s.host, s.port, reuse_address=True).start()
+        self.port = self._runner.addresses[0][1]
+        if s.metrics:
+            metrics_app = web.Application()
+            metrics_app.add_routes([web.get("/metrics", self.handle_metrics)])
+            self._metrics_runner = web.AppRunner(metrics_app, access_log=None, shutdown_timeout=1.0)
+            await self._metrics_runner.setup()
+            await web.TCPSite(self._metrics_runner, METRICS_HOST, s.metrics_port, reuse_address=True).start()
+            self.metrics_port = self._metrics_runner.addresses[0][1]
+        log.info("miner %s serving %s on %s:%d (capacity %d streams)%s", self.hotkey,
+                 self.engine_capabilities.model_fingerprint, s.host, self.port, self.capacity,
+                 f"; metrics on http://{METRICS_HOST}:{self.metrics_port}/metrics" if self.metrics_port else "")
+        if s.publish:
+            await self.publish_endpoint()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="k3-metagraph")
+
+    @property
+    def url(self) -> str:
+        host = self.settings.server.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+        return f"http://{host}:{self.port}"
+
+    def skip_grace(self) -> None:
+        """A second signal: end open streams now instead of waiting for them."""
+        self._skip_grace.set()
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let open streams finish within the grace period, then end the rest
+        (the engine is stopped, so each gets an error event) and stop everything."""
+        if self._closed:
+            return
+        self._closed = True
+        grace_s = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
+        self.draining = True
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+        if self.budgets.streams_in_flight:
+            log.info("waiting up to %.0f s for %d open streams", grace_s, self.budgets.streams_in_flight)
+        await self._wait_for_streams(grace_s)
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self.budgets.streams_in_flight:
+            log.warning("ending %d streams that outlived the grace period", self.budgets.streams_in_flight)
+        await self.engine.stop()
+        self._skip_grace.clear()
+        await self._wait_for_streams(2.0)  # let the error events go out
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        log.info("miner stopped")
+
+    async def _wait_for_streams(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while self.budgets.streams_in_flight and time.monotonic() < deadline and not self._skip_grace.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._skip_grace.wait(), min(0.05, max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------ metagraph and endpoint
+    def _use_snapshot(self) -> None:
+        snapshot = self.metagraph.snapshot
+        self.access = ValidatorAccess(snapshot, self.settings.access, self.capacity)
+        self.metrics.metagraph_block.set(snapshot.block)
+
+    async def refresh_metagraph(self) -> bool:
+        ok = await self.metagraph.refresh()
+        if ok:
+            self._use_snapshot()
+        else:
+            self.metrics.metagraph_failures.inc()
+        return ok
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.chain.metagraph_refresh_s)
+            await self.refresh_metagraph()
+            s = self.settings.server
+            if (s.publish and self._needs_publication()
+                    and time.monotonic() - self._last_publish_attempt >= s.publish_retry_s):
+                await self.publish_endpoint()
+
+    def _needs_publication(self) -> bool:
+        """Our endpoint is not (or no longer) the one on chain: never published, rate limited, changed
+        by a re-registration."""
+        snapshot = self.metagraph.snapshot
+        mine = snapshot.by_hotkey(self.hotkey) if snapshot is not None else None
+        if mine is None:
+            return self.publication != "published"
+        return mine.endpoint is None or (mine.endpoint.ip, mine.endpoint.port) != self.external_endpoint()
+
+    def external_endpoint(self) -> tuple[str, int]:
+        s = self.settings.server
+        return (s.external_ip or s.host), (s.external_port or self.port)
+
+    async def publish_endpoint(self) -> str:
+        """ServeAxon when the chain's entry differs from ours. Returns (and keeps in `publication`)
+        "published", "rate_limited" (the existing entry stays), "not_registered" or "failed"."""
+        ip, port = self.external_endpoint()
+        netuid = self.settings.chain.netuid
+        self._last_publish_attempt = time.monotonic()
+        snapshot = self.metagraph.snapshot
+        mine = snapshot.by_hotkey(self.hotkey) if snapshot is not None else None
+        if mine is not None and mine.endpoint is not None and (mine.endpoint.ip, mine.endpoint.port) == (ip, port):
+            log.info("endpoint %s:%d is already published for uid %d", ip, port, mine.uid)
+            self.publication = "published"
+            return self.publication
+        try:
+            await asyncio.wait_for(self.chain.publish_endpoint(self.wallet, netuid, ip, port),
+                                   self.settings.chain.timeout_s)
+        except RateLimited as error:
+            existing = f"{mine.endpoint.ip}:{mine.endpoint.port}" if mine and mine.endpoint else "none"
+            log.warning("serving rate limit: keeping the existing on-chain endpoint (%s) for now; will retry "
+                        "publishing %s:%d (%s)", existing, ip, port, error)
+            self.publication = "rate_limited"
+        except NotRegistered:
+            log.error("hotkey %s is not registered on subnet %d: register it, then the miner publishes %s:%d "
+                      "on its own", self.hotkey, netuid, ip, port)
+            self.publication = "not_registered"
+        except (ChainError, TimeoutError, OSError, ValueError) as error:
+            log.error("could not publish %s:%d on subnet %d: %s", ip, port, netuid, error)
+            self.publication = "failed"
+        else:
+            log.info("published endpoint %s:%d on subnet %d", ip, port, netuid)
+            self.publication = "published"
+        return self.publication
+
+    # ------------------------------------------------------------ admission
+    @web.middleware
+    async def _answer_errors(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = _ENDPOINTS.get(request.path, "other")
+        try:
+            response = await handler(request)
+        except Refusal as refusal:
+            response = refusal.response()
+            if refusal.status == 429:
+                self.metrics.rejections.labels(refusal.code).inc()
+        except ProtocolError as error:
+            response = Refusal(error.status, error.code, error.message).response()
+        except web.HTTPException as error:  # aiohttp's own answers (unknown path, wrong method): JSON too
+            code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(error.status, "http_error")
+            response = Refusal(error.status, code, error.reason or code).response()
+        except asyncio.CancelledError:
+            self.metrics.disconnects.inc()
+            raise
+        except Exception:
+            log.exception("unexpected failure answering %s %s", request.method, request.path)
+            response = Refusal(500, "internal_error", "the miner failed on this request").response()
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    async def _admit(self, request: web.Request) -> Admission:
+        """Size, btauth/1, validator gate and request budget, in this order, before any parsing."""
+        if self.draining:
+            raise Refusal(503, "shutting_down", "this miner is shutting down; retry later", 5.0)
+        limit = self.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise Refusal(413, "too_large", f"request body is {request.content_length} bytes, above the limit of "
+                                            f"{limit}", close=True)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Refusal(413, "too_large", f"request body is above the limit of {limit} bytes", close=True) from None
+        args = (request.headers, body, request.method, request.raw_path, self.hotkey, self.nonce_store)
+        try:
+            if len(body) > OFF_LOOP_BYTES:
+                hotkey = await asyncio.to_thread(verify_request, *args)
+            else:
+                hotkey = verify_request(*args)
+        except AuthFailure as failure:
+            self.metrics.auth_failures.labels(failure.code).inc()
+            raise Refusal(failure.status, failure.code, failure.message,
+                          5.0 if failure.status == 503 else None) from None
+        try:
+            budget = self.access.check(hotkey)
+        except Refusal as refusal:
+            self.metrics.auth_failures.labels(refusal.code).inc()
+            raise
+        self.budgets.take_request(hotkey, budget)
+        return Admission(hotkey, budget, body)
+
+    async def _off_loop_if_large(self, size: int, function: Callable, *args):
+        if size > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(function, *args)
+        return function(*args)
+
+    def _parse_generate(self, body: bytes) -> tuple[GenerateRequest, list[int]]:
+        caps = self.engine_capabilities
+        parsed = parse_generate(body, self.limits)
+        parsed.check_against(caps.vocab_size, caps.max_context)
+        # `chat` is the proposed wire switch for the chat template (protocol/schemas.py does not carry it
+        # yet); a text prompt is plain text until it does.
+        ids = prompt_token_ids(parsed, self.tokenizer, chat=bool(getattr(parsed, "chat", False)))
+        if parsed.prompt is not None:
+            parsed.check_context(len(ids), caps.max_context)
+        return parsed, ids
+
+    def _parse_score(self, body: bytes) -> ScoreRequest:
+        caps = self.engine_capabilities
+        parsed = parse_score(body, self.limits)
+        parsed.check_against(caps.vocab_size, caps.max_context)
+        return parsed
+
+    # ------------------------------------------------------------ handlers
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return _json(encode_model(self.health()))
+
+    def health(self) -> Health:
+        if self.draining:
+            return Health(status="down", detail="shutting down")
+        engine = self.engine.health()
+        if engine.status == "down":
+            return Health(status="down", detail="the engine is not serving")
+        problems = []
+        if engine.status != "ok":
+            problems.append("the engine reported a failure")
+        watch = self.metagraph
+        if watch.snapshot is None:
+            problems.append("the metagraph has not been read yet")
+        elif watch.last_error is not None:
+            problems.append(f"metagraph stale: using block {watch.snapshot.block} read {watch.age_s:.0f} s ago; "
+                            f"the latest read failed ({watch.last_error})")
+        if problems:
+            return Health(status="degraded", detail="; ".join(problems))
+        return Health(status="ok", detail=f"metagraph block {watch.snapshot.block} read {watch.age_s:.0f} s ago")
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        engine_metrics = getattr(self.engine, "metrics", None)
+        body = self.metrics.exposition()
+        if engine_metrics is not None and hasattr(engine_metrics, "exposition"):
+            body += engine_metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def handle_capabilities(self, request: web.Request) -> web.Response:
+        await self._admit(request)
+        return _json(self._capabilities_body)
+
+    async def handle_score(self, request: web.Request) -> web.Response:
+        admission = await self._admit(request)
+        with self.budgets.stream_slot(admission.hotkey, admission.budget):
+            parsed = await self._off_loop_if_large(len(admission.body), self._parse_score, admission.body)
+            positions = parsed.resolved_positions()
+            try:
+                scored = await asyncio.wait_for(
+                    self.engine.score(list(parsed.token_ids), None if parsed.positions is None else positions,
+                                      parsed.top_k),
+                    self.settings.server.first_event_timeout_s)
+            except EngineError as error:
+                raise engine_refusal(error) from None
+            except TimeoutError:
+                raise Refusal(503, "engine_stalled", "the engine did not finish scoring in time", 5.0) from None
+            if [p.position for p in scored] != positions:
+                log.error("the engine scored positions other than those asked")
+                raise Refusal(503, "engine_failure", "the engine failed on this request; retry later", 5.0)
+            body = await self._off_loop_if_large(len(positions) * (1 + parsed.top_k) * 64, self._score_answer,
+                                                 parsed, scored)
+            return _json(body)
+
+    def _score_answer(self, parsed: ScoreRequest, scored) -> bytes:
+        return encode_model(ScoreResponse(
+            request_id=parsed.request_id, model_fingerprint=self.engine_capabilities.model_fingerprint,
+            scores=[ScoredPosition(position=int(p.position), token_id=int(p.token_id), logprob=_logprob(p.logprob),
+                                   top=[TopLogprob(token_id=int(t), logprob=_logprob(lp)) for t, lp in p.top])
+                    for p in scored],
+        ))
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        admission = await self._admit(request)
+        with self.budgets.stream_slot(admission.hotkey, admission.budget):
+            parsed, prompt_ids = await self._off_loop_if_large(len(admission.body), self._parse_generate,
+                                                               admission.body)
+            engine_request = GenerationRequest(prompt_ids, sampling_params(parsed), parsed.request_id)
+            try:
+                stream = self.engine.generate(engine_request)
+            except EngineError as error:
+                raise engine_refusal(error) from None
+            try:
+                try:
+                    first = await self._next_event(stream, self.settings.server.first_event_timeout_s)
+                except EngineError as error:
+                    raise engine_refusal(error) from None
+                response = web.StreamResponse(status=200, headers={"Cache-Control": "no-store"})
+                response.content_type = NDJSON_CONTENT_TYPE
+                await response.prepare(request)
+                try:
+                    await self._relay(stream, first, response, admission.body, arrived)
+                except ConnectionError:  # the client left; closing the stream below frees the sequence
+                    self.metrics.disconnects.inc()
+                return response
+            finally:
+                await stream.aclose()
+
+    async def _next_event(self, stream, timeout_s: float):
+        """The engine's next event; EngineError for a refusal, a failure, a stall or a cut stream."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await anext(stream)
+        except TimeoutError:
+            raise EngineError("engine_stalled", f"the engine sent nothing for {timeout_s:g} s") from None
+        except StopAsyncIteration:
+            raise EngineError("engine_failure", "the engine ended the stream without a final event") from None
+
+    async def _relay(self, stream, event, response: web.StreamResponse, body: bytes, arrived: float) -> None:
+        token_ids: list[int] = []
+        first_token_at = None
+        try:
+            while True:
+                if isinstance(event, EngineTokenEvent):
+                    if event.index != len(token_ids):
+                        raise EngineError("engine_failure", f"the engine sent token index {event.index}, "
+                                                            f"expected {len(token_ids)}")
+                    line = encode_event(wire_token_event(event))
+                    token_ids.append(int(event.token_id))
+                    await response.write(line)
+                    first_token_at = first_token_at or time.perf_counter()
+                elif isinstance(event, EngineFinalEvent):
+                    await response.write(encode_event(self._final_event(event, body, token_ids, arrived,
+                                                                        first_token_at)))
+                    break
+                else:
+                    raise EngineError("engine_failure", f"the engine sent a {type(event).__name__}")
+                event = await self._next_event(stream, self.settings.server.stall_timeout_s)
+        except EngineError as error:
+            log.warning("generation ended by the engine after %d tokens: %s: %s", len(token_ids), error.code,
+                        error.message)
+            self.metrics.stream_errors.labels(_wire_code(error.code)).inc()
+            await response.write(encode_event(ErrorEvent(code=_wire_code(error.code),
+                                                         message=_public_message(error))))
+        await response.write_eof()
+
+    def _final_event(self, final: EngineFinalEvent, body: bytes, token_ids: list[int], arrived: float,
+                     first_token_at: float | None) -> FinalEvent:
+        if final.finish_reason not in ("eos", "stop", "length"):
+            raise EngineError(_wire_code(final.finish_reason or "engine_failure"),
+                              f"the generation ended as {final.finish_reason!r}")
+        if final.completion_tokens != len(token_ids):
+            log.warning("the engine reports %d completion tokens but streamed %d", final.completion_tokens,
+                        len(token_ids))
+        now = time.perf_counter()
+        total_ms = (now - arrived) * 1000.0
+        ttft_ms = total_ms if first_token_at is None else (first_token_at - arrived) * 1000.0
+        prefill_rate = None
+        if final.prefill_ms and final.prefill_ms > 0:
+            prefill_rate = min(final.prompt_tokens / (final.prefill_ms / 1000.0), 1e12)
+        decode_rate = None
+        if len(token_ids) > 1 and first_token_at is not None and now > first_token_at:
+            decode_rate = min((len(token_ids) - 1) / (now - first_token_at), 1e12)
+        return FinalEvent(
+            finish_reason=final.finish_reason,
+            usage=Usage(prompt_tokens=int(final.prompt_tokens), completion_tokens=int(final.completion_tokens)),
+            timings=Timings(queue_ms=_millis(final.queue_ms, 0.0), ttft_ms=_millis(ttft_ms, total_ms),
+                            total_ms=_millis(total_ms, 0.0), prefill_tokens_per_s=prefill_rate,
+                            decode_tokens_per_s=decode_rate),
+            model_fingerprint=self.engine_capabilities.model_fingerprint,
+            signature=sign_response(self.keypair, body, token_ids),
+        )
+
+
+def _json(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- running it
+def open_wallet(settings: WalletSettings):
+    """The bittensor wallet whose hotkey this miner serves as (the hotkey file must exist)."""
+    import bittensor as bt  # noqa: PLC0415 (the SDK takes a second to import; only here is it needed)
+
+    wallet = bt.Wallet(settings.name, settings.hotkey, path=str(Path(settings.path).expanduser()))
+    if not wallet.hotkey_file.exists_on_device():
+        raise MinerSetupError(
+            f"no hotkey file at {wallet.hotkey_file.path}: create it with `btcli wallet new-hotkey "
+            f"--wallet-name {settings.name} --hotkey {settings.hotkey} --wallet-path {settings.path}` "
+            "or point --wallet-name/--wallet-hotkey/--wallet-path at an existing one")
+    return wallet
+
+
+def load_tokenizer_for(spec: EngineSpec, engine: Engine):
+    """The tokenizer of text prompts: the engine's own when it has one, else the checkpoint's."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    from inference.checkpoint import read_config  # noqa: PLC0415
+    from inference.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    return load_tokenizer(spec.checkpoint, read_config(spec.checkpoint))
+
+
+async def serve(settings: MinerSettings, wrap_engine: Callable[[Engine], Engine] | None = None,
+                stop: asyncio.Event | None = None) -> int:
+    """Run a miner until SIGINT/SIGTERM (or `stop` is set); a second signal skips the grace period.
+    Returns the process exit status."""
+    problems = settings.problems()
+    if problems:
+        raise MinerSetupError("; ".join(problems))
+    wallet = open_wallet(settings.wallet)
+    nonce_store = SQLiteNonceStore(Path(settings.server.nonce_store).expanduser())
+    chain = connect(settings.chain.network)
+    try:
+        try:
+            engine = await asyncio.to_thread(build_engine, settings.engine)
+        except EngineSpecError as error:
+            raise MinerSetupError(str(error)) from None
+        tokenizer = load_tokenizer_for(settings.engine, engine)
+        if wrap_engine is not None:
+            engine = wrap_engine(engine)
+        server = MinerServer(settings, engine=engine, tokenizer=tokenizer, chain=chain, wallet=wallet,
+                             nonce_store=nonce_store)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(name: str) -> None:
+            if stop.is_set():
+                log.warning("%s again: ending open streams now", name)
+                server.skip_grace()
+            else:
+                log.info("%s: shutting down", name)
+                stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        try:
+            await server.start()
+            await stop.wait()
+        finally:
+            await server.close()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    finally:
+        await chain.close()
+        nonce_store.close()
+    return 0
