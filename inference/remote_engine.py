@@ -84,7 +84,9 @@ class RemoteEngine(Engine):
     async def start(self) -> None:
         if self._session is None:
             s = self.settings
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=max(100, s.max_concurrent_sequences + 8)),
+                timeout=aiohttp.ClientTimeout(
                 total=s.total_timeout_s, connect=s.connect_timeout_s, sock_read=None))
             await self._check_health()
             self._health_task = asyncio.create_task(self._watch_health())

@@ -1,0 +1,1041 @@
+"""The validator's organic gateway: an OpenAI-compatible API that serves real users from the
+subnet's best miners.
+
+    POST /v1/chat/completions   messages -> the tokenizer's chat template -> token ids -> a miner
+    POST /v1/completions        prompt text (tokenized here) or token ids -> a miner
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                unauthenticated liveness
+
+Every call but /health carries `Authorization: Bearer KEY`, checked against a key file (one key
+per line, `#` starts a comment; re-read when it changes) and limited per key (a token bucket).
+The validator supplies the miners through a small seam, `MinerDirectory.ranked_miners()`, best
+first. A request goes to the best miner; on a connection error, HTTP error, timeout, broken
+stream or failed tier-0 check *before any byte went to the user* it fails over to the next one,
+up to `max_attempts`. Once a stream has started, a failure ends it with an error chunk (the
+`openai` client raises it as an APIError). Every answer goes through tier 0
+(`scoring.verify.check_tier0`: usage, finish reason, logprobs, buffering, response signature)
+and every attempt's outcome is handed to the directory's optional `record_organic(uid=, hotkey=,
+outcome=, prompt_ids=)` hook, so organic traffic counts like any other measurement.
+
+What the user gets is the validator's own reading of the miner's tokens: the text is decoded
+here from the token ids (a miner cannot send other text than the tokens it signed), and usage
+is the validator's own count.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import inspect
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Protocol, Sequence, Union
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from neurons.cli_settings import (
+    Option,
+    byte_size,
+    flag,
+    non_negative_float,
+    optional_text,
+    port_number,
+    positive_float,
+)
+from protocol.client import (
+    ClientTimeouts,
+    GenerateResult,
+    MinerClient,
+    MinerError,
+    MinerStreamError,
+    MinerTimeout,
+    MinerUnreachable,
+)
+from protocol.schemas import (
+    Capabilities,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    TokenEvent,
+    U64_MAX,
+    describe_validation_error,
+)
+from scoring.config import ScoringConfig
+from scoring.verify import Failure, check_tier0
+
+log = logging.getLogger("k3.gateway")
+
+MAX_STOP_STRINGS = 4  # OpenAI's bound; the wire allows more
+MAX_STOP_CHARS = 64
+MAX_USER_LOGPROBS = 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MINER_UID_HEADER = "x-k3-miner-uid"
+MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
+
+
+class GatewaySetupError(RuntimeError):
+    """The gateway cannot start as configured; the message says what to change."""
+
+
+# ---------------------------------------------------------------- the seam to the validator
+@dataclass(frozen=True)
+class MinerTarget:
+    """One miner the gateway may send users to. `capabilities`, when the validator already holds
+    them, saves a call; otherwise the gateway asks the miner and caches the answer."""
+
+    uid: int
+    hotkey: str
+    url: str
+    score: float
+    capabilities: Optional[Capabilities] = None
+
+
+Outcome = Union[GenerateResult, MinerError]
+
+
+class MinerDirectory(Protocol):
+    """What the gateway needs from the validator.
+
+    `ranked_miners()` returns the miners to use, best first: objects with `uid`, `hotkey`, `url`,
+    `score` and optionally `capabilities` (a MinerTarget, or any object with those attributes);
+    the gateway skips those with score <= `min_score`. It may also be a coroutine function.
+
+    Optional hook, called once per generation attempt (sync, or a coroutine run in the
+    background): `record_organic(uid=..., hotkey=..., outcome=..., prompt_ids=...)`, where
+    `outcome` is the finished GenerateResult or the MinerError the attempt raised (its `.partial`
+    holds the request and what had arrived) and `prompt_ids` the prompt as the validator
+    tokenized it. The gateway has already run tier 0 to decide on failover; the hook records the
+    measurement (and may run tier 0 again on its own copy of the miner's capabilities).
+    """
+
+    def ranked_miners(self) -> Sequence[MinerTarget]: ...
+
+
+# ---------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class GatewaySettings:
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys_file: Optional[str] = None
+    model_name: str = "kimi-k3"
+    max_attempts: int = 3
+    min_score: float = 0.0
+    rate_limit_requests: int = 60
+    rate_limit_window_s: float = 60.0
+    default_max_tokens: int = 1024
+    max_tokens_cap: int = 32768
+    max_body_bytes: int = 16 * 1024 * 1024
+    request_logprobs: int = 5  # asked of the miner on every request, so that tier 0 can check greedy tokens
+    connect_timeout_s: float = 3.0
+    first_token_timeout_s: float = 60.0
+    between_tokens_timeout_s: float = 15.0
+    request_timeout_s: float = 600.0
+    capabilities_ttl_s: float = 300.0
+    miner_cooldown_s: float = 30.0
+
+    def problems(self, need_key_file: bool = True) -> list[str]:
+        out = []
+        if need_key_file and self.enabled and not self.api_keys_file:
+            out.append("the gateway needs --gateway-api-keys FILE (one API key per line)")
+        for name in ("max_attempts", "rate_limit_requests", "default_max_tokens", "max_tokens_cap"):
+            if getattr(self, name) < 1:
+                out.append(f"gateway {name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.request_logprobs <= MAX_USER_LOGPROBS:
+            out.append(f"gateway request_logprobs must lie in 0..{MAX_USER_LOGPROBS}")
+        for name in ("rate_limit_window_s", "connect_timeout_s", "first_token_timeout_s",
+                     "between_tokens_timeout_s", "request_timeout_s", "capabilities_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                out.append(f"gateway {name} must be a positive number of seconds, got {value}")
+        if self.max_body_bytes < 1024:
+            out.append("--gateway-max-body must be at least 1 KiB")
+        return out
+
+    @property
+    def miner_timeouts(self) -> ClientTimeouts:
+        return ClientTimeouts(connect=self.connect_timeout_s, first_byte=self.first_token_timeout_s,
+                              between_events=self.between_tokens_timeout_s, total=self.request_timeout_s)
+
+
+def gateway_options() -> tuple[Option, ...]:
+    """The gateway's flags (dest "gateway.*"), for the validator's option table."""
+    p, g = "K3_GATEWAY_", "organic gateway"
+    return (
+        Option("gateway.enabled", "--gateway", f"{p}ENABLED", flag, False,
+               "serve the OpenAI-compatible organic gateway (real users' requests to the best miners)", group=g),
+        Option("gateway.host", "--gateway-host", f"{p}HOST", str, "127.0.0.1", "address the gateway binds to",
+               group=g),
+        Option("gateway.port", "--gateway-port", f"{p}PORT", port_number, 8000, "gateway port (0 picks a free one)",
+               group=g),
+        Option("gateway.api_keys_file", "--gateway-api-keys", f"{p}API_KEYS", optional_text, None,
+               "file of API keys, one per line, '#' starts a comment; re-read when it changes", group=g,
+               metavar="FILE"),
+        Option("gateway.model_name", "--gateway-model-name", f"{p}MODEL_NAME", str, "kimi-k3",
+               "model name users ask for (and /v1/models lists)", group=g, metavar="NAME"),
+        Option("gateway.max_attempts", "--gateway-max-attempts", f"{p}MAX_ATTEMPTS", int, 3,
+               "miners tried per request before giving up (failover before the first byte)", group=g),
+        Option("gateway.min_score", "--gateway-min-score", f"{p}MIN_SCORE", non_negative_float, 0.0,
+               "miners at or below this score get no organic traffic", group=g, metavar="X"),
+        Option("gateway.rate_limit_requests", "--gateway-rate-limit", f"{p}RATE_LIMIT", int, 60,
+               "requests per key per window (beyond: 429)", group=g),
+        Option("gateway.rate_limit_window_s", "--gateway-rate-limit-window-s", f"{p}RATE_LIMIT_WINDOW_S",
+               positive_float, 60.0, "rate-limit window", group=g),
+        Option("gateway.default_max_tokens", "--gateway-default-max-tokens", f"{p}DEFAULT_MAX_TOKENS", int, 1024,
+               "max_tokens of a chat request that gives none (bounded by the miner's context)", group=g),
+        Option("gateway.max_tokens_cap", "--gateway-max-tokens", f"{p}MAX_TOKENS", int, 32768,
+               "largest max_tokens a user may ask for", group=g),
+        Option("gateway.max_body_bytes", "--gateway-max-body", f"{p}MAX_BODY", byte_size, 16 * 1024 * 1024,
+               "largest request body (larger: 413)", group=g, metavar="SIZE"),
+        Option("gateway.connect_timeout_s", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
+               3.0, "deadline to connect to a miner", group=g),
+        Option("gateway.first_token_timeout_s", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
+               positive_float, 60.0, "deadline for a miner's first token (covers the prefill)", group=g),
+        Option("gateway.between_tokens_timeout_s", "--gateway-between-tokens-timeout-s",
+               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, 15.0, "deadline between two tokens of a miner",
+               group=g),
+        Option("gateway.request_timeout_s", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
+               600.0, "deadline of one user request, failovers included", group=g),
+        Option("gateway.miner_cooldown_s", "--gateway-miner-cooldown-s", f"{p}MINER_COOLDOWN_S", non_negative_float,
+               30.0, "a miner that could not be reached is tried last for this long", group=g),
+    )
+
+
+# ---------------------------------------------------------------- API keys
+class ApiKeyFileError(ValueError):
+    """An API key file that cannot be used."""
+
+
+MIN_KEY_CHARS = 8
+
+
+def read_api_keys(path: Union[str, Path]) -> set[str]:
+    """Keys of a key file: one per line; `#` starts a comment (so keys hold no `#` and no spaces)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ApiKeyFileError(f"cannot read the API key file {path}: {error.strerror or error}") from None
+    keys = set()
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        key = line.split("#", 1)[0].strip()
+        if not key:
+            continue
+        if any(ch.isspace() for ch in key):
+            raise ApiKeyFileError(f"{path}:{lineno}: one key per line, without spaces")
+        if len(key) < MIN_KEY_CHARS:
+            raise ApiKeyFileError(f"{path}:{lineno}: a key needs at least {MIN_KEY_CHARS} characters")
+        keys.add(key)
+    return keys
+
+
+def key_id(key: str) -> str:
+    """A short name of a key for logs and rate limits (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class ApiKeys:
+    """The accepted keys, re-read whenever the file changes (a bad edit keeps the last good set)."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path).expanduser()
+        self._stamp: Optional[tuple] = None
+        self._digests: set[bytes] = set()
+        self.reload_error: Optional[str] = None
+        self._load(raise_errors=True)
+
+    def _file_stamp(self) -> Optional[tuple]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self, raise_errors: bool = False) -> None:
+        stamp = self._file_stamp()
+        try:
+            keys = read_api_keys(self.path)
+        except ApiKeyFileError as error:
+            if raise_errors:
+                raise
+            if self.reload_error != str(error):
+                log.error("keeping the previous %d API keys: %s", len(self._digests), error)
+            self.reload_error = str(error)
+            self._stamp = stamp
+            return
+        self._digests = {hashlib.sha256(k.encode()).digest() for k in keys}
+        self._stamp = stamp
+        self.reload_error = None
+        log.info("loaded %d API keys from %s", len(keys), self.path)
+
+    def __len__(self) -> int:
+        self._refresh()
+        return len(self._digests)
+
+    def _refresh(self) -> None:
+        if self._file_stamp() != self._stamp:
+            self._load()
+
+    def check(self, key: str) -> Optional[str]:
+        """The key's id when it is accepted, else None."""
+        self._refresh()
+        digest = hashlib.sha256(key.encode()).digest()
+        # Compare digests in constant time: nothing about a valid key leaks through timing.
+        accepted = False
+        for known in self._digests:
+            accepted |= hmac.compare_digest(known, digest)
+        return key_id(key) if accepted else None
+
+
+class KeyRateLimiter:
+    """`requests` per `window_s` per key, as a token bucket (bursts up to a window's worth)."""
+
+    def __init__(self, requests: int, window_s: float):
+        self.size = float(requests)
+        self.rate = requests / window_s
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str, now: Optional[float] = None) -> Optional[float]:
+        """None when the request may go; else the seconds to wait."""
+        now = time.monotonic() if now is None else now
+        tokens, updated = self._buckets.get(key, (self.size, now))
+        tokens = min(self.size, tokens + (now - updated) * self.rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) / self.rate
+        self._buckets[key] = (tokens - 1.0, now)
+        return None
+
+
+# ---------------------------------------------------------------- OpenAI errors
+class ApiError(Exception):
+    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+                 kind: Optional[str] = None, retry_after_s: Optional[float] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.kind = kind or _ERROR_KIND.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+_ERROR_KIND = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+# ---------------------------------------------------------------- OpenAI request bodies
+class _Body(BaseModel):
+    # strict: no "0.5" for 0.5 or true for 1; extra="forbid": an unsupported option is an error, not ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)  # an extension (vLLM, SGLang): 0 = off
+    n: int = Field(1, ge=1, le=1)
+    seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    presence_penalty: Optional[float] = None  # accepted only as "off" (0)
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _checks(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported (only 0)")
+        for i, text in enumerate(self.stop_strings):
+            if not 1 <= len(text) <= MAX_STOP_CHARS:
+                raise ValueError(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        unknown = set(self.stream_options or {}) - {"include_usage"}
+        if unknown:
+            raise ValueError(f"stream_options supports only include_usage, not {sorted(unknown)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[_TextPart]]
+    name: Optional[str] = Field(None, max_length=64)
+
+    def as_template_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        # "developer" is OpenAI's newer name for system instructions.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _chat_checks(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def user_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionBody(_Body):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
+    echo: bool = False
+    best_of: Optional[int] = Field(None, ge=1, le=1)
+    suffix: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    @property
+    def user_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+
+def _parse_body(model: type[_Body], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        message, kinds = describe_validation_error(error)
+        if "json_invalid" in kinds or "json_type" in kinds:
+            raise ApiError(400, "the body is not a JSON object", code="invalid_json") from None
+        first = error.errors(include_url=False, include_input=False)[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"unsupported parameter: {param}", code="unsupported_parameter",
+                           param=param) from None
+        raise ApiError(400, message, code="invalid_value", param=param) from None
+
+
+# ---------------------------------------------------------------- text out
+class StopTrimmer:
+    """Releases generated text as it comes, holding back just enough to cut it before the first
+    stop string: OpenAI answers never contain the stop string, the miner's tokens do."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            return out
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+
+def _finish_reason(final: FinalEvent) -> str:
+    return "length" if final.finish_reason == "length" else "stop"
+
+
+@dataclass
+class _Plan:
+    """One user request, ready to route."""
+
+    kind: str  # "chat" | "completion"
+    body: _Body
+    prompt_ids: list[int]
+    max_tokens: Optional[int]  # None: as much as the miner's context allows, up to default_max_tokens
+    user_logprobs: Optional[int]
+    response_id: str
+    created: int
+
+
+# ---------------------------------------------------------------- the gateway
+class OrganicGateway:
+    def __init__(self, directory: MinerDirectory, miner_client: MinerClient, tokenizer, api_keys: ApiKeys,
+                 settings: GatewaySettings, scoring_config: Optional[ScoringConfig] = None):
+        problems = settings.problems(need_key_file=False)
+        if problems:
+            raise GatewaySetupError("; ".join(problems))
+        self.directory = directory
+        self.client = miner_client
+        self.tokenizer = tokenizer
+        self.api_keys = api_keys
+        self.settings = settings
+        self.scoring_config = scoring_config or ScoringConfig()
+        self.limiter = KeyRateLimiter(settings.rate_limit_requests, settings.rate_limit_window_s)
+        self.timeouts = settings.miner_timeouts
+        self._capabilities: dict[tuple[str, str], tuple[Capabilities, float]] = {}
+        self._cooldown_until: dict[str, float] = {}
+        self._last_error: dict[str, str] = {}  # per hotkey, for the log line of a request that failed everywhere
+        self._hook_tasks: set[asyncio.Task] = set()
+        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[self._errors])
+        self.app.add_routes([
+            web.post("/v1/chat/completions", self.handle_chat),
+            web.post("/v1/completions", self.handle_completions),
+            web.get("/v1/models", self.handle_models),
+            web.get("/v1/models/{model}", self.handle_model),
+            web.get("/health", self.handle_health),
+        ])
+        self.app.on_cleanup.append(self._drain_hooks)
+
+    # ------------------------------------------------------------ plumbing
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return error.response()
+        except web.HTTPException as error:  # aiohttp's own (unknown path, wrong method, body too large)
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status)
+            return ApiError(error.status, error.reason or "error", code=code).response()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unexpected failure answering %s %s", request.method, request.path)
+            return ApiError(500, "the gateway failed on this request", code="internal_error").response()
+
+    def _authenticate(self, request: web.Request) -> str:
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+        who = self.api_keys.check(key)
+        if who is None:
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+        return who
+
+    def _admit(self, request: web.Request) -> str:
+        who = self._authenticate(request)
+        wait = self.limiter.take(who)
+        if wait is not None:
+            raise ApiError(429, f"rate limit of {self.settings.rate_limit_requests} requests per "
+                                f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s",
+                           code="rate_limit_exceeded", retry_after_s=wait)
+        return who
+
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this gateway serves "
+                                f"{self.settings.model_name!r}", code="model_not_found", param="model")
+
+    # ------------------------------------------------------------ simple endpoints
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.settings.model_name})
+
+    def _model_entry(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": MODEL_CREATED, "owned_by": "k3-subnet"}
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        self._authenticate(request)
+        return web.json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def handle_model(self, request: web.Request) -> web.Response:
+        self._authenticate(request)
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_entry())
+
+    # ------------------------------------------------------------ generation endpoints
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        self._admit(request)
+        body: ChatCompletionBody = _parse_body(ChatCompletionBody, await request.read())
+        self._check_model(body.model)
+        try:
+            ids = self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
+                                                     add_generation_prompt=True)
+        except ValueError as error:
+            raise ApiError(400, str(error), code="invalid_value", param="messages") from None
+        plan = _Plan("chat", body, ids, body.requested_max_tokens, body.user_logprobs,
+                     "chatcmpl-" + secrets.token_hex(12), int(time.time()))
+        return await self._serve(request, plan)
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        self._admit(request)
+        body: CompletionBody = _parse_body(CompletionBody, await request.read())
+        self._check_model(body.model)
+        plan = _Plan("completion", body, self._completion_prompt(body.prompt), body.requested_max_tokens,
+                     body.user_logprobs, "cmpl-" + secrets.token_hex(12), int(time.time()))
+        return await self._serve(request, plan)
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "this gateway takes one prompt per request", code="invalid_value", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               code="invalid_value", param="prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", code="invalid_value", param="prompt")
+        return ids
+
+    # ------------------------------------------------------------ routing
+    async def _ranked(self) -> list[MinerTarget]:
+        ranked = self.directory.ranked_miners()
+        if inspect.isawaitable(ranked):
+            ranked = await ranked
+        targets = []
+        for target in ranked:
+            if not target.url.startswith(("http://", "https://")):
+                log.warning("skipping uid %d: its URL %r is not http(s)", target.uid, target.url)
+            elif target.score > self.settings.min_score:
+                targets.append(target)
+        now = time.monotonic()
+        # Miners that could not be reached lately go last (kept in rank order among themselves).
+        return sorted(targets, key=lambda t: self._cooldown_until.get(t.hotkey, 0.0) > now)
+
+    async def _capabilities_of(self, target: MinerTarget) -> Capabilities:
+        known = getattr(target, "capabilities", None)
+        if known is not None:
+            return known
+        key = (target.hotkey, target.url)
+        cached = self._capabilities.get(key)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < self.settings.capabilities_ttl_s:
+            return cached[0]
+        s = self.settings
+        timeouts = ClientTimeouts(connect=s.connect_timeout_s, first_byte=min(10.0, s.first_token_timeout_s),
+                                  between_events=s.between_tokens_timeout_s, total=min(20.0, s.request_timeout_s))
+        caps = await self.client.capabilities(target.url, target.hotkey, timeouts)
+        self._capabilities[key] = (caps, now)
+        return caps
+
+    def _wire_request(self, plan: _Plan, caps: Capabilities) -> Optional[GenerateRequest]:
+        """The miner request for this plan, or None when it does not fit this miner's context."""
+        limits = caps.limits
+        n = len(plan.prompt_ids)
+        room = min(caps.max_context - n, limits.max_tokens)
+        if plan.max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, room)
+        else:
+            max_tokens = plan.max_tokens
+        body = plan.body
+        if max_tokens < 1 or max_tokens > room or n > limits.max_prompt_tokens:
+            return None
+        logprobs = min(max(plan.user_logprobs or 0, self.settings.request_logprobs), limits.max_logprobs)
+        return GenerateRequest(
+            request_id=secrets.token_hex(16), prompt_token_ids=list(plan.prompt_ids), max_tokens=max_tokens,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+            stop=body.stop_strings, logprobs=logprobs)
+
+    async def _serve(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
+        if plan.max_tokens is not None and plan.max_tokens > self.settings.max_tokens_cap:
+            raise ApiError(400, f"max_tokens is {plan.max_tokens}, above this gateway's limit of "
+                                f"{self.settings.max_tokens_cap}", code="invalid_value", param="max_tokens")
+        if plan.body.top_k > self.tokenizer.vocab_size:
+            raise ApiError(400, f"top_k is {plan.body.top_k}, above the vocabulary size {self.tokenizer.vocab_size}",
+                           code="invalid_value", param="top_k")
+        writer = _SseWriter(request, plan, self.tokenizer, self.settings.model_name)
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                return await self._route(plan, writer)
+        except TimeoutError:
+            if writer.response is None:
+                raise ApiError(504, f"no miner answered within {self.settings.request_timeout_s:g} s",
+                               code="timeout") from None
+            await writer.fail("the request took longer than the gateway allows")
+            return writer.response
+
+    async def _route(self, plan: _Plan, writer: "_SseWriter") -> web.StreamResponse:
+        targets = await self._ranked()
+        if not targets:
+            raise ApiError(503, "no miner is available right now; retry later", code="no_miner_available")
+        attempts, too_small, errors = 0, 0, []
+        for target in targets:
+            if attempts >= self.settings.max_attempts:
+                break
+            try:
+                caps = await self._capabilities_of(target)
+            except MinerError as error:
+                attempts += 1
+                self._note_failure(target, error)
+                errors.append(f"uid {target.uid}: {error}")
+                continue
+            wire = self._wire_request(plan, caps)
+            if wire is None:
+                too_small += 1
+                continue
+            attempts += 1
+            if plan.body.stream:
+                response = await self._attempt_stream(target, caps, wire, writer)
+            else:
+                response = await self._attempt_whole(target, caps, wire, plan)
+            if response is not None:
+                return response
+            errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
+        if attempts == 0 and too_small:
+            raise ApiError(400, f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
+                                "context of any available miner; shorten the prompt or lower max_tokens",
+                           code="context_length_exceeded", param="messages" if plan.kind == "chat" else "prompt")
+        log.warning("organic request failed on %d miners: %s", attempts, "; ".join(errors))
+        raise ApiError(502, f"{attempts} miners were tried and none gave a verified answer; retry later",
+                       code="miners_failed")
+
+    def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
+        log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
+        self._last_error[target.hotkey] = str(error)[:300]
+        unreachable = isinstance(error, MinerUnreachable) or (isinstance(error, MinerTimeout)
+                                                              and error.kind == "connect")
+        if unreachable and self.settings.miner_cooldown_s > 0:
+            self._cooldown_until[target.hotkey] = time.monotonic() + self.settings.miner_cooldown_s
+
+    def _verify(self, target: MinerTarget, caps: Capabilities, result: GenerateResult) -> list[Failure]:
+        return check_tier0(None, result, self.tokenizer, caps, target.hotkey, self.scoring_config)
+
+    async def _attempt_whole(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
+                             plan: _Plan) -> Optional[web.Response]:
+        try:
+            result = await self.client.generate(target.url, target.hotkey, wire, self.timeouts)
+        except MinerError as error:
+            self._note_failure(target, error)
+            self._report(target, error, wire)
+            return None
+        failures = self._verify(target, caps, result)
+        self._report(target, result, wire)
+        if failures:
+            self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
+            return None
+        return web.json_response(_whole_answer(plan, result, self.tokenizer, self.settings.model_name, caps),
+                                 headers={MINER_UID_HEADER: str(target.uid)})
+
+    async def _attempt_stream(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
+                              writer: "_SseWriter") -> Optional[web.StreamResponse]:
+        """Relay one miner's stream. None (fail over) while nothing went to the user yet."""
+        result = GenerateResult(request=wire, body=b"", started_at=time.time())
+        events = self.client.stream_generate(target.url, target.hotkey, wire, self.timeouts, result)
+        try:
+            async with aclosing(events):
+                async for timed in events:
+                    event = timed.event
+                    if isinstance(event, TokenEvent):
+                        await writer.tokens(event, target, caps)
+                    elif isinstance(event, FinalEvent):
+                        result.final = event
+                    elif isinstance(event, ErrorEvent):
+                        result.error = event
+                        raise MinerStreamError(event.code, event.message)
+        except MinerError as error:
+            error.partial = result
+            self._note_failure(target, error)
+            self._report(target, error, wire)
+            if writer.response is None:
+                return None
+            await writer.fail(f"the miner's stream broke: {error}")
+            return writer.response
+        except ConnectionError:  # the user left; closing the stream above freed the miner's sequence
+            return writer.response or web.Response(status=499)
+        failures = self._verify(target, caps, result)
+        self._report(target, result, wire)
+        if failures:
+            self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
+            if writer.response is None:
+                return None
+            await writer.fail("the miner's answer failed verification: "
+                              + "; ".join(f.check for f in failures))
+            return writer.response
+        await writer.finish(result, target, caps)
+        return writer.response
+
+    # ------------------------------------------------------------ the validator's hook
+    def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest) -> None:
+        hook = getattr(self.directory, "record_organic", None)
+        if hook is None:
+            return
+        try:
+            done = hook(uid=target.uid, hotkey=target.hotkey, outcome=outcome,
+                        prompt_ids=list(wire.prompt_token_ids))
+        except Exception as error:  # the validator's bookkeeping must never fail a user's request
+            log.warning("record_organic failed for uid %d: %r", target.uid, error)
+            return
+        if inspect.isawaitable(done):
+            task = asyncio.ensure_future(done)
+            self._hook_tasks.add(task)
+            task.add_done_callback(self._hook_done)
+
+    def _hook_done(self, task: asyncio.Task) -> None:
+        self._hook_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("record_organic failed: %r", task.exception())
+
+    async def _drain_hooks(self, app=None) -> None:
+        if self._hook_tasks:
+            await asyncio.wait(list(self._hook_tasks), timeout=5.0)
+
+
+# ---------------------------------------------------------------- answers
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _token_bytes(tokenizer, token_id: int) -> list[int]:
+    raw = tokenizer.token_bytes(token_id)
+    return list(raw if raw is not None else tokenizer.decode([token_id]).encode())
+
+
+def _chat_logprobs(tokenizer, events: Sequence[TokenEvent], n: int) -> list[dict]:
+    out = []
+    for event in events:
+        for token, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
+            out.append({
+                "token": _token_text(tokenizer, token), "logprob": lp, "bytes": _token_bytes(tokenizer, token),
+                "top_logprobs": [{"token": _token_text(tokenizer, t.token_id), "logprob": t.logprob,
+                                  "bytes": _token_bytes(tokenizer, t.token_id)} for t in top[:n]],
+            })
+    return out
+
+
+def _completion_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, offset: int = 0) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for event in events:
+        for token, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
+            text = _token_text(tokenizer, token)
+            tokens.append(text)
+            values.append(lp)
+            tops.append({_token_text(tokenizer, t.token_id): t.logprob for t in top[:n]})
+            offsets.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _usage(plan: _Plan, result: GenerateResult) -> dict:
+    prompt, completion = len(plan.prompt_ids), len(result.token_ids)  # the validator's own count
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _decoded_text(tokenizer, token_ids: Sequence[int], stops: Sequence[str]) -> str:
+    decoder = tokenizer.incremental_decoder(skip_special_tokens=True)
+    trimmer = StopTrimmer(stops)
+    text = trimmer.push(decoder.push_many(token_ids) + decoder.flush())
+    return text + trimmer.flush()
+
+
+def _whole_answer(plan: _Plan, result: GenerateResult, tokenizer, model_name: str, caps: Capabilities) -> dict:
+    text = _decoded_text(tokenizer, result.token_ids, plan.body.stop_strings)
+    events = [timed.event for timed in result.token_events]
+    finish = _finish_reason(result.final)
+    common = {"id": plan.response_id, "created": plan.created, "model": model_name,
+              "system_fingerprint": caps.model_fingerprint, "usage": _usage(plan, result)}
+    if plan.kind == "chat":
+        logprobs = None
+        if plan.user_logprobs is not None:
+            logprobs = {"content": _chat_logprobs(tokenizer, events, plan.user_logprobs)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish}
+        return {"object": "chat.completion", "choices": [choice], **common}
+    logprobs = None
+    if plan.user_logprobs is not None:
+        logprobs = _completion_logprobs(tokenizer, events, plan.user_logprobs)
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {"object": "text_completion", "choices": [choice], **common}
+
+
+class _SseWriter:
+    """The user's stream in OpenAI's chunk format. Nothing is sent before the first token, so
+    that until then a failed miner can be replaced without the user noticing."""
+
+    def __init__(self, request: web.Request, plan: _Plan, tokenizer, model_name: str):
+        self.request = request
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.response: Optional[web.StreamResponse] = None
+        self.fingerprint: Optional[str] = None
+        self.decoder = None
+        self.trimmer = None
+        self.offset = 0
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        obj = "chat.completion.chunk" if self.plan.kind == "chat" else "text_completion"
+        payload = {"id": self.plan.response_id, "object": obj, "created": self.plan.created, "model": self.model_name,
+                   "system_fingerprint": self.fingerprint, "choices": choices, **extra}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    async def _open(self, target: MinerTarget, caps: Capabilities) -> None:
+        self.fingerprint = caps.model_fingerprint
+        self.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+        self.trimmer = StopTrimmer(self.plan.body.stop_strings)
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid)})
+        await response.prepare(self.request)
+        self.response = response
+        if self.plan.kind == "chat":
+            await response.write(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
+
+    async def tokens(self, event: TokenEvent, target: MinerTarget, caps: Capabilities) -> None:
+        if self.response is None:
+            await self._open(target, caps)
+        text = self.trimmer.push(self.decoder.push_many(event.token_ids))
+        await self._piece(text, [event])
+
+    async def _piece(self, text: str, events: list[TokenEvent]) -> None:
+        n = self.plan.user_logprobs
+        if not text and (n is None or not events or self.trimmer.stopped):
+            return
+        if self.plan.kind == "chat":
+            logprobs = {"content": _chat_logprobs(self.tokenizer, events, n)} if n is not None else None
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        else:
+            logprobs = _completion_logprobs(self.tokenizer, events, n, self.offset) if n is not None else None
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+        self.offset += len(text)
+        await self.response.write(self._chunk([choice]))
+
+    async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities) -> None:
+        if self.response is None:  # a generation without tokens (e.g. max_tokens reached at once)
+            await self._open(target, caps)
+        await self._piece(self.trimmer.push(self.decoder.flush()) + self.trimmer.flush(), [])
+        finish = _finish_reason(result.final)
+        if self.plan.kind == "chat":
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+        else:
+            last = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+        await self.response.write(self._chunk([last]))
+        if self.plan.body.include_usage:
+            await self.response.write(self._chunk([], usage=_usage(self.plan, result)))
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+    async def fail(self, message: str) -> None:
+        """End a started stream with an error chunk (no [DONE]): the client raises it."""
+        error = ApiError(502, message, code="miner_failed")
+        try:
+            await self.response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+            await self.response.write_eof()
+        except ConnectionError:
+            pass
+
+
+# ---------------------------------------------------------------- running it
+def build_gateway_app(directory: MinerDirectory, miner_client: MinerClient, tokenizer, api_keys: ApiKeys,
+                      settings: GatewaySettings, *, scoring_config: Optional[ScoringConfig] = None
+                      ) -> web.Application:
+    """The gateway as an aiohttp application (`app[GATEWAY_KEY]` is the OrganicGateway)."""
+    gateway = OrganicGateway(directory, miner_client, tokenizer, api_keys, settings, scoring_config)
+    gateway.app[GATEWAY_KEY] = gateway
+    return gateway.app
+
+
+GATEWAY_KEY = web.AppKey("gateway", OrganicGateway)
+
+
+class GatewayServer:
+    """Serves the gateway on settings.host:settings.port: `await start()`, `url`, `await close()`."""
+
+    def __init__(self, directory: MinerDirectory, miner_client: MinerClient, tokenizer, settings: GatewaySettings,
+                 *, api_keys: Optional[ApiKeys] = None, scoring_config: Optional[ScoringConfig] = None):
+        problems = settings.problems(need_key_file=False)
+        if api_keys is None and not settings.api_keys_file:
+            problems.append("the gateway needs --gateway-api-keys FILE (one API key per line)")
+        if problems:
+            raise GatewaySetupError("; ".join(problems))
+        if api_keys is None:
+            try:
+                api_keys = ApiKeys(settings.api_keys_file)
+            except ApiKeyFileError as error:
+                raise GatewaySetupError(str(error)) from None
+        self.settings = settings
+        self.api_keys = api_keys
+        self.app = build_gateway_app(directory, miner_client, tokenizer, api_keys, settings,
+                                     scoring_config=scoring_config)
+        self.gateway = self.app[GATEWAY_KEY]
+        self._runner: Optional[web.AppRunner] = None
+        self.port: Optional[int] = None
+
+    async def start(self) -> None:
+        # handler_cancellation: a user who disconnects cancels the handler, which closes the miner stream.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True).start()
+        self.port = self._runner.addresses[0][1]
+        if len(self.api_keys) == 0:
+            log.warning("the API key file %s holds no keys: every request gets 401", self.api_keys.path)
+        log.info("organic gateway serving %s on %s", self.settings.model_name, self.url)
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+        return f"http://{host}:{self.port}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+__all__ = [
+    "MinerTarget", "MinerDirectory", "Outcome", "GatewaySettings", "gateway_options", "GatewaySetupError",
+    "ApiKeys", "ApiKeyFileError", "read_api_keys", "KeyRateLimiter", "ApiError", "StopTrimmer",
+    "OrganicGateway", "build_gateway_app", "GatewayServer", "GATEWAY_KEY",
+]

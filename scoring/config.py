@@ -1,0 +1,300 @@
+"""Every number of docs/subnet.md sections 3-5 (workloads, verification, scoring) as one setting.
+
+`ScoringConfig()` holds the production values; `ScoringConfig.local_testnet()` the values for
+the tiny random model on CPUs (smaller contexts and outputs; answer checks off, since a random
+model never answers correctly). A field marked "(not in the spec)" is a choice this package had
+to make where the spec is silent; its docstring says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+class ScoringConfigError(ValueError):
+    """A ScoringConfig whose values cannot work together."""
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    # ------------------------------------------------------------ section 3: workloads
+    round_requests: int = 40
+    """Requests per miner per round; a burst of N streams counts as N requests."""
+    mix_chat: float = 0.45
+    """Share of requests that are chat (short prompt, free-form answer)."""
+    mix_long_context: float = 0.25
+    """Share of requests that are long-context (planted fact, question at the end)."""
+    mix_burst: float = 0.15
+    """Share of requests sent as streams of concurrency bursts."""
+    mix_probe: float = 0.15
+    """Share of requests that are quality probes (canary, exact copy, planted-fact retrieval)."""
+
+    chat_prompt_tokens: tuple[int, int] = (16, 4096)
+    """Chat prompt size range in tokens (drawn log-uniformly). Probes and burst streams use it too."""
+    chat_max_tokens: tuple[int, int] = (64, 2048)
+    """max_tokens range of chat, burst and probe requests (drawn log-uniformly)."""
+    temperature_range: tuple[float, float] = (0.0, 1.0)
+    """Temperature range of every request."""
+    greedy_fraction: float = 0.25
+    """(not in the spec) Share of ordinary requests sent at temperature exactly 0. Canaries must be
+    greedy; without plenty of greedy ordinary traffic, temperature 0 would mark them."""
+    request_logprobs: int = 5
+    """Top-k alternatives asked on every request, so that tier 0 can always check greedy tokens
+    against the miner's own distribution. The same on every request, so it marks nothing."""
+    prompt_format: str = "token_ids"
+    """How every prompt is sent: "token_ids" (chat template applied by the validator) or "text".
+    One format for all requests, so that the format marks nothing."""
+
+    long_context_sizes: tuple[int, ...] = (16_384, 65_536, 131_072, 262_144, 524_288, 1_048_576)
+    """Long-context prompt sizes in tokens; those that fit the miner's declared context are used,
+    plus the largest prompt its declared maximum allows."""
+    long_context_max_tokens: tuple[int, int] = (16, 48)
+    """max_tokens range of long-context requests ("short outputs"). Kept at or under
+    `buffering_min_tokens`, so that a long prefill never looks like a buffered stream."""
+    planted_depth_range: tuple[float, float] = (0.05, 0.95)
+    """Where the planted fact sits, as a fraction of the prompt (uniform in this range)."""
+    planted_distractors: tuple[int, int] = (1, 3)
+    """(not in the spec) How many other people's access codes are planted as distractors."""
+
+    burst_capacity_fraction: tuple[float, float] = (0.5, 1.0)
+    """Burst size N as a fraction of the miner's declared max_concurrent_streams (uniform)."""
+    burst_streams: tuple[int, int] = (2, 64)
+    """Bounds on N whatever the declared capacity (the upper bound protects the validator)."""
+
+    probe_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Relative frequency of canary, exact-copy and planted-fact probes (canaries only when a
+    canary is available)."""
+    copy_text_tokens: tuple[int, int] = (16, 48)
+    """Size of the text an exact-copy task asks to repeat (must fit the smallest max_tokens)."""
+
+    # ------------------------------------------------------------ section 4: verification
+    audit_rate: float = 0.10
+    """Share of responses given a tier-1 teacher-forced audit."""
+    audit_rate_new_or_suspect: float = 0.20
+    """Audit share for new or suspect miners."""
+    long_context_audit_rate: float = 1.0
+    """(not in the spec) Audit share of long-context responses: their success (component L) rests
+    on the audit over the whole context, so by default every one is audited."""
+    new_miner_requests: int = 25
+    """(not in the spec) A miner with fewer verified requests than this in the window is new."""
+
+    reference_logprob_floor: float = -13.0
+    """Tier 1 fails when any output token has reference logprob at or below this."""
+    outside_top_k: int = 10
+    """Tier 1 counts output tokens outside the reference top-k with this k..."""
+    max_outside_top_k: int = 3
+    """...and fails when more than this many fall outside."""
+    outside_top_k_sampling_sigmas: float | None = 4.0
+    """(not in the spec) Sampled tokens fall outside the top-10 honestly (on the tiny model one in
+    five at temperature 1). The allowance then grows by E + sigmas*sqrt(E), E an upper bound on
+    the expected count at the request's temperature from the reference's own top-k (E = 0 at
+    temperature 0). None applies the spec's "more than 3" literally."""
+    max_greedy_mismatches: int = 3
+    """(not in the spec) At temperature 0, tier 1 fails when more than this many output tokens
+    are not the reference top-1 away from near-ties: teacher-forced on the miner's own prefix, an
+    honest greedy token is always the argmax. On the tiny random model this is what catches a
+    truncated context, which barely moves its probabilities."""
+    eos_ratio: float = 100.0
+    """Tier 1 fails when the miner did not stop although p(eos)/p(chosen) > this."""
+    quality_min_positions: int = 16
+    """Tier-1 quality needs at least this many sampled output positions (else no quality)."""
+    quality_sample_positions: int = 64
+    """At most this many output positions, drawn at random, enter the quality mean."""
+    quality_full_margin: float = 0.125
+    """Quality is 1 while mean |p_miner - p_reference| is at or below this..."""
+    quality_zero_margin: float = 0.25
+    """...and falls linearly to 0 at this."""
+    audit_reference_top_k: int = 20
+    """Alternatives asked of the reference per position (covers the top-10 test and p(eos))."""
+    auditor_disagreement_margin: float = 0.05
+    """(not in the spec) Two auditors disagree when they reach different verdicts or their
+    probabilities of the miner's tokens differ by more than this on average."""
+    canary_tokens: int = 64
+    """Tier 2: length of a canary's known greedy continuation."""
+    near_tie_margin: float = 0.1
+    """Tier 2 (and greedy tier 1): a reference top-1 vs top-2 logprob margin under this is a
+    near-tie, where a different token is accepted."""
+    buffering_min_tokens: int = 60
+    """Buffering detector: only streams with more than this many tokens are judged..."""
+    buffering_head_fraction: float = 0.05
+    """...by the time until this fraction of the tokens had arrived..."""
+    buffering_time_fraction: float = 0.85
+    """...being at least this fraction of the whole call."""
+    logprob_tolerance: float = 1e-3
+    """(not in the spec) Rounding allowed in tier 0's consistency checks of reported logprobs."""
+    planted_fact_scored: bool = True
+    """A long-context answer must contain the planted value to count as correct (off for the tiny
+    model, which never answers correctly: then L rests on the audit and the time budget)."""
+    capability_probes_scored: bool = True
+    """Exact-copy and planted-fact probes count as audits, passed or failed (off for the tiny model)."""
+    long_context_budget_base_s: float = 20.0
+    """(not in the spec) Time budget of a long-context request: this many seconds..."""
+    long_context_budget_s_per_1k_tokens: float = 0.2
+    """...plus this many per 1000 prompt tokens."""
+
+    # ------------------------------------------------------------ section 5: scoring and weights
+    window_s: float = 24 * 3600.0
+    """Rolling window of measurements."""
+    percentile: float = 30.0
+    """D and F are the speed that (100 - percentile)% of a miner's requests reach: the 30th
+    percentile of decode tokens/s, and the 70th percentile of TTFT per 1k tokens (lower is
+    better, so its 30th percentile of performance)."""
+    decode_min_tokens: int = 16
+    """(not in the spec) Streams shorter than this give no decode speed (too noisy)."""
+    component_floor: float = 0.3
+    """Relative components are clipped to [floor, ceiling]."""
+    component_ceiling: float = 1.0
+    weight_decode: float = 0.30
+    """Weight of D (decode tokens/s) in perf."""
+    weight_ttft: float = 0.20
+    """Weight of F (TTFT per 1k prompt tokens) in perf."""
+    weight_burst: float = 0.30
+    """Weight of C (burst aggregate tokens/s) in perf."""
+    weight_long_context: float = 0.20
+    """Weight of L (long-context success share) in perf."""
+    quality_without_audits: float = 1.0
+    """(not in the spec) Quality of a miner with no tier-1 quality measured yet."""
+    hard_failure_s: float = 24 * 3600.0
+    """A confirmed hard failure zeroes the miner for this long."""
+    audit_failure_rate: float = 0.15
+    """A miner failing at least this share of its audits is zeroed..."""
+    audit_min_count: int = 10
+    """...once it has at least this many audits."""
+    min_completed_requests: int = 25
+    """Fewer verified completed requests than this in the window..."""
+    few_requests_cap: float = 0.25
+    """...caps the gate at this."""
+    one_hotkey_per_coldkey: bool = True
+    """Several hotkeys of one coldkey keep only the best score."""
+    ema_alpha: float = 0.2
+    """EMA of S per uid, per round."""
+    weight_exponent: float = 2.0
+    """Weights are proportional to EMA(S) to this power."""
+
+    # ------------------------------------------------------------ presets
+    @classmethod
+    def local_testnet(cls, **overrides) -> "ScoringConfig":
+        """The tiny random model on CPUs: 2k-32k contexts, shorter outputs, no answer checks."""
+        base = dict(
+            chat_prompt_tokens=(16, 1024),
+            chat_max_tokens=(64, 256),
+            long_context_sizes=(2048, 4096, 8192, 16_384, 32_768),
+            planted_fact_scored=False,
+            capability_probes_scored=False,
+            long_context_budget_base_s=30.0,
+            long_context_budget_s_per_1k_tokens=2.0,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def replace(self, **changes) -> "ScoringConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ derived values
+    @property
+    def mix(self) -> dict[str, float]:
+        return {"chat": self.mix_chat, "long_context": self.mix_long_context,
+                "burst": self.mix_burst, "probe": self.mix_probe}
+
+    def long_context_budget_s(self, prompt_tokens: int) -> float:
+        return self.long_context_budget_base_s + self.long_context_budget_s_per_1k_tokens * prompt_tokens / 1000.0
+
+    def quality_from_margin(self, mean_abs_diff: float) -> float:
+        """1 at or under the full margin, 0 at or over the zero margin, linear between."""
+        if mean_abs_diff <= self.quality_full_margin:
+            return 1.0
+        if mean_abs_diff >= self.quality_zero_margin:
+            return 0.0
+        return (self.quality_zero_margin - mean_abs_diff) / (self.quality_zero_margin - self.quality_full_margin)
+
+    # ------------------------------------------------------------ validation
+    def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ScoringConfigError("bad scoring config: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+
+        def fraction(name, low=0.0, high=1.0):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+                out.append(f"{name} must lie in [{low}, {high}], got {value!r}")
+
+        def int_range(name, low=1):
+            a, b = getattr(self, name)
+            if not (isinstance(a, int) and isinstance(b, int) and low <= a <= b):
+                out.append(f"{name} must be (min, max) integers with {low} <= min <= max, got {(a, b)!r}")
+
+        def float_range(name, low, high):
+            a, b = getattr(self, name)
+            if not (low <= a <= b <= high):
+                out.append(f"{name} must be (min, max) with {low} <= min <= max <= {high}, got {(a, b)!r}")
+
+        if self.round_requests < 1:
+            out.append(f"round_requests must be at least 1, got {self.round_requests}")
+        for name in ("mix_chat", "mix_long_context", "mix_burst", "mix_probe"):
+            fraction(name)
+        if abs(sum(self.mix.values()) - 1.0) > 1e-9:
+            out.append(f"the mix fractions must add up to 1, they add up to {sum(self.mix.values())}")
+        int_range("chat_prompt_tokens")
+        int_range("chat_max_tokens")
+        int_range("long_context_max_tokens")
+        int_range("copy_text_tokens")
+        int_range("burst_streams")
+        int_range("planted_distractors", low=0)
+        float_range("temperature_range", 0.0, 2.0)
+        float_range("planted_depth_range", 0.0, 1.0)
+        float_range("burst_capacity_fraction", 0.0, 10.0)
+        for name in ("greedy_fraction", "audit_rate", "audit_rate_new_or_suspect", "long_context_audit_rate",
+                     "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "few_requests_cap",
+                     "ema_alpha"):
+            fraction(name)
+        if not 0 <= self.request_logprobs <= 20:
+            out.append(f"request_logprobs must lie in 0..20, got {self.request_logprobs}")
+        if self.prompt_format not in ("token_ids", "text"):
+            out.append(f"prompt_format must be 'token_ids' or 'text', got {self.prompt_format!r}")
+        if not self.long_context_sizes or any(s < 2 for s in self.long_context_sizes):
+            out.append("long_context_sizes must hold at least one size of 2 tokens or more")
+        if len(self.probe_weights) != 3 or min(self.probe_weights) < 0 or sum(self.probe_weights[1:]) <= 0:
+            out.append("probe_weights must be three non-negative weights (canary, copy, planted fact), "
+                       "with copy or planted fact above 0")
+        if self.chat_max_tokens[0] < self.canary_tokens:
+            out.append(f"chat_max_tokens must start at canary_tokens ({self.canary_tokens}) or above, so that a "
+                       "canary request uses the ordinary max_tokens range")
+        if self.copy_text_tokens[1] >= self.chat_max_tokens[0]:
+            out.append("copy_text_tokens must stay below the smallest chat max_tokens")
+        if not self.outside_top_k <= self.audit_reference_top_k <= 20:
+            out.append("audit_reference_top_k must lie in outside_top_k..20")
+        if self.outside_top_k_sampling_sigmas is not None and self.outside_top_k_sampling_sigmas < 0:
+            out.append("outside_top_k_sampling_sigmas must be >= 0 or None")
+        if not 0 < self.quality_full_margin < self.quality_zero_margin <= 1:
+            out.append("need 0 < quality_full_margin < quality_zero_margin <= 1")
+        if self.quality_sample_positions < self.quality_min_positions or self.quality_min_positions < 1:
+            out.append("need 1 <= quality_min_positions <= quality_sample_positions")
+        if self.eos_ratio <= 1:
+            out.append("eos_ratio must exceed 1")
+        if self.canary_tokens < 1 or self.near_tie_margin < 0:
+            out.append("canary_tokens must be >= 1 and near_tie_margin >= 0")
+        if self.long_context_max_tokens[1] > self.buffering_min_tokens:
+            out.append("long_context_max_tokens must stay at or under buffering_min_tokens: a long prefill "
+                       "followed by a short answer would otherwise look like a buffered stream")
+        if not 0 < self.percentile < 100:
+            out.append(f"percentile must lie in (0, 100), got {self.percentile}")
+        if not 0 <= self.component_floor <= self.component_ceiling:
+            out.append("need 0 <= component_floor <= component_ceiling")
+        weights = (self.weight_decode, self.weight_ttft, self.weight_burst, self.weight_long_context)
+        if min(weights) < 0 or sum(weights) <= 0:
+            out.append("component weights must be non-negative and not all zero")
+        for name in ("window_s", "hard_failure_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be positive")
+        if self.weight_exponent <= 0:
+            out.append("weight_exponent must be positive")
+        if self.long_context_budget_base_s < 0 or self.long_context_budget_s_per_1k_tokens < 0:
+            out.append("long-context budget settings must be non-negative")
+        return out
+
+
+__all__ = ["ScoringConfig", "ScoringConfigError"]

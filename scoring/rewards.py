@@ -1,0 +1,201 @@
+"""From measurements to weights (docs/subnet.md section 5). Pure functions, no I/O.
+
+    scores = score_miners(window, config, now, hotkeys, coldkeys)   # per uid, with reasons
+    ema = update_ema(previous_ema, scores, config.ema_alpha)         # once per round
+    weights = weights_from_ema(ema, config.weight_exponent)          # proportional to EMA^2
+
+Per miner, over the window, from its verified requests:
+- D: decode tokens/s per stream (TTFT excluded), `percentile`-th percentile;
+- F: TTFT per 1k prompt tokens, lower is better, taken at the same percentile of performance
+  (the (100 - percentile)-th percentile of the seconds);
+- C: burst aggregate verified tokens/s, pooled over the window's bursts (sum of verified burst
+  tokens over the sum of burst wall times);
+- L: share of long-context requests correct within budget, weighted by prompt length.
+Each is scaled by the best miner's value (F: best / F) among miners not zeroed by a gate and
+clipped to [floor, ceiling]; a miner without data for a component gets the floor, and a
+component nobody has data for is 1 for all. perf = 0.30 D + 0.20 F + 0.30 C + 0.20 L.
+
+S = gate * reliability * quality * perf, where reliability is the share of requests answered
+(final event, clean at tier 0; 429s past the declared capacity left out), quality the mean
+tier-1 quality (a failed audit counts 0), and the gate 0 for a hard failure within
+`hard_failure_s` or an audit failure rate >= 15% over >= 10 audits, capped at 0.25 under 25
+answered requests; of several uids on one coldkey only the best keeps its S.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Optional, Union
+
+import numpy as np
+
+from .config import ScoringConfig
+from .metrics import BURST_AGGREGATE, Measurement, MeasurementWindow
+
+
+@dataclass
+class MinerScore:
+    uid: int
+    hotkey: str
+    coldkey: str
+    requests: int = 0  # requests in the window, excused 429s left out
+    answered: int = 0  # completed and clean at tier 0
+    verified: int = 0  # answered and no failed audit
+    decode_tps: Optional[float] = None  # raw D
+    ttft_per_1k_s: Optional[float] = None  # raw F
+    burst_tps: Optional[float] = None  # raw C
+    long_context_share: Optional[float] = None  # raw L
+    D: float = 0.0
+    F: float = 0.0
+    C: float = 0.0
+    L: float = 0.0
+    perf: float = 0.0
+    quality: float = 0.0
+    reliability: float = 0.0
+    gate: float = 1.0
+    score: float = 0.0  # S
+    audits: int = 0
+    audit_failures: int = 0
+    hard_failures: int = 0
+    zeroed: bool = False  # zeroed by a hard failure or the audit failure rate: its EMA restarts at 0
+    reasons: list[str] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> Optional[float]:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
+def _raw_components(rows: list[Measurement], config: ScoringConfig) -> tuple:
+    requests = [m for m in rows if m.kind != BURST_AGGREGATE and m.outcome != "excused"]
+    verified_singles = [m for m in requests if m.verified and m.kind != "burst"]
+    decode = _percentile([m.decode_tps for m in verified_singles if m.decode_tps is not None], config.percentile)
+    ttft = _percentile([m.ttft_per_1k_s for m in verified_singles if m.ttft_per_1k_s is not None],
+                       100.0 - config.percentile)
+    bursts = [m for m in rows if m.kind == BURST_AGGREGATE and m.burst_wall_s]
+    burst = sum(m.burst_tokens or 0 for m in bursts) / sum(m.burst_wall_s for m in bursts) if bursts else None
+    longs = [m for m in requests if m.kind == "long_context" and m.long_context_success is not None]
+    weight = sum(m.prompt_tokens for m in longs)
+    long_share = sum(m.prompt_tokens for m in longs if m.long_context_success) / weight if weight > 0 else None
+    return requests, decode, ttft, burst, long_share
+
+
+def _scaled(value: Optional[float], best: Optional[float], config: ScoringConfig, lower_is_better: bool = False) -> float:
+    if best is None:
+        return 1.0  # nobody has data: the component does not tell miners apart
+    if value is None or value <= 0:
+        return config.component_floor
+    ratio = best / value if lower_is_better else value / best
+    return min(max(ratio, config.component_floor), config.component_ceiling)
+
+
+def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, hotkeys: Mapping[int, str],
+                 coldkeys: Mapping[int, str]) -> dict[int, MinerScore]:
+    """Scores of every uid in `hotkeys` (uid -> current hotkey) from the window's measurements
+    taken under that hotkey. `coldkeys` maps uid -> coldkey (a uid without one is on its own)."""
+    since = now - config.window_s
+    scores: dict[int, MinerScore] = {}
+    raw: dict[int, tuple] = {}
+    for uid, hotkey in hotkeys.items():
+        score = MinerScore(uid=uid, hotkey=hotkey, coldkey=coldkeys.get(uid, ""))
+        all_rows = window.rows(uid, hotkey)
+        rows = [m for m in all_rows if m.at >= since]
+        requests, decode, ttft, burst, long_share = _raw_components(rows, config)
+        score.requests = len(requests)
+        score.answered = sum(1 for m in requests if m.answered)
+        score.verified = sum(1 for m in requests if m.verified)
+        score.decode_tps, score.ttft_per_1k_s, score.burst_tps, score.long_context_share = decode, ttft, burst, long_share
+        score.reliability = score.answered / score.requests if score.requests else 0.0
+        if not score.requests:
+            score.reasons.append("no requests in the window")
+        qualities = [m.quality for m in rows if m.quality is not None]
+        score.quality = sum(qualities) / len(qualities) if qualities else config.quality_without_audits
+        score.audits = sum(m.audits for m in rows)
+        score.audit_failures = sum(m.audit_failures for m in rows)
+        hard = [m for m in all_rows if m.hard_failure and m.at >= now - config.hard_failure_s]
+        score.hard_failures = len(hard)
+        if hard:
+            score.gate, score.zeroed = 0.0, True
+            score.reasons.append(f"hard failure at {hard[-1].at:.0f}: {hard[-1].failures}")
+        if score.audits >= config.audit_min_count and score.audit_failures >= config.audit_failure_rate * score.audits:
+            score.gate, score.zeroed = 0.0, True
+            score.reasons.append(f"failed {score.audit_failures} of {score.audits} audits")
+        if score.answered < config.min_completed_requests:
+            score.gate = min(score.gate, config.few_requests_cap)
+            score.reasons.append(f"only {score.answered} answered requests (< {config.min_completed_requests}): "
+                                 f"capped at {config.few_requests_cap}")
+        scores[uid] = score
+        raw[uid] = (decode, ttft, burst, long_share)
+
+    # Relative scaling against the best miner that a gate has not zeroed (a cheater's numbers
+    # must not set the bar).
+    eligible = [uid for uid, s in scores.items() if not s.zeroed]
+
+    def best(index: int, pick) -> Optional[float]:
+        values = [raw[uid][index] for uid in eligible if raw[uid][index] is not None and raw[uid][index] > 0]
+        return pick(values) if values else None
+
+    best_d, best_f, best_c, best_l = best(0, max), best(1, min), best(2, max), best(3, max)
+    for uid, s in scores.items():
+        decode, ttft, burst, long_share = raw[uid]
+        s.D = _scaled(decode, best_d, config)
+        s.F = _scaled(ttft, best_f, config, lower_is_better=True)
+        s.C = _scaled(burst, best_c, config)
+        s.L = _scaled(long_share, best_l, config)
+        s.perf = (config.weight_decode * s.D + config.weight_ttft * s.F + config.weight_burst * s.C
+                  + config.weight_long_context * s.L)
+        s.score = s.gate * s.reliability * s.quality * s.perf
+
+    if config.one_hotkey_per_coldkey:
+        by_coldkey: dict[str, list[int]] = {}
+        for uid, s in scores.items():
+            if s.coldkey:
+                by_coldkey.setdefault(s.coldkey, []).append(uid)
+        for coldkey, uids in by_coldkey.items():
+            if len(uids) < 2:
+                continue
+            keep = min(uids, key=lambda u: (-scores[u].score, u))
+            for uid in uids:
+                if uid != keep:
+                    scores[uid].gate, scores[uid].score = 0.0, 0.0
+                    scores[uid].reasons.append(f"coldkey {coldkey} keeps only its best uid ({keep})")
+    return scores
+
+
+class EmaEntry(NamedTuple):
+    hotkey: str
+    value: float
+
+
+def update_ema(previous: Mapping[int, tuple[str, float]], scores: Mapping[int, MinerScore],
+               alpha: float) -> dict[int, EmaEntry]:
+    """One round of EMA(S) per uid. A new uid, or a uid whose hotkey changed, starts from 0; a
+    miner zeroed by a gate (hard failure, audit failure rate) drops to 0 at once. Uids absent
+    from `scores` (deregistered) are dropped."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+    out = {}
+    for uid, s in scores.items():
+        old = previous.get(uid)
+        if s.zeroed:
+            value = 0.0
+        elif old is None or old[0] != s.hotkey:
+            value = alpha * s.score
+        else:
+            value = alpha * s.score + (1.0 - alpha) * float(old[1])
+        out[uid] = EmaEntry(s.hotkey, value)
+    return out
+
+
+def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponent: float = 2.0) -> dict[int, float]:
+    """Weights proportional to EMA^exponent, summing to 1; all zero when every EMA is zero (the
+    neuron decides what to submit then)."""
+    values = {uid: float(e[1]) if isinstance(e, tuple) else float(e) for uid, e in ema.items()}
+    if any(v < 0 for v in values.values()):
+        raise ValueError("EMA values must be non-negative")
+    powered = {uid: v ** exponent for uid, v in values.items()}
+    total = sum(powered.values())
+    if total <= 0:
+        return {uid: 0.0 for uid in values}
+    return {uid: p / total for uid, p in powered.items()}
+
+
+__all__ = ["MinerScore", "EmaEntry", "score_miners", "update_ema", "weights_from_ema"]
