@@ -290,6 +290,12 @@ class LocalEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(None, close)
 
     def health(self) -> EngineHealth:
+        # a sharded model knows when a shard died while the engine was idle
+        model_health = getattr(self.model, "health", None)
+        if self._health.ok and callable(model_health):
+            h = model_health()
+            if not h.ok:
+                return h
         return self._health
 
     def capabilities(self) -> EngineCapabilities:
@@ -442,7 +448,10 @@ class LocalEngine(Engine):
             if not self._running:
                 # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
                 self._wake.clear()
-                await self._wake.wait()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    await self._recover_if_broken()
                 continue
             cycle_start = time.perf_counter()
             batch = self._plan_step()
@@ -477,6 +486,21 @@ class LocalEngine(Engine):
             out = self.model.forward(ids, caches, all_logits=all_logits)
         self._last_forward_s = time.perf_counter() - t0
         return out
+
+    async def _recover_if_broken(self) -> None:
+        """While idle: a model that reports itself broken (a shard died) is recovered before the next request."""
+        model_health = getattr(self.model, "health", None)
+        recover = getattr(self.model, "recover", None)
+        if not (callable(model_health) and callable(recover)) or model_health().ok:
+            return
+        detail = model_health().detail
+        log.warning("model unhealthy while idle (%s): recovering", detail)
+        self._health = EngineHealth("degraded", f"recovering: {detail}")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, recover)
+            self._health = EngineHealth("ok", f"recovered after: {detail}")
+        except Exception as exc:
+            self._health = EngineHealth("down", f"recovery failed: {exc}")
 
     async def _on_step_failure(self, exc: Exception) -> None:
         log.error("model step failed: %s", exc)

@@ -32,6 +32,7 @@ class EngineSpec:
     plan: str | None = None  # sharded: a plan file from scripts/plan_cluster.py
     shards: int | None = None  # sharded: number of local shard processes (a simple plan is built)
     shard_mode: str = "both"  # sharded with a shard count: "pipeline", "expert" or "both"
+    shard_store: str | None = None  # sharded across hosts: HOST:PORT of the rendezvous store ranks >= 1 join
     remote_url: str | None = None  # remote: base URL of the OpenAI-compatible server
     remote_model: str | None = None  # remote: the model name the server serves
     remote_api_key: str | None = None

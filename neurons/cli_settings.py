@@ -365,6 +365,10 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
         Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str, "both",
                "sharded with --shards: split by pipeline stage, by expert, or both", group="engine",
                choices=("pipeline", "expert", "both")),
+        Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text, None,
+               "sharded across hosts: HOST:PORT where this process hosts the rendezvous store that shard ranks "
+               "1..N-1 on other hosts join (started there with torchrun -m inference.shard_worker)",
+               group="engine", metavar="HOST:PORT"),
         Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text, None,
                "remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", group="engine",
                metavar="URL"),

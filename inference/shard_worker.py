@@ -1,0 +1,753 @@
+"""One shard process of the sharded Kimi K3 runtime (docs/engine.md section 2).
+
+A shard is one device of a placement plan (`inference.plan.Plan`): it loads only the tensors that plan gives
+its rank (its home layers' attention, norms, router, latent projections and shared experts, its routed
+experts, the embedding or the LM head when they are its), keeps the decode caches of its home layers, and
+runs every step on the same deterministic schedule as every other rank (`ShardRank.run_step`): the residual
+state moves to each layer's home, the home runs attention and routing and sends each expert holder the
+latent rows it must compute, the holders answer with weighted partial sums, the head rank returns logits to
+rank 0, which answers the driver (`inference.sharded.ShardedModel`). Message layouts:
+`inference.shard_protocol`.
+
+Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
+driver's store: the driver restarts the whole set, so a half-broken world never lingers.
+
+Launching:
+- local: `inference.sharded.ShardedModel` spawns every rank itself (`run_local`).
+- other hosts: the driver hosts a TCP store (ShardedModel(..., store="0.0.0.0:PORT")) and spawns only
+  rank 0; ranks 1..N-1 are started by hand on their hosts, usually under torchrun so a crashed or
+  restarted shard set comes back by itself. With the engine on host A (10.0.0.1) and ranks 1..2 of a
+  3-rank plan on host B:
+
+      host A:  GLOO_SOCKET_IFNAME=eth0 K3_SHARD_STORE=0.0.0.0:29600 <start the engine with a sharded
+               EngineSpec: checkpoint=/data/k3, plan=plan.yaml>   (or ShardedModel(..., store="0.0.0.0:29600"))
+      host B:  GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=8 torchrun --standalone --nproc-per-node 2 \\
+                   --max-restarts 1000 -m inference.shard_worker \\
+                   --dist-addr 10.0.0.1:29600 --checkpoint /data/k3 --rank-offset 1
+
+  The worker's rank is rank-offset + torchrun's RANK (or --rank R without torchrun). It reads the plan and
+  settings from the store and checks that its checkpoint has the driver's fingerprint. After a failure
+  every shard exits; torchrun restarts the local group, which waits for the driver's next generation.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from inference import mxfp4
+from inference.checkpoint import CheckpointError, fingerprint, load_tensors, read_config
+from inference.config import ModelConfig
+from inference.model import KimiK3Model, ResidualState, SequenceCache
+from inference.plan import LayerRouting, Plan, RoutingStats
+from inference.shard_protocol import (
+    META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
+    packed_nbytes, state_sources, unpack,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ShardCommError(RuntimeError):
+    """A point-to-point transfer failed or timed out: the shard set is broken."""
+
+
+# =================================================================== routing statistics
+class RoutingRecorder:
+    """Counts, per MoE layer, how often each expert is selected and how often pairs are selected together.
+
+    Plug it into any model with `routing_observer` (the single-process KimiK3Model or a shard):
+        recorder = RoutingRecorder.attach(model); ...; recorder.save("routing.json")
+    Co-activation is a dense E x E matrix for small E and a sparse counter above DENSE_MAX_EXPERTS (K3's
+    896 experts over 92 layers would need 590 MB dense).
+    """
+
+    DENSE_MAX_EXPERTS = 256
+
+    def __init__(self, num_experts: int, experts_per_token: int):
+        self.num_experts = num_experts
+        self.experts_per_token = experts_per_token
+        self.reset()
+
+    @classmethod
+    def attach(cls, model) -> "RoutingRecorder":
+        recorder = cls(model.config.num_experts, model.config.experts_per_token)
+        model.routing_observer = recorder.observe
+        return recorder
+
+    def reset(self) -> None:
+        self._tokens: dict[int, int] = {}
+        self._load: dict[int, np.ndarray] = {}
+        self._dense: dict[int, np.ndarray] = {}  # flat [E * E], index i * E + j with i < j
+        self._sparse: dict[int, dict[int, int]] = {}
+
+    def observe(self, layer: int, expert_ids: Tensor) -> None:
+        ids = expert_ids.detach().to("cpu", torch.long).numpy()
+        T, k = ids.shape
+        E = self.num_experts
+        self._tokens[layer] = self._tokens.get(layer, 0) + T
+        load = self._load.setdefault(layer, np.zeros(E, dtype=np.int64))
+        np.add.at(load, ids.ravel(), 1)
+        if k < 2 or T == 0:
+            return
+        s = np.sort(ids, axis=1)
+        a, b = np.triu_indices(k, 1)
+        codes = (s[:, a] * E + s[:, b]).ravel()
+        if E <= self.DENSE_MAX_EXPERTS:
+            np.add.at(self._dense.setdefault(layer, np.zeros(E * E, dtype=np.int64)), codes, 1)
+        else:
+            counter = self._sparse.setdefault(layer, {})
+            uniq, counts = np.unique(codes, return_counts=True)
+            for c, n in zip(uniq.tolist(), counts.tolist()):
+                counter[c] = counter.get(c, 0) + n
+
+    def to_stats(self) -> RoutingStats:
+        E = self.num_experts
+        layers = {}
+        for layer, tokens in self._tokens.items():
+            if layer in self._dense:
+                codes = np.flatnonzero(self._dense[layer])
+                counts = self._dense[layer][codes]
+            else:
+                counter = self._sparse.get(layer, {})
+                codes = np.fromiter(sorted(counter), dtype=np.int64, count=len(counter))
+                counts = np.fromiter((counter[c] for c in codes.tolist()), dtype=np.int64, count=len(counter))
+            layers[layer] = LayerRouting(tokens, self._load[layer].copy(), codes // E, codes % E, counts)
+        return RoutingStats(E, self.experts_per_token, layers)
+
+    def save(self, path) -> RoutingStats:
+        stats = self.to_stats()
+        stats.save(path)
+        return stats
+
+
+def merge_routing_stats(parts: list[RoutingStats]) -> RoutingStats:
+    """Statistics of several ranks as one (ranks record disjoint layers; overlapping layers are summed)."""
+    E, k = parts[0].num_experts, parts[0].experts_per_token
+    merged: dict[int, LayerRouting] = {}
+    for part in parts:
+        for layer, rec in part.layers.items():
+            old = merged.get(layer)
+            if old is None:
+                merged[layer] = rec
+                continue
+            pairs: dict[int, int] = {}
+            for r in (old, rec):
+                for i, j, c in zip(r.pair_i.tolist(), r.pair_j.tolist(), r.pair_count.tolist()):
+                    pairs[i * E + j] = pairs.get(i * E + j, 0) + c
+            codes = np.fromiter(sorted(pairs), dtype=np.int64, count=len(pairs))
+            counts = np.fromiter((pairs[c] for c in codes.tolist()), dtype=np.int64, count=len(pairs))
+            merged[layer] = LayerRouting(old.tokens + rec.tokens, old.load + rec.load, codes // E, codes % E, counts)
+    return RoutingStats(E, k, dict(sorted(merged.items())))
+
+
+# =================================================================== expert dispatch
+@dataclass
+class ExpertTable:
+    """Where one MoE layer's experts live: holders per expert (primary first) and who holds anything."""
+
+    holders: list[list[int]]
+    ranks: list[int]  # every rank holding an expert of this layer, ascending
+    primary: Tensor  # [E] int64
+    replicated: Tensor  # [E] bool: more than one holder
+
+    @classmethod
+    def from_holders(cls, holders: list[list[int]]) -> "ExpertTable":
+        return cls([list(h) for h in holders], sorted({r for h in holders for r in h}),
+                   torch.tensor([h[0] for h in holders], dtype=torch.long),
+                   torch.tensor([len(h) > 1 for h in holders], dtype=torch.bool))
+
+
+def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
+    """The rank that computes each (token, selected expert): [T, k] int64.
+
+    An expert with one holder goes there. For a replicated expert, per token and greedily: a holder this
+    token already sends to (no extra message), else the home rank (no message at all), else the holder
+    with the fewest assignments so far in this step (lowest rank on a tie).
+    """
+    ids = ids.cpu()
+    assign = table.primary[ids]
+    rep = table.replicated[ids]
+    if not bool(rep.any()):
+        return assign
+    load: dict[int, int] = {}
+    for r in assign[~rep].tolist():
+        load[r] = load.get(r, 0) + 1
+    for t in rep.any(dim=1).nonzero().flatten().tolist():
+        row_rep = rep[t]
+        chosen = set(assign[t][~row_rep].tolist())
+        for j in row_rep.nonzero().flatten().tolist():
+            holders = table.holders[int(ids[t, j])]
+            pick = next((h for h in holders if h in chosen), None)
+            if pick is None:
+                pick = home if home in holders else min(holders, key=lambda h: (load.get(h, 0), h))
+            assign[t, j] = pick
+            chosen.add(pick)
+            load[pick] = load.get(pick, 0) + 1
+    return assign
+
+
+# =================================================================== this rank's weights
+@contextlib.contextmanager
+def _shape_only_expert_init():
+    """Build MXFP4 experts without drawing their random codes.
+
+    MXFP4Linear initialises itself with mxfp4.random_on_grid, which on the meta device costs milliseconds
+    per expert through PyTorch's Python reference kernels (10 minutes for K3's 247k expert matrices); the
+    skeleton only needs shapes, and the weights come from the checkpoint.
+    """
+    original = mxfp4.random_on_grid
+
+    def shapes_only(out_features, in_features, generator=None, scale_exponents=(120, 127)):
+        return (torch.empty(out_features, in_features // 2, dtype=torch.uint8),
+                torch.empty(out_features, in_features // mxfp4.BLOCK, dtype=torch.uint8))
+
+    mxfp4.random_on_grid = shapes_only
+    try:
+        yield
+    finally:
+        mxfp4.random_on_grid = original
+
+
+def owned_keys(config: ModelConfig, plan: Plan, rank: int, keys) -> list[str]:
+    """The model state_dict keys `rank` holds under `plan`."""
+    homed = {f"model.layers.{i}." for i in plan.layers_homed_on(rank)}
+    experts = {f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+               for layer, ids in plan.experts_on(rank).items() for e in ids}
+    head = {"model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
+            "lm_head.weight"}
+    out = []
+    for key in keys:
+        if key.startswith("model.layers."):
+            layer_prefix = ".".join(key.split(".")[:3]) + "."
+            if ".block_sparse_moe.experts." in key:
+                expert_prefix = ".".join(key.split(".")[:6]) + "."
+                if expert_prefix in experts:
+                    out.append(key)
+            elif layer_prefix in homed:
+                out.append(key)
+        elif key == "model.embed_tokens.weight":
+            if rank == plan.embedding_rank:
+                out.append(key)
+        elif key in head:
+            if rank == plan.lm_head_rank:
+                out.append(key)
+        else:
+            raise CheckpointError(f"the sharded runtime does not know where tensor {key} belongs")
+    return out
+
+
+# Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
+# first meta-device operations of a process import PyTorch's Python meta kernels (seconds per process).
+CPU_SKELETON_MAX_BYTES = 1 << 30
+
+
+def model_skeleton(config: ModelConfig, dtype: torch.dtype, on: str | None = None) -> KimiK3Model:
+    """KimiK3Model with every tensor on the meta device (shapes and dtypes only, nothing allocated).
+
+    on: "meta" builds it there directly (any size); "cpu" builds it in memory and drops the tensors (small
+    models only); None picks by size."""
+    if on is None:
+        on = "cpu" if 4 * config.num_parameters() <= CPU_SKELETON_MAX_BYTES else "meta"
+    if on == "meta":
+        with _shape_only_expert_init(), torch.device("meta"):
+            return KimiK3Model(config, dtype=dtype).eval()
+    if on != "cpu":
+        raise ValueError(f"skeleton device must be 'meta' or 'cpu', got {on!r}")
+    with _shape_only_expert_init():
+        model = KimiK3Model(config, dtype=dtype).eval()
+    for module in model.modules():
+        for name, t in module._parameters.items():
+            if t is not None:
+                module._parameters[name] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
+        for name, t in module._buffers.items():
+            if t is not None:
+                module._buffers[name] = torch.empty_like(t, device="meta")
+    return model
+
+
+def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: str,
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                      skeleton: str | None = None) -> KimiK3Model:
+    """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
+    model = model_skeleton(config, dtype, skeleton)
+    targets = model.state_dict(keep_vars=True)
+    mine = owned_keys(config, plan, rank, targets)
+    loaded = load_tensors(checkpoint, mine)
+    with torch.no_grad():
+        for key in mine:
+            target, src = targets[key], loaded.pop(key)
+            if key.endswith(".A_log"):  # stored padded to config.a_log_size, the model keeps one per head
+                if src.numel() < target.numel():
+                    raise CheckpointError(f"{key} holds {src.numel()} values, the model needs {target.numel()}")
+                src = src.reshape(-1)[:target.numel()].reshape(target.shape)
+            elif tuple(src.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {key} has shape {list(src.shape)} in the checkpoint but the model "
+                                      f"expects {list(target.shape)}")
+            if (src.dtype == torch.uint8) != (target.dtype == torch.uint8):
+                raise CheckpointError(f"tensor {key} is {src.dtype} in the checkpoint, the model holds {target.dtype}")
+            value = src.to(device=device, dtype=target.dtype).contiguous()
+            module_name, _, name = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[name] = value
+    return model
+
+
+def tensor_nbytes(model: nn.Module, resident: bool) -> int:
+    """Bytes of the model's parameters and buffers held in memory (resident) or in the whole model."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if not (resident and t.is_meta))
+
+
+# =================================================================== point to point with timeouts
+class Wire:
+    """isend/irecv to peers; every wait is bounded. Sends complete when the peer receives (gloo), so they
+    are collected and waited for at the end of the step (`flush`)."""
+
+    def __init__(self, rank: int, device: torch.device, timeout: float):
+        self.rank = rank
+        self.device = device
+        self.timeout = timeout
+        self.pending: list[tuple[object, Tensor, str]] = []
+        self.bytes_sent = 0
+
+    def send(self, dst: int, tensor: Tensor, what: str) -> None:
+        t = tensor.to(self.device).contiguous()
+        try:
+            work = dist.isend(t, dst)
+        except Exception as exc:
+            raise ShardCommError(f"rank {self.rank}: sending {what} to rank {dst} failed: {exc}") from None
+        self.pending.append((work, t, f"sending {what} to rank {dst}"))
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def recv(self, src: int, shape, dtype: torch.dtype, what: str, timeout: float | None = None) -> Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            work = dist.irecv(buf, src)
+        except Exception as exc:
+            raise ShardCommError(f"rank {self.rank}: receiving {what} from rank {src} failed: {exc}") from None
+        self._wait(work, f"receiving {what} from rank {src}", timeout)
+        return buf
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for work, _, what in pending:
+            self._wait(work, what)
+
+    def _wait(self, work, what: str, timeout: float | None = None) -> None:
+        limit = self.timeout if timeout is None else timeout
+        try:
+            work.wait(timedelta(seconds=limit))
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "Timed out" in text or "timeout" in text.lower():
+                text = f"no answer within {limit:g} s ({text})"
+            raise ShardCommError(f"rank {self.rank}: {what} failed: {text}") from None
+
+
+# =================================================================== the schedule
+class ShardRank:
+    """One rank's part of every step. All ranks call `run_step` with the same header and meet in order."""
+
+    def __init__(self, args: WorkerArgs, rank: int, device: torch.device):
+        self.args = args
+        self.rank = rank
+        self.world_size = args.world_size
+        self.config = read_config(args.checkpoint)
+        self.plan = Plan.from_dict(args.plan, source="the driver's plan")
+        if self.plan.config_hash != self.config.config_hash():
+            raise CheckpointError(f"the plan was made for config {self.plan.config_hash[:12]}..., the checkpoint at "
+                                  f"{args.checkpoint} is {self.config.config_hash()[:12]}...")
+        if self.plan.num_ranks != args.world_size:
+            raise ValueError(f"the plan has {self.plan.num_ranks} devices, the shard set {args.world_size} ranks")
+        self.device = device
+        self.dtype = dtype_of(args.dtype)
+        t0 = time.perf_counter()
+        self.model = build_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype, device)
+        self.load_seconds = time.perf_counter() - t0
+        self.recorder = RoutingRecorder(self.config.num_experts, self.config.experts_per_token)
+        self.model.routing_observer = self.recorder.observe
+        self.homed = self.plan.layers_homed_on(rank)
+        self.tables = {layer: ExpertTable.from_holders(h) for layer, h in self.plan.expert_placement.items()}
+        self.held = {}
+        for layer, table in self.tables.items():
+            mask = torch.zeros(self.config.num_experts, dtype=torch.bool)
+            mask[[e for e, h in enumerate(table.holders) if rank in h]] = True
+            self.held[layer] = mask
+        self.caches: dict[int, SequenceCache] = {}
+        self.wire = Wire(rank, device, args.timeouts.comm)
+
+    def info(self) -> dict:
+        return {
+            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device),
+            "homed_layers": self.homed,
+            "experts": {str(layer): ids for layer, ids in self.plan.experts_on(self.rank).items()},
+            "embedding": self.rank == self.plan.embedding_rank, "lm_head": self.rank == self.plan.lm_head_rank,
+            "resident_bytes": tensor_nbytes(self.model, resident=True),
+            "model_bytes": tensor_nbytes(self.model, resident=False),
+            "load_seconds": round(self.load_seconds, 3),
+        }
+
+    # ------------------------------------------------------------ headers
+    def send_header(self, header: StepHeader) -> None:
+        meta, payload = header.encode()
+        for r in range(1, self.world_size):
+            self.wire.send(r, meta, "step header")
+            if payload is not None:
+                self.wire.send(r, payload, "step header payload")
+
+    def recv_header(self) -> StepHeader:
+        idle = self.args.timeouts.idle
+        meta = self.wire.recv(0, (META_LEN,), torch.long, "the next step header", timeout=idle).tolist()
+        n = StepHeader.payload_len(meta)
+        payload = self.wire.recv(0, (n,), torch.long, "step header payload") if n else None
+        return StepHeader.decode(meta, payload)
+
+    # ------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run_step(self, h: StepHeader) -> Tensor | None:
+        """Embed, every layer, head. Returns the logits [R, V] fp32 on rank 0, None elsewhere."""
+        cfg, plan, me = self.config, self.plan, self.rank
+        for slot in h.freed:
+            self.caches.pop(slot, None)
+        if self.homed:
+            for slot in h.slots:
+                if slot not in self.caches:
+                    self.caches[slot] = self.model.new_cache(layers=self.homed)
+        lengths = tuple(h.lengths)
+        cur = plan.embedding_rank
+        state = self.model.embed(h.ids.to(self.device), lengths) if me == cur else None
+        for i, layer in enumerate(self.model.layers):
+            home = plan.layer_home[i]
+            state = self._hop(state, cur, home, i, lengths, f"the residual state into layer {i}")
+            cur = home
+            if me == home:
+                state, x = layer.attend(state, [self.caches[s] for s in h.slots])
+                if layer.is_moe:
+                    moe = layer.block_sparse_moe
+                    m = moe.finish(self._home_experts(i, moe, x), x)
+                else:
+                    m = layer.mlp(x)
+                state = layer.add_mlp(state, m)
+            elif layer.is_moe and me in self.tables[i].ranks:
+                self._serve_experts(i, home)
+        # the head needs one row per sequence (its last new token), or every row for scoring
+        rows = None
+        if not h.all_logits:
+            rows, end = [], 0
+            for n in lengths:
+                end += n
+                rows.append(end - 1)
+        head = plan.lm_head_rank
+        logits = None
+        if cur == head:
+            if me == head:
+                logits = self.model.head(state, rows)
+        else:
+            if me == cur and rows is not None:
+                state = state.select(rows)
+            R = h.logit_rows
+            state = self._hop(state, cur, head, cfg.num_layers, (1,) * R if rows is not None else lengths,
+                              "the residual state into the head")
+            if me == head:
+                logits = self.model.head(state)
+        if head != 0:
+            if me == head:
+                self.wire.send(0, logits.float(), "logits")
+            elif me == 0:
+                logits = self.wire.recv(head, (h.logit_rows, cfg.vocab_size), torch.float32, "logits")
+        for slot, n in zip(h.slots, lengths):
+            if slot in self.caches:
+                self.caches[slot].advance(n)
+        self.wire.flush()
+        return logits if me == 0 else None
+
+    def _hop(self, state: ResidualState | None, src: int, dst: int, layer: int, lengths: tuple[int, ...],
+             what: str) -> ResidualState | None:
+        """Move the residual state from src to dst (entering `layer`; num_layers = the head)."""
+        if src == dst:
+            return state
+        n = state_sources(self.config, layer)
+        if self.rank == src:
+            if len(state.blocks) + 1 != n:
+                raise RuntimeError(f"{what}: the state has {len(state.blocks)} blocks, the schedule expects {n - 1}")
+            self.wire.send(dst, torch.stack(state.blocks + [state.partial]), what)
+            return None
+        if self.rank == dst:
+            t = self.wire.recv(src, (n, sum(lengths), self.config.hidden_size), torch.float32, what)
+            return ResidualState(lengths, list(t[:-1].unbind(0)), t[-1])
+        return None
+
+    def _home_experts(self, layer: int, moe, x: Tensor) -> Tensor:
+        """Route on the home rank, dispatch latent rows to the holders, add up their partial sums: [T, latent]."""
+        ids, weights = moe.route(x)
+        z = moe.down(x)
+        table = self.tables[layer]
+        assign = choose_expert_holders(ids, table, self.rank).to(ids.device)
+        T, latent = x.shape[0], self.config.latent_size
+        y = torch.zeros(T, latent, dtype=torch.float32, device=x.device)
+        waiting = []
+        for r in table.ranks:
+            if r == self.rank:
+                continue
+            tok, slot = (assign == r).nonzero(as_tuple=True)
+            rows, local = torch.unique(tok, return_inverse=True)
+            self.wire.send(r, torch.tensor([rows.numel(), tok.numel()], dtype=torch.long),
+                           f"layer {layer} dispatch header")
+            if tok.numel():
+                self.wire.send(r, pack([local, ids[tok, slot], weights[tok, slot].float(), z[rows]]),
+                               f"layer {layer} latent rows")
+            waiting.append((r, rows))
+        tok, slot = (assign == self.rank).nonzero(as_tuple=True)
+        if tok.numel():  # this rank's own experts run while the others compute
+            rows, local = torch.unique(tok, return_inverse=True)
+            y.index_add_(0, rows, self._expert_share(layer, moe, z[rows], local, ids[tok, slot], weights[tok, slot]))
+        for r, rows in waiting:
+            if rows.numel():
+                part = self.wire.recv(r, (rows.numel(), latent), torch.float32, f"layer {layer} expert partial sums")
+                y.index_add_(0, rows, part)
+        return y
+
+    def _serve_experts(self, layer: int, home: int) -> None:
+        tokens, assignments = self.wire.recv(home, (2,), torch.long, f"layer {layer} dispatch header").tolist()
+        if assignments == 0:
+            return
+        specs = dispatch_specs(tokens, assignments, self.config.latent_size, self.dtype)
+        buf = self.wire.recv(home, (packed_nbytes(specs),), torch.uint8, f"layer {layer} latent rows")
+        local, experts, weights, z = unpack(buf, specs)
+        moe = self.model.layers[layer].block_sparse_moe
+        self.wire.send(home, self._expert_share(layer, moe, z, local, experts, weights),
+                       f"layer {layer} expert partial sums")
+
+    def _expert_share(self, layer: int, moe, z: Tensor, local: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """sum over this rank's assignments of w * Expert_e(z_token), per distinct token: [T_r, latent] fp32."""
+        held = self.held[layer][experts.cpu()]
+        if not bool(held.all()):
+            missing = sorted(set(experts.cpu()[~held].tolist()))
+            raise RuntimeError(f"rank {self.rank} was sent experts {missing} of layer {layer}, which it does not hold")
+        # one row per assignment, so the (token, expert) pairs chosen for this rank are exactly what runs
+        part = moe.expert_partial(z[local], experts[:, None], weights[:, None].float())
+        out = torch.zeros(z.shape[0], self.config.latent_size, dtype=torch.float32, device=z.device)
+        return out.index_add_(0, local, part)
+
+    # ------------------------------------------------------------ routing statistics
+    def routing_payload(self, reset: bool) -> bytes:
+        data = json.dumps(self.recorder.to_stats().to_dict()).encode()
+        if reset:
+            self.recorder.reset()
+        return data
+
+    def gather_stats(self, reset: bool) -> dict:
+        parts = [RoutingStats.from_dict(json.loads(self.routing_payload(reset)))]
+        for r in range(1, self.world_size):
+            n = int(self.wire.recv(r, (1,), torch.long, "routing statistics size").item())
+            buf = self.wire.recv(r, (n,), torch.uint8, "routing statistics")
+            parts.append(RoutingStats.from_dict(json.loads(bytes(buf.cpu().numpy()))))
+        self.wire.flush()
+        return merge_routing_stats(parts).to_dict()
+
+    def send_stats(self, reset: bool) -> None:
+        data = self.routing_payload(reset)
+        self.wire.send(0, torch.tensor([len(data)], dtype=torch.long), "routing statistics size")
+        self.wire.send(0, torch.frombuffer(bytearray(data), dtype=torch.uint8), "routing statistics")
+        self.wire.flush()
+
+    # ------------------------------------------------------------ serving loops
+    def serve_driver(self, conn) -> None:
+        """Rank 0: steps come from the driver's pipe; idle time is filled with keepalive pings."""
+        keepalive = self.args.timeouts.keepalive
+        while True:
+            if not conn.poll(keepalive):
+                self.send_header(StepHeader(PING))
+                self.wire.flush()
+                continue
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "step":
+                _, number, slots, lengths, ids, freed, all_logits = msg
+                header = StepHeader(STEP, number, list(slots), list(lengths), torch.from_numpy(ids), list(freed),
+                                    bool(all_logits))
+                self.send_header(header)
+                logits = self.run_step(header)
+                conn.send(("logits", number, logits.cpu().numpy()))
+            elif kind == "stats":
+                _, number, reset = msg
+                self.send_header(StepHeader(STATS, number, reset=bool(reset)))
+                conn.send(("stats", number, self.gather_stats(bool(reset))))
+            elif kind == "close":
+                self.send_header(StepHeader(STOP))
+                self.wire.flush()
+                conn.send(("closed",))
+                return
+            else:
+                raise ValueError(f"unknown driver message {kind!r}")
+
+    def serve_peers(self) -> None:
+        """Ranks 1..N-1: follow rank 0's headers until told to stop."""
+        while True:
+            header = self.recv_header()
+            if header.kind == PING:
+                continue
+            if header.kind == STOP:
+                return
+            if header.kind == STEP:
+                self.run_step(header)
+            elif header.kind == STATS:
+                self.send_stats(header.reset)
+
+
+# =================================================================== process entry points
+def _keep_alive(host: str, port: int, key: str, interval: float, parent_pid: int | None, timeout: float) -> None:
+    """Heartbeat thread: proves to the driver that this process is scheduled; exits when orphaned."""
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        beat = 0
+        while True:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                os._exit(3)  # the driver died: nobody will ever send us work
+            beat += 1
+            client.set(key, str(beat))
+            time.sleep(interval)
+    except Exception:
+        os._exit(4)  # the driver's store is gone: so is the driver
+
+
+def _device_for(args: WorkerArgs, rank: int) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was asked for but this process sees no GPU")
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {args.device!r}")
+
+
+def serve(args: WorkerArgs, rank: int, conn=None, claim: bool = True) -> None:
+    """Load, join the world, serve until told to stop; on any failure report and exit. Never returns.
+
+    `claim`: take the rank in the store first (external workers have claimed it while joining)."""
+    keys = StoreKeys(args.generation)
+    t = args.timeouts
+    torch.set_num_threads(max(1, args.threads))
+    store = None
+    try:
+        store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=timedelta(seconds=t.startup))
+        threading.Thread(target=_keep_alive, daemon=True, name="k3-shard-heartbeat",
+                         args=(args.store_host, args.store_port, keys.heartbeat(rank), t.heartbeat_interval,
+                               args.parent_pid, t.startup)).start()
+        if claim and store.add(keys.claim(rank), 1) != 1:
+            raise RuntimeError(f"rank {rank} of shard set {args.generation} was already taken by another process")
+        device = _device_for(args, rank)
+        shard = ShardRank(args, rank, device)
+        store.set(keys.info(rank), json.dumps(shard.info()))
+        store.set(keys.loaded(rank), "1")
+        store.wait([keys.loaded(r) for r in range(args.world_size)], timedelta(seconds=t.startup))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(keys.process_group(), store), rank=rank,
+                                world_size=args.world_size, timeout=timedelta(seconds=t.comm))
+        if conn is not None:
+            conn.send(("ready",))
+            shard.serve_driver(conn)
+        else:
+            shard.serve_peers()
+    except BaseException as exc:  # noqa: BLE001 - every failure ends this process, with its reason recorded
+        text = f"rank {rank}: {type(exc).__name__}: {exc}"
+        if not isinstance(exc, (ShardCommError, EOFError)):
+            traceback.print_exc(file=sys.stderr)
+        print(f"k3 shard {text}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            store.set(keys.error(rank), text)
+            store.add(keys.error_count(), 1)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.send(("error", -1, text))
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no process-group teardown: peers may be gone, and gloo's destructor would wait for them
+
+
+def run_local(args: WorkerArgs, rank: int, conn=None) -> None:
+    """Target of the processes ShardedModel spawns."""
+    with contextlib.suppress(OSError):
+        os.setsid()  # its own session: the terminal's Ctrl-C goes to the engine, which stops the shards itself
+    if args.local:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this host: stay on loopback
+    serve(args, rank, conn)
+
+
+def _join_generation(store: dist.TCPStore, rank: int | None, rank_offset: int, timeout: float) -> WorkerArgs:
+    """Wait for an open shard set of the driver whose `rank` is still free, and take it."""
+    if rank is None:
+        if "RANK" not in os.environ:
+            raise SystemExit("give --rank, or launch under torchrun (which sets RANK)")
+        rank = rank_offset + int(os.environ["RANK"])
+    waited_for = None
+    while True:
+        store.wait([StoreKeys.GENERATION], timedelta(seconds=timeout))
+        generation = int(store.get(StoreKeys.GENERATION))
+        keys = StoreKeys(generation)
+        if generation != waited_for and not store.check([keys.closed()]) and store.check([keys.args()]):
+            if store.add(keys.claim(rank), 1) == 1:
+                args = WorkerArgs.from_json(store.get(keys.args()).decode())
+                if not 0 < rank < args.world_size:
+                    raise SystemExit(f"rank {rank} is outside 1..{args.world_size - 1} of the driver's plan")
+                args.rank = rank
+                return args
+            waited_for = generation  # that set already has this rank (our previous life): wait for the next
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m inference.shard_worker",
+                                     description="Run shard ranks of a sharded Kimi K3 engine hosted elsewhere.")
+    parser.add_argument("--dist-addr", required=True, help="HOST:PORT of the driver's TCP store")
+    parser.add_argument("--checkpoint", required=True, help="this host's copy of the checkpoint directory")
+    parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: RANK + offset)")
+    parser.add_argument("--rank-offset", type=int, default=1, help="added to torchrun's RANK (rank 0 is the driver's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override the driver's device kind")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the driver's setting)")
+    parser.add_argument("--connect-timeout", type=float, default=3600.0,
+                        help="seconds to wait for the driver's store and shard set")
+    opts = parser.parse_args(argv)
+    host, _, port = opts.dist_addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"--dist-addr must be HOST:PORT, got {opts.dist_addr!r}")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=opts.connect_timeout))
+    args = _join_generation(store, opts.rank, opts.rank_offset, opts.connect_timeout)
+    mine = fingerprint(opts.checkpoint)
+    if mine != args.fingerprint:
+        raise SystemExit(f"checkpoint {opts.checkpoint} has fingerprint {mine}, the driver serves {args.fingerprint}")
+    args.checkpoint = opts.checkpoint
+    args.store_host, args.store_port = host, int(port)
+    args.parent_pid = None  # torchrun (or the operator) owns this process
+    if opts.device:
+        args.device = opts.device
+    if opts.threads:
+        args.threads = opts.threads
+    print(f"k3 shard rank {args.rank} joining shard set {args.generation} of {args.world_size} ranks at "
+          f"{opts.dist_addr}", file=sys.stderr, flush=True)
+    del store
+    serve(args, args.rank, claim=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,472 @@
+"""The sharded Kimi K3 model: the weights split over several processes, driven like the single-process model.
+
+`ShardedModel` has the surface `LocalEngine` drives (`config`, `dtype`, `new_cache()`,
+`forward(token_ids, caches, all_logits)`, `recover()`, `close()`), so the serving engine runs unchanged on
+top of it (`build_sharded_engine`). Underneath (docs/engine.md section 2):
+
+- One process per plan device (`inference.plan.Plan`: pipeline stages over contiguous layers, a home rank
+  per layer, expert placement with replicas), talking torch.distributed point to point (gloo on CPU, NCCL
+  on CUDA). Each loads only its own tensors. The schedule, the messages and the worker process:
+  `inference.shard_worker`, `inference.shard_protocol`.
+- Only rank 0 talks to this driver, over a multiprocessing Pipe: the engine's process never joins the
+  torch.distributed world, so it can always kill it and start another. The driver hosts the TCP store the
+  shards meet at and watch each other through (heartbeats, error reports).
+- Local mode spawns every rank on this host. External mode (`store="HOST:PORT"`) spawns rank 0 only; the
+  other ranks run on other hosts under torchrun (commands in inference.shard_worker's docstring).
+- A sequence's decode state lives in the shards (each rank keeps the caches of its home layers);
+  `new_cache()` returns a small handle (`ShardCache`). Dropping the handle (or `free_cache`) frees the
+  state at the next step.
+- Faults: a shard that dies is noticed at once (its process sentinel locally, a closed connection
+  remotely); one that hangs, by its heartbeat going silent (`ShardTimeouts.heartbeat`); every transfer has a
+  timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
+  `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
+- Routing statistics: each home rank counts expert selections and co-activation
+  (`inference.shard_worker.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
+  planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from inference.checkpoint import fingerprint, read_config, verify_manifest
+from inference.engine import EngineHealth, LocalEngine
+from inference.plan import Plan, PlanError, RoutingStats
+from inference.shard_protocol import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
+from inference.shard_worker import RoutingRecorder, run_local
+from inference.tokenizer import load_tokenizer
+
+STORE_ENV = "K3_SHARD_STORE"  # HOST:PORT: host the store there and wait for ranks 1..N-1 from other hosts
+_POLL_S = 0.25  # how often a waiting driver looks at process sentinels and heartbeats
+
+
+class ShardFailure(RuntimeError):
+    """The shard set failed (a process died, hung, or reported an error); its sequences are lost."""
+
+
+class ShardCache:
+    """The engine's handle on one sequence whose decode state lives in the shard processes."""
+
+    __slots__ = ("slot", "generation", "length", "freed", "_finalizer", "__weakref__")
+
+    def __init__(self, slot: int, generation: int):
+        self.slot = slot
+        self.generation = generation
+        self.length = 0
+        self.freed = False
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def __repr__(self) -> str:
+        return f"ShardCache(slot={self.slot}, generation={self.generation}, length={self.length})"
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class ShardedModel:
+    """Kimi K3 over several shard processes, with the single-process model's forward surface."""
+
+    def __init__(self, checkpoint: str | Path, plan: Plan | str | Path | None = None, *, shards: int | None = None,
+                 mode: str = "both", replicas: int = 0, dtype: str = "float32", device: str = "cpu",
+                 store: str | None = None, timeouts: ShardTimeouts = ShardTimeouts(),
+                 threads_per_rank: int | None = None, verify: bool = False, start: bool = True):
+        self.checkpoint = str(Path(checkpoint).resolve())
+        self.config = read_config(self.checkpoint)
+        if verify:
+            verify_manifest(self.checkpoint)
+        self.fingerprint = fingerprint(self.checkpoint)
+        self.plan_source = "simple"
+        if isinstance(plan, (str, Path)):
+            self.plan_source = str(plan)
+            plan = Plan.load(plan)
+        elif plan is None:
+            if not shards:
+                raise ValueError("give a plan or a shard count")
+            plan = Plan.simple(self.config, shards, mode, replicas)
+            self.plan_source = f"simple {mode} x{shards}" + (f", {replicas} replicas per layer" if replicas else "")
+        if shards and plan.num_ranks != shards:
+            raise PlanError(f"the plan places the model on {plan.num_ranks} ranks, but {shards} shards were asked for")
+        plan.validate(self.config)
+        self.plan = plan
+        self.world_size = plan.num_ranks
+        self.dtype = dtype_of(dtype)
+        self._dtype_name = dtype
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.device = device
+        self.timeouts = timeouts
+        if threads_per_rank is None:
+            env = os.environ.get("OMP_NUM_THREADS", "")
+            threads_per_rank = int(env) if env.isdigit() else max(1, (os.cpu_count() or 1) // self.world_size)
+        self.threads_per_rank = threads_per_rank
+        self.external = store is not None
+        if self.external:
+            host, _, port = store.rpartition(":")
+            if not port.isdigit():
+                raise ValueError(f"store must be HOST:PORT, got {store!r}")
+            self._store_port = int(port)
+        else:
+            self._store_port = 0  # any free port
+        self._store = dist.TCPStore("127.0.0.1" if not self.external else (host or "0.0.0.0"), self._store_port,
+                                    is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeouts.startup))
+        self._store_port = self._store.port
+        self._store_lock = threading.Lock()
+        self._lock = threading.RLock()  # one driver conversation at a time
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._conn = None
+        self._slots = itertools.count(1)
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+        self._messages = itertools.count(1)
+        self.generation = 0
+        self.ranks: list[dict] = []
+        self._state = "stopped"  # stopped -> starting -> ready -> failed -> (recover) starting ... -> closed
+        self._detail = "not started"
+        self._hb_last: list[bytes] = []
+        self._hb_seen: list[float] = []
+        self.restarts = 0
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def store_address(self) -> str:
+        return f"{'0.0.0.0' if self.external else '127.0.0.1'}:{self._store_port}"
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Rank -> pid of the shard processes this driver started (rank 0 only in external mode)."""
+        return {r: p.pid for r, p in self._procs.items()}
+
+    def start(self) -> None:
+        """Spawn a fresh shard set and wait until every rank has loaded its weights and joined."""
+        with self._lock:
+            if self._state == "closed":
+                raise ShardFailure("this sharded model was closed")
+            self.generation += 1
+            keys = StoreKeys(self.generation)
+            args = WorkerArgs(
+                world_size=self.world_size, generation=self.generation, store_host="127.0.0.1",
+                store_port=self._store_port, checkpoint=self.checkpoint, plan=self.plan.to_dict(),
+                fingerprint=self.fingerprint, dtype=self._dtype_name, device=self.device,
+                threads=self.threads_per_rank, timeouts=self.timeouts, parent_pid=os.getpid(),
+                local=not self.external,
+            )
+            with self._store_lock:
+                for r in range(self.world_size):
+                    self._store.set(keys.heartbeat(r), "0")
+                self._store.set(keys.args(), args.to_json())
+                self._store.set(StoreKeys.GENERATION, str(self.generation))
+            self._hb_last = [b"0"] * self.world_size
+            self._hb_seen = [time.monotonic()] * self.world_size
+            parent_conn, child_conn = self._ctx.Pipe()
+            local_ranks = range(self.world_size) if not self.external else range(1)
+            for r in local_ranks:
+                proc = self._ctx.Process(target=run_local, args=(args, r, child_conn if r == 0 else None),
+                                         name=f"k3-shard-{r}", daemon=True)
+                proc.start()
+                self._procs[r] = proc
+            child_conn.close()
+            self._conn = parent_conn
+            self._state, self._detail = "starting", "starting the shard set"
+            try:
+                self._await(("ready",), self.timeouts.startup, what="starting the shard set", starting=True)
+            except BaseException:
+                self._stop_processes()
+                raise
+            with self._store_lock:
+                infos = self._store.multi_get([keys.info(r) for r in range(self.world_size)])
+            self.ranks = [json.loads(v) for v in infos]
+            self._state, self._detail = "ready", ""
+
+    def recover(self) -> None:
+        """Kill every shard process this driver started, wait for them, and start a fresh set.
+
+        Sequences in the old set are lost (their handles raise if used again)."""
+        with self._lock:
+            self._stop_processes()
+            self.restarts += 1
+            self.start()
+
+    def close(self) -> None:
+        """Stop the shard set: politely when it is healthy, by SIGKILL otherwise."""
+        with self._lock:
+            if self._state == "closed":
+                return
+            if self._state == "ready" and self._conn is not None:
+                try:
+                    self._conn.send(("close",))
+                    self._await(("closed",), self.timeouts.close, what="closing")
+                except (ShardFailure, OSError):
+                    pass
+                deadline = time.monotonic() + self.timeouts.close
+                for proc in self._procs.values():
+                    proc.join(max(0.0, deadline - time.monotonic()))
+            self._stop_processes()
+            self._state, self._detail = "closed", "closed"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _stop_processes(self) -> None:
+        """SIGKILL and join every local shard process (a stopped process dies from SIGKILL too)."""
+        if self.generation:
+            with self._store_lock:
+                self._store.set(StoreKeys(self.generation).closed(), "1")
+        for proc in self._procs.values():
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self._procs.values():
+            proc.join(10)
+            if proc.exitcode is not None:
+                proc.close()
+        self._procs.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._state != "closed":
+            self._state = "stopped"
+
+    # ------------------------------------------------------------------ health
+    def health(self) -> EngineHealth:
+        """ok while every shard process lives and beats; degraded while a set starts; down after a failure
+        until recover()."""
+        if self._state == "starting":
+            return EngineHealth("degraded", self._detail)
+        if self._state != "ready":
+            return EngineHealth("down", self._detail)
+        problem = self._find_fault(starting=False)
+        if problem:
+            return EngineHealth("down", problem)
+        return EngineHealth("ok")
+
+    def _find_fault(self, starting: bool) -> str | None:
+        for r, proc in self._procs.items():
+            if proc.exitcode is not None:
+                return f"shard rank {r} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+        keys = StoreKeys(self.generation)
+        with self._store_lock:
+            beats = self._store.multi_get([keys.heartbeat(r) for r in range(self.world_size)])
+            error_text = None
+            if self._store.add(keys.error_count(), 0):
+                reported = [r for r in range(self.world_size) if self._store.check([keys.error(r)])]
+                if reported:
+                    error_text = self._store.get(keys.error(reported[0])).decode()
+        if error_text:
+            return error_text
+        now = time.monotonic()
+        for r, beat in enumerate(beats):
+            if beat != self._hb_last[r]:
+                self._hb_last[r], self._hb_seen[r] = beat, now
+            elif beat != b"0" or not starting:
+                silent = now - self._hb_seen[r]
+                if silent > self.timeouts.heartbeat:
+                    return (f"shard rank {r} sent no heartbeat for {silent:.1f} s: the process is stopped or "
+                            "wedged")
+        return None
+
+    def _fail(self, reason: str) -> ShardFailure:
+        """Declare the set failed: no more work goes to it until recover()."""
+        detail = reason
+        try:
+            extra = self._find_fault(starting=self._state == "starting")
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort; the reason stands
+            extra = None
+        if extra and extra not in reason:
+            detail = f"{extra} ({reason})"
+        self._state, self._detail = "failed", detail
+        try:
+            with self._store_lock:
+                self._store.set(StoreKeys(self.generation).closed(), "1")
+        except Exception:  # noqa: BLE001
+            pass
+        return ShardFailure(detail)
+
+    def _await(self, expect: tuple, timeout: float, what: str, starting: bool = False):
+        """The next message from rank 0, watching process sentinels and heartbeats while waiting."""
+        deadline = time.monotonic() + timeout
+        sentinels = {p.sentinel: r for r, p in self._procs.items()}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(f"no answer from the shard set within {timeout:g} s while {what}")
+            ready = multiprocessing.connection.wait([self._conn, *sentinels], timeout=min(_POLL_S, left))
+            if self._conn in ready:
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    raise self._fail(f"rank 0 closed its pipe while {what}") from None
+                if msg[0] == "error":
+                    raise self._fail(msg[2])
+                if msg[0] != expect[0] or (len(expect) > 1 and msg[1] != expect[1]):
+                    raise self._fail(f"rank 0 answered {msg[0]!r} while {what}")
+                return msg
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                proc = self._procs[dead[0]]
+                proc.join(1)
+                raise self._fail(f"shard rank {dead[0]} (pid {proc.pid}) {_describe_exit(proc.exitcode)} while {what}")
+            problem = self._find_fault(starting)
+            if problem:
+                raise self._fail(f"{problem} while {what}")
+
+    def _send(self, msg: tuple, what: str) -> None:
+        if self._state != "ready":
+            raise ShardFailure(f"the shard set is not serving ({self._detail}); recover() starts a new one")
+        try:
+            self._conn.send(msg)
+        except (OSError, ValueError) as exc:
+            raise self._fail(f"rank 0 did not take the request ({exc}) while {what}") from None
+
+    # ------------------------------------------------------------------ caches
+    def new_cache(self) -> ShardCache:
+        """A handle on a new sequence; its state is created in the shards by its first forward."""
+        handle = ShardCache(next(self._slots), self.generation)
+        handle._finalizer = weakref.finalize(handle, self._freed.append, (handle.generation, handle.slot))
+        return handle
+
+    def free_cache(self, handle: ShardCache) -> None:
+        """Free a sequence's state now (dropping the handle does the same when it is collected)."""
+        handle.freed = True
+        handle._finalizer()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False) -> list[Tensor]:
+        """Each sequence's new tokens after its cache; fp32 logits [T_i, V] (all_logits) or [V] per sequence."""
+        with self._lock:
+            self._check_batch(token_ids, caches)
+            freed = []
+            while self._freed:
+                generation, slot = self._freed.popleft()
+                if generation == self.generation:
+                    freed.append(slot)
+            lengths = [int(t.shape[0]) for t in token_ids]
+            ids = torch.cat([t.to(torch.long).cpu() for t in token_ids]).numpy()
+            number = next(self._messages)
+            self._send(("step", number, [c.slot for c in caches], lengths, ids, freed, bool(all_logits)), "a step")
+            _, _, logits = self._await(("logits", number), float("inf"), what=f"step {number}")
+            for cache, n in zip(caches, lengths):
+                cache.advance(n)
+            logits = torch.from_numpy(np.ascontiguousarray(logits))
+            return list(torch.split(logits, lengths)) if all_logits else list(logits)
+
+    __call__ = forward
+
+    def _check_batch(self, token_ids: list[Tensor], caches: list[ShardCache]) -> None:
+        cfg = self.config
+        if not token_ids:
+            raise ValueError("forward needs at least one sequence")
+        if len(token_ids) != len(caches):
+            raise ValueError(f"{len(token_ids)} token sequences but {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("the same cache appears twice in one batch")
+        for b, (t, cache) in enumerate(zip(token_ids, caches)):
+            if not isinstance(cache, ShardCache):
+                raise ValueError(f"sequence {b}: the cache must come from this model's new_cache()")
+            if cache.freed:
+                raise ValueError(f"sequence {b}: its cache was freed")
+            if cache.generation != self.generation:
+                raise ValueError(f"sequence {b}: its cache belongs to a shard set that was restarted, so its state "
+                                 "is gone; start the sequence again with new_cache()")
+            if not isinstance(t, Tensor) or t.dim() != 1 or t.numel() == 0:
+                raise ValueError(f"sequence {b}: token ids must be a non-empty 1-D tensor")
+            if t.is_floating_point():
+                raise ValueError(f"sequence {b}: token ids must be integers, got {t.dtype}")
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"sequence {b}: token id out of range 0..{cfg.vocab_size - 1} (saw {lo}..{hi})")
+            if cache.length + t.numel() > cfg.max_position_embeddings:
+                raise ValueError(f"sequence {b}: {cache.length} cached + {t.numel()} new tokens exceed the context "
+                                 f"of {cfg.max_position_embeddings}")
+
+    # ------------------------------------------------------------------ statistics and layout
+    def dump_routing_stats(self, path: str | Path | None = None, reset: bool = False) -> RoutingStats:
+        """Expert load and co-activation per MoE layer since the start (or the last reset), from every home rank."""
+        with self._lock:
+            number = next(self._messages)
+            self._send(("stats", number, bool(reset)), "gathering routing statistics")
+            _, _, data = self._await(("stats", number), self.timeouts.comm * 2, what="gathering routing statistics")
+        stats = RoutingStats.from_dict(data, source="the shard set")
+        if path is not None:
+            stats.save(path)
+        return stats
+
+    def layout(self) -> dict:
+        """What runs where, for EngineCapabilities.layout."""
+        plan = self.plan
+        experts: dict[int, int] = collections.Counter()
+        for holders in plan.expert_placement.values():
+            for h in holders:
+                experts.update(h)
+        return {
+            "processes": self.world_size,
+            "plan": self.plan_source,
+            "backend": "nccl" if self.device == "cuda" else "gloo",
+            "external_ranks": self.external,
+            "stages": [{"layers": [s.first_layer, s.end_layer], "ranks": list(s.ranks)} for s in plan.stages],
+            "layer_home": list(plan.layer_home),
+            "embedding_rank": plan.embedding_rank,
+            "lm_head_rank": plan.lm_head_rank,
+            "experts_per_rank": {str(r): experts.get(r, 0) for r in range(self.world_size)},
+            "replicas": sum(plan.replica_count(layer) for layer in plan.expert_placement),
+        }
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def build_sharded_engine(spec, timeouts: ShardTimeouts | None = None) -> LocalEngine:
+    """The serving engine over a ShardedModel (EngineSpec kind "sharded": a plan file or a shard count).
+
+    Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
+    there; see inference.shard_worker for the commands to run on the other hosts."""
+    store = getattr(spec, "shard_store", None) or os.environ.get(STORE_ENV) or None
+    # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
+    # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins
+    model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=spec.dtype,
+                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None)
+    try:
+        tokenizer = load_tokenizer(spec.checkpoint, model.config)
+        return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=model.fingerprint,
+                           engine_kind="sharded", layout=model.layout())
+    except BaseException:
+        model.close()
+        raise
+
+
+__all__ = ["ShardedModel", "ShardCache", "ShardFailure", "ShardTimeouts", "RoutingRecorder", "build_sharded_engine"]
