@@ -468,7 +468,6 @@ class LocalEngine(Engine):
             except Exception as exc:  # a model or shard failure: fail this step's sequences, recover
                 await self._on_step_failure(exc)
                 continue
-            t1 = time.perf_counter()
             self._after_step(batch, logits, all_logits)
             self.steps += 1
             await asyncio.sleep(0)  # let consumers read and new requests arrive

@@ -129,7 +129,7 @@ class SequenceCache:
 class DecoderLayer(nn.Module):
     """Attention (KDA or MLA) and MLP (dense or LatentMoE) joined by two Attention Residuals sites."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, random_init: bool = True):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -144,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(config) if self.is_mla else KDAAttention(config)
         self.is_moe = config.is_moe(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(config, layer_idx)
+            self.block_sparse_moe = LatentMoE(config, layer_idx, random_init)
         else:
             self.mlp = DenseMLP(D, config.dense_intermediate_size, config)
 
@@ -205,11 +205,11 @@ class DecoderLayer(nn.Module):
 class KimiK3Decoder(nn.Module):
     """The `model.` part of the checkpoint: embedding, layers, final norm and the output AttnRes site."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, random_init: bool = True):
         super().__init__()
         D = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, random_init) for i in range(config.num_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
@@ -219,7 +219,10 @@ class KimiK3Decoder(nn.Module):
 class KimiK3Model(nn.Module):
     """Kimi K3 text model. state_dict keys are the release's tensor names without `language_model.`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 random_init: bool = True):
+        """`random_init=False` builds shapes only (no random draws): for a skeleton whose weights come from a
+        checkpoint, e.g. on the meta device in a shard process."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -228,9 +231,10 @@ class KimiK3Model(nn.Module):
         # always gives the same model and callers' random streams are untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.model = KimiK3Decoder(config)
+            self.model = KimiK3Decoder(config, random_init)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            self._init_weights()
+            if random_init:
+                self._init_weights()
         self._cast(dtype)
 
     # ------------------------------------------------------------ weights

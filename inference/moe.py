@@ -87,9 +87,15 @@ class MXFP4Linear(nn.Module):
     call and reusing a dequantised copy.
     """
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, random_init: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        if not random_init:  # shapes only: the weights come from a checkpoint
+            self.register_buffer("weight_packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+            self.register_buffer("weight_scale", torch.empty(out_features, in_features // mxfp4.BLOCK,
+                                                             dtype=torch.uint8))
+            self.dense_cache = None
+            return
         # Random weights on the MXFP4 grid (from the global RNG). Uniform E2M1 codes have RMS ~2.9, so
         # block scales around 0.35/sqrt(in) give std ~1/sqrt(in), like a default linear layer.
         top = 127 + round(math.log2(0.35 / math.sqrt(in_features)))
@@ -108,11 +114,16 @@ class MXFP4Linear(nn.Module):
 class Expert(nn.Module):
     """One routed expert living in the latent: w1 gate and w3 up (latent -> width), w2 down (width -> latent)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, random_init: bool = True):
         super().__init__()
         self.beta, self.linear_beta = config.situ_beta, config.situ_linear_beta
         L, F = config.latent_size, config.expert_intermediate_size
-        make = MXFP4Linear if config.mxfp4_experts else (lambda i, o: nn.Linear(i, o, bias=False))
+        if config.mxfp4_experts:
+            def make(i, o):
+                return MXFP4Linear(i, o, random_init=random_init)
+        else:
+            def make(i, o):
+                return nn.Linear(i, o, bias=False)
         self.w1 = make(L, F)
         self.w2 = make(F, L)
         self.w3 = make(L, F)
@@ -125,7 +136,7 @@ class Expert(nn.Module):
 class LatentMoE(nn.Module):
     """Stable LatentMoE plus shared experts (module names follow the checkpoint's `block_sparse_moe.*`)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = -1):
+    def __init__(self, config: ModelConfig, layer_idx: int = -1, random_init: bool = True):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -137,7 +148,7 @@ class LatentMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps)
         if config.num_shared_experts:
             self.shared_experts = DenseMLP(D, config.shared_expert_intermediate_size, config)
-        self.experts = nn.ModuleList(Expert(config) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(Expert(config, random_init) for _ in range(config.num_experts))
         self.routing_observer: RoutingObserver | None = None
         self._dense_cache: mxfp4.DequantizedCache | None = None
 

@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from inference import mxfp4
 from inference.checkpoint import CheckpointError, fingerprint, load_tensors, read_config
 from inference.config import ModelConfig
 from inference.model import KimiK3Model, ResidualState, SequenceCache
@@ -201,28 +200,6 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
     return assign
 
 
-# =================================================================== this rank's weights
-@contextlib.contextmanager
-def _shape_only_expert_init():
-    """Build MXFP4 experts without drawing their random codes.
-
-    MXFP4Linear initialises itself with mxfp4.random_on_grid, which on the meta device costs milliseconds
-    per expert through PyTorch's Python reference kernels (10 minutes for K3's 247k expert matrices); the
-    skeleton only needs shapes, and the weights come from the checkpoint.
-    """
-    original = mxfp4.random_on_grid
-
-    def shapes_only(out_features, in_features, generator=None, scale_exponents=(120, 127)):
-        return (torch.empty(out_features, in_features // 2, dtype=torch.uint8),
-                torch.empty(out_features, in_features // mxfp4.BLOCK, dtype=torch.uint8))
-
-    mxfp4.random_on_grid = shapes_only
-    try:
-        yield
-    finally:
-        mxfp4.random_on_grid = original
-
-
 def owned_keys(config: ModelConfig, plan: Plan, rank: int, keys) -> list[str]:
     """The model state_dict keys `rank` holds under `plan`."""
     homed = {f"model.layers.{i}." for i in plan.layers_homed_on(rank)}
@@ -264,12 +241,11 @@ def model_skeleton(config: ModelConfig, dtype: torch.dtype, on: str | None = Non
     if on is None:
         on = "cpu" if 4 * config.num_parameters() <= CPU_SKELETON_MAX_BYTES else "meta"
     if on == "meta":
-        with _shape_only_expert_init(), torch.device("meta"):
-            return KimiK3Model(config, dtype=dtype).eval()
+        with torch.device("meta"):
+            return KimiK3Model(config, dtype=dtype, random_init=False).eval()
     if on != "cpu":
         raise ValueError(f"skeleton device must be 'meta' or 'cpu', got {on!r}")
-    with _shape_only_expert_init():
-        model = KimiK3Model(config, dtype=dtype).eval()
+    model = KimiK3Model(config, dtype=dtype, random_init=False).eval()
     for module in model.modules():
         for name, t in module._parameters.items():
             if t is not None:

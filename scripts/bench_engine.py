@@ -122,7 +122,7 @@ def main() -> int:
     loaded, busy = asyncio.run(ttft_under_load(model, tok, long_len, n_short, background=2))
     out["ttft"] = {"long_prompt_tokens": long_len, "idle_ms": idle, "loaded_ms": loaded,
                    "background_still_prefilling": busy}
-    print(f"\n| short-request TTFT | p50 ms | p99 ms |\n|---|---:|---:|")
+    print("\n| short-request TTFT | p50 ms | p99 ms |\n|---|---:|---:|")
     print(f"| idle engine | {statistics.median(idle):.1f} | {percentile(idle, 99):.1f} |")
     print(f"| while two {long_len}-token prompts prefill | {statistics.median(loaded):.1f} | "
           f"{percentile(loaded, 99):.1f} |")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference.config import ModelConfig
-from inference.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
+from inference.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
 from inference.model import KimiK3Model
 from inference.sampling import SamplingParams
 from inference.tokenizer import ByteTokenizer
