@@ -362,7 +362,7 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
                "sharded: placement plan file from scripts/plan_cluster.py", group="engine", metavar="FILE"),
         Option("engine.shards", "--shards", f"{p}SHARDS", optional_int, None,
                "sharded: number of local shard processes (a simple plan is built)", group="engine", metavar="N"),
-        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str, "both",
+        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str, "pipeline",
                "sharded with --shards: split by pipeline stage, by expert, or both", group="engine",
                choices=("pipeline", "expert", "both")),
         Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text, None,
