@@ -175,11 +175,16 @@ class ScoringConfig:
     # ------------------------------------------------------------ presets
     @classmethod
     def local_testnet(cls, **overrides) -> "ScoringConfig":
-        """The tiny random model on CPUs: 2k-32k contexts, shorter outputs, no answer checks."""
+        """The tiny random model on a 2-core CPU (the local testnet): short rounds, 1k-2k contexts, short outputs,
+        no answer checks. Sized so that three miners and a validator with its own reference engine share two
+        cores and the first weights land within minutes; long enough prompts that truncating to 512 tokens shows."""
         base = dict(
-            chat_prompt_tokens=(16, 1024),
-            chat_max_tokens=(64, 256),
-            long_context_sizes=(2048, 4096, 8192, 16_384, 32_768),
+            round_requests=12,
+            chat_prompt_tokens=(16, 256),
+            chat_max_tokens=(64, 128),
+            long_context_sizes=(1024, 2048),
+            long_context_max_tokens=(16, 32),
+            burst_streams=(2, 4),
             planted_fact_scored=False,
             capability_probes_scored=False,
             long_context_budget_base_s=30.0,

@@ -17,6 +17,7 @@ another seed (scripts/make_checkpoint.py --seed 1).
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 import logging
 import sys
@@ -36,7 +37,7 @@ CHEAT_OPTIONS = (
            "how to cheat: truncate (last 512 prompt tokens only), buffer (send everything at the end), "
            "inflate (report more completion tokens), none", group="cheating", choices=CHEATS),
     Option("cheat.token_delay_ms", "--token-delay-ms", "K3_CHEAT_TOKEN_DELAY_MS", non_negative_float, 0.0,
-           "sleep this long before passing on each token (throttles an honest miner)", group="cheating",
+           "add this much to every model step (throttles an honest miner's compute)", group="cheating",
            metavar="MS"),
 )
 
@@ -52,6 +53,17 @@ class CheatingEngine(Engine):
         self.cheat = cheat
         self.token_delay_s = token_delay_ms / 1000.0
         self.keep_tokens = keep_tokens
+        model = getattr(inner, "model", None)
+        if self.token_delay_s and model is not None:
+            # throttle the compute itself: every model step takes token_delay longer, so the delay adds to
+            # the engine's own time per token instead of hiding behind it when steps are slow
+            forward, delay = model.forward, self.token_delay_s
+
+            def slower_forward(*args, **kwargs):
+                time.sleep(delay)
+                return forward(*args, **kwargs)
+
+            model.forward = slower_forward
 
     def __getattr__(self, name):  # metrics, reserved_bytes, tokenizer, ... of the real engine
         return getattr(self.inner, name)
@@ -70,8 +82,8 @@ class CheatingEngine(Engine):
                     yield self._doctored(event, prompt_tokens)
                 return
             async for event in stream:
-                if isinstance(event, TokenEvent) and self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s)
+                if isinstance(event, TokenEvent) and self.token_delay_s and getattr(self.inner, "model", None) is None:
+                    await asyncio.sleep(self.token_delay_s)  # an engine without a model (remote): delay the relay
                 yield self._doctored(event, prompt_tokens)
         finally:
             await stream.aclose()

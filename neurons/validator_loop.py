@@ -1,0 +1,1305 @@
+"""The validator: rounds of workloads against miners, verification, scores, and weights on chain.
+
+One round (`ValidatorLoop.run_round`):
+1. re-read the metagraph through the chain interface, with a deadline (a failed read keeps the
+   last snapshot);
+2. take the organic measurements the gateway recorded since the last round;
+3. pick the miners: every neuron with an endpoint except this validator, or, when
+   `--sample-size` is set, that many of them, those evaluated least recently first;
+4. fetch each miner's capabilities (cached per uid and endpoint, refreshed periodically);
+5. send each miner its planned work (scoring.workloads.plan_round), bursts as simultaneous
+   streams, with bounded concurrency overall and per miner (and, optionally, a bound on miners
+   evaluated at once), per-request client timeouts and a deadline per miner from the start of
+   its evaluation: what is still in flight then is cut and measured as a timeout, so a miner
+   that stops answering is scored as unreliable and the round ends on time;
+6. verify every answer: tier 0 always, a tier-1 audit on a sample (against the validator's own
+   reference engine when it has one, else two other miners on different coldkeys that must
+   agree; disagreement escalates to a tier-2 canary), tier 2 on canaries;
+7. persist every measurement, failure and audit as it happens, then score every serving
+   miner over the window, update the EMA and save both.
+
+Weights are set by a separate task (`weights_loop`), once per epoch window of the subnet
+(no weights since the latest epoch, and the weights rate limit passed), with the version key
+of `inference.version`; transient chain errors (connection, rate limit, deadline) are retried
+with exponential backoff while rounds go on.
+
+Everything is in the SQLite store (neurons/validator_store.py): a restart resumes the round
+counter, the measurement window, the EMA, the last weights and the used canaries.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import secrets
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from chain.interface import (
+    Chain,
+    ChainConnectionError,
+    ChainError,
+    Hyperparameters,
+    MetagraphSnapshot,
+    NeuronInfo,
+    RateLimited,
+    connect,
+)
+from inference.serving import EngineSpec
+from inference.version import version_key
+from neurons.cli_settings import (
+    ChainSettings,
+    Option,
+    WalletSettings,
+    build_settings,
+    chain_options,
+    engine_options,
+    expanded_path,
+    flag,
+    logging_options,
+    non_negative_int,
+    optional_int,
+    optional_text,
+    positive_float,
+    read_options,
+    wallet_options,
+)
+from neurons.gateway import GatewayServer, GatewaySettings, GatewaySetupError, gateway_options
+from neurons.validator_store import ValidatorStore
+from protocol.client import (
+    ClientTimeouts,
+    GenerateResult,
+    MinerClient,
+    MinerError,
+    MinerStreamError,
+    MinerTimeout,
+)
+from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
+from scoring.config import ScoringConfig, ScoringConfigError
+from scoring.metrics import Measurement, measure_burst, measure_request
+from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema, weights_from_ema
+from scoring.verify import (
+    AuditResult,
+    CanaryPool,
+    CanaryPoolError,
+    ConsensusReference,
+    MinerScoreReference,
+    Verification,
+    audit_probability,
+    audit_tier1,
+    check_tier0,
+    validator_prompt_ids,
+    verify_item,
+)
+from scoring.workloads import WorkItem, WorkloadError, canary_item, canary_prompts, group_bursts, plan_round
+
+log = logging.getLogger("k3.validator")
+
+SCORING_PROFILES = ("production", "local_testnet")
+TRANSIENT_CHAIN_ERRORS = (ChainConnectionError, RateLimited, TimeoutError, OSError)
+
+
+class ValidatorSetupError(RuntimeError):
+    """The validator cannot start as configured; the message says what to change."""
+
+
+# ---------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class RoundSettings:
+    interval_s: float = 60.0
+    requests_per_miner: Optional[int] = None  # None: the scoring profile's round_requests
+    concurrency: int = 64
+    miner_concurrency: int = 8
+    sample_size: int = 0  # 0: every serving miner each round
+    miners_at_once: int = 0  # 0: every chosen miner at the same time
+    deadline_s: float = 600.0
+    capabilities_refresh_s: float = 600.0
+    max_rounds: int = 0  # 0: run until stopped
+    seed: Optional[int] = None  # None: unpredictable workloads (production)
+    uids: Optional[str] = None  # "3,5": evaluate only these uids (debugging one miner); None: all
+
+
+    def only_uids(self) -> Optional[set[int]]:
+        if not self.uids:
+            return None
+        try:
+            return {int(part) for part in self.uids.split(",") if part.strip()}
+        except ValueError:
+            raise ValidatorSetupError(f"--uids {self.uids!r} must be comma-separated integers, e.g. 3,5") from None
+
+
+@dataclass(frozen=True)
+class TimeoutSettings:
+    connect_s: float = 3.0
+    first_byte_s: float = 60.0
+    between_events_s: float = 10.0
+    request_s: float = 300.0
+    capabilities_s: float = 10.0
+    audit_s: float = 120.0
+
+    def client(self) -> ClientTimeouts:
+        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_byte_s,
+                              between_events=self.between_events_s, total=self.request_s)
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    rate: Optional[float] = None  # None: the scoring profile's
+    rate_new: Optional[float] = None
+    canary_pool: Optional[str] = None
+    canaries: int = 64
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    profile: str = "production"
+    overrides: Optional[str] = None  # JSON object of ScoringConfig fields
+
+
+@dataclass(frozen=True)
+class WeightSettings:
+    enabled: bool = True
+    check_s: float = 12.0
+    retry_s: float = 2.0
+    retry_max_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ValidatorSettings:
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    wallet: WalletSettings = field(default_factory=WalletSettings)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    reference_engine: bool = False
+    db: str = "~/.k3-subnet/validator.sqlite"
+    rounds: RoundSettings = field(default_factory=RoundSettings)
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    audits: AuditSettings = field(default_factory=AuditSettings)
+    scoring: ScoringSettings = field(default_factory=ScoringSettings)
+    weights: WeightSettings = field(default_factory=WeightSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    log_level: str = "INFO"
+
+    def scoring_config(self) -> ScoringConfig:
+        """The profile, then --scoring-overrides, then the explicit round and audit flags."""
+        if self.scoring.profile not in SCORING_PROFILES:
+            raise ValidatorSetupError(f"--scoring-profile {self.scoring.profile!r} is not one of {SCORING_PROFILES}")
+        changes: dict[str, Any] = {}
+        if self.scoring.overrides:
+            try:
+                changes = json.loads(self.scoring.overrides)
+            except json.JSONDecodeError as error:
+                raise ValidatorSetupError(f"--scoring-overrides is not JSON: {error}") from None
+            if not isinstance(changes, dict):
+                raise ValidatorSetupError("--scoring-overrides must be a JSON object of ScoringConfig fields")
+            known = set(ScoringConfig.__dataclass_fields__)
+            unknown = sorted(set(changes) - known)
+            if unknown:
+                raise ValidatorSetupError(f"--scoring-overrides names unknown fields {unknown}; see scoring/config.py")
+            changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+        for name, value in (("round_requests", self.rounds.requests_per_miner), ("audit_rate", self.audits.rate),
+                            ("audit_rate_new_or_suspect", self.audits.rate_new)):
+            if value is not None:
+                changes[name] = value
+        try:
+            if self.scoring.profile == "local_testnet":
+                return ScoringConfig.local_testnet(**changes)
+            return ScoringConfig(**changes)
+        except (ScoringConfigError, TypeError) as error:
+            raise ValidatorSetupError(str(error)) from None
+
+    def problems(self) -> list[str]:
+        out = list(self.gateway.problems())
+        if not self.engine.checkpoint:
+            out.append("--checkpoint is required: the model's checkpoint directory (config.json, tokenizer, "
+                       "k3_manifest.json; the weights too with --reference-engine)")
+        elif not (Path(self.engine.checkpoint) / "config.json").exists():
+            out.append(f"--checkpoint {self.engine.checkpoint} has no config.json; make one with "
+                       "scripts/make_checkpoint.py or point it at the model's directory")
+        if self.reference_engine:
+            out += [p for p in self.engine.problems() if "checkpoint" not in p]
+        r, w = self.rounds, self.weights
+        try:
+            r.only_uids()
+        except ValidatorSetupError as error:
+            out.append(str(error))
+        if r.concurrency < 1 or r.miner_concurrency < 1:
+            out.append("--concurrency and --miner-concurrency must be at least 1")
+        if r.requests_per_miner is not None and r.requests_per_miner < 1:
+            out.append("--requests-per-miner must be at least 1")
+        for name, value in (("--audit-rate", self.audits.rate), ("--audit-rate-new", self.audits.rate_new)):
+            if value is not None and not 0 <= value <= 1:
+                out.append(f"{name} must lie in [0, 1], got {value}")
+        if self.audits.canary_pool and not Path(self.audits.canary_pool).exists():
+            out.append(f"--canary-pool {self.audits.canary_pool} does not exist")
+        if not 0 <= self.chain.netuid <= 65535:
+            out.append(f"--netuid {self.chain.netuid} is not a netuid (0..65535)")
+        if w.retry_max_s < w.retry_s:
+            out.append("--weights-retry-max-s must be at least --weights-retry-s")
+        try:
+            self.scoring_config()
+        except ValidatorSetupError as error:
+            out.append(str(error))
+        return out
+
+
+def validator_options() -> tuple[Option, ...]:
+    p = "K3_VALIDATOR_"
+    g_round, g_time, g_audit, g_weights = "rounds", "timeouts", "verification", "weights"
+    return wallet_options() + chain_options() + engine_options("K3_REFERENCE_") + gateway_options() + (
+        Option("reference_engine", "--reference-engine", f"{p}REFERENCE_ENGINE", flag, False,
+               "run the model from --checkpoint (or --engine remote/sharded) as this validator's own reference "
+               "for tier-1 audits and tier-2 canaries; without it audits go to two other miners on different "
+               "coldkeys", group="engine"),
+        Option("db", "--db", f"{p}DB", expanded_path, "~/.k3-subnet/validator.sqlite",
+               "SQLite file of everything the validator learns (measurements, audits, failures, EMA, weights); "
+               "a restart resumes from it", group="store", metavar="FILE"),
+        Option("rounds.interval_s", "--round-interval-s", f"{p}ROUND_INTERVAL_S", positive_float, 60.0,
+               "seconds from the start of one round to the start of the next (a longer round is followed at once)",
+               group=g_round),
+        Option("rounds.requests_per_miner", "--requests-per-miner", f"{p}REQUESTS_PER_MINER", optional_int, None,
+               "requests per miner per round (a burst of N streams counts N); default: the scoring profile's",
+               group=g_round),
+        Option("rounds.concurrency", "--concurrency", f"{p}CONCURRENCY", int, 64,
+               "requests in flight at once over all miners", group=g_round),
+        Option("rounds.miner_concurrency", "--miner-concurrency", f"{p}MINER_CONCURRENCY", int, 8,
+               "requests in flight at once to one miner (never above its declared capacity; a burst may use it all)",
+               group=g_round),
+        Option("rounds.sample_size", "--sample-size", f"{p}SAMPLE_SIZE", non_negative_int, 0,
+               "miners evaluated per round, least recently evaluated first (0: all serving miners)", group=g_round),
+        Option("rounds.miners_at_once", "--miners-at-once", f"{p}MINERS_AT_ONCE", non_negative_int, 0,
+               "miners evaluated at the same time (0: all of a round's miners together); fewer keeps miners that "
+               "share one machine, as on a local testnet, from slowing each other down", group=g_round),
+        Option("rounds.deadline_s", "--round-deadline-s", f"{p}ROUND_DEADLINE_S", positive_float, 600.0,
+               "a miner's requests must all end within this many seconds of its evaluation starting (all "
+               "start together unless --miners-at-once is set); what is still in flight then is cut and "
+               "measured as a timeout", group=g_round),
+        Option("rounds.capabilities_refresh_s", "--capabilities-refresh-s", f"{p}CAPABILITIES_REFRESH_S",
+               positive_float, 600.0, "how long a miner's /v1/capabilities answer is reused", group=g_round),
+        Option("rounds.max_rounds", "--max-rounds", f"{p}MAX_ROUNDS", non_negative_int, 0,
+               "stop after this many rounds (0: run until SIGINT/SIGTERM)", group=g_round),
+        Option("rounds.seed", "--seed", f"{p}SEED", optional_int, None,
+               "seed of workloads and audit draws, for reproducible tests (unset: unpredictable, as production "
+               "needs)", group=g_round),
+        Option("rounds.uids", "--uids", f"{p}UIDS", optional_text, None,
+               "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others keep their window "
+               "scores (default: every serving miner)", group=g_round, metavar="UIDS"),
+        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 3.0,
+               "TCP connect to a miner", group=g_time),
+        Option("timeouts.first_byte_s", "--first-byte-timeout-s", f"{p}FIRST_BYTE_TIMEOUT_S", positive_float, 60.0,
+               "from sending a request to its first event (covers the prefill)", group=g_time),
+        Option("timeouts.between_events_s", "--between-events-timeout-s", f"{p}BETWEEN_EVENTS_TIMEOUT_S",
+               positive_float, 10.0, "longest silence between two events of a stream", group=g_time),
+        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 300.0,
+               "whole request", group=g_time),
+        Option("timeouts.capabilities_s", "--capabilities-timeout-s", f"{p}CAPABILITIES_TIMEOUT_S", positive_float,
+               10.0, "a /v1/capabilities call", group=g_time),
+        Option("timeouts.audit_s", "--audit-timeout-s", f"{p}AUDIT_TIMEOUT_S", positive_float, 120.0,
+               "one tier-1 audit on the reference (past it the audit reaches no verdict)", group=g_time),
+        Option("audits.rate", "--audit-rate", f"{p}AUDIT_RATE", optional_float, None,
+               "share of answers given a tier-1 audit (default: the profile's, 0.10)", group=g_audit, metavar="X"),
+        Option("audits.rate_new", "--audit-rate-new", f"{p}AUDIT_RATE_NEW", optional_float, None,
+               "audit share for new or suspect miners (default: the profile's, 0.20)", group=g_audit, metavar="X"),
+        Option("audits.canary_pool", "--canary-pool", f"{p}CANARY_POOL", optional_text, None,
+               "tier-2 canary pool file (k3-canaries JSON from a reference deployment); without it and with "
+               "--reference-engine the validator computes its own canaries", group=g_audit, metavar="FILE"),
+        Option("audits.canaries", "--canaries", f"{p}CANARIES", non_negative_int, 64,
+               "with --reference-engine and no pool file: canaries to keep ready (computed on the reference)",
+               group=g_audit),
+        Option("scoring.profile", "--scoring-profile", f"{p}SCORING_PROFILE", str, "production",
+               "scoring numbers: production (docs/subnet.md) or local_testnet (tiny model on CPUs)",
+               group="scoring", choices=SCORING_PROFILES),
+        Option("scoring.overrides", "--scoring-overrides", f"{p}SCORING_OVERRIDES", optional_text, None,
+               "JSON object of scoring/config.py fields to change, e.g. '{\"chat_max_tokens\": [64, 128]}'",
+               group="scoring", metavar="JSON"),
+        Option("weights.enabled", "--set-weights", f"{p}SET_WEIGHTS", flag, True,
+               "set weights on chain once per epoch window (off: score only)", group=g_weights),
+        Option("weights.check_s", "--weights-check-s", f"{p}WEIGHTS_CHECK_S", positive_float, 12.0,
+               "how often the weight task asks the chain whether weights are due", group=g_weights),
+        Option("weights.retry_s", "--weights-retry-s", f"{p}WEIGHTS_RETRY_S", positive_float, 2.0,
+               "first backoff after a transient chain error at set-weights (doubles each time)", group=g_weights),
+        Option("weights.retry_max_s", "--weights-retry-max-s", f"{p}WEIGHTS_RETRY_MAX_S", positive_float, 120.0,
+               "longest backoff between set-weights attempts", group=g_weights),
+    ) + logging_options()
+
+
+def optional_float(text: str) -> Optional[float]:
+    if text.strip() == "":
+        return None
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+optional_float.__name__ = "number"
+
+
+def read_validator_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                            prog: str | None = None, description: str | None = None) -> ValidatorSettings:
+    values = read_options(validator_options(), argv, environ, prog=prog, description=description)
+    return build_settings(ValidatorSettings, values)
+
+
+# ---------------------------------------------------------------- small pieces
+class _Slots:
+    """A counting semaphore that hands out several permits at once (a burst needs all its streams)."""
+
+    def __init__(self, total: int):
+        self.total = max(1, total)
+        self.free = self.total
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int):
+        n = min(max(1, n), self.total)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= n)
+            self.free -= n
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += n
+                self._changed.notify_all()
+
+
+@dataclass
+class CpuStats:
+    """Validator CPU spent verifying: tier 0 on the event loop's thread (exact), audits as wall time
+    and process CPU time while they ran (approximate when audits overlap)."""
+
+    tier0_s: float = 0.0
+    tier0_count: int = 0
+    audit_wall_s: float = 0.0
+    audit_cpu_s: float = 0.0
+    audit_count: int = 0
+
+
+@dataclass(frozen=True)
+class RankedMiner:
+    uid: int
+    hotkey: str
+    url: str
+    score: float  # EMA of S
+    weight: float  # share of EMA^exponent among ranked miners
+
+
+@dataclass
+class MinerRound:
+    uid: int
+    hotkey: str
+    sent: int = 0
+    measured: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    cut_by_deadline: int = 0
+    failures: int = 0
+    audits: int = 0
+
+
+@dataclass
+class RoundReport:
+    round: int
+    started_at: float
+    duration_s: float = 0.0
+    miners: dict[int, MinerRound] = field(default_factory=dict)
+    scores: dict[int, MinerScore] = field(default_factory=dict)
+    skipped: Optional[str] = None  # why no round ran (no metagraph yet, no miners)
+
+
+def conform_weights(weights: Mapping[int, float], max_weight_limit: float) -> dict[int, float]:
+    """Positive weights only, normalised, with no weight above `max_weight_limit` of the total when
+    enough uids carry weight to allow it (the excess goes to the others in proportion)."""
+    kept = {uid: float(w) for uid, w in weights.items() if w > 0 and math.isfinite(w)}
+    total = sum(kept.values())
+    if total <= 0:
+        return {}
+    out = {uid: w / total for uid, w in kept.items()}
+    if max_weight_limit >= 1.0 or len(out) * max_weight_limit < 1.0:
+        return out
+    for _ in range(len(out)):
+        over = {uid for uid, w in out.items() if w > max_weight_limit + 1e-12}
+        if not over:
+            break
+        excess = sum(out[uid] - max_weight_limit for uid in over)
+        for uid in over:
+            out[uid] = max_weight_limit
+        rest = {uid: w for uid, w in out.items() if uid not in over and w < max_weight_limit}
+        rest_total = sum(rest.values())
+        if rest_total <= 0:
+            break
+        for uid, w in rest.items():
+            out[uid] = w + excess * w / rest_total
+    return out
+
+
+# ---------------------------------------------------------------- the state the gateway reads
+class ValidatorState:
+    """The validator's view, for the organic gateway (in this process or another, through the database).
+
+    `ranked_miners()` orders the miners by EMA; `record_organic(...)` runs tier 0 on an organic
+    generation and stores it as a measurement (source "organic"), which the next round folds into
+    the scoring window."""
+
+    def __init__(self, store: ValidatorStore, tokenizer=None, config: Optional[ScoringConfig] = None):
+        self.store = store
+        self.tokenizer = tokenizer
+        self.config = config or ScoringConfig()
+
+    @classmethod
+    def open(cls, db_path: str | Path, tokenizer=None, config: Optional[ScoringConfig] = None) -> "ValidatorState":
+        """A view on a running validator's database (the gateway's entry point)."""
+        return cls(ValidatorStore(db_path), tokenizer, config)
+
+    def ranked_miners(self, limit: Optional[int] = None, min_score: float = 0.0) -> list[RankedMiner]:
+        """Miners with an endpoint and an EMA above `min_score`, best first (ties by uid)."""
+        ema = self.store.load_ema()
+        miners = self.store.miners()
+        rows = []
+        for uid, entry in ema.items():
+            miner = miners.get(uid)
+            if miner is None or miner.url is None or miner.hotkey != entry.hotkey or entry.value <= min_score:
+                continue
+            rows.append((uid, miner.hotkey, miner.url, float(entry.value)))
+        rows.sort(key=lambda r: (-r[3], r[0]))
+        if limit is not None:
+            rows = rows[:limit]
+        shares = weights_from_ema({uid: score for uid, _, _, score in rows}, self.config.weight_exponent)
+        return [RankedMiner(uid, hotkey, url, score, shares.get(uid, 0.0)) for uid, hotkey, url, score in rows]
+
+    def record_organic(self, uid: int, hotkey: str, outcome: GenerateResult | MinerError,
+                       prompt_ids: Optional[Sequence[int]] = None) -> Optional[Verification]:
+        """Tier 0 on an organic generation (a GenerateResult, or the MinerError raised), stored for
+        the next round. Returns the verification (None for an error)."""
+        if self.tokenizer is None:
+            raise ValueError("record_organic needs the model's tokenizer: ValidatorState(store, tokenizer)")
+        miner = self.store.miners().get(uid)
+        if miner is None or miner.hotkey != hotkey or miner.capabilities is None:
+            raise ValueError(f"uid {uid} ({hotkey}) has no known capabilities yet; a validator round fetches them")
+        capabilities = Capabilities.model_validate(miner.capabilities)
+        request = outcome.partial.request if isinstance(outcome, MinerError) and outcome.partial else getattr(
+            outcome, "request", None)
+        if request is None:
+            raise ValueError("the outcome carries no request (a MinerError without .partial)")
+        ids = tuple(prompt_ids) if prompt_ids is not None else tuple(validator_prompt_ids(request, self.tokenizer))
+        item = WorkItem("chat", request, ids)
+        verification, cpu_s = None, None
+        if isinstance(outcome, GenerateResult) and outcome.final is not None:
+            started = time.thread_time()
+            verification = Verification(tier0=check_tier0(item, outcome, self.tokenizer, capabilities, hotkey,
+                                                          self.config))
+            cpu_s = time.thread_time() - started
+        measurement = measure_request(uid, hotkey, item, outcome, verification, self.config)
+        round_number = self.store.round
+        self.store.add_measurements([(measurement, cpu_s)], round_number, source="organic")
+        self.store.add_failures(_failure_rows(measurement, item, verification, outcome, self.config), round_number,
+                                source="organic")
+        return verification
+
+
+def _failure_rows(m: Measurement, item: WorkItem, verification: Optional[Verification],
+                  outcome: GenerateResult | MinerError, config: ScoringConfig) -> list[dict]:
+    base = dict(at=m.at, uid=m.uid, hotkey=m.hotkey, request_id=item.request.request_id, kind=item.kind)
+    if isinstance(outcome, MinerError):
+        if m.outcome == "excused":
+            return []
+        check = "round_deadline" if isinstance(outcome, MinerTimeout) and outcome.kind == "round_deadline" else m.outcome
+        return [dict(base, check=check, reason=str(outcome), hard=False)]
+    if outcome.final is None:
+        return [dict(base, check="incomplete", reason="no final event", hard=False)]
+    if verification is None:
+        return []
+    return [dict(base, check=f.check, reason=f.reason, hard=f.hard) for f in verification.failures
+            if f not in verification.answer or _answer_counts(item, config)]
+
+
+def _answer_counts(item: WorkItem, config: ScoringConfig) -> bool:
+    """Whether a wrong answer (copy, planted fact) counts against the miner under this config; on the
+    tiny random model nothing answers correctly, and such failures would only be noise."""
+    if item.kind == "long_context":
+        return config.planted_fact_scored
+    return item.is_probe and config.capability_probes_scored
+
+
+# ---------------------------------------------------------------- the loop
+class ValidatorLoop:
+    """Rounds, verification, scoring and weight setting for one validator hotkey.
+
+    Built by `build_validator(settings)` from the command line, or directly in tests with a chain
+    (or a wrapper around one), a wallet, a store, the tokenizer and optionally a reference engine
+    and a canary pool."""
+
+    def __init__(self, settings: ValidatorSettings, *, chain: Chain, wallet, store: ValidatorStore, tokenizer,
+                 reference=None, canaries: Optional[CanaryPool] = None, expected_fingerprint: Optional[str] = None,
+                 client: Optional[MinerClient] = None, rng: Optional[random.Random] = None):
+        self.settings = settings
+        self.config = settings.scoring_config()
+        self.chain = chain
+        self.wallet = wallet
+        self.hotkey = wallet.hotkey.ss58_address
+        self.netuid = settings.chain.netuid
+        self.store = store
+        self.tokenizer = tokenizer
+        self.reference = reference
+        self.canaries = canaries
+        self.expected_fingerprint = expected_fingerprint
+        self.client = client or MinerClient(wallet.hotkey, settings.timeouts.client())
+        self._owns_client = client is None
+        seed = settings.rounds.seed
+        self.rng = rng or random.Random(seed if seed is not None else secrets.randbits(64))
+        self.state = ValidatorState(store, tokenizer, self.config)
+        self.window, self._last_row = store.load_window(self.config.window_s, self.config.hard_failure_s)
+        self.ema: dict[int, EmaEntry] = store.load_ema()
+        self.snapshot: Optional[MetagraphSnapshot] = None
+        self._snapshot_read_at: Optional[float] = None
+        self.metagraph_failures = 0
+        self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
+        self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
+        self.cpu = CpuStats()
+        self._global_slots: Optional[_Slots] = None
+        self._hyperparameters: Optional[tuple[Hyperparameters, float]] = None
+        self._weights_hold_until = 0.0
+        self.rounds_run = 0
+        self.last_report: Optional[RoundReport] = None
+        last = store.last_weights()
+        self.last_weights_block: Optional[int] = last.block
+        if store.round:
+            log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
+                     store.round, len(self.window), len(self.ema), last.block)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.close()
+
+    # ------------------------------------------------------------ the rounds
+    async def run(self, stop: Optional[asyncio.Event] = None, max_rounds: Optional[int] = None) -> int:
+        """Rounds every `interval_s` (and the weight task beside them) until `stop` is set or
+        `max_rounds` rounds ran (settings.rounds.max_rounds when None; 0 = no limit)."""
+        stop = stop or asyncio.Event()
+        max_rounds = self.settings.rounds.max_rounds if max_rounds is None else max_rounds
+        weights = (asyncio.create_task(self.weights_loop(stop), name="k3-weights")
+                   if self.settings.weights.enabled else None)
+        ran = 0
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                if await self._round_unless_stopped(stop):
+                    ran += 1
+                if max_rounds and ran >= max_rounds:
+                    break
+                wait = self.settings.rounds.interval_s - (time.monotonic() - started)
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
+        finally:
+            if weights is not None:
+                weights.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await weights
+        return ran
+
+    async def _round_unless_stopped(self, stop: asyncio.Event) -> bool:
+        """One round; a stop cuts it short (what was measured is already stored). False when the
+        round did not complete."""
+        round_task = asyncio.create_task(self.run_round(), name="k3-round")
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({round_task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not round_task.done():
+            log.info("stopping: cutting the round short")
+            round_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await round_task
+            return False
+        try:
+            round_task.result()
+        except (ValueError, OSError, RuntimeError, KeyError, TypeError, AttributeError) as error:
+            # A validator-side fault in one round must not end the validator; the next round retries.
+            log.exception("round failed: %s", error)
+            return False
+        return True
+
+    async def run_round(self) -> RoundReport:
+        number = self.store.begin_round()
+        report = RoundReport(number, time.time())
+        started = time.monotonic()
+        snapshot = await self.refresh_metagraph()
+        self.ingest_organic()
+        if snapshot is None:
+            report.skipped = "no metagraph has been read yet"
+            log.warning("round %d skipped: %s", number, report.skipped)
+            return self._finish(report, started)
+        serving = self.serving_miners(snapshot)
+        for neuron in serving:
+            self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, neuron.endpoint.url)
+        self.store.forget_miners(n.uid for n in serving)
+        chosen = self.select_miners(serving)
+        if not chosen:
+            report.skipped = "no serving miners on the subnet"
+            log.warning("round %d: %s", number, report.skipped)
+        self._global_slots = _Slots(self.settings.rounds.concurrency)
+        self._refill_canaries_soon(len(chosen))
+        at_once = asyncio.Semaphore(self.settings.rounds.miners_at_once or max(1, len(chosen)))
+        results = await asyncio.gather(*(self._evaluate(neuron, number, at_once) for neuron in chosen),
+                                       return_exceptions=True)
+        for neuron, outcome in zip(chosen, results):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                # Our fault, not the miner's: logged, and the miner is simply not measured this round.
+                log.error("evaluating uid %d failed in the validator", neuron.uid,
+                          exc_info=(type(outcome), outcome, outcome.__traceback__))
+                continue
+            report.miners[outcome.uid] = outcome
+        report.scores = self.score(serving, number)
+        return self._finish(report, started)
+
+    def _finish(self, report: RoundReport, started: float) -> RoundReport:
+        report.duration_s = time.monotonic() - started
+        self.rounds_run += 1
+        self.last_report = report
+        if not report.skipped:
+            best = sorted(report.scores, key=lambda uid: -self.ema.get(uid, EmaEntry("", 0.0)).value)[:8]
+            zeroed = sum(1 for s in report.scores.values() if s.zeroed)
+            log.info("round %d: %d miners evaluated in %.1f s, %d scored (%d zeroed); best EMA: %s", report.round,
+                     len(report.miners), report.duration_s, len(report.scores), zeroed,
+                     ", ".join(f"uid {uid} S={report.scores[uid].score:.3f} EMA={self.ema[uid].value:.3f}"
+                               for uid in best if uid in self.ema))
+        return report
+
+    def ingest_organic(self) -> int:
+        """Fold the organic measurements the gateway stored since the last call into the window."""
+        rows, self._last_row = self.store.measurements_after(self._last_row, "organic")
+        if rows:
+            self.window.extend(rows)
+            log.info("took %d organic measurements from the gateway", len(rows))
+        return len(rows)
+
+    # ------------------------------------------------------------ metagraph and miners
+    async def refresh_metagraph(self) -> Optional[MetagraphSnapshot]:
+        """Re-read the metagraph (at most every metagraph_refresh_s) with a deadline; keep the last
+        snapshot when the read fails."""
+        fresh_for = self.settings.chain.metagraph_refresh_s
+        if self.snapshot is not None and self._snapshot_read_at is not None \
+                and time.monotonic() - self._snapshot_read_at < fresh_for:
+            return self.snapshot
+        try:
+            snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.settings.chain.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failed read leaves us on the last snapshot
+            self.metagraph_failures += 1
+            log.warning("metagraph read failed (%s: %s); keeping the snapshot of block %s",
+                        type(error).__name__, error, self.snapshot.block if self.snapshot else "none")
+            return self.snapshot
+        self.snapshot, self._snapshot_read_at = snapshot, time.monotonic()
+        return snapshot
+
+    def serving_miners(self, snapshot: MetagraphSnapshot) -> list[NeuronInfo]:
+        """Neurons with a published endpoint, except this validator (validators without endpoints
+        drop out by themselves)."""
+        return [n for n in snapshot.neurons if n.endpoint is not None and n.hotkey != self.hotkey]
+
+    def select_miners(self, serving: list[NeuronInfo]) -> list[NeuronInfo]:
+        only = self.settings.rounds.only_uids()
+        if only is not None:
+            serving = [n for n in serving if n.uid in only]
+        size = self.settings.rounds.sample_size
+        if not size or size >= len(serving):
+            return list(serving)
+        stored = self.store.miners()
+
+        def staleness(n: NeuronInfo):
+            last = stored.get(n.uid)
+            evaluated = last.last_round if last is not None and last.hotkey == n.hotkey else None
+            return (-1 if evaluated is None else evaluated, self.rng.random())
+
+        return sorted(serving, key=staleness)[:size]
+
+    async def capabilities_of(self, neuron: NeuronInfo, deadline: float) -> tuple[Optional[Capabilities], Optional[str]]:
+        """The miner's capabilities (cached per uid, hotkey and endpoint); on failure the cached
+        answer when there is one. Returns (capabilities, error)."""
+        url = neuron.endpoint.url
+        cached = self._capabilities.get(neuron.uid)
+        now = time.monotonic()
+        if cached is not None and cached[:2] == (neuron.hotkey, url) \
+                and now - cached[3] < self.settings.rounds.capabilities_refresh_s:
+            return cached[2], None
+        t = self.settings.timeouts
+        budget = max(0.1, min(t.capabilities_s, deadline - asyncio.get_running_loop().time()))
+        timeouts = ClientTimeouts(connect=min(t.connect_s, budget), first_byte=budget, between_events=budget,
+                                  total=budget)
+        try:
+            caps = await self.client.capabilities(url, neuron.hotkey, timeouts)
+        except MinerError as error:
+            if cached is not None and cached[:2] == (neuron.hotkey, url):
+                return cached[2], None
+            return None, f"{type(error).__name__}: {error}"
+        self._capabilities[neuron.uid] = (neuron.hotkey, url, caps, now)
+        self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, url, caps.model_dump(mode="json"),
+                              time.time())
+        if self.expected_fingerprint and caps.model_fingerprint != self.expected_fingerprint:
+            # Informational: a miner can claim any fingerprint; the audits decide. It helps operators.
+            self.store.add_failures([dict(uid=neuron.uid, hotkey=neuron.hotkey, check="declared_model", hard=False,
+                                          reason=f"declares model {caps.model_fingerprint}, the validator's is "
+                                                 f"{self.expected_fingerprint}")], self.store.round)
+        return caps, None
+
+    # ------------------------------------------------------------ one miner's round
+    async def _evaluate(self, neuron: NeuronInfo, number: int, at_once: asyncio.Semaphore) -> MinerRound:
+        async with at_once:
+            deadline = asyncio.get_running_loop().time() + self.settings.rounds.deadline_s
+            return await self._evaluate_until(neuron, number, deadline)
+
+    async def _evaluate_until(self, neuron: NeuronInfo, number: int, deadline: float) -> MinerRound:
+        report = MinerRound(neuron.uid, neuron.hotkey)
+        try:
+            caps, error = await self.capabilities_of(neuron, deadline)
+            if caps is None:
+                self._record_unreachable(neuron, number, error or "no capabilities")
+                report.errors += 1
+                return report
+            try:
+                items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries)
+            except WorkloadError as error:
+                self._record_unreachable(neuron, number, f"cannot plan work for its declared limits: {error}",
+                                         check="capabilities")
+                report.errors += 1
+                return report
+            self.store.mark_canaries_used(i.expect.canary.canary_id for i in items if i.expect.canary is not None)
+            singles, bursts = group_bursts(items)
+            units: list[list[WorkItem]] = [[item] for item in singles] + list(bursts.values())
+            self.rng.shuffle(units)
+            slots = _Slots(min(self.settings.rounds.miner_concurrency, caps.max_concurrent_streams))
+            escalations: list[WorkItem] = []
+            await asyncio.gather(*(self._run_unit(neuron, caps, unit, slots, number, deadline, report, escalations)
+                                   for unit in units))
+            if escalations:
+                await asyncio.gather(*(self._run_unit(neuron, caps, [item], slots, number, deadline, report, [])
+                                       for item in escalations))
+        finally:
+            self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, neuron.endpoint.url, last_round=number)
+        return report
+
+    def _record_unreachable(self, neuron: NeuronInfo, number: int, reason: str, check: str = "unreachable") -> None:
+        """A miner we could not even plan a round for: one failed request, so that it is unreliable."""
+        now = time.time()
+        m = Measurement(uid=neuron.uid, hotkey=neuron.hotkey, at=now, kind="chat",
+                        request_id=f"capabilities-{secrets.token_hex(8)}",
+                        outcome="timeout" if "Timeout" in reason else "error", failures=reason[:1000])
+        self.window.add(m)
+        self.store.add_measurements([(m, None)], number)
+        self.store.add_failures([dict(at=now, uid=neuron.uid, hotkey=neuron.hotkey, check=check, reason=reason)],
+                                number)
+        log.warning("uid %d (%s): %s", neuron.uid, neuron.hotkey, reason)
+
+    async def _run_unit(self, neuron: NeuronInfo, caps: Capabilities, unit: list[WorkItem], slots: _Slots,
+                        number: int, deadline: float, report: MinerRound, escalations: list[WorkItem]) -> None:
+        """One request, or one burst's streams at once: send, then verify and measure."""
+        acquired = contextlib.AsyncExitStack()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await acquired.enter_async_context(slots.hold(len(unit)))
+                await acquired.enter_async_context(self._global_slots.hold(len(unit)))
+        except TimeoutError:
+            await acquired.aclose()
+            return  # never sent: the round's time ran out first
+        try:
+            sends = await asyncio.gather(*(self._send(neuron, item, deadline) for item in unit))
+        finally:
+            await acquired.aclose()
+        report.sent += len(unit)
+        measured: list[tuple[Measurement, Optional[float]]] = []
+        failure_rows: list[dict] = []
+        streams = []
+        for item, (outcome, in_flight) in zip(unit, sends):
+            verification, cpu_s = None, None
+            if isinstance(outcome, GenerateResult) and outcome.final is not None:
+                verification, cpu_s = await self._verify(neuron, caps, item, outcome, number, report, escalations)
+            m = measure_request(neuron.uid, neuron.hotkey, item, outcome, verification, self.config,
+                                in_flight=in_flight, capacity=caps.max_concurrent_streams)
+            if isinstance(outcome, MinerError):
+                report.timeouts += m.outcome == "timeout"
+                report.errors += m.outcome == "error"
+                report.cut_by_deadline += isinstance(outcome, MinerTimeout) and outcome.kind == "round_deadline"
+            measured.append((m, cpu_s))
+            rows = _failure_rows(m, item, verification, outcome, self.config)
+            report.failures += len(rows)
+            failure_rows += rows
+            streams.append((item, outcome, verification))
+        if unit[0].burst_id is not None:
+            measured.append((measure_burst(neuron.uid, neuron.hotkey, streams, self.config), None))
+        for m, _ in measured:
+            self.window.add(m)
+        report.measured += len(measured)
+        # Persisted as soon as measured: a crash mid-round loses nothing already measured.
+        self.store.add_measurements(measured, number)
+        self.store.add_failures(failure_rows, number)
+
+    async def _send(self, neuron: NeuronInfo, item: WorkItem, deadline: float) -> tuple[Any, int]:
+        """(GenerateResult or MinerError with .partial, our requests in flight to it counting this one)."""
+        uid = neuron.uid
+        self.in_flight[uid] = self.in_flight.get(uid, 0) + 1
+        in_flight = self.in_flight[uid]
+        result = GenerateResult(request=item.request, body=b"", started_at=time.time())
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with aclosing(self.client.stream_generate(neuron.endpoint.url, neuron.hotkey, item.request,
+                                                                result=result)) as events:
+                    async for timed in events:
+                        if isinstance(timed.event, FinalEvent):
+                            result.final = timed.event
+                        elif isinstance(timed.event, ErrorEvent):
+                            result.error = timed.event
+                            raise MinerStreamError(timed.event.code, timed.event.message)
+            return result, in_flight
+        except MinerError as error:
+            error.partial = result
+            return error, in_flight
+        except TimeoutError:
+            error = MinerTimeout("round_deadline", self.settings.rounds.deadline_s)
+            error.partial = result
+            return error, in_flight
+        finally:
+            self.in_flight[uid] -= 1
+
+    async def _verify(self, neuron: NeuronInfo, caps: Capabilities, item: WorkItem, result: GenerateResult,
+                      number: int, report: MinerRound, escalations: list[WorkItem]) -> tuple[Verification, float]:
+        """Tier 0 (plus tier 2 and answer checks), then a tier-1 audit when drawn."""
+        started = time.thread_time()
+        verification = await verify_item(item, result, tokenizer=self.tokenizer, capabilities=caps,
+                                         miner_hotkey=neuron.hotkey, config=self.config, audit=False)
+        cpu_s = time.thread_time() - started
+        self.cpu.tier0_s += cpu_s
+        self.cpu.tier0_count += 1
+        if verification.tier2 is not None:
+            t2 = verification.tier2
+            report.audits += 1
+            self.store.add_audit(dict(uid=neuron.uid, hotkey=neuron.hotkey, request_id=item.request.request_id,
+                                      kind=item.kind, tier=2, reference="canary", passed=int(t2.passed),
+                                      positions=t2.compared, failures="; ".join(map(str, t2.failures)),
+                                      cpu_s=cpu_s), number)
+        now = time.time()
+        new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, now, self.config)
+        draw = self.rng.random() < audit_probability(item, self.config, new_or_suspect=new_or_suspect)
+        if draw and not any(f.hard for f in verification.tier0):
+            reference, name = self._reference_for(neuron, caps, item, result)
+            if reference is not None:
+                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference)
+                verification.audit = audit
+                report.audits += 1
+                self.store.add_audit(dict(
+                    uid=neuron.uid, hotkey=neuron.hotkey, request_id=item.request.request_id, kind=item.kind, tier=1,
+                    reference=name, passed=None if audit.passed is None else int(audit.passed), quality=audit.quality,
+                    mean_prob_diff=audit.mean_prob_diff, positions=audit.positions,
+                    greedy_mismatches=audit.greedy_mismatches, outside_top_k=audit.outside_top_k,
+                    disagreement=int(audit.disagreement), error=audit.error,
+                    failures="; ".join(map(str, audit.failures)), cpu_s=audit_cpu_s, wall_s=wall_s), number)
+                if audit.disagreement:
+                    escalation = self._canary_escalation(caps)
+                    if escalation is not None:
+                        escalations.append(escalation)
+        return verification, cpu_s
+
+    async def _audit(self, item: WorkItem, result: GenerateResult, reference) -> tuple[AuditResult, float, float]:
+        wall, cpu = time.monotonic(), time.process_time()
+        try:
+            audit = await asyncio.wait_for(
+                audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
+                            rng=self.rng),
+                self.settings.timeouts.audit_s)
+        except TimeoutError:
+            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.timeouts.audit_s:g} s")
+        wall_s, cpu_s = time.monotonic() - wall, time.process_time() - cpu
+        self.cpu.audit_wall_s += wall_s
+        self.cpu.audit_cpu_s += cpu_s
+        self.cpu.audit_count += 1
+        return audit, wall_s, cpu_s
+
+    def _reference_for(self, neuron: NeuronInfo, caps: Capabilities, item: WorkItem, result: GenerateResult):
+        """The validator's own engine, else two other miners on two other coldkeys (best EMA first)."""
+        if self.reference is not None:
+            return self.reference, "local"
+        need = item.prompt_tokens + len(result.token_ids)
+        candidates = []
+        for other in self.serving_miners(self.snapshot) if self.snapshot is not None else []:
+            if other.uid == neuron.uid or other.coldkey == neuron.coldkey:
+                continue
+            cached = self._capabilities.get(other.uid)
+            if cached is not None and cached[0] == other.hotkey and (
+                    cached[2].max_context < need or cached[2].limits.max_score_tokens < need):
+                continue  # declared too small for this audit
+            ema = self.ema.get(other.uid)
+            score = ema.value if ema is not None and ema.hotkey == other.hotkey else 0.0
+            candidates.append((score, self.rng.random(), other.uid, other.hotkey, other.endpoint.url, other.coldkey))
+        candidates.sort(reverse=True)
+        if sum(1 for c in candidates if c[0] > 0) >= 2:
+            candidates = [c for c in candidates if c[0] > 0]  # once there is a ranking, only trusted auditors
+        chosen, coldkeys = [], set()
+        for _, _, uid, hotkey, url, coldkey in candidates:
+            if coldkey not in coldkeys:
+                chosen.append(MinerScoreReference(self.client, url, hotkey, self.settings.timeouts.client()))
+                coldkeys.add(coldkey)
+            if len(chosen) == 2:
+                break
+        if len(chosen) < 2:
+            return None, "none"
+        return ConsensusReference(chosen, margin=self.config.auditor_disagreement_margin), \
+            "miners:" + ",".join(r.hotkey for r in chosen)
+
+    def _canary_escalation(self, caps: Capabilities) -> Optional[WorkItem]:
+        if self.canaries is None:
+            return None
+        canary = self.canaries.take(self.rng, max_prompt_tokens=caps.max_context - self.config.chat_max_tokens[0])
+        if canary is None:
+            return None
+        self.store.mark_canaries_used([canary.canary_id])
+        try:
+            return canary_item(self.rng, canary, caps, self.config, self.tokenizer)
+        except WorkloadError as error:
+            log.warning("cannot escalate with canary %s: %s", canary.canary_id, error)
+            return None
+
+    # ------------------------------------------------------------ canaries on the reference
+    def _refill_canaries_soon(self, miners: int) -> None:
+        """Engine-computed pools are topped up between rounds when fewer canaries are left than
+        miners to probe (computing them takes the reference a while)."""
+        if self.reference is None or self.canaries is None or self.settings.audits.canary_pool:
+            return
+        if self.canaries.remaining >= max(1, miners):
+            return
+        log.info("only %d canaries left: computing %d more on the reference", self.canaries.remaining,
+                 self.settings.audits.canaries)
+        task = asyncio.create_task(self.add_reference_canaries(self.settings.audits.canaries))
+        task.add_done_callback(lambda t: t.exception() and log.error("canary refill failed: %s", t.exception()))
+
+    async def add_reference_canaries(self, count: int) -> int:
+        """Compute `count` canaries on the reference engine and add them to the pool (and the store)."""
+        if self.reference is None or count <= 0:
+            return 0
+        caps = reference_capabilities(self.reference)
+        prompts = canary_prompts(self.rng, count, caps, self.config, self.tokenizer)
+        fresh = await CanaryPool.from_engine(self.reference, prompts, self.config, caps.model_fingerprint)
+        if self.canaries is None:
+            self.canaries = CanaryPool([], model_fingerprint=caps.model_fingerprint)
+        added = [c for c in fresh.canaries.values() if c.canary_id not in self.canaries.canaries]
+        for canary in added:
+            self.canaries.canaries[canary.canary_id] = canary
+        entries = fresh.to_json()["canaries"]
+        self.store.save_canaries((e["id"], e) for e in entries if e["id"] in {c.canary_id for c in added})
+        return len(added)
+
+    # ------------------------------------------------------------ scoring
+    def score(self, serving: list[NeuronInfo], number: int) -> dict[int, MinerScore]:
+        """Score every serving miner over the window, update the EMA, save both (one transaction)."""
+        now = time.time()
+        self.window.prune(now)
+        hotkeys = {n.uid: n.hotkey for n in serving}
+        coldkeys = {n.uid: n.coldkey for n in serving}
+        scores = score_miners(self.window, self.config, now, hotkeys, coldkeys)
+        self.ema = update_ema(self.ema, scores, self.config.ema_alpha)
+        self.store.save_round(number, scores, self.ema, now)
+        self.store.prune(now - self.window.keep_s)
+        return scores
+
+    def current_weights(self) -> dict[int, float]:
+        return weights_from_ema(self.ema, self.config.weight_exponent)
+
+    # ------------------------------------------------------------ weights
+    async def _chain(self, awaitable):
+        return await asyncio.wait_for(awaitable, self.settings.chain.timeout_s)
+
+    async def hyperparameters(self) -> Hyperparameters:
+        cached = self._hyperparameters
+        if cached is not None and time.monotonic() - cached[1] < 600.0:
+            return cached[0]
+        hp = await self._chain(self.chain.hyperparameters(self.netuid))
+        self._hyperparameters = (hp, time.monotonic())
+        return hp
+
+    async def weights_due(self) -> tuple[bool, Optional[int], str]:
+        """(due, block, why): weights are due once per epoch window, when none were set since the
+        subnet's latest epoch and the weights rate limit has passed."""
+        if not self.ema:
+            return False, None, "no scores yet"
+        if time.monotonic() < self._weights_hold_until:
+            return False, None, "holding after a chain refusal"
+        block = await self._chain(self.chain.block())
+        hp = await self.hyperparameters()
+        until = await self._chain(self.chain.blocks_until_next_epoch(self.netuid))
+        last = self.last_weights_block
+        if last is None:
+            return True, block, "no weights set yet"
+        if last > block:
+            return True, block, f"the chain is at block {block}, before our last weights at {last} (a new chain?)"
+        latest_epoch = block + until - (hp.tempo + 1)
+        if last >= latest_epoch:  # an epoch runs before the block's transactions: weights at its block count
+            return False, block, f"weights already set at block {last}, after the epoch at {latest_epoch}"
+        if block - last < hp.weights_rate_limit:
+            return False, block, f"rate limit: {hp.weights_rate_limit - (block - last)} more blocks"
+        return True, block, f"no weights since the epoch at block {latest_epoch}"
+
+    async def set_weights(self, stop: Optional[asyncio.Event] = None) -> bool:
+        """Submit the weights from the current EMA, retrying transient chain errors with
+        exponential backoff (rounds go on meanwhile). False when the chain refused for good or
+        `stop` was set."""
+        w = self.settings.weights
+        attempt = 0
+        while stop is None or not stop.is_set():
+            weights = self.current_weights()
+            hp = await self._safe_hyperparameters()
+            submitted = conform_weights(weights, hp.max_weight_limit if hp else 1.0)
+            if not submitted:
+                self.store.record_weight_attempt(False, "every miner has weight 0: nothing to submit")
+                log.warning("not setting weights: every miner's EMA is 0")
+                self._weights_hold_until = time.monotonic() + w.retry_max_s
+                return False
+            try:
+                outcome = await self._chain(self.chain.set_weights(self.wallet, self.netuid, submitted, version_key()))
+            except TRANSIENT_CHAIN_ERRORS as error:
+                delay = min(w.retry_s * 2 ** attempt, w.retry_max_s)
+                attempt += 1
+                reason = f"{type(error).__name__}: {error}"
+                self.store.record_weight_attempt(False, reason, weights=submitted)
+                log.warning("set-weights attempt %d failed (%s); retrying in %.1f s", attempt, reason, delay)
+                if stop is None:
+                    await asyncio.sleep(delay)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+                continue
+            except (ChainError, ValueError, TypeError) as error:
+                reason = f"{type(error).__name__}: {error}"
+                self.store.record_weight_attempt(False, reason, weights=submitted)
+                log.error("the chain refused our weights (%s); trying again in %.0f s", reason, w.retry_max_s)
+                self._weights_hold_until = time.monotonic() + w.retry_max_s
+                return False
+            hotkeys = {uid: e.hotkey for uid, e in self.ema.items()}
+            self.store.save_weights(submitted, hotkeys, outcome.block, version_key())
+            self.last_weights_block = outcome.block
+            log.info("weights set at block %d for %d uids (version key %d)", outcome.block, len(submitted),
+                     version_key())
+            return True
+        return False
+
+    async def _safe_hyperparameters(self) -> Optional[Hyperparameters]:
+        try:
+            return await self.hyperparameters()
+        except (*TRANSIENT_CHAIN_ERRORS, ChainError):
+            return self._hyperparameters[0] if self._hyperparameters else None
+
+    async def weights_loop(self, stop: asyncio.Event) -> None:
+        """Check every `check_s` whether weights are due; set them when they are."""
+        while not stop.is_set():
+            try:
+                due, block, why = await self.weights_due()
+                if due:
+                    log.info("weights due at block %s (%s)", block, why)
+                    await self.set_weights(stop)
+            except asyncio.CancelledError:
+                raise
+            except TRANSIENT_CHAIN_ERRORS as error:
+                log.warning("cannot tell whether weights are due (%s: %s)", type(error).__name__, error)
+            except Exception:  # noqa: BLE001 - the weight task must outlive any one failure
+                log.exception("weight task failure")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.weights.check_s)
+
+
+# ---------------------------------------------------------------- wiring from settings
+def reference_capabilities(engine) -> Capabilities:
+    """The reference engine's capabilities in wire form (for planning canary prompts)."""
+    from inference.version import __version__  # noqa: PLC0415
+
+    caps = engine.capabilities()
+    return Capabilities(model_id=caps.model_id, model_fingerprint=caps.model_fingerprint or "reference",
+                        vocab_size=caps.vocab_size, max_context=caps.max_context,
+                        max_concurrent_streams=max(1, caps.max_concurrent_sequences), engine=caps.engine_kind,
+                        precision=caps.precision or "unknown", software_version=__version__)
+
+
+def open_wallet(settings: WalletSettings):
+    import bittensor as bt  # noqa: PLC0415 (a second to import; only here is it needed)
+
+    wallet = bt.Wallet(settings.name, settings.hotkey, path=str(Path(settings.path).expanduser()))
+    if not wallet.hotkey_file.exists_on_device():
+        raise ValidatorSetupError(
+            f"no hotkey file at {wallet.hotkey_file.path}: create it with `btcli wallet new-hotkey --wallet-name "
+            f"{settings.name} --hotkey {settings.hotkey} --wallet-path {settings.path}` or point "
+            "--wallet-name/--wallet-hotkey/--wallet-path at an existing one")
+    return wallet
+
+
+@dataclass
+class Validator:
+    """A validator built from settings: the loop and what it owns."""
+
+    loop: ValidatorLoop
+    chain: Chain
+    store: ValidatorStore
+    engine: Any = None
+    owns_chain: bool = True
+
+    async def close(self) -> None:
+        await self.loop.close()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.owns_chain:
+            await self.chain.close()
+        self.store.close()
+
+
+async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain] = None, wallet=None) -> Validator:
+    """Open the wallet, the chain, the store, the tokenizer, the reference engine and the canary pool."""
+    problems = settings.problems()
+    if problems:
+        raise ValidatorSetupError("; ".join(problems))
+    from inference.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415
+    from inference.serving import EngineSpecError, build_engine  # noqa: PLC0415
+    from inference.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    wallet = wallet or open_wallet(settings.wallet)
+    checkpoint = settings.engine.checkpoint
+    tokenizer = load_tokenizer(checkpoint, read_config(checkpoint))
+    try:
+        expected = fingerprint(checkpoint)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        expected = None
+    owns_chain = chain is None
+    chain = chain or connect(settings.chain.network)
+    store = ValidatorStore(settings.db)
+    engine = None
+    try:
+        if settings.reference_engine:
+            try:
+                engine = await asyncio.to_thread(build_engine, settings.engine)
+            except EngineSpecError as error:
+                raise ValidatorSetupError(str(error)) from None
+            await engine.start()
+        canaries = None
+        if settings.audits.canary_pool:
+            try:
+                canaries = CanaryPool.from_file(settings.audits.canary_pool, used=store.used_canaries())
+            except CanaryPoolError as error:
+                raise ValidatorSetupError(str(error)) from None
+        elif engine is not None and store.stored_canaries():
+            canaries = CanaryPool.from_json({"format": CanaryPool.FORMAT, "version": CanaryPool.VERSION,
+                                             "canaries": store.stored_canaries()}, used=store.used_canaries())
+        loop = ValidatorLoop(settings, chain=chain, wallet=wallet, store=store, tokenizer=tokenizer, reference=engine,
+                             canaries=canaries, expected_fingerprint=expected)
+        if engine is not None and not settings.audits.canary_pool:
+            missing = settings.audits.canaries - (canaries.remaining if canaries else 0)
+            if missing > 0:
+                log.info("computing %d canaries on the reference engine", missing)
+                await loop.add_reference_canaries(missing)
+        try:
+            uid = await asyncio.wait_for(chain.uid_of(wallet.hotkey.ss58_address, settings.chain.netuid),
+                                         settings.chain.timeout_s)
+        except (ChainError, TimeoutError, OSError) as error:
+            log.warning("cannot look up this validator's uid yet (%s)", error)
+        else:
+            if uid is None:
+                log.warning("hotkey %s is not registered on subnet %d: rounds run, weights cannot be set until it is",
+                            wallet.hotkey.ss58_address, settings.chain.netuid)
+        return Validator(loop, chain, store, engine, owns_chain)
+    except BaseException:
+        if engine is not None:
+            await engine.stop()
+        if owns_chain:
+            await chain.close()
+        store.close()
+        raise
+
+
+async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Event] = None) -> int:
+    """Run until SIGINT/SIGTERM, `stop`, or --max-rounds. Returns the exit status."""
+    validator = await build_validator(settings)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = None
+    try:
+        if settings.gateway.enabled:
+            # organic traffic: routed to the best miners by this validator's own scores, checked by tier 0
+            try:
+                gateway = GatewayServer(validator.loop.state, validator.loop.client, validator.loop.state.tokenizer,
+                                        settings.gateway, scoring_config=validator.loop.config)
+            except GatewaySetupError as error:
+                raise ValidatorSetupError(f"gateway: {error}") from None
+            await gateway.start()
+            log.info("organic gateway on http://%s:%s/v1", settings.gateway.host, gateway.port)
+        await validator.loop.run(stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if gateway is not None:
+            await gateway.close()
+        await validator.close()
+    return 0
+
+
+# ---------------------------------------------------------------- status
+STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
+                  "failures", "last_failure", "score", "ema", "weight")
+
+
+def status_report(store: ValidatorStore) -> dict:
+    """The validator's current view per miner, from its database."""
+    meta = store.meta()
+    latest = store.latest_scores()
+    ema = store.load_ema()
+    miners = store.miners()
+    last = store.last_weights()
+    failures: dict[int, list] = {}
+    for row in store.failures():
+        failures.setdefault(int(row["uid"]), []).append(row)
+    uids = sorted(set(latest) | set(ema) | set(miners))
+    rows = []
+    for uid in uids:
+        score = latest.get(uid)
+        miner = miners.get(uid)
+        hotkey = (miner.hotkey if miner else None) or (score["hotkey"] if score else None) or \
+            (ema[uid].hotkey if uid in ema else "")
+        mine = [f for f in failures.get(uid, []) if f["hotkey"] == hotkey]
+        last_failure = mine[-1] if mine else None
+        rows.append({
+            "uid": uid, "hotkey": hotkey, "url": miner.url if miner else None,
+            "ttft_per_1k_s": score["ttft_per_1k_s"] if score else None,
+            "decode_tps": score["decode_tps"] if score else None,
+            "burst_tps": score["burst_tps"] if score else None,
+            "long_context_share": score["long_context_share"] if score else None,
+            "quality": score["quality"] if score else None,
+            "reliability": score["reliability"] if score else None,
+            "requests": int(score["requests"]) if score else 0,
+            "failures": len(mine),
+            "last_failure": f"{last_failure['check_name']}: {last_failure['reason']}" if last_failure else None,
+            "score": score["score"] if score else None,
+            "reasons": json.loads(score["reasons"]) if score and score["reasons"] else [],
+            "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
+            "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, hotkey) else 0.0,
+        })
+    return {
+        "db": str(store.path), "round": int(meta.get("round", 0)),
+        "completed_round": int(meta.get("completed_round", 0)),
+        "weights_set_at": last.set_at, "weights_block": last.block, "version_key": last.version_key,
+        "miners": rows,
+    }
+
+
+__all__ = [
+    "AuditSettings", "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "RoundSettings", "ScoringSettings",
+    "STATUS_COLUMNS", "TimeoutSettings", "Validator", "ValidatorLoop", "ValidatorSettings", "ValidatorSetupError",
+    "ValidatorState", "WeightSettings", "build_validator", "conform_weights", "read_validator_settings",
+    "reference_capabilities", "run_validator", "status_report", "validator_options",
+]

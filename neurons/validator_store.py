@@ -1,0 +1,471 @@
+"""Everything a validator learns, in one SQLite file, so that a restart loses nothing.
+
+Tables (schema version `SCHEMA_VERSION`, kept in `meta`):
+- `measurements`: one row per request (scoring.metrics COLUMNS), written as soon as the request is
+  measured, with the round it belongs to, where it came from ("validator" rounds, "organic" gateway
+  traffic) and the validator CPU seconds its tier-0 checks took;
+- `failures`: every failed check or failed call, with its reason;
+- `audits`: every tier-1 audit and tier-2 canary verdict;
+- `scores`: each round's scores per uid (components, gate, reasons) and the EMA after it;
+- `ema`: the EMA of S per uid, with the hotkey it belongs to;
+- `miners`: the last seen hotkey, coldkey, endpoint and capabilities of each uid;
+- `weights` and `weight_attempts`: the last weights set on chain, and every attempt to set them;
+- `canaries`: the canary pool the validator computed itself, and which canaries were used;
+- `meta`: schema version, round counters, when weights were last set.
+
+WAL mode, so the status command and the organic gateway can read (and the gateway write organic
+measurements) while the validator runs. Each write is its own short transaction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+from scoring.metrics import COLUMNS, Measurement, MeasurementWindow
+from scoring.rewards import EmaEntry, MinerScore
+
+SCHEMA_VERSION = 1
+SOURCES = ("validator", "organic")
+
+# Measurement columns as SQLite types (the dataclass holds only scalars).
+_MEASUREMENT_TYPES = {
+    "uid": "INTEGER NOT NULL", "hotkey": "TEXT NOT NULL", "at": "REAL NOT NULL", "kind": "TEXT NOT NULL",
+    "request_id": "TEXT NOT NULL", "outcome": "TEXT NOT NULL", "tier0_ok": "INTEGER", "prompt_tokens": "INTEGER",
+    "completion_tokens": "INTEGER", "ttft_s": "REAL", "total_s": "REAL", "decode_tps": "REAL",
+    "ttft_per_1k_s": "REAL", "long_context_success": "INTEGER", "audits": "INTEGER", "audit_failures": "INTEGER",
+    "quality": "REAL", "hard_failure": "INTEGER", "failures": "TEXT", "burst_id": "TEXT", "burst_tokens": "INTEGER",
+    "burst_wall_s": "REAL",
+}
+if set(_MEASUREMENT_TYPES) != set(COLUMNS):  # scoring.metrics changed its columns: the schema must follow
+    raise ImportError(f"validator_store knows measurement columns {sorted(_MEASUREMENT_TYPES)}, "
+                      f"scoring.metrics has {sorted(COLUMNS)}")
+
+_SCORE_FIELDS = ("coldkey", "requests", "answered", "verified", "decode_tps", "ttft_per_1k_s", "burst_tps",
+                 "long_context_share", "D", "F", "C", "L", "perf", "quality", "reliability", "gate", "score",
+                 "audits", "audit_failures", "hard_failures", "zeroed")
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS measurements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    round INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    tier0_cpu_s REAL,
+    {", ".join(f'"{c}" {_MEASUREMENT_TYPES[c]}' for c in COLUMNS)}
+);
+CREATE INDEX IF NOT EXISTS measurements_uid ON measurements (uid, at);
+CREATE INDEX IF NOT EXISTS measurements_at ON measurements (at);
+CREATE TABLE IF NOT EXISTS failures (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL, round INTEGER NOT NULL, uid INTEGER NOT NULL, hotkey TEXT NOT NULL,
+    request_id TEXT, kind TEXT, check_name TEXT NOT NULL, reason TEXT NOT NULL, hard INTEGER NOT NULL,
+    source TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS failures_uid ON failures (uid, at);
+CREATE TABLE IF NOT EXISTS audits (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL, round INTEGER NOT NULL, uid INTEGER NOT NULL, hotkey TEXT NOT NULL,
+    request_id TEXT NOT NULL, kind TEXT NOT NULL, tier INTEGER NOT NULL, reference TEXT NOT NULL,
+    passed INTEGER, quality REAL, mean_prob_diff REAL, positions INTEGER, greedy_mismatches INTEGER,
+    outside_top_k INTEGER, disagreement INTEGER, error TEXT, failures TEXT, cpu_s REAL, wall_s REAL
+);
+CREATE INDEX IF NOT EXISTS audits_uid ON audits (uid, at);
+CREATE TABLE IF NOT EXISTS scores (
+    round INTEGER NOT NULL, uid INTEGER NOT NULL, hotkey TEXT NOT NULL, at REAL NOT NULL,
+    {", ".join(f'"{f}" REAL' for f in _SCORE_FIELDS if f != "coldkey")}, coldkey TEXT, reasons TEXT,
+    ema REAL,
+    PRIMARY KEY (round, uid)
+);
+CREATE TABLE IF NOT EXISTS ema (
+    uid INTEGER PRIMARY KEY, hotkey TEXT NOT NULL, value REAL NOT NULL, round INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS miners (
+    uid INTEGER PRIMARY KEY, hotkey TEXT NOT NULL, coldkey TEXT NOT NULL, url TEXT,
+    capabilities TEXT, capabilities_at REAL, last_round INTEGER, seen_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS weights (uid INTEGER PRIMARY KEY, hotkey TEXT, weight REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS weight_attempts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, block INTEGER, ok INTEGER NOT NULL,
+    error TEXT, weights TEXT
+);
+CREATE TABLE IF NOT EXISTS canaries (id TEXT PRIMARY KEY, body TEXT NOT NULL, used INTEGER NOT NULL DEFAULT 0);
+"""
+
+
+class ValidatorStoreError(RuntimeError):
+    """The database cannot be used (wrong schema, not a validator database, unreadable)."""
+
+
+@dataclass(frozen=True)
+class StoredMiner:
+    uid: int
+    hotkey: str
+    coldkey: str
+    url: Optional[str]
+    capabilities: Optional[dict]
+    capabilities_at: Optional[float]
+    last_round: Optional[int]
+    seen_at: float
+
+
+@dataclass(frozen=True)
+class LastWeights:
+    weights: dict[int, float]
+    hotkeys: dict[int, str]
+    set_at: Optional[float]
+    block: Optional[int]
+    version_key: Optional[int]
+
+
+class ValidatorStore:
+    """The validator's SQLite database. One connection per process (the loop runs on one thread)."""
+
+    def __init__(self, path: str | os.PathLike, readonly: bool = False, busy_timeout_s: float = 10.0):
+        self.path = Path(path).expanduser()
+        self.readonly = readonly
+        if readonly and not self.path.exists():
+            raise ValidatorStoreError(f"no validator database at {self.path}: run the validator first "
+                                      f"(python neurons/validator.py run --db {self.path} ...)")
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if readonly:
+                self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=busy_timeout_s,
+                                             isolation_level=None)
+            else:
+                self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
+        except sqlite3.Error as error:
+            raise ValidatorStoreError(f"cannot open the validator database {self.path}: {error}") from None
+        self._conn.row_factory = sqlite3.Row
+        try:
+            if not readonly:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                # NORMAL survives a process crash in WAL mode (only a power cut can lose the last commit).
+                self._conn.execute("PRAGMA synchronous=NORMAL")
+                self._create()
+            self._check_schema()
+        except sqlite3.DatabaseError as error:
+            self._conn.close()
+            raise ValidatorStoreError(f"{self.path} is not a usable validator database: {error}") from None
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _create(self) -> None:
+        with self._transaction():
+            has_meta = self._conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+            if has_meta:
+                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                if row is not None and int(row[0]) != SCHEMA_VERSION:
+                    return  # _check_schema explains
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
+            self._conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                               (str(SCHEMA_VERSION),))
+            self._conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('created_at', ?)", (repr(time.time()),))
+
+    def _check_schema(self) -> None:
+        try:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.OperationalError:
+            row = None
+        if row is None:
+            raise ValidatorStoreError(f"{self.path} is not a validator database (no schema version)")
+        if int(row[0]) != SCHEMA_VERSION:
+            raise ValidatorStoreError(f"{self.path} has validator schema {row[0]}; this code reads {SCHEMA_VERSION}. "
+                                      "Move the old file aside (the validator then starts a fresh history)")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "ValidatorStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    class _Transaction:
+        def __init__(self, conn: sqlite3.Connection):
+            self.conn = conn
+
+        def __enter__(self):
+            self.conn.execute("BEGIN IMMEDIATE")
+            return self.conn
+
+        def __exit__(self, exc_type, exc, tb):
+            self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            return False
+
+    def _transaction(self) -> "_Transaction":
+        return self._Transaction(self._conn)
+
+    # ------------------------------------------------------------ meta
+    def _meta(self, key: str) -> Optional[str]:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def _set_meta(self, conn: sqlite3.Connection, key: str, value) -> None:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(value)))
+
+    @property
+    def round(self) -> int:
+        """The last round started (0 before the first)."""
+        return int(self._meta("round") or 0)
+
+    @property
+    def completed_round(self) -> int:
+        """The last round whose scores and EMA were saved."""
+        return int(self._meta("completed_round") or 0)
+
+    def begin_round(self) -> int:
+        """Number and record the next round; a round cut short by a crash keeps its number."""
+        with self._transaction() as conn:
+            number = int((conn.execute("SELECT value FROM meta WHERE key = 'round'").fetchone() or [0])[0]) + 1
+            self._set_meta(conn, "round", number)
+            self._set_meta(conn, "round_started_at", repr(time.time()))
+        return number
+
+    # ------------------------------------------------------------ measurements
+    def add_measurements(self, rows: Sequence[tuple[Measurement, Optional[float]]], round_number: int,
+                         source: str = "validator") -> None:
+        """(measurement, tier-0 CPU seconds) pairs, committed at once."""
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        columns = ", ".join(f'"{c}"' for c in COLUMNS)
+        marks = ", ".join("?" for _ in COLUMNS)
+        with self._transaction() as conn:
+            conn.executemany(
+                f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) VALUES (?, ?, ?, {marks})",
+                [(round_number, source, cpu_s, *_measurement_values(m)) for m, cpu_s in rows])
+
+    def load_window(self, window_s: float, keep_s: Optional[float] = None,
+                    now: Optional[float] = None) -> tuple[MeasurementWindow, int]:
+        """The measurement window as it was (rows younger than keep_s), and the highest row id read."""
+        now = time.time() if now is None else now
+        keep = max(window_s, keep_s or 0.0)
+        columns = ", ".join(f'"{c}"' for c in COLUMNS)
+        rows = self._conn.execute(f"SELECT {columns} FROM measurements WHERE at >= ? ORDER BY id",
+                                  (now - keep,)).fetchall()
+        last = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM measurements").fetchone()[0]
+        return MeasurementWindow.from_rows(rows, window_s, keep_s), int(last)
+
+    def measurements_after(self, after_id: int, source: str) -> tuple[list[Measurement], int]:
+        """Rows of `source` written after row `after_id` (by another process, e.g. the gateway), and the
+        highest row id now present."""
+        columns = ", ".join(f'"{c}"' for c in COLUMNS)
+        rows = self._conn.execute(f"SELECT {columns} FROM measurements WHERE id > ? AND source = ? ORDER BY id",
+                                  (after_id, source)).fetchall()
+        last = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM measurements").fetchone()[0]
+        return list(MeasurementWindow.from_rows(rows).rows()), int(last)
+
+    def measurement_count(self, uid: Optional[int] = None) -> int:
+        if uid is None:
+            return int(self._conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0])
+        return int(self._conn.execute("SELECT COUNT(*) FROM measurements WHERE uid = ?", (uid,)).fetchone()[0])
+
+    def measurement_rows(self, uid: Optional[int] = None, round_number: Optional[int] = None) -> list[sqlite3.Row]:
+        clauses, args = [], []
+        if uid is not None:
+            clauses.append("uid = ?")
+            args.append(uid)
+        if round_number is not None:
+            clauses.append("round = ?")
+            args.append(round_number)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        return self._conn.execute(f"SELECT * FROM measurements {where} ORDER BY id", args).fetchall()
+
+    def prune(self, before: float) -> int:
+        """Forget measurements, failures and audits older than `before` (unix time)."""
+        with self._transaction() as conn:
+            dropped = conn.execute("DELETE FROM measurements WHERE at < ?", (before,)).rowcount
+            conn.execute("DELETE FROM failures WHERE at < ?", (before,))
+            conn.execute("DELETE FROM audits WHERE at < ?", (before,))
+        return dropped
+
+    # ------------------------------------------------------------ failures and audits
+    def add_failures(self, rows: Iterable[Mapping], round_number: int, source: str = "validator") -> None:
+        """Rows with uid, hotkey, check, reason and optionally at, request_id, kind, hard."""
+        now = time.time()
+        values = [(r.get("at", now), round_number, r["uid"], r["hotkey"], r.get("request_id"), r.get("kind"),
+                   r["check"], str(r["reason"])[:2000], int(bool(r.get("hard", False))), source) for r in rows]
+        if not values:
+            return
+        with self._transaction() as conn:
+            conn.executemany("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, "
+                             "hard, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+
+    def failures(self, uid: Optional[int] = None, since: Optional[float] = None) -> list[sqlite3.Row]:
+        clauses, args = [], []
+        if uid is not None:
+            clauses.append("uid = ?")
+            args.append(uid)
+        if since is not None:
+            clauses.append("at >= ?")
+            args.append(since)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        return self._conn.execute(f"SELECT * FROM failures {where} ORDER BY id", args).fetchall()
+
+    def add_audit(self, row: Mapping, round_number: int) -> None:
+        fields = ("at", "uid", "hotkey", "request_id", "kind", "tier", "reference", "passed", "quality",
+                  "mean_prob_diff", "positions", "greedy_mismatches", "outside_top_k", "disagreement", "error",
+                  "failures", "cpu_s", "wall_s")
+        values = [row.get(f) for f in fields]
+        values[0] = values[0] or time.time()
+        with self._transaction() as conn:
+            conn.execute(f"INSERT INTO audits (round, {', '.join(fields)}) VALUES (?, {', '.join('?' for _ in fields)})",
+                         (round_number, *values))
+
+    def audits(self, uid: Optional[int] = None) -> list[sqlite3.Row]:
+        if uid is None:
+            return self._conn.execute("SELECT * FROM audits ORDER BY id").fetchall()
+        return self._conn.execute("SELECT * FROM audits WHERE uid = ? ORDER BY id", (uid,)).fetchall()
+
+    # ------------------------------------------------------------ scores and EMA
+    def save_round(self, round_number: int, scores: Mapping[int, MinerScore], ema: Mapping[int, EmaEntry],
+                   at: Optional[float] = None) -> None:
+        """A round's scores and the new EMA, together: either both are saved or neither."""
+        at = time.time() if at is None else at
+        columns = ", ".join(f'"{f}"' for f in _SCORE_FIELDS)
+        with self._transaction() as conn:
+            conn.executemany(
+                f"INSERT OR REPLACE INTO scores (round, uid, hotkey, at, {columns}, reasons, ema) "
+                f"VALUES (?, ?, ?, ?, {', '.join('?' for _ in _SCORE_FIELDS)}, ?, ?)",
+                [(round_number, s.uid, s.hotkey, at, *[_scalar(getattr(s, f)) for f in _SCORE_FIELDS],
+                  json.dumps(s.reasons), float(ema[s.uid].value) if s.uid in ema else None)
+                 for s in scores.values()])
+            conn.execute("DELETE FROM ema")
+            conn.executemany("INSERT INTO ema (uid, hotkey, value, round, updated_at) VALUES (?, ?, ?, ?, ?)",
+                             [(uid, e.hotkey, float(e.value), round_number, at) for uid, e in ema.items()])
+            self._set_meta(conn, "completed_round", round_number)
+
+    def load_ema(self) -> dict[int, EmaEntry]:
+        return {int(r["uid"]): EmaEntry(r["hotkey"], float(r["value"]))
+                for r in self._conn.execute("SELECT uid, hotkey, value FROM ema")}
+
+    def latest_scores(self) -> dict[int, sqlite3.Row]:
+        """Each uid's most recent score row."""
+        rows = self._conn.execute(
+            "SELECT s.* FROM scores s JOIN (SELECT uid, MAX(round) AS r FROM scores GROUP BY uid) last "
+            "ON s.uid = last.uid AND s.round = last.r").fetchall()
+        return {int(r["uid"]): r for r in rows}
+
+    def scores_of_round(self, round_number: int) -> dict[int, sqlite3.Row]:
+        return {int(r["uid"]): r for r in
+                self._conn.execute("SELECT * FROM scores WHERE round = ?", (round_number,)).fetchall()}
+
+    # ------------------------------------------------------------ miners
+    def save_miner(self, uid: int, hotkey: str, coldkey: str, url: Optional[str],
+                   capabilities: Optional[dict] = None, capabilities_at: Optional[float] = None,
+                   last_round: Optional[int] = None) -> None:
+        """What the metagraph (and /v1/capabilities) said about a uid. A new hotkey on the uid drops the
+        old one's capabilities and evaluation history."""
+        now = time.time()
+        with self._transaction() as conn:
+            old = conn.execute("SELECT hotkey, capabilities, capabilities_at, last_round FROM miners WHERE uid = ?",
+                               (uid,)).fetchone()
+            same = old is not None and old["hotkey"] == hotkey
+            caps_text = json.dumps(capabilities) if capabilities is not None else (old["capabilities"] if same else None)
+            caps_at = capabilities_at if capabilities is not None else (old["capabilities_at"] if same else None)
+            last = last_round if last_round is not None else (old["last_round"] if same else None)
+            conn.execute("INSERT OR REPLACE INTO miners (uid, hotkey, coldkey, url, capabilities, capabilities_at, "
+                         "last_round, seen_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (uid, hotkey, coldkey, url, caps_text, caps_at, last, now))
+
+    def forget_miners(self, keep_uids: Iterable[int]) -> None:
+        keep = sorted(set(int(u) for u in keep_uids))
+        with self._transaction() as conn:
+            if keep:
+                conn.execute(f"DELETE FROM miners WHERE uid NOT IN ({', '.join('?' for _ in keep)})", keep)
+            else:
+                conn.execute("DELETE FROM miners")
+
+    def miners(self) -> dict[int, StoredMiner]:
+        out = {}
+        for r in self._conn.execute("SELECT * FROM miners ORDER BY uid"):
+            out[int(r["uid"])] = StoredMiner(
+                uid=int(r["uid"]), hotkey=r["hotkey"], coldkey=r["coldkey"], url=r["url"],
+                capabilities=json.loads(r["capabilities"]) if r["capabilities"] else None,
+                capabilities_at=r["capabilities_at"], last_round=r["last_round"], seen_at=r["seen_at"])
+        return out
+
+    # ------------------------------------------------------------ weights
+    def save_weights(self, weights: Mapping[int, float], hotkeys: Mapping[int, str], block: Optional[int],
+                     version_key: int, at: Optional[float] = None) -> None:
+        at = time.time() if at is None else at
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM weights")
+            conn.executemany("INSERT INTO weights (uid, hotkey, weight) VALUES (?, ?, ?)",
+                             [(int(uid), hotkeys.get(uid), float(w)) for uid, w in weights.items()])
+            self._set_meta(conn, "weights_set_at", repr(at))
+            self._set_meta(conn, "weights_block", "" if block is None else block)
+            self._set_meta(conn, "weights_version_key", version_key)
+            conn.execute("INSERT INTO weight_attempts (at, block, ok, error, weights) VALUES (?, ?, 1, NULL, ?)",
+                         (at, block, json.dumps({str(k): v for k, v in weights.items()})))
+
+    def record_weight_attempt(self, ok: bool, error: Optional[str], block: Optional[int] = None,
+                              weights: Optional[Mapping[int, float]] = None) -> None:
+        with self._transaction() as conn:
+            conn.execute("INSERT INTO weight_attempts (at, block, ok, error, weights) VALUES (?, ?, ?, ?, ?)",
+                         (time.time(), block, int(ok), error,
+                          None if weights is None else json.dumps({str(k): v for k, v in weights.items()})))
+
+    def weight_attempts(self) -> list[sqlite3.Row]:
+        return self._conn.execute("SELECT * FROM weight_attempts ORDER BY id").fetchall()
+
+    def last_weights(self) -> LastWeights:
+        rows = self._conn.execute("SELECT uid, hotkey, weight FROM weights").fetchall()
+        set_at = self._meta("weights_set_at")
+        block = self._meta("weights_block")
+        key = self._meta("weights_version_key")
+        return LastWeights(
+            weights={int(r["uid"]): float(r["weight"]) for r in rows},
+            hotkeys={int(r["uid"]): r["hotkey"] for r in rows},
+            set_at=float(set_at) if set_at else None,
+            block=int(block) if block else None,
+            version_key=int(key) if key else None,
+        )
+
+    # ------------------------------------------------------------ canaries
+    def save_canaries(self, entries: Iterable[tuple[str, dict]]) -> None:
+        with self._transaction() as conn:
+            conn.executemany("INSERT OR IGNORE INTO canaries (id, body) VALUES (?, ?)",
+                             [(cid, json.dumps(body)) for cid, body in entries])
+
+    def stored_canaries(self) -> list[dict]:
+        return [json.loads(r["body"]) for r in self._conn.execute("SELECT body FROM canaries WHERE body != '{}' ORDER BY rowid")]
+
+    def mark_canaries_used(self, canary_ids: Iterable[str]) -> None:
+        ids = list(canary_ids)
+        if not ids:
+            return
+        with self._transaction() as conn:
+            conn.executemany("INSERT OR IGNORE INTO canaries (id, body) VALUES (?, '{}')", [(c,) for c in ids])
+            conn.executemany("UPDATE canaries SET used = 1 WHERE id = ?", [(c,) for c in ids])
+
+    def used_canaries(self) -> set[str]:
+        return {r[0] for r in self._conn.execute("SELECT id FROM canaries WHERE used = 1")}
+
+    # ------------------------------------------------------------ reading for status
+    def meta(self) -> dict[str, str]:
+        return {r["key"]: r["value"] for r in self._conn.execute("SELECT key, value FROM meta")}
+
+
+def _scalar(value):
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _measurement_values(m: Measurement) -> list:
+    return [_scalar(getattr(m, c)) for c in COLUMNS]
+
+
+__all__ = ["SCHEMA_VERSION", "SOURCES", "LastWeights", "StoredMiner", "ValidatorStore", "ValidatorStoreError"]
