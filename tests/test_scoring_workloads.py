@@ -17,7 +17,16 @@ from scoring.workloads import WorkloadError, canary_prompts, group_bursts, plan_
 
 MODEL = ModelConfig.tiny()
 # Small prompts keep hundreds of rounds fast; the logic is the same at any size.
-FAST = ScoringConfig.local_testnet(chat_prompt_tokens=(16, 200), long_context_sizes=(256, 512))
+def wide_testnet(**overrides) -> ScoringConfig:
+    """The local testnet profile with the wider ranges these tests exercise (32k contexts, 64-stream bursts)."""
+    base = dict(round_requests=40, chat_prompt_tokens=(16, 1024), chat_max_tokens=(64, 256),
+                long_context_sizes=(2048, 4096, 8192, 16_384, 32_768), long_context_max_tokens=(16, 48),
+                burst_streams=(2, 64))
+    base.update(overrides)
+    return ScoringConfig.local_testnet(**base)
+
+
+FAST = wide_testnet(chat_prompt_tokens=(16, 200), long_context_sizes=(256, 512))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +49,7 @@ def many_rounds(tokenizer):
 
 def test_plan_is_deterministic_per_seed(tokenizer):
     caps = capabilities(max_context=8192)
-    config = ScoringConfig.local_testnet()
+    config = wide_testnet()
 
     def plan(seed):
         items = plan_round(random.Random(seed), caps, config, tokenizer=tokenizer)
@@ -130,7 +139,7 @@ def test_text_prompts_everywhere_when_configured(tokenizer):
 
 def test_long_context_plants_a_fact_at_varied_depths(tokenizer):
     caps = capabilities(max_context=16384)
-    config = ScoringConfig.local_testnet()
+    config = wide_testnet()
     rng = random.Random(8)
     longs = [i for _ in range(6) for i in plan_round(rng, caps, config, tokenizer=tokenizer) if i.kind == "long_context"]
     depths = []
@@ -152,7 +161,7 @@ def test_long_context_plants_a_fact_at_varied_depths(tokenizer):
 def test_sizes_stay_within_the_declared_limits(tokenizer):
     for max_context, max_tokens_limit in ((4096, 32768), (16384, 100), (40000, 32768)):
         caps = capabilities(max_context=max_context, max_tokens=max_tokens_limit)
-        config = ScoringConfig.local_testnet(chat_max_tokens=(64, 256))
+        config = wide_testnet(chat_max_tokens=(64, 256))
         items = plan_round(random.Random(max_context), caps, config, tokenizer=tokenizer)
         for item in items:
             assert item.prompt_tokens + item.request.max_tokens <= max_context
@@ -172,7 +181,7 @@ def test_a_context_too_small_is_a_clear_error(tokenizer):
 
 def test_canaries_are_used_once_and_run_out(tokenizer):
     caps = capabilities(max_context=2048)
-    config = ScoringConfig.local_testnet(chat_prompt_tokens=(16, 200), chat_max_tokens=(64, 128),
+    config = wide_testnet(chat_prompt_tokens=(16, 200), chat_max_tokens=(64, 128),
                                          probe_weights=(5.0, 1.0, 1.0))
     prompts = canary_prompts(random.Random(2), 6, caps, config, tokenizer)
     pool = CanaryPool(Canary(f"c{k}", tuple(p), (1,) * 64, (1.0,) * 64) for k, p in enumerate(prompts))
