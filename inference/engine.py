@@ -15,6 +15,7 @@ import abc
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -166,8 +167,9 @@ class EngineSettings:
     max_concurrent_sequences: int = 64
     cache_memory_budget_bytes: int = 2 << 30
     max_waiting: int = 128
-    step_token_budget: int = 512  # tokens per forward step (decode tokens first, then prefill chunks)
+    step_token_budget: int = 512  # work per forward step, in short-context tokens (decode tokens first)
     min_prefill_chunk: int = 32  # prefill progresses at least this much per step even under heavy decode
+    attention_cost_tokens: int = 4096  # context length at which a token's attention costs as much as the rest
     cache_dtype_bytes: int = 4  # fp32 caches on CPU
 
 
@@ -236,7 +238,10 @@ class LocalEngine(Engine):
         self._reserved_bytes = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-step")
+        # torch's intra-op thread count is per OS thread (OpenMP): give the step thread the creator's setting
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="k3-step", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),))
         self._health = EngineHealth("down", "not started")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {tokenizer.eos_id})
@@ -411,27 +416,43 @@ class LocalEngine(Engine):
         seq.cache = None
         seq.finished = True
 
-    def _plan_step(self) -> list[tuple[_Sequence, list[int]]]:
-        """Decode tokens for every sequence past its prompt, then prefill chunks within the budget.
+    def _prefill_cost(self, start: int, n: int) -> float:
+        """Work of prefilling n prompt tokens from position `start`, in units of one short-context token:
+        attention makes a token at position p cost (1 + p / attention_cost_tokens)."""
+        return n * (1.0 + (start + n) / self.settings.attention_cost_tokens)
 
-        Prefill goes shortest-remaining-first, so a short prompt is not stuck behind a long one;
-        the oldest prefilling sequence always advances by at least `min_prefill_chunk`, so a long
-        prompt is never starved by a stream of short ones."""
+    def _prefill_fit(self, seq: _Sequence, start: int, units: float) -> int:
+        """The most prompt tokens of seq from `start` whose prefill costs at most `units`."""
+        a = self.settings.attention_cost_tokens
+        b = 1.0 + start / a
+        n = int((-b + math.sqrt(b * b + 4.0 * max(units, 0.0) / a)) * a / 2.0)
+        return max(0, min(n, seq.prompt_len - start))
+
+    def _plan_step(self) -> list[tuple[_Sequence, list[int]]]:
+        """Decode tokens for every sequence past its prompt, then prefill chunks within the step's budget.
+
+        The budget counts work, not tokens: a chunk deep into a long prompt attends to everything before
+        it, so it gets fewer tokens, and every step stays short enough for the decoding sequences' next
+        tokens. Prefill goes shortest-remaining-first, so a short prompt is not stuck behind a long one;
+        the oldest prefilling sequence always advances (by `min_prefill_chunk` tokens of work, at least one
+        token), so a long prompt is never starved by a stream of short ones."""
         s = self.settings
         batch = [(seq, [seq.token_ids[seq.consumed]]) for seq in self._running if not seq.in_prefill]
-        budget = max(s.step_token_budget - len(batch), s.min_prefill_chunk)
+        units = float(max(s.step_token_budget - len(batch), s.min_prefill_chunk))
         prefilling = [seq for seq in self._running if seq.in_prefill]
         grant: dict[int, int] = {}
         if prefilling:
             oldest = prefilling[0]
-            grant[id(oldest)] = min(oldest.prompt_len - oldest.consumed, s.min_prefill_chunk, budget)
-            budget -= grant[id(oldest)]
+            n = max(1, self._prefill_fit(oldest, oldest.consumed, min(s.min_prefill_chunk, units)))
+            grant[id(oldest)] = n
+            units -= self._prefill_cost(oldest.consumed, n)
             for seq in sorted(prefilling, key=lambda q: q.prompt_len - q.consumed):
-                if budget <= 0:
+                if units <= 0:
                     break
-                extra = min(seq.prompt_len - seq.consumed - grant.get(id(seq), 0), budget)
+                start = seq.consumed + grant.get(id(seq), 0)
+                extra = self._prefill_fit(seq, start, units)
+                units -= self._prefill_cost(start, extra)
                 grant[id(seq)] = grant.get(id(seq), 0) + extra
-                budget -= extra
         for seq in prefilling:
             n = grant.get(id(seq), 0)
             if n > 0:

@@ -187,3 +187,13 @@ async def test_metrics_are_exposed(model, tokenizer):
     for name in ("k3_engine_queue_length", "k3_engine_active_sequences", "k3_engine_cache_bytes_reserved",
                  "k3_engine_inter_token_seconds", "k3_engine_tokens_per_second"):
         assert name in text
+
+
+def test_prefill_chunks_shrink_deep_into_a_long_prompt(model, tokenizer):
+    engine = make_engine(model, tokenizer, step_token_budget=512, attention_cost_tokens=1024)
+    seq = type("Seq", (), {"prompt_len": 40_000})()
+    shallow = engine._prefill_fit(seq, 0, 512)
+    deep = engine._prefill_fit(seq, 16_384, 512)
+    for start, n in ((0, shallow), (16_384, deep)):
+        assert engine._prefill_cost(start, n) <= 512 < engine._prefill_cost(start, n + 1)
+    assert deep < shallow / 10
