@@ -358,29 +358,33 @@ class KimiK3Model(nn.Module):
         return out
 
     def _check_batch(self, token_ids: list[Tensor], caches: list[SequenceCache]) -> None:
-        cfg = self.config
-        if not token_ids:
-            raise ValueError("forward needs at least one sequence")
-        if len(token_ids) != len(caches):
-            raise ValueError(f"{len(token_ids)} token sequences but {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("the same SequenceCache appears twice in one batch; clone it for a second sequence")
-        for b, (t, cache) in enumerate(zip(token_ids, caches)):
-            if not isinstance(t, Tensor) or t.dim() != 1 or t.numel() == 0:
-                raise ValueError(f"sequence {b}: token ids must be a non-empty 1-D tensor")
-            if t.is_floating_point():
-                raise ValueError(f"sequence {b}: token ids must be integers, got {t.dtype}")
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise ValueError(f"sequence {b}: token id out of range 0..{cfg.vocab_size - 1} (saw {lo}..{hi})")
-            if len(cache.layers) != cfg.num_layers or any(c is None for c in cache.layers):
-                raise ValueError(f"sequence {b}: forward needs a cache holding all {cfg.num_layers} layers "
+        for b, cache in check_forward_batch(self.config, token_ids, caches):
+            if len(cache.layers) != self.config.num_layers or any(c is None for c in cache.layers):
+                raise ValueError(f"sequence {b}: forward needs a cache holding all {self.config.num_layers} layers "
                                  "(model.new_cache()); stage caches go through run_layers")
-            if cache.length + t.numel() > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"sequence {b}: {cache.length} cached + {t.numel()} new tokens exceed the context of "
-                    f"{cfg.max_position_embeddings}"
-                )
 
 
 __all__ = ["KimiK3Model", "SequenceCache", "ResidualState", "DecoderLayer", "FP32_TENSOR_SUFFIXES"]
+
+
+def check_forward_batch(config: ModelConfig, token_ids: list[Tensor], caches: list) -> list[tuple[int, object]]:
+    """The checks every model's forward makes on a batch (token ids in range, one cache per sequence, within
+    the context); returns (index, cache) pairs for the model's own cache checks."""
+    if not token_ids:
+        raise ValueError("forward needs at least one sequence")
+    if len(token_ids) != len(caches):
+        raise ValueError(f"{len(token_ids)} token sequences but {len(caches)} caches")
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("the same cache appears twice in one batch; clone it for a second sequence")
+    for b, (t, cache) in enumerate(zip(token_ids, caches)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"sequence {b}: token ids must be a non-empty 1-D tensor")
+        if t.is_floating_point():
+            raise ValueError(f"sequence {b}: token ids must be integers, got {t.dtype}")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= config.vocab_size:
+            raise ValueError(f"sequence {b}: token id out of range 0..{config.vocab_size - 1} (saw {lo}..{hi})")
+        if cache.length + t.numel() > config.max_position_embeddings:
+            raise ValueError(f"sequence {b}: {cache.length} cached + {t.numel()} new tokens exceed the context of "
+                             f"{config.max_position_embeddings}")
+    return list(enumerate(caches))

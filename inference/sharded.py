@@ -46,6 +46,7 @@ from torch import Tensor
 
 from inference.checkpoint import fingerprint, read_config, verify_manifest
 from inference.engine import EngineHealth, LocalEngine
+from inference.model import check_forward_batch
 from inference.plan import Plan, PlanError, RoutingStats
 from inference.shard_protocol import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
 from inference.shard_worker import RoutingRecorder, run_local
@@ -385,14 +386,7 @@ class ShardedModel:
     __call__ = forward
 
     def _check_batch(self, token_ids: list[Tensor], caches: list[ShardCache]) -> None:
-        cfg = self.config
-        if not token_ids:
-            raise ValueError("forward needs at least one sequence")
-        if len(token_ids) != len(caches):
-            raise ValueError(f"{len(token_ids)} token sequences but {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("the same cache appears twice in one batch")
-        for b, (t, cache) in enumerate(zip(token_ids, caches)):
+        for b, cache in enumerate(caches):  # the handle first: its length is only meaningful for our own caches
             if not isinstance(cache, ShardCache):
                 raise ValueError(f"sequence {b}: the cache must come from this model's new_cache()")
             if cache.freed:
@@ -400,16 +394,7 @@ class ShardedModel:
             if cache.generation != self.generation:
                 raise ValueError(f"sequence {b}: its cache belongs to a shard set that was restarted, so its state "
                                  "is gone; start the sequence again with new_cache()")
-            if not isinstance(t, Tensor) or t.dim() != 1 or t.numel() == 0:
-                raise ValueError(f"sequence {b}: token ids must be a non-empty 1-D tensor")
-            if t.is_floating_point():
-                raise ValueError(f"sequence {b}: token ids must be integers, got {t.dtype}")
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise ValueError(f"sequence {b}: token id out of range 0..{cfg.vocab_size - 1} (saw {lo}..{hi})")
-            if cache.length + t.numel() > cfg.max_position_embeddings:
-                raise ValueError(f"sequence {b}: {cache.length} cached + {t.numel()} new tokens exceed the context "
-                                 f"of {cfg.max_position_embeddings}")
+        check_forward_batch(self.config, token_ids, caches)
 
     # ------------------------------------------------------------------ statistics and layout
     def dump_routing_stats(self, path: str | Path | None = None, reset: bool = False) -> RoutingStats:
