@@ -24,6 +24,11 @@ from inference.layers import RMSNorm
 RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, k])
 
 
+# Below this many multiply-adds per step, running every expert on every token in batched matmuls beats one
+# small matmul per expert hit (the tiny model's decode steps); above it, experts run only on their tokens.
+ALL_EXPERTS_MACS = 1 << 24
+
+
 def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
     """SiTU-GLU in fp32: beta*tanh(g/beta) * sigmoid(g) * linear_beta*tanh(u/linear_beta). sigmoid sees the uncapped g."""
     g, u = gate.float(), up.float()
@@ -151,11 +156,13 @@ class LatentMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(config, random_init) for _ in range(config.num_experts))
         self.routing_observer: RoutingObserver | None = None
         self._dense_cache: mxfp4.DequantizedCache | None = None
+        self._stacked = None  # (key, w1 [E, F, L], w3 [E, F, L], w2 [E, L, F]) for the all-experts path
 
     # ------------------------------------------------------------- switches
     def set_dequantize_cache(self, enabled: bool) -> None:
         """True: keep a dequantised copy of each MXFP4 expert weight after first use; False: decode every call."""
         self._dense_cache = mxfp4.DequantizedCache() if enabled else None
+        self._stacked = None
         for module in self.experts.modules():
             if isinstance(module, MXFP4Linear):
                 module.dense_cache = self._dense_cache
@@ -189,6 +196,9 @@ class LatentMoE(nn.Module):
             bad = [e for e in allowed if not 0 <= e < E]
             if bad:
                 raise ValueError(f"expert ids {sorted(bad)} are outside 0..{E - 1}")
+        if allowed is None and self._dense_cache is not None and self.config.mxfp4_experts \
+                and E * T * 3 * self.config.latent_size * self.config.expert_intermediate_size <= ALL_EXPERTS_MACS:
+            return self._all_experts_partial(z, ids, weights)
         y = torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -206,6 +216,31 @@ class LatentMoE(nn.Module):
                 y.index_add_(0, rows, out.float() * w_sorted[start:end, None])
             start = end
         return y
+
+    def _stacked_experts(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """All experts' dense w1, w3 [E, F, L] and w2 [E, L, F], from the dequantised cache (rebuilt when any
+        expert weight changes in place, e.g. a checkpoint load)."""
+        versions = tuple((lin.weight_packed._version, lin.weight_scale._version, id(lin.weight_packed))
+                         for ex in self.experts for lin in (ex.w1, ex.w2, ex.w3))
+        if self._stacked is None or self._stacked[0] != (versions, dtype):
+            stack = [torch.stack([getattr(ex, name).dequantized_weight(dtype) for ex in self.experts])
+                     for name in ("w1", "w3", "w2")]
+            self._stacked = ((versions, dtype), *stack)
+        return self._stacked[1], self._stacked[2], self._stacked[3]
+
+    def _all_experts_partial(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """expert_partial for few tokens and small experts: every expert on every token in three batched
+        matmuls (cheaper than one small matmul per expert hit), then the routed (token, expert) pairs gathered."""
+        T, k = ids.shape
+        w1, w3, w2 = self._stacked_experts(z.dtype)
+        zt = z.unsqueeze(0).expand(w1.shape[0], -1, -1)  # [E, T, L]
+        act = situ_glu(torch.bmm(zt, w1.transpose(1, 2)), torch.bmm(zt, w3.transpose(1, 2)),
+                       self.config.situ_beta, self.config.situ_linear_beta)
+        out = torch.bmm(act.to(z.dtype), w2.transpose(1, 2))  # [E, T, L]
+        tokens = torch.arange(T, device=z.device).repeat_interleave(k)
+        picked = out[ids.reshape(-1), tokens].float() * weights.reshape(-1, 1).float()  # [T*k, L]
+        return torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device).index_add_(
+            0, tokens, picked)
 
     def finish(self, y_latent: Tensor, x: Tensor) -> Tensor:
         """Latent RMSNorm on the weighted sum, latent -> D, plus the shared experts on the full-width x."""

@@ -304,7 +304,8 @@ def test_routing_observer_and_dequantize_cache():
         model.routing_observer = None
         model.set_dequantize_cache(False)
     assert seen[: len(cfg.moe_layers)] == [(i, (11, cfg.experts_per_token)) for i in cfg.moe_layers]
-    torch.testing.assert_close(cached, plain, atol=0, rtol=0)
+    # the cached dense experts take the batched all-experts path for few tokens: equal up to summation order
+    torch.testing.assert_close(cached, plain, atol=1e-5, rtol=1e-5)
     model([ids], [model.new_cache()])
     assert len(seen) == 2 * len(cfg.moe_layers)  # the observer was removed
 

@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bittensor as bt
+import openai
 import pytest
 
 from chain.devnet import DevnetChain
@@ -40,7 +42,9 @@ from neurons.validator_loop import (
     ValidatorSettings,
     ValidatorState,
     WeightSettings,
+    run_validator,
 )
+from neurons.gateway import GatewaySettings
 from neurons.validator_store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
@@ -675,3 +679,51 @@ def test_sigkill_and_restart_lose_nothing(world, tmp_path):
     assert resumed[world.uids["cheat_inflate"]]["zeroed"]
     assert "resuming at round" in log.read_text()
     assert audit_references == {"miners"}  # no reference engine: other miners scored the audits
+
+
+def test_the_validator_serves_the_organic_gateway(world, tmp_path):
+    """`run --gateway`: real users reach the best-scoring miner through the validator with the openai client."""
+    keys = tmp_path / "gateway-keys.txt"
+    keys.write_text("# one key per line\nsk-k3-test\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = tmp_path / "gateway.sqlite"
+    settings = validator_settings(world, db, rounds=dict(uids=str(world.uids["honest_fast"]), requests_per_miner=2),
+                                  profile=SHORT_PROFILE,
+                                  gateway=GatewaySettings(enabled=True, host="127.0.0.1", port=port,
+                                                          api_keys_file=str(keys)))
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_validator(settings, stop))
+        deadline = time.monotonic() + 150
+        while True:  # until the validator has scored the miner, so the gateway has someone to route to
+            assert not task.done(), "the validator stopped"
+            assert time.monotonic() < deadline, "the validator never scored the miner"
+            if db.exists():
+                state = ValidatorState.open(db)
+                try:
+                    ranked = state.ranked_miners()
+                finally:
+                    state.store.close()
+                if ranked:
+                    break
+            await asyncio.sleep(0.5)
+        base = f"http://127.0.0.1:{port}/v1"
+        try:
+            client = openai.AsyncOpenAI(base_url=base, api_key="sk-k3-test", max_retries=0, timeout=60)
+            models = await client.models.list()
+            completion = await client.completions.create(model=models.data[0].id, prompt="Hello", max_tokens=8,
+                                                         temperature=0)
+            intruder = openai.AsyncOpenAI(base_url=base, api_key="sk-wrong", max_retries=0, timeout=30)
+            with pytest.raises(openai.AuthenticationError):
+                await intruder.models.list()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 120)
+        return completion
+
+    completion = asyncio.run(scenario())
+    assert completion.usage.completion_tokens >= 1 and isinstance(completion.choices[0].text, str)
+
