@@ -311,6 +311,23 @@ class WalletSettings:
     path: str = "~/.bittensor/wallets"
 
 
+class WalletNotFound(ValueError):
+    """The wallet named by the settings has no hotkey file."""
+
+
+def open_wallet(settings: WalletSettings):
+    """The bittensor wallet the settings name; its hotkey file must exist (it signs and is the identity)."""
+    import bittensor as bt  # noqa: PLC0415 (the SDK takes a second to import; only here is it needed)
+
+    wallet = bt.Wallet(settings.name, settings.hotkey, path=str(os.path.expanduser(settings.path)))
+    if not wallet.hotkey_file.exists_on_device():
+        raise WalletNotFound(
+            f"no hotkey file at {wallet.hotkey_file.path}: create it with `btcli wallet new-hotkey "
+            f"-w {settings.name} -H {settings.hotkey} --wallet-path {settings.path}` "
+            "or point --wallet-name/--wallet-hotkey/--wallet-path at an existing one")
+    return wallet
+
+
 @dataclass(frozen=True)
 class ChainSettings:
     network: str = "finney"

@@ -49,6 +49,7 @@ from inference.sampling import SamplingParams
 from inference.serving import EngineSpec, EngineSpecError, build_engine
 from inference.version import __version__
 from neurons.cli_settings import (
+    WalletNotFound,
     ChainSettings,
     Option,
     WalletSettings,
@@ -67,6 +68,7 @@ from neurons.cli_settings import (
     positive_float,
     read_options,
     wallet_options,
+    open_wallet as open_cli_wallet,
 )
 from protocol.auth import AuthFailure, SQLiteNonceStore, hotkey_signer, verify_request
 from protocol.schemas import (
@@ -975,16 +977,11 @@ def _json(body: bytes, status: int = 200) -> web.Response:
 
 # ---------------------------------------------------------------- running it
 def open_wallet(settings: WalletSettings):
-    """The bittensor wallet whose hotkey this miner serves as (the hotkey file must exist)."""
-    import bittensor as bt  # noqa: PLC0415 (the SDK takes a second to import; only here is it needed)
-
-    wallet = bt.Wallet(settings.name, settings.hotkey, path=str(Path(settings.path).expanduser()))
-    if not wallet.hotkey_file.exists_on_device():
-        raise MinerSetupError(
-            f"no hotkey file at {wallet.hotkey_file.path}: create it with `btcli wallet new-hotkey "
-            f"--wallet-name {settings.name} --hotkey {settings.hotkey} --wallet-path {settings.path}` "
-            "or point --wallet-name/--wallet-hotkey/--wallet-path at an existing one")
-    return wallet
+    """The wallet this neuron signs with (neurons.cli_settings.open_wallet), as a setup error when missing."""
+    try:
+        return open_cli_wallet(settings)
+    except WalletNotFound as error:
+        raise MinerSetupError(str(error)) from None
 
 
 def load_tokenizer_for(spec: EngineSpec, engine: Engine):

@@ -56,6 +56,7 @@ from chain.interface import (
 from inference.serving import EngineSpec
 from inference.version import version_key
 from neurons.cli_settings import (
+    WalletNotFound,
     ChainSettings,
     Option,
     WalletSettings,
@@ -71,6 +72,7 @@ from neurons.cli_settings import (
     positive_float,
     read_options,
     wallet_options,
+    open_wallet as open_cli_wallet,
 )
 from neurons.gateway import GatewayServer, GatewaySettings, GatewaySetupError, gateway_options
 from neurons.validator_store import ValidatorStore
@@ -1129,15 +1131,11 @@ def reference_capabilities(engine) -> Capabilities:
 
 
 def open_wallet(settings: WalletSettings):
-    import bittensor as bt  # noqa: PLC0415 (a second to import; only here is it needed)
-
-    wallet = bt.Wallet(settings.name, settings.hotkey, path=str(Path(settings.path).expanduser()))
-    if not wallet.hotkey_file.exists_on_device():
-        raise ValidatorSetupError(
-            f"no hotkey file at {wallet.hotkey_file.path}: create it with `btcli wallet new-hotkey --wallet-name "
-            f"{settings.name} --hotkey {settings.hotkey} --wallet-path {settings.path}` or point "
-            "--wallet-name/--wallet-hotkey/--wallet-path at an existing one")
-    return wallet
+    """The wallet this neuron signs with (neurons.cli_settings.open_wallet), as a setup error when missing."""
+    try:
+        return open_cli_wallet(settings)
+    except WalletNotFound as error:
+        raise ValidatorSetupError(str(error)) from None
 
 
 @dataclass
