@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "inference" / "version.py").read_text(), re.M).group(1)
@@ -14,8 +14,8 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["inference", "protocol", "scoring", "neurons", "chain"],
-    package_data={"inference": ["*.json"]},
+    packages=find_packages(include=["inference*", "protocol*", "scoring*", "neurons*", "chain*"]),
+    package_data={"inference.planning": ["clusters/*.yaml"]},
     install_requires=[
         "bittensor>=11.3,<12",
         "torch>=2.4",

@@ -22,15 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from neurons.cli_settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
-from neurons.validator_loop import (  # noqa: E402
+from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
+from neurons.validator_app.rounds import (  # noqa: E402
     ValidatorSetupError,
     read_validator_settings,
     run_validator,
     status_report,
     validator_options,
 )
-from neurons.validator_store import ValidatorStore, ValidatorStoreError  # noqa: E402
+from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
 
 STATUS_OPTIONS = (
     Option("db", "--db", "K3_VALIDATOR_DB", expanded_path, "~/.k3-subnet/validator.sqlite",

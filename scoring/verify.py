@@ -2,7 +2,7 @@
 
 - Tier 0, every response, on the validator's CPU: `check_tier0`.
 - Tier 1, teacher-forced audit of a sample: `audit_tier1`, against a reference that can score
-  token ids: the validator's own `inference.engine.LocalEngine`, one other miner
+  token ids: the validator's own `inference.serving.engine.LocalEngine`, one other miner
   (`MinerScoreReference`) or two other miners that must agree (`ConsensusReference`).
 - Tier 2, ground truth: canaries with a known greedy continuation (`CanaryPool`, `check_tier2`).
 - Answer checks a CPU can do (exact copy, planted fact): `check_answer`.
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
-from inference.engine import EngineError, GenerationRequest, TokenEvent
-from inference.sampling import SamplingParams
+from inference.serving.engine import EngineError, GenerationRequest, TokenEvent
+from inference.serving.sampling import SamplingParams
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError
 from protocol.schemas import Capabilities, GenerateRequest, ScoreRequest
 from protocol.signature import verify_response

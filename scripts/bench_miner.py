@@ -31,13 +31,13 @@ import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
 from chain.interface import connect  # noqa: E402
-from inference.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
-from inference.engine import Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine  # noqa: E402
-from inference.engine import TokenEvent as EngineTokenEvent  # noqa: E402
-from inference.sampling import SamplingParams  # noqa: E402
-from inference.serving import load_reference_model  # noqa: E402
-from neurons.miner_app import (  # noqa: E402
+from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
+from inference.serving.engine import Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine  # noqa: E402
+from inference.serving.engine import TokenEvent as EngineTokenEvent  # noqa: E402
+from inference.serving.sampling import SamplingParams  # noqa: E402
+from inference.serving.builders import load_reference_model  # noqa: E402
+from neurons.miner_app.server import (  # noqa: E402
     AccessSettings,
     ChainSettings,
     MinerServer,

@@ -9,7 +9,7 @@
 
     .venv/bin/python scripts/bench_model.py [--quick] [--checkpoint DIR] [--threads N]
 
---quick shrinks every size (a smoke run); --checkpoint loads weights (and config) with inference.checkpoint,
+--quick shrinks every size (a smoke run); --checkpoint loads weights (and config) with inference.model.checkpoint,
 otherwise the tiny model is randomly initialised.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference import mxfp4  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
-from inference.kda import kda_chunked, kda_recurrent  # noqa: E402
-from inference.model import KimiK3Model  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
+from inference.model.kda import kda_chunked, kda_recurrent  # noqa: E402
+from inference.model.k3 import KimiK3Model  # noqa: E402
 
 
 def timed(fn, repeat: int = 3, warmup: int = 1) -> float:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
 
     if args.checkpoint:
-        from inference import checkpoint
+        from inference.model import checkpoint
 
         config = checkpoint.read_config(args.checkpoint)
         model = KimiK3Model(config)

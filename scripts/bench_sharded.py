@@ -4,7 +4,7 @@
   1. gloo point-to-point on this machine: alpha (one-way latency = round trip of a small message / 2) and
      bandwidth (from the round trip of a large message), plus this CPU's copy bandwidth and matmul FLOP/s
   2. measured time per decoded token (batch 1) of the tiny model: single process, then each shard layout
-  3. the cost model (inference.cost_model.CostModel.token_time) for each layout with the measured alpha,
+  3. the cost model (inference.planning.cost_model.CostModel.token_time) for each layout with the measured alpha,
      bandwidth, memory bandwidth and FLOP/s put into the plan, and measured / predicted. Two predictions:
      the model's default constants, and with `launch_overhead_s` fitted so that the single-process
      prediction equals the single-process measurement (PyTorch eager on a CPU spends ~ms per layer in
@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
-from inference.cost_model import CostModel, CostParams  # noqa: E402
-from inference.plan import Link, Links, Plan  # noqa: E402
-from inference.serving import load_reference_model  # noqa: E402
-from inference.sharded import ShardedModel, ShardTimeouts  # noqa: E402
+from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
+from inference.planning.cost_model import CostModel, CostParams  # noqa: E402
+from inference.planning.plan import Link, Links, Plan  # noqa: E402
+from inference.serving.builders import load_reference_model  # noqa: E402
+from inference.sharding.driver import ShardedModel, ShardTimeouts  # noqa: E402
 
 LAYOUTS = [("pipeline", 2, 0), ("expert", 2, 0), ("both", 3, 0), ("expert", 3, 16)]
 

@@ -4,7 +4,7 @@
     python scripts/bench_validator.py                       # small: tiny model, 16 responses
     python scripts/bench_validator.py --responses 64 --scoring-overrides '{"chat_max_tokens": [64, 256]}'
 
-A real miner (neurons.miner_app.MinerServer on loopback, on a devnet in a temp dir, with a tiny
+A real miner (neurons.miner_app.server.MinerServer on loopback, on a devnet in a temp dir, with a tiny
 random checkpoint) answers a round of ordinary work from scoring.workloads.plan_round; then, one
 response at a time, the validator's checks are timed with time.process_time:
 - planning a round for one miner (prompt building and tokenisation);
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
-from inference.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
-from inference.engine import EngineSettings, LocalEngine  # noqa: E402
-from inference.serving import load_reference_model  # noqa: E402
-from neurons.miner_app import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings  # noqa: E402
+from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
+from inference.serving.engine import EngineSettings, LocalEngine  # noqa: E402
+from inference.serving.builders import load_reference_model  # noqa: E402
+from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore  # noqa: E402
 from protocol.client import ClientTimeouts, MinerClient, MinerError  # noqa: E402
 from protocol.schemas import decode_event, encode_event  # noqa: E402

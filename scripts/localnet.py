@@ -37,8 +37,8 @@ from rich.table import Table  # noqa: E402
 
 from chain import connect  # noqa: E402
 from chain.devnet import DevnetChain  # noqa: E402
-from inference.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.config import ModelConfig  # noqa: E402
+from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
 
 CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
 CHECKPOINT = ROOT / "checkpoints" / "tiny"
@@ -213,8 +213,8 @@ def stop_all(neurons: list[Neuron], grace_s: float = 10.0) -> None:
 
 # ------------------------------------------------------------------ dashboard
 async def snapshot(chain, netuid: int, run_dir: Path, neurons: list[Neuron]) -> dict:
-    from neurons.validator_loop import status_report
-    from neurons.validator_store import ValidatorStore, ValidatorStoreError
+    from neurons.validator_app.rounds import status_report
+    from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 
     block = await chain.block()
     meta = await chain.metagraph(netuid)

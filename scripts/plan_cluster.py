@@ -1,84 +1,11 @@
-"""Plan a model on a cluster: write the plan file and print the predicted-performance report.
-
-    .venv/bin/python scripts/plan_cluster.py --model kimi_k3 --cluster scripts/clusters/rtx5090_80.yaml \
-        --concurrency 1,8,64 --context 32768 --prompt 8192 --out plan.yaml [--report report.md] [--json]
-
---model is a preset (kimi_k3, tiny, ...) or a config.json / checkpoint directory. Reservations
-(KDA state, MLA cache) are sized for the largest --concurrency; the report predicts each one.
-Exit status 2 on bad input or when the model does not fit (the message names the device and
-by how much it overflows).
-"""
-from __future__ import annotations
-
-import argparse
-import json
+#!/usr/bin/env python3
+"""Thin wrapper over inference.planning.plan_cluster (see its docstring for the flags)."""
 import sys
 from pathlib import Path
 
-from inference.config import ConfigError, ModelConfig
-from inference.cost_model import CostParams
-from inference.plan import PlanError, RoutingStats
-from inference.planner import Cluster, ClusterError, PlanDoesNotFit, PlannerOptions, plan_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="preset name or path to config.json / checkpoint directory")
-    ap.add_argument("--cluster", required=True, help="cluster description (YAML), see scripts/clusters/")
-    ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts to predict")
-    ap.add_argument("--context", type=int, default=32768, help="tokens of context per sequence to reserve for")
-    ap.add_argument("--prompt", type=int, default=8192, help="prompt length for the TTFT prediction")
-    ap.add_argument("--routing-stats", help="routing statistics JSON written by the runtime (RoutingStats)")
-    ap.add_argument("--out", help="plan file to write (.yaml or .json)")
-    ap.add_argument("--report", help="also write the Markdown report here")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
-    ap.add_argument("--target-tps", type=float, default=20.0, help="single-stream tokens/s to analyse")
-    ap.add_argument("--objective", choices=("latency", "throughput"), default="latency")
-    return ap.parse_args(argv)
-
-
-def load_model(spec: str) -> tuple[ModelConfig, str | None]:
-    path = Path(spec)
-    if path.exists():
-        return ModelConfig.from_file(path), None
-    return ModelConfig.preset(spec), spec
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        if not concurrency or min(concurrency) < 1:
-            raise ValueError("--concurrency needs positive integers, e.g. 1,8,64")
-        if args.context < 1 or args.prompt < 1:
-            raise ValueError("--context and --prompt must be >= 1")
-        config, preset = load_model(args.model)
-        cluster = Cluster.load(args.cluster)
-        stats = RoutingStats.load(args.routing_stats) if args.routing_stats else None
-        plan, report = plan_cluster(
-            config, cluster, max(concurrency), args.context, stats, params=CostParams(),
-            options=PlannerOptions(objective=args.objective), prompt_tokens=args.prompt,
-            report_concurrency=tuple(concurrency), target_tokens_per_s=args.target_tps, preset=preset,
-        )
-    except PlanDoesNotFit as exc:
-        print(f"error: plan does not fit: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, ClusterError, PlanError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.out:
-        plan.save(args.out)
-    markdown = report.to_markdown()
-    if args.report:
-        Path(args.report).write_text(markdown)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1, default=float))
-    else:
-        print(markdown, end="")
-        if args.out:
-            print(f"\nplan written to {args.out}")
-    return 0
-
+from inference.planning.plan_cluster import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,13 +15,13 @@ from aiohttp import web
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.checkpoint import make_random_checkpoint
-from inference.config import ModelConfig
-from inference.engine import EngineSettings, LocalEngine
-from inference.model import KimiK3Model
-from inference.openai_server import OpenAICompatibleServer
-from inference.serving import load_reference_model
-from neurons.miner_app import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, LocalEngine
+from inference.model.k3 import KimiK3Model
+from inference.serving.openai_server import OpenAICompatibleServer
+from inference.serving.builders import load_reference_model
+from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.schemas import Capabilities, Limits
 
@@ -32,10 +32,7 @@ CAPACITY = 2
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_endpoint", ROOT / "scripts" / "benchmark_endpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
+    module = importlib.import_module("neurons.benchmark")
     return module
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference.checkpoint import (
+from inference.model.checkpoint import (
     INDEX_FILE,
     MANIFEST_FILE,
     PREFIX,
@@ -30,8 +30,8 @@ from inference.checkpoint import (
     write_checkpoint,
     write_manifest,
 )
-from inference.config import ModelConfig
-from inference.model import KimiK3Model
+from inference.model.config import ModelConfig
+from inference.model.k3 import KimiK3Model
 
 SMALL_SHARD = 256 * 1024  # forces the tiny checkpoint (1.46 MB) into several shards
 ROOT = Path(__file__).resolve().parent.parent
@@ -383,9 +383,7 @@ def test_random_tiny_checkpoint_gives_non_degenerate_distributions(tmp_path, pre
 
 # ------------------------------------------------------------------ script
 def load_script():
-    spec = importlib.util.spec_from_file_location("make_checkpoint", ROOT / "scripts" / "make_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("inference.model.make_checkpoint")
     return module
 
 

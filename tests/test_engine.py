@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from inference.config import ModelConfig
-from inference.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.model import KimiK3Model
-from inference.sampling import SamplingParams
-from inference.tokenizer import ByteTokenizer
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
+from inference.model.k3 import KimiK3Model
+from inference.serving.sampling import SamplingParams
+from inference.model.tokenizer import ByteTokenizer
 
 CONFIG = ModelConfig.tiny()
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.checkpoint import make_random_checkpoint
-from inference.config import ModelConfig
-from inference.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.sampling import SamplingParams
-from inference.serving import load_reference_model
-from neurons.gateway import (
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import load_reference_model
+from neurons.gateway.server import (
     ApiKeyFileError,
     ApiKeys,
     GatewayServer,
@@ -34,8 +34,8 @@ from neurons.gateway import (
     gateway_options,
     read_api_keys,
 )
-from neurons.cli_settings import build_settings, read_options
-from neurons.miner_app import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.settings import build_settings, read_options
+from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities
@@ -82,9 +82,7 @@ def world(tmp_path_factory):
 
 
 def cheating_engine(inner, cheat):
-    spec = importlib.util.spec_from_file_location("cheating_miner", ROOT / "scripts" / "cheating_miner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("neurons.miner_app.cheats")
     return module.CheatingEngine(inner, cheat)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import kda
-from inference.config import ModelConfig
-from inference.kda import KDAAttention, KDALayerCache, kda_chunked, kda_recurrent
+from inference.model import kda
+from inference.model.config import ModelConfig
+from inference.model.kda import KDAAttention, KDALayerCache, kda_chunked, kda_recurrent
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -61,7 +61,7 @@ def test_chunked_equals_recurrent_fp64_tightly(gate):
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=state)
     o, s = kda_chunked(q, k, v, g, beta, initial_state=state)
     assert o.dtype == torch.float64
-    # Terms below e^-30 are floored there (inference/kda.py, _decay): far below this tolerance.
+    # Terms below e^-30 are floored there (inference/model/kda.py, _decay): far below this tolerance.
     torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=0)
     torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=0)
 

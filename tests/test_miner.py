@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.checkpoint import make_random_checkpoint
-from inference.config import ModelConfig
-from inference.engine import Engine, EngineSettings, GenerationRequest, LocalEngine
-from inference.engine import TokenEvent as EngineTokenEvent
-from inference.openai_server import OpenAICompatibleServer
-from inference.remote_engine import RemoteEngine
-from inference.sampling import SamplingParams
-from inference.serving import load_reference_model
-from inference.serving import build_engine
-from neurons.miner_app import (
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.engine import Engine, EngineSettings, GenerationRequest, LocalEngine
+from inference.serving.engine import TokenEvent as EngineTokenEvent
+from inference.serving.openai_server import OpenAICompatibleServer
+from inference.serving.remote import RemoteEngine
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import load_reference_model
+from inference.serving.builders import build_engine
+from neurons.miner_app.server import (
     AccessSettings,
     ChainSettings,
     MinerServer,
@@ -659,9 +659,7 @@ async def test_streams_that_outlive_the_shutdown_grace_end_with_an_error_event(w
 
 # ---------------------------------------------------------------- the cheating miner's engine
 def cheating_module():
-    spec = importlib.util.spec_from_file_location("cheating_miner", ROOT / "scripts" / "cheating_miner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("neurons.miner_app.cheats")
     return module
 
 

@@ -1,13 +1,13 @@
-"""Miner settings from flags and environment (neurons/cli_settings.py), and the budget arithmetic."""
+"""Miner settings from flags and environment (neurons/settings.py), and the budget arithmetic."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 from chain.interface import MetagraphSnapshot, NeuronInfo
-from inference.serving import EngineSpec
+from inference.serving.builders import EngineSpec
 from neurons import miner as miner_entry
-from neurons.cli_settings import (
+from neurons.settings import (
     Option,
     build_settings,
     byte_size,
@@ -15,7 +15,7 @@ from neurons.cli_settings import (
     options_table,
     read_options,
 )
-from neurons.miner_app import (
+from neurons.miner_app.server import (
     AccessSettings,
     CallerBudget,
     CallerBudgets,
@@ -118,9 +118,7 @@ def test_settings_problems_are_reported_before_anything_starts(capsys):
 
 
 def test_the_cheating_script_adds_its_options_to_the_miners():
-    spec = importlib.util.spec_from_file_location("cheating_miner", ROOT / "scripts" / "cheating_miner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("neurons.miner_app.cheats")
     settings, extras = read_miner_settings(REQUIRED + ["--cheat", "buffer", "--token-delay-ms", "20"], {},
                                            extra=module.CHEAT_OPTIONS)
     assert extras == {"cheat": {"kind": "buffer", "token_delay_ms": 20.0}}

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from inference.config import ModelConfig
-from inference.mla import MLAAttention, MLALayerCache
+from inference.model.config import ModelConfig
+from inference.model.mla import MLAAttention, MLALayerCache
 
 ATOL = 1e-5
 
@@ -175,7 +175,7 @@ def test_bad_input_shape_is_refused():
 
 
 def test_query_tiling_of_long_prefills_changes_nothing(monkeypatch):
-    import inference.mla as mla_module
+    import inference.model.mla as mla_module
 
     config = ModelConfig.tiny()
     attn = make_attn(config, seed=6)

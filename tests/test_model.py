@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from inference import checkpoint
-from inference.config import ModelConfig
-from inference.kda import KDALayerCache
-from inference.mla import MLALayerCache
-from inference.model import KimiK3Model, ResidualState, SequenceCache
+from inference.model import checkpoint
+from inference.model.config import ModelConfig
+from inference.model.kda import KDALayerCache
+from inference.model.mla import MLALayerCache
+from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 
 ATOL = 1e-4
 CONFIGS = {
@@ -343,7 +343,7 @@ def test_bad_inputs_are_refused_clearly():
 
 # ---------------------------------------------------------------------------- Attention Residuals
 def test_attn_res_small_example_by_hand():
-    from inference.layers import attn_res
+    from inference.model.layers import attn_res
 
     blocks = [torch.tensor([[1.0, 0.0]])]
     partial = torch.tensor([[0.0, 2.0]])

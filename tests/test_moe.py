@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from inference import mxfp4
-from inference.config import ModelConfig
-from inference.moe import DenseMLP, Expert, LatentMoE, Router, situ_glu
+from inference.model import mxfp4
+from inference.model.config import ModelConfig
+from inference.model.moe import DenseMLP, Expert, LatentMoE, Router, situ_glu
 
 
 def controlled_router(config: ModelConfig) -> Router:

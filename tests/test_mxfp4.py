@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from inference.mxfp4 import (
+from inference.model.mxfp4 import (
     DequantizedCache,
     dequantize,
     mxfp4_matmul,

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.config import ModelConfig
-from inference.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max, selection_count_pmf
-from inference.plan import (
+from inference.model.config import ModelConfig
+from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max, selection_count_pmf
+from inference.planning.plan import (
     Link,
     Links,
     Plan,
@@ -24,7 +24,7 @@ from inference.plan import (
     layer_weights,
     lm_head_bytes,
 )
-from inference.planner import (
+from inference.planning.planner import (
     Cluster,
     ClusterError,
     PlanDoesNotFit,
@@ -660,9 +660,7 @@ def test_rtx5090_expert_traffic_stays_on_pcie(k3_plans):
 
 # =================================================================== the script
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_cluster_script", ROOT / "scripts" / "plan_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("inference.planning.plan_cluster")
     return module
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 from aiohttp import web
 
-from inference.config import ModelConfig
-from inference.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
-from inference.model import KimiK3Model
-from inference.openai_server import OpenAICompatibleServer
-from inference.remote_engine import RemoteEngine, RemoteSettings
-from inference.sampling import SamplingParams
-from inference.tokenizer import ByteTokenizer
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
+from inference.model.k3 import KimiK3Model
+from inference.serving.openai_server import OpenAICompatibleServer
+from inference.serving.remote import RemoteEngine, RemoteSettings
+from inference.serving.sampling import SamplingParams
+from inference.model.tokenizer import ByteTokenizer
 
 CONFIG = ModelConfig.tiny()
 MODEL_NAME = "kimi-k3-tiny"

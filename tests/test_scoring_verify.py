@@ -9,12 +9,12 @@ import pytest
 from aiohttp import web
 from bittensor.sp_core import Keypair
 
-from inference.config import ModelConfig
-from inference.engine import EngineSettings, GenerationRequest, LocalEngine
-from inference.engine import FinalEvent as EngineFinal
-from inference.model import KimiK3Model
-from inference.sampling import SamplingParams
-from inference.tokenizer import ByteTokenizer
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine
+from inference.serving.engine import FinalEvent as EngineFinal
+from inference.model.k3 import KimiK3Model
+from inference.serving.sampling import SamplingParams
+from inference.model.tokenizer import ByteTokenizer
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, TimedEvent
 from protocol.schemas import (
     GENERATE_PATH,

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from inference.config import ModelConfig
-from inference.tokenizer import ByteTokenizer
+from inference.model.config import ModelConfig
+from inference.model.tokenizer import ByteTokenizer
 from protocol.schemas import Capabilities, Limits, encode_model
 from scoring import corpus
 from scoring.config import ScoringConfig, ScoringConfigError

@@ -16,15 +16,15 @@ import psutil
 import pytest
 import torch
 
-from inference.checkpoint import make_random_checkpoint
-from inference.config import ModelConfig
-from inference.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.plan import Plan, RoutingStats
-from inference.sampling import SamplingParams
-from inference.serving import EngineSpec, build_engine, load_reference_model
-from inference.shard_protocol import STEP, StepHeader, dispatch_specs, pack, packed_nbytes, unpack
-from inference.shard_worker import ExpertTable, RoutingRecorder, build_shard_model, choose_expert_holders
-from inference.sharded import ShardedModel, ShardFailure, ShardTimeouts
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
+from inference.planning.plan import Plan, RoutingStats
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import EngineSpec, build_engine, load_reference_model
+from inference.sharding.messages import STEP, StepHeader, dispatch_specs, pack, packed_nbytes, unpack
+from inference.sharding.worker import ExpertTable, RoutingRecorder, build_shard_model, choose_expert_holders
+from inference.sharding.driver import ShardedModel, ShardFailure, ShardTimeouts
 
 CONFIG = ModelConfig.tiny()
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 # One local set per placement kind, plus the 2-rank pipeline with rank 1 launched the documented way for
-# another host (torchrun, `python -m inference.shard_worker`), rank 0 spawned by the driver.
+# another host (torchrun, `python -m inference.sharding.worker`), rank 0 spawned by the driver.
 CONFIGS = {
     "pipeline-2-torchrun": dict(shards=2, mode="pipeline"),
     "expert-3-replicas": dict(shards=3, mode="expert", replicas=16),
@@ -69,7 +69,7 @@ def sharded(request, checkpoint):
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
         launcher = subprocess.Popen(
             [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "1",
-             "--max-restarts", "0", "-m", "inference.shard_worker", "--dist-addr", f"127.0.0.1:{port}",
+             "--max-restarts", "0", "-m", "inference.sharding.worker", "--dist-addr", f"127.0.0.1:{port}",
              "--checkpoint", str(checkpoint), "--rank-offset", "1"], cwd=ROOT, env=env,
             stdout=subprocess.DEVNULL)
         kwargs = dict(kwargs, store=f"127.0.0.1:{port}")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.config import ModelConfig
-from inference.tokenizer import (
+from inference.model.config import ModelConfig
+from inference.model.tokenizer import (
     IM_ASSISTANT,
     IM_END,
     IM_MIDDLE,

@@ -27,13 +27,13 @@ import pytest
 
 from chain.devnet import DevnetChain
 from chain.interface import ChainConnectionError, RateLimited
-from inference.checkpoint import make_random_checkpoint
-from inference.config import ModelConfig
-from inference.engine import EngineSettings, LocalEngine
-from inference.serving import EngineSpec, load_reference_model
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, LocalEngine
+from inference.serving.builders import EngineSpec, load_reference_model
 from inference.version import version_key
-from neurons.cli_settings import ChainSettings, WalletSettings
-from neurons.validator_loop import (
+from neurons.settings import ChainSettings, WalletSettings
+from neurons.validator_app.rounds import (
     AuditSettings,
     RoundSettings,
     ScoringSettings,
@@ -44,8 +44,8 @@ from neurons.validator_loop import (
     WeightSettings,
     run_validator,
 )
-from neurons.gateway import GatewaySettings
-from neurons.validator_store import ValidatorStore
+from neurons.gateway.server import GatewaySettings
+from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neurons.validator_loop import (
+from neurons.validator_app.rounds import (
     ValidatorSettings,
     ValidatorSetupError,
     ValidatorState,
@@ -18,7 +18,7 @@ from neurons.validator_loop import (
     read_validator_settings,
     status_report,
 )
-from neurons.validator_store import SCHEMA_VERSION, ValidatorStore, ValidatorStoreError
+from neurons.validator_app.store import SCHEMA_VERSION, ValidatorStore, ValidatorStoreError
 from scoring.config import ScoringConfig
 from scoring.metrics import Measurement
 from scoring.rewards import EmaEntry, score_miners, update_ema

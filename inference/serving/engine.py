@@ -7,7 +7,7 @@
 logprobs. `LocalEngine` runs a model in-process (the reference model, or a
 sharded model with the same `new_cache`/`forward` surface) under a scheduler
 that does continuous batching with chunked prefill; `RemoteEngine`
-(`inference.remote_engine`) adapts an OpenAI-compatible server.
+(`inference.serving.remote`) adapts an OpenAI-compatible server.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.config import ModelConfig
-from inference.engine_metrics import EngineMetrics
-from inference.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.model.config import ModelConfig
+from inference.serving.metrics import EngineMetrics
+from inference.serving.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
 
 log = logging.getLogger(__name__)
 

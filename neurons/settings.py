@@ -12,7 +12,7 @@ the README.
 
 Shared groups live here so the miner and the validator spell them the same
 way: wallet and chain (with their dataclasses `WalletSettings`,
-`ChainSettings`), engine (`inference.serving.EngineSpec`) and logging. Each
+`ChainSettings`), engine (`inference.serving.builders.EngineSpec`) and logging. Each
 program adds its own options beside its own settings.
 """
 from __future__ import annotations
@@ -364,7 +364,7 @@ def chain_options() -> tuple[Option, ...]:
 
 
 def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
-    """Options of `inference.serving.EngineSpec` (dest "engine.*")."""
+    """Options of `inference.serving.builders.EngineSpec` (dest "engine.*")."""
     p = env_prefix
     return (
         Option("engine.kind", "--engine", f"{p}KIND", str, "reference",
@@ -384,7 +384,7 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
                choices=("pipeline", "expert", "both")),
         Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text, None,
                "sharded across hosts: HOST:PORT where this process hosts the rendezvous store that shard ranks "
-               "1..N-1 on other hosts join (started there with torchrun -m inference.shard_worker)",
+               "1..N-1 on other hosts join (started there with torchrun -m inference.sharding.worker)",
                group="engine", metavar="HOST:PORT"),
         Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text, None,
                "remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", group="engine",

@@ -1,4 +1,4 @@
-"""What the shard processes say to each other and to their driver (inference.sharded, inference.shard_worker).
+"""What the shard processes say to each other and to their driver (inference.sharding.driver, inference.sharding.worker).
 
 Three channels:
 
@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from inference.config import ModelConfig
+from inference.model.config import ModelConfig
 
 # ------------------------------------------------------------------ step header
 META_LEN = 8

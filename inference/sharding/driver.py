@@ -4,15 +4,15 @@
 `forward(token_ids, caches, all_logits)`, `recover()`, `close()`), so the serving engine runs unchanged on
 top of it (`build_sharded_engine`). Underneath (docs/engine.md section 2):
 
-- One process per plan device (`inference.plan.Plan`: pipeline stages over contiguous layers, a home rank
+- One process per plan device (`inference.planning.plan.Plan`: pipeline stages over contiguous layers, a home rank
   per layer, expert placement with replicas), talking torch.distributed point to point (gloo on CPU, NCCL
   on CUDA). Each loads only its own tensors. The schedule, the messages and the worker process:
-  `inference.shard_worker`, `inference.shard_protocol`.
+  `inference.sharding.worker`, `inference.sharding.messages`.
 - Only rank 0 talks to this driver, over a multiprocessing Pipe: the engine's process never joins the
   torch.distributed world, so it can always kill it and start another. The driver hosts the TCP store the
   shards meet at and watch each other through (heartbeats, error reports).
 - Local mode spawns every rank on this host. External mode (`store="HOST:PORT"`) spawns rank 0 only; the
-  other ranks run on other hosts under torchrun (commands in inference.shard_worker's docstring).
+  other ranks run on other hosts under torchrun (commands in inference.sharding.worker's docstring).
 - A sequence's decode state lives in the shards (each rank keeps the caches of its home layers);
   `new_cache()` returns a small handle (`ShardCache`). Dropping the handle (or `free_cache`) frees the
   state at the next step.
@@ -21,7 +21,7 @@ top of it (`build_sharded_engine`). Underneath (docs/engine.md section 2):
   timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
   `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
 - Routing statistics: each home rank counts expert selections and co-activation
-  (`inference.shard_worker.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
+  (`inference.sharding.worker.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
   planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
 """
 from __future__ import annotations
@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from inference.checkpoint import fingerprint, read_config, verify_manifest
-from inference.engine import EngineHealth, LocalEngine
-from inference.model import check_forward_batch
-from inference.plan import Plan, PlanError, RoutingStats
-from inference.shard_protocol import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
-from inference.shard_worker import RoutingRecorder, run_local
-from inference.tokenizer import load_tokenizer
+from inference.model.checkpoint import fingerprint, read_config, verify_manifest
+from inference.serving.engine import EngineHealth, LocalEngine
+from inference.model.k3 import check_forward_batch
+from inference.planning.plan import Plan, PlanError, RoutingStats
+from inference.sharding.messages import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
+from inference.sharding.worker import RoutingRecorder, run_local
+from inference.model.tokenizer import load_tokenizer
 
 STORE_ENV = "K3_SHARD_STORE"  # HOST:PORT: host the store there and wait for ranks 1..N-1 from other hosts
 _POLL_S = 0.25  # how often a waiting driver looks at process sentinels and heartbeats
@@ -439,7 +439,7 @@ def build_sharded_engine(spec, timeouts: ShardTimeouts | None = None) -> LocalEn
     """The serving engine over a ShardedModel (EngineSpec kind "sharded": a plan file or a shard count).
 
     Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
-    there; see inference.shard_worker for the commands to run on the other hosts."""
+    there; see inference.sharding.worker for the commands to run on the other hosts."""
     store = getattr(spec, "shard_store", None) or os.environ.get(STORE_ENV) or None
     # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
     # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from inference.engine import (
+from inference.serving.engine import (
     Engine,
     EngineCapabilities,
     EngineError,
@@ -26,7 +26,7 @@ from inference.engine import (
     ScoredPosition,
     TokenEvent,
 )
-from inference.sampling import MAX_LOGPROBS
+from inference.serving.sampling import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from inference.config import ModelConfig
+from inference.model.config import ModelConfig
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -23,7 +23,7 @@ Weights are set by a separate task (`weights_loop`), once per epoch window of th
 of `inference.version`; transient chain errors (connection, rate limit, deadline) are retried
 with exponential backoff while rounds go on.
 
-Everything is in the SQLite store (neurons/validator_store.py): a restart resumes the round
+Everything is in the SQLite store (neurons/validator_app/store.py): a restart resumes the round
 counter, the measurement window, the EMA, the last weights and the used canaries.
 """
 from __future__ import annotations
@@ -53,9 +53,9 @@ from chain.interface import (
     RateLimited,
     connect,
 )
-from inference.serving import EngineSpec
+from inference.serving.builders import EngineSpec
 from inference.version import version_key
-from neurons.cli_settings import (
+from neurons.settings import (
     WalletNotFound,
     ChainSettings,
     Option,
@@ -74,8 +74,8 @@ from neurons.cli_settings import (
     wallet_options,
     open_wallet as open_cli_wallet,
 )
-from neurons.gateway import GatewayServer, GatewaySettings, GatewaySetupError, gateway_options
-from neurons.validator_store import ValidatorStore
+from neurons.gateway.server import GatewayServer, GatewaySettings, GatewaySetupError, gateway_options
+from neurons.validator_app.store import ValidatorStore
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -1131,7 +1131,7 @@ def reference_capabilities(engine) -> Capabilities:
 
 
 def open_wallet(settings: WalletSettings):
-    """The wallet this neuron signs with (neurons.cli_settings.open_wallet), as a setup error when missing."""
+    """The wallet this neuron signs with (neurons.settings.open_wallet), as a setup error when missing."""
     try:
         return open_cli_wallet(settings)
     except WalletNotFound as error:
@@ -1162,9 +1162,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
     problems = settings.problems()
     if problems:
         raise ValidatorSetupError("; ".join(problems))
-    from inference.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415
-    from inference.serving import EngineSpecError, build_engine  # noqa: PLC0415
-    from inference.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.model.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415
+    from inference.serving.builders import EngineSpecError, build_engine  # noqa: PLC0415
+    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     wallet = wallet or open_wallet(settings.wallet)
     checkpoint = settings.engine.checkpoint

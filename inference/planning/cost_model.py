@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.config import ModelConfig
-from inference.plan import Plan, RoutingStats, attn_res_sources, layer_weights, lm_head_bytes
+from inference.model.config import ModelConfig
+from inference.planning.plan import Plan, RoutingStats, attn_res_sources, layer_weights, lm_head_bytes
 
 
 @dataclass(frozen=True)

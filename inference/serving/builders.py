@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from inference.checkpoint import fingerprint, load_checkpoint, read_config
-from inference.engine import Engine, EngineSettings, LocalEngine
-from inference.model import KimiK3Model
-from inference.tokenizer import load_tokenizer
+from inference.model.checkpoint import fingerprint, load_checkpoint, read_config
+from inference.serving.engine import Engine, EngineSettings, LocalEngine
+from inference.model.k3 import KimiK3Model
+from inference.model.tokenizer import load_tokenizer
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
@@ -85,10 +85,10 @@ def build_engine(spec: EngineSpec) -> Engine:
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
                            layout={"processes": 1})
     if spec.kind == "sharded":
-        from inference.sharded import build_sharded_engine  # noqa: PLC0415 (spawns processes; load lazily)
+        from inference.sharding.driver import build_sharded_engine  # noqa: PLC0415 (spawns processes; load lazily)
 
         return build_sharded_engine(spec)
-    from inference.remote_engine import RemoteEngine, RemoteSettings  # noqa: PLC0415
+    from inference.serving.remote import RemoteEngine, RemoteSettings  # noqa: PLC0415
 
     config = read_config(spec.checkpoint)
     return RemoteEngine(

@@ -30,7 +30,7 @@ inference tensors, so keep extending them through these entry points (clone() gi
 A `SequenceCache` may hold only a stage's layers (`new_cache(layers=range(a, b))`); the others stay None.
 `model.routing_observer = fn` makes every MoE layer call fn(layer_index, expert_ids [T, k]) when it routes.
 
-Initialisation (random, for the tiny model and tests; real weights come from inference.checkpoint): linear
+Initialisation (random, for the tiny model and tests; real weights come from inference.model.checkpoint): linear
 layers N(0, 1/in_features), except the outputs of the residual branches (attention o_proj, MLP and shared-
 expert down_proj, routed_expert_up_proj), which get the GPT-2 factor 1/sqrt(2 * num_layers); the embedding
 N(0, 1); the Attention Residuals query vectors N(0, 0.25/D) (source logits of std ~0.5); the router N(0, 1/D)
@@ -50,11 +50,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from inference.config import ModelConfig
-from inference.kda import KDAAttention, KDALayerCache
-from inference.layers import RMSNorm, attn_res
-from inference.mla import MLAAttention, MLALayerCache
-from inference.moe import DenseMLP, LatentMoE, RoutingObserver
+from inference.model.config import ModelConfig
+from inference.model.kda import KDAAttention, KDALayerCache
+from inference.model.layers import RMSNorm, attn_res
+from inference.model.mla import MLAAttention, MLALayerCache
+from inference.model.moe import DenseMLP, LatentMoE, RoutingObserver
 
 # Tensors that stay fp32 whatever the model dtype (model.md sections 2 and 4), by name suffix.
 FP32_TENSOR_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
@@ -303,7 +303,7 @@ class KimiK3Model(nn.Module):
         return SequenceCache([layer.new_cache() if i in wanted else None for i, layer in enumerate(self.layers)])
 
     # ------------------------------------------------------ layer-level API
-    attn_res = staticmethod(attn_res)  # the per-token Attention Residuals mix (inference.layers.attn_res)
+    attn_res = staticmethod(attn_res)  # the per-token Attention Residuals mix (inference.model.layers.attn_res)
 
     @torch.inference_mode()
     def embed(self, ids: Tensor, lengths: Sequence[int] | None = None) -> ResidualState:

@@ -42,13 +42,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from chain.interface import Chain, ChainError, MetagraphSnapshot, NotRegistered, RateLimited, connect
-from inference.engine import Engine, EngineError, GenerationRequest
-from inference.engine import FinalEvent as EngineFinalEvent
-from inference.engine import TokenEvent as EngineTokenEvent
-from inference.sampling import SamplingParams
-from inference.serving import EngineSpec, EngineSpecError, build_engine
+from inference.serving.engine import Engine, EngineError, GenerationRequest
+from inference.serving.engine import FinalEvent as EngineFinalEvent
+from inference.serving.engine import TokenEvent as EngineTokenEvent
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import EngineSpec, EngineSpecError, build_engine
 from inference.version import __version__
-from neurons.cli_settings import (
+from neurons.settings import (
     WalletNotFound,
     ChainSettings,
     Option,
@@ -977,7 +977,7 @@ def _json(body: bytes, status: int = 200) -> web.Response:
 
 # ---------------------------------------------------------------- running it
 def open_wallet(settings: WalletSettings):
-    """The wallet this neuron signs with (neurons.cli_settings.open_wallet), as a setup error when missing."""
+    """The wallet this neuron signs with (neurons.settings.open_wallet), as a setup error when missing."""
     try:
         return open_cli_wallet(settings)
     except WalletNotFound as error:
@@ -989,8 +989,8 @@ def load_tokenizer_for(spec: EngineSpec, engine: Engine):
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None:
         return tokenizer
-    from inference.checkpoint import read_config  # noqa: PLC0415
-    from inference.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.model.checkpoint import read_config  # noqa: PLC0415
+    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     return load_tokenizer(spec.checkpoint, read_config(spec.checkpoint))
 

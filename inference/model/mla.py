@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from inference.config import ModelConfig
-from inference.layers import RMSNorm
+from inference.model.config import ModelConfig
+from inference.model.layers import RMSNorm
 
 QUERY_TILE_ELEMENTS = 1 << 24  # naive prefill: at most this many fp32 scores (64 MiB) at a time
 

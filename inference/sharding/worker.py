@@ -1,19 +1,19 @@
 """One shard process of the sharded Kimi K3 runtime (docs/engine.md section 2).
 
-A shard is one device of a placement plan (`inference.plan.Plan`): it loads only the tensors that plan gives
+A shard is one device of a placement plan (`inference.planning.plan.Plan`): it loads only the tensors that plan gives
 its rank (its home layers' attention, norms, router, latent projections and shared experts, its routed
 experts, the embedding or the LM head when they are its), keeps the decode caches of its home layers, and
 runs every step on the same deterministic schedule as every other rank (`ShardRank.run_step`): the residual
 state moves to each layer's home, the home runs attention and routing and sends each expert holder the
 latent rows it must compute, the holders answer with weighted partial sums, the head rank returns logits to
-rank 0, which answers the driver (`inference.sharded.ShardedModel`). Message layouts:
-`inference.shard_protocol`.
+rank 0, which answers the driver (`inference.sharding.driver.ShardedModel`). Message layouts:
+`inference.sharding.messages`.
 
 Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
 driver's store: the driver restarts the whole set, so a half-broken world never lingers.
 
 Launching:
-- local: `inference.sharded.ShardedModel` spawns every rank itself (`run_local`).
+- local: `inference.sharding.driver.ShardedModel` spawns every rank itself (`run_local`).
 - other hosts: the driver hosts a TCP store (ShardedModel(..., store="0.0.0.0:PORT")) and spawns only
   rank 0; ranks 1..N-1 are started by hand on their hosts, usually under torchrun so a crashed or
   restarted shard set comes back by itself. With the engine on host A (10.0.0.1) and ranks 1..2 of a
@@ -22,7 +22,7 @@ Launching:
       host A:  GLOO_SOCKET_IFNAME=eth0 K3_SHARD_STORE=0.0.0.0:29600 <start the engine with a sharded
                EngineSpec: checkpoint=/data/k3, plan=plan.yaml>   (or ShardedModel(..., store="0.0.0.0:29600"))
       host B:  GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=8 torchrun --standalone --nproc-per-node 2 \\
-                   --max-restarts 1000 -m inference.shard_worker \\
+                   --max-restarts 1000 -m inference.sharding.worker \\
                    --dist-addr 10.0.0.1:29600 --checkpoint /data/k3 --rank-offset 1
 
   The worker's rank is rank-offset + torchrun's RANK (or --rank R without torchrun). It reads the plan and
@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from inference.checkpoint import CheckpointError, fingerprint, load_tensors, read_config
-from inference.config import ModelConfig
-from inference.model import KimiK3Model, ResidualState, SequenceCache
-from inference.plan import LayerRouting, Plan, RoutingStats
-from inference.shard_protocol import (
+from inference.model.checkpoint import CheckpointError, fingerprint, load_tensors, read_config
+from inference.model.config import ModelConfig
+from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
+from inference.planning.plan import LayerRouting, Plan, RoutingStats
+from inference.sharding.messages import (
     META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
     packed_nbytes, state_sources, unpack,
 )
@@ -693,7 +693,7 @@ def _join_generation(store: dist.TCPStore, rank: int | None, rank_offset: int, t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m inference.shard_worker",
+    parser = argparse.ArgumentParser(prog="python -m inference.sharding.worker",
                                      description="Run shard ranks of a sharded Kimi K3 engine hosted elsewhere.")
     parser.add_argument("--dist-addr", required=True, help="HOST:PORT of the driver's TCP store")
     parser.add_argument("--checkpoint", required=True, help="this host's copy of the checkpoint directory")

@@ -17,9 +17,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from inference import mxfp4
-from inference.config import ModelConfig
-from inference.layers import RMSNorm
+from inference.model import mxfp4
+from inference.model.config import ModelConfig
+from inference.model.layers import RMSNorm
 
 RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, k])
 

@@ -41,7 +41,7 @@ from typing import Any, Literal, Optional, Protocol, Sequence, Union
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from neurons.cli_settings import (
+from neurons.settings import (
     Option,
     byte_size,
     flag,

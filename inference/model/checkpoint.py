@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from inference import mxfp4
-from inference.config import MXFP4_BLOCK, ConfigError, ModelConfig
+from inference.model import mxfp4
+from inference.model.config import MXFP4_BLOCK, ConfigError, ModelConfig
 
 PREFIX = "language_model."
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -370,7 +370,7 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / MANIFEST_FILE
     if not path.exists():
         raise CheckpointError(
-            f"{path} is missing: create it with inference.checkpoint.write_manifest({str(ckpt_dir)!r})"
+            f"{path} is missing: create it with inference.model.checkpoint.write_manifest({str(ckpt_dir)!r})"
         )
     try:
         manifest = json.loads(path.read_text())
@@ -607,7 +607,7 @@ def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -
     elif key == "lm_head.weight":
         t = LM_HEAD_GAIN * normal / math.sqrt(spec.shape[1])
     elif key.endswith("attn_res_proj.weight") or key.endswith("_res_proj.weight"):
-        # AttnRes query vectors: source logits of std ~0.5 (the model's own init, see inference/model.py)
+        # AttnRes query vectors: source logits of std ~0.5 (the model's own init, see inference/model/k3.py)
         t = 0.5 * normal / math.sqrt(spec.shape[-1])
     elif key.endswith(RESIDUAL_BRANCH_OUTPUTS):
         # outputs feeding the residual stream get 1/sqrt(2 * layers), as in the model's init: with gain 1

@@ -1,7 +1,7 @@
 """Placement plan: where every weight of the model lives, and what each device reserves.
 
 A plan is what the sharded runtime loads (docs/engine.md sections 2 and 3). It is written
-by `inference.planner` for a real cluster, or by `Plan.simple` for N local processes.
+by `inference.planning.planner` for a real cluster, or by `Plan.simple` for N local processes.
 
 File format (YAML or JSON, chosen by the file suffix; `format: k3-placement-plan/1`):
 
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from inference.config import ConfigError, ModelConfig
+from inference.model.config import ConfigError, ModelConfig
 
 PLAN_FORMAT = "k3-placement-plan/1"
 ROUTING_FORMAT = "k3-routing-stats/1"
@@ -542,7 +542,7 @@ class Plan:
             path.write_text(json.dumps(data, indent=1) + "\n")
         elif path.suffix in (".yaml", ".yml"):
             header = (f"# Placement plan ({PLAN_FORMAT}) for {data['model']['model_id']} on "
-                      f"{self.cluster_name or 'local ranks'}. Format: inference/plan.py.\n")
+                      f"{self.cluster_name or 'local ranks'}. Format: inference/planning/plan.py.\n")
             body = yaml.dump(data, Dumper=_PlanDumper, sort_keys=False, default_flow_style=False, width=120)
             path.write_text(header + body)
         else:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.config import ModelConfig
+from inference.model.config import ModelConfig
 
 # Prefills at least this long use the chunked kernel; shorter ones (and decode) the recurrence. A chunk
 # costs about as much as 16 to 32 recurrent steps, at the tiny size and at the full one alike.

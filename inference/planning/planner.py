@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from inference.config import ModelConfig
-from inference.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
-from inference.plan import (
+from inference.model.config import ModelConfig
+from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
+from inference.planning.plan import (
     Device,
     Link,
     Links,

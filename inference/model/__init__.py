@@ -1,0 +1,1 @@
+"""The Kimi K3 model: configuration, layers, checkpoint, tokenizer."""

@@ -1,0 +1,1 @@
+"""Placement planning: cluster files, plans, the planner and the cost model."""

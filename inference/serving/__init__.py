@@ -1,0 +1,1 @@
+"""Serving: the engine (scheduler, admission), sampling, metrics, engine builders, remote engines, the OpenAI-compatible server."""

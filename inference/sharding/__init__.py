@@ -1,0 +1,1 @@
+"""The sharded runtime: driver, worker processes and their messages. Uses inference.model, never inference.serving."""

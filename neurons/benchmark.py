@@ -1,0 +1,887 @@
+"""The standardized, reproducible benchmark of one endpoint serving Kimi K3.
+
+Public claims such as "20 tokens/s on 80 GPUs" come without the prompt sizes, the concurrency,
+the sampling settings or any check that the output came from the model. This script runs the
+validator's kind of traffic once against one endpoint and writes all of that down:
+
+- every combination of --prompt-lengths x --output-lengths x --concurrency, each `--repeats`
+  waves of N simultaneous streams, with seeded prompts (the same seed and tokenizer give the
+  same requests, byte for byte: `request_set_sha256` in the report says so);
+- per workload: prefill speed (prompt tokens / TTFT), TTFT, decode tokens/s per stream (TTFT
+  excluded), aggregate tokens/s of the waves, latency percentiles, errors by kind (a 429 beyond
+  the endpoint's capacity is counted as such, not a crash);
+- the quality checks that can run there: tier 0 on every response (usage, finish reason,
+  logprobs, greedy top-1, stream buffering, and for miners the response signature); with
+  --reference-checkpoint, teacher-forced tier-1 audits of sampled responses and tier-2 canaries
+  against a local reference engine (meaningful when the endpoint serves that model); answer
+  probes (exact copy, planted fact);
+- the endpoint's declared capabilities, model fingerprint and precision.
+
+    # a miner, through the signed protocol (the wallet's hotkey needs a validator permit and stake)
+    python scripts/benchmark_endpoint.py --miner http://203.0.113.7:8091 --miner-hotkey 5F... \\
+        --wallet-name validator --wallet-hotkey default --tokenizer-checkpoint ckpt/k3 \\
+        --prompt-lengths 128,1024,8192 --output-lengths 64,256 --concurrency 1,8,64 --out-dir bench/miner
+
+    # any OpenAI-compatible server (vLLM, SGLang): completions with token ids and logprobs
+    python scripts/benchmark_endpoint.py --openai http://127.0.0.1:8000 --model moonshotai/Kimi-K3 \\
+        --tokenizer-checkpoint ckpt/k3 --out-dir bench/vllm
+
+The report is report.json and report.md in --out-dir; the Markdown table is printed at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import aiohttp
+
+
+from inference.model.checkpoint import read_config
+from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine
+from inference.serving.engine import FinalEvent as EngineFinal
+from inference.serving.engine import TokenEvent as EngineToken
+from inference.serving.remote import RemoteEngine, RemoteSettings
+from inference.serving.sampling import SamplingParams
+from inference.model.tokenizer import IM_END, load_tokenizer
+from neurons.settings import (
+    Option,
+    build_parser,
+    build_settings,
+    logging_options,
+    non_negative_float,
+    non_negative_int,
+    optional_int,
+    optional_text,
+    positive_float,
+    read_options,
+    wallet_options,
+)
+from protocol.client import (
+    ClientTimeouts,
+    GenerateResult,
+    MinerClient,
+    MinerError,
+    MinerHTTPError,
+    MinerProtocolError,
+    MinerStreamError,
+    MinerTimeout,
+    MinerUnreachable,
+    TimedEvent,
+)
+from protocol.schemas import (
+    LOGPROB_FLOOR,
+    Capabilities,
+    FinalEvent,
+    GenerateRequest,
+    ResponseSignature,
+    Timings,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+    encode_model,
+)
+from scoring import corpus
+from scoring.config import ScoringConfig
+from scoring.metrics import decode_tokens_per_s
+from scoring.verify import CanaryPool, audit_tier1, check_answer, check_tier0, check_tier2
+from scoring.workloads import WorkloadError, plan_round
+
+log = logging.getLogger("k3.benchmark")
+
+REPORT_FORMAT = "k3-endpoint-benchmark"
+REPORT_VERSION = 1
+# What tier 0 cannot check on a plain OpenAI-compatible server: it signs nothing and declares no fingerprint.
+NOT_APPLICABLE_ON_OPENAI = ("signature", "fingerprint")
+UNDECLARED = "undeclared"
+MAX_CANARY_TOKENS = 64
+
+
+class BenchmarkSetupError(RuntimeError):
+    """The benchmark cannot run as asked; the message says what to change."""
+
+
+# ---------------------------------------------------------------- settings
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers: "128,1024,8192"."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{text!r} must list positive integers")
+    return values
+
+
+int_list.__name__ = "list of integers"
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    miner_url: Optional[str] = None
+    miner_hotkey: Optional[str] = None
+    openai_url: Optional[str] = None
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    max_context: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class WalletChoice:
+    name: str = "default"
+    hotkey: str = "default"
+    path: str = "~/.bittensor/wallets"
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    prompt_lengths: tuple[int, ...] = (128, 1024, 8192)
+    output_lengths: tuple[int, ...] = (64, 256)
+    concurrency: tuple[int, ...] = (1, 8, 64)
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    logprobs: int = 5
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    reference_checkpoint: Optional[str] = None
+    audits: int = 8
+    canaries: int = 4
+    probes: int = 4
+
+
+@dataclass(frozen=True)
+class TimeoutSettings:
+    connect_s: float = 5.0
+    first_token_s: float = 300.0
+    between_tokens_s: float = 60.0
+    request_s: float = 1800.0
+
+    def client(self) -> ClientTimeouts:
+        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_token_s,
+                              between_events=self.between_tokens_s, total=self.request_s)
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings:
+    target: TargetSettings = field(default_factory=TargetSettings)
+    wallet: WalletChoice = field(default_factory=WalletChoice)
+    workload: WorkloadSettings = field(default_factory=WorkloadSettings)
+    quality: QualitySettings = field(default_factory=QualitySettings)
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    tokenizer_checkpoint: Optional[str] = None
+    out_dir: Optional[str] = None
+    log_level: str = "WARNING"
+
+    def problems(self) -> list[str]:
+        t, w = self.target, self.workload
+        out = []
+        if bool(t.miner_url) == bool(t.openai_url):
+            out.append("give exactly one target: --miner URL (with --miner-hotkey) or --openai URL (with --model)")
+        if t.miner_url and not t.miner_hotkey:
+            out.append("--miner needs --miner-hotkey: the miner's SS58 hotkey, which requests are signed for")
+        if t.openai_url and not t.model:
+            out.append("--openai needs --model: the model name the server serves")
+        for url in (t.miner_url, t.openai_url):
+            if url and not url.startswith(("http://", "https://")):
+                out.append(f"{url!r} is not an http:// or https:// URL")
+        if not (self.tokenizer_checkpoint or self.quality.reference_checkpoint):
+            out.append("give --tokenizer-checkpoint DIR (config.json and tokenizer files of the served model) "
+                       "or --reference-checkpoint DIR, to build the prompts and count tokens")
+        if w.repeats < 1:
+            out.append("--repeats must be at least 1")
+        if not 0.0 <= w.temperature <= 2.0:
+            out.append("--temperature must lie in [0, 2]")
+        if not 0.0 < w.top_p <= 1.0:
+            out.append("--top-p must lie in (0, 1]")
+        if not 0 <= w.logprobs <= 20:
+            out.append("--logprobs must lie in 0..20")
+        return out
+
+
+def benchmark_options() -> tuple[Option, ...]:
+    p = "K3_BENCH_"
+    return (
+        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, None,
+               "a miner's base URL (signed subnet protocol)", group="target", metavar="URL"),
+        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, None,
+               "the miner's SS58 hotkey", group="target", metavar="SS58"),
+        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text, None,
+               "an OpenAI-compatible server's base URL (vLLM, SGLang; /v1 is added)", group="target", metavar="URL"),
+        Option("target.model", "--model", f"{p}MODEL", optional_text, None,
+               "with --openai: the model name the server serves", group="target", metavar="NAME"),
+        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text, None,
+               "with --openai: bearer token (prefer the environment variable)", group="target", secret=True,
+               metavar="KEY"),
+        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int, None,
+               "with --openai: the server's context when /v1/models does not say (max_model_len)", group="target"),
+    ) + tuple(dataclasses.replace(o, env=o.env.replace("K3_", p)) for o in wallet_options()) + (
+        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list, (128, 1024, 8192),
+               "prompt sizes in tokens, chat template included", group="workload", metavar="N,N,..."),
+        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list, (64, 256),
+               "max_tokens of the requests", group="workload", metavar="N,N,..."),
+        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, (1, 8, 64),
+               "simultaneous streams per wave", group="workload", metavar="N,N,..."),
+        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, 3, "waves per workload", group="workload"),
+        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, 1,
+               "requests sent first and not counted", group="workload"),
+        Option("workload.seed", "--seed", f"{p}SEED", int, 0, "seed of the request set", group="workload"),
+        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float, 0.0,
+               "sampling temperature of the workload requests", group="workload", metavar="X"),
+        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, 1.0, "nucleus sampling", group="workload",
+               metavar="X"),
+        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int, 5,
+               "top-k alternatives asked per token (tier 0 checks greedy tokens against them)", group="workload"),
+        Option("quality.reference_checkpoint", "--reference-checkpoint", f"{p}REFERENCE_CHECKPOINT", optional_text,
+               None, "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries",
+               group="quality", metavar="DIR"),
+        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int, 8,
+               "workload responses given a teacher-forced audit (needs --reference-checkpoint)", group="quality"),
+        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int, 4,
+               "greedy canaries checked against the reference (needs --reference-checkpoint)", group="quality"),
+        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int, 4,
+               "answer probes (exact copy, planted fact), greedy", group="quality"),
+        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 5.0,
+               "deadline to connect", group="timeouts"),
+        Option("timeouts.first_token_s", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
+               300.0, "deadline for the first token (covers queueing and prefill)", group="timeouts"),
+        Option("timeouts.between_tokens_s", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S",
+               positive_float, 60.0, "deadline between two tokens", group="timeouts"),
+        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 1800.0,
+               "deadline of one request", group="timeouts"),
+        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text, None,
+               "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
+               group="general", metavar="DIR"),
+        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, None,
+               "where report.json and report.md go", group="general", metavar="DIR"),
+    ) + tuple(dataclasses.replace(o, default="WARNING") for o in logging_options())
+
+
+def read_benchmark_settings(argv: Optional[Sequence[str]] = None,
+                            environ: Optional[dict] = None) -> BenchmarkSettings:
+    options = benchmark_options()
+    values = read_options(options, argv, environ, prog="scripts/benchmark_endpoint.py", description=__doc__)
+    settings = build_settings(BenchmarkSettings, values)
+    problems = settings.problems()
+    if problems:
+        build_parser(options, prog="scripts/benchmark_endpoint.py").error("; ".join(problems))
+    return settings
+
+
+# ---------------------------------------------------------------- endpoints
+class MinerEndpoint:
+    """A miner through the signed protocol."""
+
+    kind = "miner"
+
+    def __init__(self, url: str, hotkey: str, wallet, timeouts: ClientTimeouts):
+        self.url, self.hotkey = url, hotkey
+        self.timeouts = timeouts
+        self.client = MinerClient(wallet, timeouts)
+
+    async def capabilities(self, tokenizer) -> tuple[Capabilities, dict]:
+        caps = await self.client.capabilities(self.url, self.hotkey)
+        health = await self.client.health(self.url)
+        return caps, {"capabilities": caps.model_dump(mode="json"), "health": health.model_dump(mode="json")}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await self.client.generate(self.url, self.hotkey, request)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAIEndpoint:
+    """An OpenAI-compatible server, through the remote engine adapter (token ids, logprobs, SSE);
+    its events are put on the client's clock and into the protocol's shape, so that the same
+    measurements and tier-0 checks apply (less what only a signing miner can give)."""
+
+    kind = "openai"
+
+    def __init__(self, settings: TargetSettings, timeouts: TimeoutSettings, concurrency: int):
+        self.settings = settings
+        self.timeouts = timeouts
+        self.concurrency = concurrency
+        self.engine: Optional[RemoteEngine] = None
+        self.stop_ids: frozenset[int] = frozenset()
+
+    async def _model_entry(self) -> dict:
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        timeout = aiohttp.ClientTimeout(total=self.timeouts.connect_s + 10.0)
+        url = self.settings.openai_url.rstrip("/") + "/v1/models"
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.get(url, headers=headers) as response:
+                    if response.status != 200:
+                        raise BenchmarkSetupError(f"{url} answered HTTP {response.status}")
+                    listing = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            raise BenchmarkSetupError(f"cannot read {url}: {error!r}") from None
+        for entry in listing.get("data") or []:
+            if entry.get("id") == self.settings.model:
+                return entry
+        names = [entry.get("id") for entry in listing.get("data") or []]
+        raise BenchmarkSetupError(f"the server does not serve {self.settings.model!r} (it serves {names})")
+
+    async def capabilities(self, tokenizer) -> tuple[Capabilities, dict]:
+        entry = await self._model_entry()
+        max_context = entry.get("max_model_len") or self.settings.max_context
+        if not isinstance(max_context, int) or max_context < 2:
+            raise BenchmarkSetupError("the server's /v1/models gives no max_model_len: pass --max-context")
+        self.stop_ids = frozenset(tokenizer.stop_ids)
+        self.engine = RemoteEngine(
+            RemoteSettings(base_url=self.settings.openai_url, model_name=self.settings.model,
+                           api_key=self.settings.api_key, max_context=max_context,
+                           max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect_s,
+                           first_byte_timeout_s=self.timeouts.first_token_s,
+                           between_events_timeout_s=self.timeouts.between_tokens_s,
+                           total_timeout_s=self.timeouts.request_s),
+            vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+        await self.engine.start()
+        caps = Capabilities(model_id=self.settings.model[:128], model_fingerprint=UNDECLARED,
+                            vocab_size=tokenizer.vocab_size, max_context=max_context,
+                            max_concurrent_streams=max(1, self.concurrency), engine="remote", precision="unknown",
+                            software_version="unknown")
+        return caps, {"model": entry}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())
+        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                                  top_k=request.top_k, seed=request.seed, stop=tuple(request.stop),
+                                  logprobs=request.logprobs)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            stream = self.engine.generate(GenerationRequest(list(request.prompt_token_ids), sampling,
+                                                            request.request_id))
+            async for event in stream:
+                arrived = loop.time() - start
+                if isinstance(event, EngineToken):
+                    result.events.append(TimedEvent(_wire_token(event), arrived))
+                elif isinstance(event, EngineFinal):
+                    result.final = self._final(event, result)
+                    result.events.append(TimedEvent(result.final, arrived))
+        except EngineError as error:
+            failure = _miner_error(error, self.timeouts)
+            failure.partial = result
+            raise failure from None
+        if result.final is None:
+            failure = MinerProtocolError("the server's stream ended without a final event")
+            failure.partial = result
+            raise failure
+        return result
+
+    def _final(self, event: EngineFinal, result: GenerateResult) -> FinalEvent:
+        reason = event.finish_reason
+        tokens = result.token_ids
+        if reason == "stop" and tokens and tokens[-1] in self.stop_ids and not any(
+                s in result.text for s in result.request.stop):
+            reason = "eos"  # the adapter says "stop" for both; tier 0 tells them apart
+        # No signature and no declared fingerprint: built without validation, and tier 0's
+        # signature and fingerprint checks are reported as not applicable.
+        return FinalEvent.model_construct(
+            type="final", finish_reason=reason,
+            usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+            timings=Timings(queue_ms=0.0, ttft_ms=event.ttft_ms or 0.0, total_ms=event.total_ms),
+            model_fingerprint=UNDECLARED,
+            signature=ResponseSignature.model_construct(hotkey="", request_sha256="", tokens_sha256="", signature=""))
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
+
+
+def _logprob(value: float) -> float:
+    return min(max(float(value), LOGPROB_FLOOR), 0.0) if not math.isnan(value) else LOGPROB_FLOOR
+
+
+def _wire_token(event: EngineToken) -> TokenEvent:
+    return TokenEvent(index=event.index, token_ids=[event.token_id], text=event.text[:16_384],
+                      logprobs=[_logprob(event.logprob)],
+                      top_logprobs=[[TopLogprob(token_id=t, logprob=_logprob(lp)) for t, lp in event.top_logprobs]])
+
+
+_HTTP_STATUS = re.compile(r"HTTP (\d{3})")
+
+
+def _miner_error(error: EngineError, timeouts: TimeoutSettings) -> MinerError:
+    """The adapter's errors in the protocol client's terms, so both targets count errors alike."""
+    status = _HTTP_STATUS.search(error.message)
+    if status:
+        return MinerHTTPError(int(status.group(1)), error.code, error.message)
+    if "cannot reach" in error.message:
+        return MinerUnreachable(error.message)
+    if "no response within" in error.message:
+        return MinerTimeout("first_byte", timeouts.first_token_s)
+    if "stalled" in error.message:
+        return MinerTimeout("between_events", timeouts.between_tokens_s)
+    if error.code in ("invalid_request", "context_too_long"):
+        return MinerHTTPError(400, error.code, error.message)
+    return MinerProtocolError(f"{error.code}: {error.message}")
+
+
+def error_kind(error: MinerError) -> str:
+    if isinstance(error, MinerHTTPError):
+        return f"http_{error.status}"
+    if isinstance(error, MinerTimeout):
+        return f"timeout_{error.kind}"
+    if isinstance(error, MinerUnreachable):
+        return "unreachable"
+    if isinstance(error, MinerStreamError):
+        return f"stream_{error.code}"
+    return "protocol"
+
+
+# ---------------------------------------------------------------- the request set
+def exact_prompt(rng: random.Random, tokenizer, length: int) -> list[int]:
+    """A one-turn chat prompt of exactly `length` tokens, template included, from seeded text."""
+    frame = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
+    need = length - len(frame)
+    if need < 1:
+        raise BenchmarkSetupError(f"prompt length {length} leaves no room for content: the chat template alone "
+                                  f"takes {len(frame)} tokens")
+    # The instruction only when it leaves most of the room to the seeded material: that keeps
+    # every prompt distinct, however short.
+    head = "Continue the following text in the same style.\n\n"
+    text = head if need >= 4 * len(tokenizer.encode(head)) else ""
+    ids = tokenizer.encode(text)
+    while len(ids) < need:
+        text += "\n\n".join(corpus.paragraphs(rng, 4 * (need - len(ids)) + 64)) + "\n\n"
+        ids = tokenizer.encode(text)
+    at = frame.index(tokenizer.special_tokens[IM_END])
+    return frame[:at] + ids[:need] + frame[at:]
+
+
+@dataclass
+class Cell:
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int
+    waves: list[list[GenerateRequest]]
+
+
+def request_id(rng: random.Random) -> str:
+    return f"{rng.getrandbits(128):032x}"
+
+
+def build_requests(settings: WorkloadSettings, tokenizer, logprobs: int, namespace: str, prompt_tokens: int,
+                   output_tokens: int, count: int) -> list[GenerateRequest]:
+    rng = random.Random(f"{settings.seed}:{namespace}:{prompt_tokens}:{output_tokens}")
+    return [GenerateRequest(request_id=request_id(rng), prompt_token_ids=exact_prompt(rng, tokenizer, prompt_tokens),
+                            max_tokens=output_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                            seed=rng.getrandbits(63), logprobs=logprobs)
+            for _ in range(count)]
+
+
+def plan_cells(settings: WorkloadSettings, tokenizer, caps: Capabilities) -> list[Cell]:
+    limits = caps.limits
+    cells = []
+    for p in settings.prompt_lengths:
+        for o in settings.output_lengths:
+            if p + o > caps.max_context or p > limits.max_prompt_tokens or o > limits.max_tokens:
+                raise BenchmarkSetupError(
+                    f"prompt length {p} + output length {o} does not fit the endpoint (context {caps.max_context}, "
+                    f"max prompt {limits.max_prompt_tokens}, max output {limits.max_tokens}); drop it from the lists")
+            for c in settings.concurrency:
+                requests = build_requests(settings, tokenizer, min(settings.logprobs, limits.max_logprobs),
+                                          f"c{c}", p, o, c * settings.repeats)
+                cells.append(Cell(p, o, c, [requests[k * c:(k + 1) * c] for k in range(settings.repeats)]))
+    return cells
+
+
+def request_set_digest(cells: Sequence[Cell]) -> str:
+    digest = hashlib.sha256()
+    for cell in cells:
+        for wave in cell.waves:
+            for request in wave:
+                digest.update(encode_model(request))
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- measuring
+@dataclass
+class Sample:
+    request: GenerateRequest
+    started: float  # monotonic, for wave walls
+    ended: float
+    result: Optional[GenerateResult] = None
+    error: Optional[str] = None  # error kind
+    message: str = ""
+    tier0: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+
+class Runner:
+    def __init__(self, endpoint, tokenizer, caps: Capabilities, hotkey: Optional[str], config: ScoringConfig):
+        self.endpoint = endpoint
+        self.tokenizer = tokenizer
+        self.caps = caps
+        self.hotkey = hotkey or ""
+        self.config = config
+
+    def tier0(self, item, result: GenerateResult) -> list:
+        failures = check_tier0(item, result, self.tokenizer, self.caps, self.hotkey, self.config)
+        if self.endpoint.kind == "openai":
+            failures = [f for f in failures if f.check not in NOT_APPLICABLE_ON_OPENAI]
+        return failures
+
+    async def one(self, request: GenerateRequest) -> Sample:
+        started = time.monotonic()
+        try:
+            result = await self.endpoint.generate(request)
+        except MinerError as error:
+            return Sample(request, started, time.monotonic(), error=error_kind(error), message=str(error)[:300])
+        sample = Sample(request, started, time.monotonic(), result=result)
+        sample.tier0 = self.tier0(None, result)
+        return sample
+
+    async def wave(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        return list(await asyncio.gather(*(self.one(r) for r in requests)))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summary(values: Sequence[Optional[float]]) -> Optional[dict]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None
+    return {"n": len(values), "mean": sum(values) / len(values), "min": min(values),
+            "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+            "max": max(values)}
+
+
+def count_by(keys) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key in keys:
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> dict:
+    samples = [s for wave in waves for s in wave]
+    done = [s for s in samples if s.ok]
+    wall = tokens = 0.0
+    for wave in waves:
+        finished = [s for s in wave if s.ok]
+        if finished:
+            wall += max(s.ended for s in finished) - min(s.started for s in wave)
+            tokens += sum(len(s.result.token_ids) for s in finished)
+    ttfts = [s.result.ttft_s for s in done]
+    return {
+        "prompt_tokens": cell.prompt_tokens, "output_tokens": cell.output_tokens, "concurrency": cell.concurrency,
+        "beyond_declared_capacity": cell.concurrency > caps.max_concurrent_streams,
+        "requests": len(samples), "completed": len(done), "errors": count_by(s.error for s in samples if not s.ok),
+        "error_examples": sorted({s.message for s in samples if not s.ok})[:3],
+        "completion_tokens": summary([len(s.result.token_ids) for s in done]),
+        "ttft_s": summary(ttfts),
+        "prefill_tokens_per_s": summary([cell.prompt_tokens / t for t in ttfts if t]),
+        "decode_tokens_per_s": summary([decode_tokens_per_s(s.result) for s in done]),
+        "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
+        "latency_s": summary([s.result.total_s for s in done]),
+        "tier0_failed": sum(1 for s in done if s.tier0),
+    }
+
+
+# ---------------------------------------------------------------- quality
+def reference_engine(checkpoint: str, max_context: int) -> tuple[LocalEngine, str]:
+    from inference.serving.builders import load_reference_model  # noqa: PLC0415 (loads torch models)
+
+    model, tokenizer, fingerprint = load_reference_model(checkpoint)
+    engine = LocalEngine(model, tokenizer, EngineSettings(max_context=max_context, max_concurrent_sequences=4),
+                         model_fingerprint=fingerprint, engine_kind="reference")
+    return engine, fingerprint
+
+
+async def run_audits(samples: list[Sample], count: int, reference, tokenizer, config: ScoringConfig,
+                     seed: int) -> dict:
+    rng = random.Random(f"{seed}:audits")
+    chosen = rng.sample(samples, min(count, len(samples)))
+    verdicts, checks, qualities, errors = [], [], [], []
+    for sample in chosen:
+        audit = await audit_tier1(sample.request.prompt_token_ids, sample.result, reference, config,
+                                  stop_ids=tokenizer.stop_ids, rng=random.Random(rng.getrandbits(64)))
+        verdicts.append(audit.passed)
+        checks += [f.check for f in audit.failures]
+        if audit.quality is not None:
+            qualities.append(audit.quality)
+        if audit.error:
+            errors.append(audit.error)
+    return {"audited": len(chosen), "passed": verdicts.count(True), "failed": verdicts.count(False),
+            "no_verdict": verdicts.count(None), "failures": count_by(checks), "quality": summary(qualities),
+            "errors": sorted(set(errors))[:3]}
+
+
+async def run_canaries(runner: Runner, reference, settings: BenchmarkSettings, tokenizer, prompt_tokens: int,
+                       tokens: int) -> dict:
+    rng = random.Random(f"{settings.workload.seed}:canaries")
+    prompts = []
+    for _ in range(settings.quality.canaries):
+        prompt = exact_prompt(rng, tokenizer, prompt_tokens)
+        if prompt not in prompts:  # a canary is used once
+            prompts.append(prompt)
+    config = ScoringConfig().replace(canary_tokens=tokens)
+    pool = await CanaryPool.from_engine(reference, prompts, config, model_fingerprint=reference.model_fingerprint)
+    passed = failed = errors = 0
+    tier0_failed, mismatches = 0, []
+    for canary in pool.canaries.values():
+        request = GenerateRequest(request_id=request_id(rng), prompt_token_ids=list(canary.prompt_ids),
+                                  max_tokens=tokens, temperature=0.0, seed=rng.getrandbits(63),
+                                  logprobs=min(settings.workload.logprobs, runner.caps.limits.max_logprobs))
+        sample = await runner.one(request)
+        if not sample.ok:
+            errors += 1
+            continue
+        tier0_failed += bool(sample.tier0)
+        verdict = check_tier2(canary, sample.result, config)
+        passed += verdict.passed
+        failed += not verdict.passed
+        if verdict.mismatch_at is not None:
+            mismatches.append(verdict.mismatch_at)
+    return {"checked": passed + failed, "passed": passed, "failed": failed, "errors": errors,
+            "tokens_per_canary": tokens, "first_mismatch_positions": mismatches, "tier0_failed": tier0_failed}
+
+
+async def run_probes(runner: Runner, settings: BenchmarkSettings, tokenizer) -> dict:
+    w = settings.workload
+    config = ScoringConfig(round_requests=settings.quality.probes, mix_chat=0.0, mix_long_context=0.0,
+                           mix_burst=0.0, mix_probe=1.0, probe_weights=(0.0, 1.0, 1.0),
+                           chat_prompt_tokens=(16, max(16, max(w.prompt_lengths))),
+                           chat_max_tokens=(64, max(64, max(w.output_lengths))),
+                           request_logprobs=w.logprobs)
+    try:
+        items = plan_round(random.Random(f"{w.seed}:probes"), runner.caps, config, tokenizer=tokenizer)
+    except WorkloadError as error:
+        return {"skipped": f"probes do not fit this endpoint: {error}"}
+    results = {"copy": [0, 0], "planted_fact": [0, 0]}  # kind -> [passed, checked]
+    errors = tier0_failed = 0
+    for item in items:
+        sample = await runner.one(item.request)
+        if not sample.ok:
+            errors += 1
+            continue
+        tier0_failed += bool(sample.tier0)
+        counts = results[item.expect.probe]
+        counts[0] += not check_answer(item, sample.result)
+        counts[1] += 1
+    return {kind: {"passed": p, "checked": n} for kind, (p, n) in results.items()} | {
+        "errors": errors, "tier0_failed": tier0_failed}
+
+
+# ---------------------------------------------------------------- the run
+def open_endpoint(settings: BenchmarkSettings):
+    t = settings.target
+    if t.miner_url:
+        from neurons.miner_app.server import MinerSetupError, WalletSettings, open_wallet  # noqa: PLC0415 (the SDK)
+
+        try:
+            wallet = open_wallet(WalletSettings(settings.wallet.name, settings.wallet.hotkey, settings.wallet.path))
+        except MinerSetupError as error:
+            raise BenchmarkSetupError(str(error)) from None
+        return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts.client())
+    return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))
+
+
+async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -> dict:
+    """Run the whole benchmark and return the report (a JSON-ready dict)."""
+    problems = settings.problems()
+    if problems:
+        raise BenchmarkSetupError("; ".join(problems))
+    began, wall_start = time.time(), time.monotonic()
+    tok_dir = settings.tokenizer_checkpoint or settings.quality.reference_checkpoint
+    try:
+        tokenizer = load_tokenizer(tok_dir, read_config(tok_dir))
+    except (OSError, ValueError) as error:
+        raise BenchmarkSetupError(f"cannot load the tokenizer of {tok_dir}: {error}") from None
+    w, q = settings.workload, settings.quality
+    config = ScoringConfig()
+    endpoint = open_endpoint(settings)
+    reference = None
+    try:
+        try:
+            caps, described = await endpoint.capabilities(tokenizer)
+        except MinerError as error:
+            raise BenchmarkSetupError(f"cannot read the endpoint's capabilities: {error}") from None
+        if caps.vocab_size != tokenizer.vocab_size:
+            raise BenchmarkSetupError(f"the endpoint's vocabulary ({caps.vocab_size}) is not the tokenizer's "
+                                      f"({tokenizer.vocab_size}): give the served model's --tokenizer-checkpoint")
+        cells = plan_cells(w, tokenizer, caps)
+        runner = Runner(endpoint, tokenizer, caps, settings.target.miner_hotkey, config)
+
+        smallest = min(w.prompt_lengths), min(w.output_lengths)
+        for request in build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest, w.warmup):
+            await runner.one(request)
+
+        workloads, all_samples = [], []
+        for cell in cells:
+            waves = [await runner.wave(wave) for wave in cell.waves]
+            all_samples += [s for wave in waves for s in wave]
+            workloads.append(cell_report(cell, waves, caps))
+            log.info("workload P=%d O=%d C=%d done", cell.prompt_tokens, cell.output_tokens, cell.concurrency)
+        done = [s for s in all_samples if s.ok]
+
+        quality: dict[str, Any] = {"tier0": {
+            "checked": len(done), "passed": sum(1 for s in done if not s.tier0),
+            "failures": count_by(f.check for s in done for f in s.tier0),
+            "not_applicable": list(NOT_APPLICABLE_ON_OPENAI) if endpoint.kind == "openai" else []}}
+        reference_fingerprint = None
+        if q.reference_checkpoint and (q.audits or q.canaries):
+            reference, reference_fingerprint = reference_engine(
+                q.reference_checkpoint, max(w.prompt_lengths) + max(max(w.output_lengths), MAX_CANARY_TOKENS) + 1)
+            await reference.start()
+            quality["audits"] = await run_audits(done, q.audits, reference, tokenizer, config, w.seed)
+            if q.canaries:
+                quality["canaries"] = await run_canaries(runner, reference, settings, tokenizer,
+                                                         min(w.prompt_lengths),
+                                                         min(MAX_CANARY_TOKENS, max(w.output_lengths)))
+        else:
+            reason = "no --reference-checkpoint" if not q.reference_checkpoint else "disabled"
+            quality["audits"] = {"skipped": reason}
+            quality["canaries"] = {"skipped": reason}
+        quality["probes"] = await run_probes(runner, settings, tokenizer) if q.probes else {"skipped": "disabled"}
+    finally:
+        if reference is not None:
+            await reference.stop()
+        await endpoint.close()
+
+    t = settings.target
+    return {
+        "format": REPORT_FORMAT, "version": REPORT_VERSION,
+        "command": ["scripts/benchmark_endpoint.py", *argv],
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
+        "duration_s": time.monotonic() - wall_start,
+        "target": {"kind": endpoint.kind, "url": t.miner_url or t.openai_url,
+                   **({"hotkey": t.miner_hotkey} if t.miner_url else {"model": t.model})},
+        "endpoint": described,
+        "model_fingerprint": caps.model_fingerprint,
+        "reference_fingerprint": reference_fingerprint,
+        "precision": caps.precision,
+        "max_context": caps.max_context,
+        "declared_concurrency": caps.max_concurrent_streams if endpoint.kind == "miner" else None,
+        "sampling": {"temperature": w.temperature, "top_p": w.top_p, "top_k": 0, "logprobs": w.logprobs,
+                     "seed": w.seed},
+        "settings": {"prompt_lengths": list(w.prompt_lengths), "output_lengths": list(w.output_lengths),
+                     "concurrency": list(w.concurrency), "repeats": w.repeats, "warmup": w.warmup,
+                     "timeouts_s": dataclasses.asdict(settings.timeouts)},
+        "request_set_sha256": request_set_digest(cells),
+        "client": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "workloads": workloads,
+        "totals": {"requests": len(all_samples), "completed": len(done),
+                   "errors": count_by(s.error for s in all_samples if not s.ok)},
+        "quality": quality,
+    }
+
+
+# ---------------------------------------------------------------- the report
+def _fmt(value: Optional[float], digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _stat(stats: Optional[dict], key: str) -> str:
+    return _fmt(stats[key]) if stats else "-"
+
+
+def markdown_report(report: dict) -> str:
+    target = report["target"]
+    who = target.get("hotkey") or target.get("model")
+    lines = [
+        f"# Endpoint benchmark: {target['kind']} {target['url']} ({who})",
+        "",
+        f"- model fingerprint: `{report['model_fingerprint']}`, precision: {report['precision']}, "
+        f"context: {report['max_context']}, declared concurrency: {report['declared_concurrency'] or '-'}",
+        f"- sampling: temperature {report['sampling']['temperature']}, top_p {report['sampling']['top_p']}, "
+        f"logprobs {report['sampling']['logprobs']}, seed {report['sampling']['seed']}",
+        f"- request set sha256: `{report['request_set_sha256'][:16]}...`; started {report['started_at']}, "
+        f"duration {report['duration_s']:.1f} s",
+        "",
+        "| prompt | output | conc | ok/req | errors | TTFT p50 s | TTFT p90 s | prefill tok/s p50 | "
+        "decode tok/s p50 | aggregate tok/s | latency p50 s | p90 s | p99 s | tier0 fail |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in report["workloads"]:
+        errors = ", ".join(f"{k} {v}" for k, v in w["errors"].items()) or "-"
+        lines.append(
+            f"| {w['prompt_tokens']} | {w['output_tokens']} | {w['concurrency']} | {w['completed']}/{w['requests']} | "
+            f"{errors} | {_stat(w['ttft_s'], 'p50')} | {_stat(w['ttft_s'], 'p90')} | "
+            f"{_stat(w['prefill_tokens_per_s'], 'p50')} | {_stat(w['decode_tokens_per_s'], 'p50')} | "
+            f"{_fmt(w['aggregate_tokens_per_s'])} | {_stat(w['latency_s'], 'p50')} | {_stat(w['latency_s'], 'p90')} | "
+            f"{_stat(w['latency_s'], 'p99')} | {w['tier0_failed']} |")
+    q = report["quality"]
+    t0 = q["tier0"]
+    lines += ["", "Quality:",
+              f"- tier 0: {t0['passed']}/{t0['checked']} clean"
+              + (f" (failures: {t0['failures']})" if t0["failures"] else "")
+              + (f"; not applicable here: {', '.join(t0['not_applicable'])}" if t0["not_applicable"] else "")]
+    for name in ("audits", "canaries"):
+        part = q[name]
+        if "skipped" in part:
+            lines.append(f"- {name}: skipped ({part['skipped']})")
+        elif name == "audits":
+            quality = part["quality"]["mean"] if part["quality"] else None
+            lines.append(f"- tier-1 audits: {part['passed']} passed, {part['failed']} failed, {part['no_verdict']} "
+                         f"without verdict of {part['audited']}; mean quality {_fmt(quality)}"
+                         + (f"; failures {part['failures']}" if part["failures"] else ""))
+        else:
+            lines.append(f"- tier-2 canaries ({part['tokens_per_canary']} greedy tokens): {part['passed']}/"
+                         f"{part['checked']} match the reference, {part['errors']} errors")
+    probes = q["probes"]
+    if "skipped" in probes:
+        lines.append(f"- answer probes: skipped ({probes['skipped']})")
+    else:
+        lines.append(f"- answer probes: copy {probes['copy']['passed']}/{probes['copy']['checked']}, planted fact "
+                     f"{probes['planted_fact']['passed']}/{probes['planted_fact']['checked']}, "
+                     f"{probes['errors']} errors")
+    lines += ["", "Command: `" + " ".join(report["command"]) + "`", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out_dir: str) -> tuple[Path, Path]:
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "report.json", out / "report.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(markdown_report(report))
+    return json_path, md_path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = read_benchmark_settings(argv)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        report = asyncio.run(run_benchmark(settings, argv))
+    except BenchmarkSetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if settings.out_dir:
+        json_path, md_path = write_report(report, settings.out_dir)
+        print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    print(markdown_report(report))
+    return 0
+

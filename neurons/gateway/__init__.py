@@ -1,0 +1,1 @@
+"""The organic OpenAI-compatible gateway."""

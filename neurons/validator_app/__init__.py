@@ -1,0 +1,1 @@
+"""The validator: settings, rounds, the SQLite store, status."""
