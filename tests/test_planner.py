@@ -35,7 +35,7 @@ from inference.planning.planner import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTERS = ROOT / "scripts" / "clusters"
+CLUSTERS = ROOT / "inference" / "planning" / "clusters"
 TINY = ModelConfig.tiny()
 K3 = ModelConfig.kimi_k3()
 
