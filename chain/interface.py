@@ -34,10 +34,15 @@ class AlreadyRegistered(ChainError):
 
 
 class RateLimited(ChainError):
-    """Too soon: SettingWeightsTooFast, ServingRateLimitExceeded, registration limits."""
+    """Too soon: SettingWeightsTooFast, CommittingWeightsTooFast, ServingRateLimitExceeded, registration
+    limits. `retry_after_blocks` is how many blocks the chain said to wait, when it said (else None)."""
 
     name = "SettingWeightsTooFast"
     transient = True
+
+    def __init__(self, message: str, name: str | None = None, retry_after_blocks: int | None = None):
+        super().__init__(message, name)
+        self.retry_after_blocks = retry_after_blocks
 
 
 class NoValidatorPermit(ChainError):
