@@ -1,14 +1,26 @@
 """The embedded devnet: a local stand-in for subtensor, its whole state in one SQLite file.
 
-What it keeps from subtensor (docs/subnet.md section 6, docs/yuma.md):
+What it keeps from subtensor (docs/subnet.md section 6, docs/yuma.md; checked against subtensor's own epoch unit
+tests, tests/subtensor_vectors/, at opentensor/subtensor commit 14bc6f9f964b9cc362e9635dd110a487fa5d15a0):
 - blocks: `block = floor((now - genesis) / block_interval)`, genesis and interval stored in the file, so
   every process sees the same block and a restart loses nothing;
 - subnets with a tempo; the epoch of subnet `netuid` runs at every block `b` where subtensor's
   `blocks_until_next_epoch` is 0, i.e. `(b + netuid + 1) % (tempo + 1) == tempo`, with a budget of
-  `emission_per_block * tempo`; epochs run by `chain.yuma.run_epoch`;
+  `emission_per_block * tempo`; epochs run by `chain.yuma.run_epoch` on the stored sparse weights (explicit
+  zeros included) and bonds; bonds to a uid registered at or after the block after the previous epoch are
+  dropped (subtensor's LastMechansimStepBlock rule);
 - registration (append, or replace the uid `prune_candidate` picks when the subnet is full), stake per
-  hotkey on a subnet, validator permits, ServeAxon with a serving rate limit, SetWeights with subtensor's
-  checks in subtensor's order and its error names.
+  hotkey on a subnet, validator permits (the owner's forced), ServeAxon with subtensor's serving rate limit,
+  SetWeights with subtensor's checks in subtensor's order and its error names: HotKeyNotRegisteredInSubNet,
+  NotEnoughStakeToSetWeights (the owner exempt), IncorrectWeightVersionKey, SettingWeightsTooFast (with
+  `retry_after_blocks`; a LastUpdate of 0 is never limited), NeuronNoValidatorPermit (a lone self-weight and
+  the owner exempt), DuplicateUids, UidVecContainInvalidOne, WeightVecLengthIsLow (explicit zeros count),
+  MaxWeightExceeded;
+- commit-reveal when the subnet's `commit_reveal` is on: set_weights commits (CommittingWeightsTooFast,
+  TooManyUnrevealedCommits), LastUpdate moves to the commit block, and the row is revealed, through the
+  checks above, just before the epoch `reveal_period` epochs later runs (the SDK's timelocked commits are
+  revealed by the chain the same way); until then Yuma does not see it, and a pending commit older than a
+  uid's registration masks the committer's weights to it.
 
 Deliberate differences, for a local trust domain:
 - No signatures are checked: whoever can open the file can act for any hotkey or coldkey. A "wallet" is
@@ -21,8 +33,11 @@ Deliberate differences, for a local trust domain:
   registration or a stake change happens. A fresh local testnet's validators can then set weights as
   soon as they are registered and staked (and the weights rate limit allows); after that, permits come
   only from the epoch (P'), as on subtensor.
-- SetWeights behaves as the SDK plus the chain: weights are max-upscaled to u16 and entries that
-  quantise to 0 are dropped (the SDK does so before submitting), then the chain's checks run.
+- SetWeights behaves as the SDK plus the chain: `chain.weights.conform` clips a row over max_weight_limit
+  (where the chain alone would refuse it) and max-upscales it to u16; unlike the SDK it keeps the zeros
+  given, as the chain stores them when they are submitted.
+- Admin calls a real chain gives only to sudo or to its tests: `set_hyperparameter`, `trigger_epoch` (run the
+  epoch now, as subtensor's tests call SubtensorModule::epoch), `set_validator_permits`, `reset_bonds`.
 - Epochs that fell due while no process touched the file run, in order and each at its own block, at
   the start of the next transaction that reads or writes the subnet (at most `max_catch_up_epochs` per
   subnet at a time; older ones are skipped with a warning). The weights rate limit counts from the

@@ -242,3 +242,42 @@ async def test_validator_waits_the_blocks_the_chain_names(chain, wallets, tmp_pa
 
 def test_u16_max_is_subtensors():
     assert U16_MAX == 65535
+
+
+async def test_a_pending_commit_masks_weights_to_a_uid_registered_after_it(chain, wallets):
+    """subtensor's test_epoch_masks_incoming_to_sniped_uid_prevents_inheritance (epoch.rs): a validator with a
+    commit pending since before a uid's registration cannot pass weight to the newcomer. The devnet's
+    trigger_epoch moves the commit-reveal clock (subtensor's test-only epoch() does not), so the reveal period
+    is 3 here instead of 2, keeping the commit pending through both epochs as in the Rust test."""
+    async def run(with_commit: bool) -> float:
+        c = DevnetChain(chain.path + ("-commit" if with_commit else "-plain"), block_interval=FROZEN, create=True)
+        try:
+            netuid = await c.create_subnet(OWNER_COLDKEY, tempo=10, commit_reveal=True, reveal_period=3,
+                                           max_uids=3, max_validators=3, immunity_period=0, min_non_immune_uids=0)
+            val, old, filler, new = wallets[:4]
+            for w, stake in ((val, 10_000.0), (old, 100.0), (filler, 5_000.0)):
+                await c.register(w, netuid)
+                await c.add_stake(w, w, netuid, stake)
+            await c.advance_blocks(21)
+            if with_commit:
+                await c.set_weights(val, netuid, {0: 1.0}, 0)  # the dummy commit
+            await c.advance_blocks(1)
+            await c.set_hyperparameter(netuid, "commit_reveal", False)
+            await c.set_hyperparameter(netuid, "weights_rate_limit", 0)
+            await c.set_weights(val, netuid, {1: 1.0}, 0)
+            await c.set_hyperparameter(netuid, "commit_reveal", True)
+            await c.trigger_epoch(netuid, 1000.0)
+            new_uid = await c.register(new, netuid)  # snipes the lowest-emission uid
+            await c.add_stake(new, new, netuid, 10_000.0)
+            await c.advance_blocks(1)
+            await c.set_hyperparameter(netuid, "commit_reveal", False)
+            await c.set_weights(val, netuid, {0: 0.5, new_uid: 0.5}, 0)
+            await c.set_hyperparameter(netuid, "commit_reveal", True)
+            epoch = await c.trigger_epoch(netuid, 1000.0)
+            assert epoch.by_uid(new_uid).rank == 0.0
+            return epoch.by_uid(new_uid).incentive
+        finally:
+            await c.close()
+
+    assert await run(with_commit=True) == 0.0
+    assert await run(with_commit=False) > 0.0  # the control: without the pending commit the weight counts

@@ -389,3 +389,20 @@ def test_vectors_name_the_subtensor_commit():
     commit = "14bc6f9f964b9cc362e9635dd110a487fa5d15a0"
     assert SCENARIOS["subtensor_commit"] == commit and SCRIPTS["subtensor_commit"] == commit
     assert len(SCENARIOS["tests"]) == 7 and len(SCRIPTS["scripts"]) >= 29
+
+
+def test_liquid_alpha_equal_values_against_itself():
+    """epoch.rs test_liquid_alpha_equal_values_against_itself: liquid alpha with alpha_low == alpha_high ==
+    u16::MAX / 10 gives the plain EMA of bonds_moving_average 900000 (alpha 0.1), within 1e-3 (dense
+    compute_bonds: every entry present)."""
+    from chain.yuma import yuma3_bonds
+
+    weights = np.array([0., 0.1, 0., 0., 0.2, 0.4, 0., 0.3, 0.1, 0., 0.4, 0.5]).reshape(4, 3)
+    bonds = np.array([0.1, 0.1, 0.5, 0., 0., 0.4, 0.5, 0.1, 0.1, 0., 0.4, 0.2]).reshape(4, 3)
+    consensus = np.array([0.3, 0.2, 0.1, 0.4])[:3]  # the Rust zip stops at the 3 columns
+    alpha = (65535 // 10) / 65535
+    on = yuma3_bonds(weights, bonds, consensus, YumaParams(liquid_alpha=True, alpha_low=alpha, alpha_high=alpha),
+                     present=np.ones_like(weights, dtype=bool))
+    off = yuma3_bonds(weights, bonds, consensus, YumaParams(bonds_moving_average=900_000))
+    np.testing.assert_allclose(on, off, atol=1e-3)
+    assert not np.allclose(off, bonds, atol=1e-3)  # the EMA did move the bonds
