@@ -281,3 +281,15 @@ async def test_a_pending_commit_masks_weights_to_a_uid_registered_after_it(chain
 
     assert await run(with_commit=True) == 0.0
     assert await run(with_commit=False) > 0.0  # the control: without the pending commit the weight counts
+
+
+async def test_validators_without_weights_are_paid_by_stake(chain, wallets):
+    """Issue 15's measurement: two staked validators that set no weights record [7.5, 2.5] per epoch of
+    budget 10, as subtensor (no incentive and no dividends: paid by active stake, or by stake)."""
+    netuid = await chain.create_subnet(OWNER_COLDKEY, tempo=10, emission_per_block=1.0)
+    for w, stake in zip(wallets[:2], (3.0, 1.0)):
+        await chain.register(w, netuid)
+        await chain.add_stake(w, w, netuid, stake)
+    for _ in range(3):
+        epoch = await epoch_after(chain, netuid)
+        assert [round(n.emission, 9) for n in epoch.neurons] == [7.5, 2.5]
