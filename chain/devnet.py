@@ -11,7 +11,8 @@ tests, tests/subtensor_vectors/, at opentensor/subtensor commit 14bc6f9f964b9cc3
   dropped (subtensor's LastMechansimStepBlock rule);
 - registration (append, or replace the uid `prune_candidate` picks when the subnet is full), stake per
   hotkey on a subnet, validator permits (the owner's forced), ServeAxon with subtensor's serving rate limit,
-  SetWeights with subtensor's checks in subtensor's order and its error names: HotKeyNotRegisteredInSubNet,
+  SetWeights with subtensor's checks in subtensor's order and its error names: UidsLengthExceedUidsInSubNet,
+  HotKeyNotRegisteredInSubNet,
   NotEnoughStakeToSetWeights (the owner exempt), IncorrectWeightVersionKey, SettingWeightsTooFast (with
   `retry_after_blocks`; a LastUpdate of 0 is never limited), NeuronNoValidatorPermit (a lone self-weight and
   the owner exempt), DuplicateUids, UidVecContainInvalidOne, WeightVecLengthIsLow (explicit zeros count),
@@ -1030,6 +1031,10 @@ class DevnetChain(Chain):
 
         def operation(block: int) -> SetWeightsOutcome:
             params = self._params(netuid)
+            n = self._neuron_count(netuid)
+            if len(pairs) > n:
+                raise InvalidWeights(f"{len(pairs)} weights given; subnet {netuid} has only {n} uids",
+                                     name="UidsLengthExceedUidsInSubNet")
             found = self._conn.execute(
                 "SELECT uid, last_update FROM neurons WHERE netuid = ? AND hotkey = ?", (netuid, hotkey)
             ).fetchone()

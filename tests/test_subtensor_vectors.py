@@ -406,3 +406,55 @@ def test_liquid_alpha_equal_values_against_itself():
     off = yuma3_bonds(weights, bonds, consensus, YumaParams(bonds_moving_average=900_000))
     np.testing.assert_allclose(on, off, atol=1e-3)
     assert not np.allclose(off, bonds, atol=1e-3)  # the EMA did move the bonds
+
+
+# ---------------------------------------------------------------- weights.rs: the set_weights extrinsic
+WEIGHTS_SCRIPTS = json.loads((VECTORS / "weights_scripts.json").read_text())
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in WEIGHTS_SCRIPTS["scripts"]])
+async def test_weights_script_through_the_devnet(name, devnet):
+    """Subtensor's set_weights tests (weights.rs) on the devnet's SetWeights: each call succeeds or fails with
+    the error name the Rust test asserts."""
+    from chain.interface import ChainError
+
+    script = next(s for s in WEIGHTS_SCRIPTS["scripts"] if s["name"] == name)
+    p = script["params"]
+    hyperparameters = {k: v for k, v in p.items() if k != "stake_threshold"}
+    hyperparameters["stake_threshold"] = float(p["stake_threshold"])
+    run = await DevnetRun.create(devnet, hyperparameters, script["owner_uid"])
+    checked = 0
+    for i, step in enumerate(script["steps"]):
+        op, where = step[0], f"{name} step {i}"
+        if op == "register":
+            await run.register(step[1]["stake"])
+        elif op == "stake":
+            await run.add_stake(step[1], step[2])
+        elif op == "permit":
+            permits = [n.validator_permit for n in (await devnet.metagraph(run.netuid)).neurons]
+            permits[step[1]] = step[2]
+            await devnet.set_validator_permits(run.netuid, permits)
+        elif op == "param":
+            await devnet.set_hyperparameter(run.netuid, step[1], step[2])
+        elif op == "block":
+            await run.to_block(step[1])
+        elif op == "epoch":
+            await devnet.trigger_epoch(run.netuid)
+        elif op == "set_weights":
+            uid, dests, values, version_key, expected = step[1:]
+            try:
+                await devnet.set_weights(run.uid_hotkey[uid], run.netuid, list(zip(dests, values)), version_key)
+                outcome = "ok"
+            except ChainError as error:
+                outcome = error.name
+            assert outcome == expected, f"{where}: {outcome} != {expected}"
+            checked += 1
+        elif op == "expect_weights":
+            row = (await devnet.weights(run.netuid))[step[1]]
+            assert row == {int(k): v for k, v in step[2].items()}, where
+        elif op == "expect_permits":
+            permits = [n.validator_permit for n in (await devnet.metagraph(run.netuid)).neurons]
+            assert {str(u): permits[int(u)] for u in step[1]} == step[1], where
+        else:
+            raise AssertionError(f"unknown step {op}")
+    assert checked > 0
