@@ -194,7 +194,9 @@ class Chain(abc.ABC):
 
     @abc.abstractmethod
     async def set_weights(self, wallet, netuid: int, weights: dict[int, float], version_key: int) -> SetWeightsOutcome:
-        """Raises NotRegistered, NoValidatorPermit, RateLimited, InvalidWeights, ChainConnectionError."""
+        """Raises NotRegistered, NoValidatorPermit, NotEnoughStake, RateLimited (with `retry_after_blocks`
+        when the chain said how long to wait), InvalidWeights, ChainConnectionError. Under commit-reveal the
+        outcome has committed=True: the weights reach the epoch only after the reveal period."""
 
     async def close(self) -> None:
         return None

@@ -387,8 +387,10 @@ async def test_script_through_the_devnet(name, devnet):
 
 def test_vectors_name_the_subtensor_commit():
     commit = "14bc6f9f964b9cc362e9635dd110a487fa5d15a0"
+    weights = json.loads((VECTORS / "weights_scripts.json").read_text())
     assert SCENARIOS["subtensor_commit"] == commit and SCRIPTS["subtensor_commit"] == commit
-    assert len(SCENARIOS["tests"]) == 7 and len(SCRIPTS["scripts"]) >= 29
+    assert weights["subtensor_commit"] == commit
+    assert len(SCENARIOS["tests"]) == 7 and len(SCRIPTS["scripts"]) == 37 and len(weights["scripts"]) == 10
 
 
 def test_liquid_alpha_equal_values_against_itself():
