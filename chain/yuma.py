@@ -317,11 +317,34 @@ def yuma3_dividends(B: np.ndarray, incentive: np.ndarray, A: np.ndarray) -> np.n
     return normalize(A * (col_normalize(B) @ incentive))
 
 
+def fixed_col_normalize(m: np.ndarray) -> np.ndarray:
+    """inplace_col_normalize_sparse in I32F32: each quotient truncated to 32 fractional bits."""
+    sums = m.sum(axis=0, keepdims=True)
+    return np.where(sums > 0, to_fixed(np.divide(m, sums, out=np.zeros_like(m, dtype=np.float64), where=sums > 0)), m)
+
+
+def fixed_col_max_upscale(m: np.ndarray) -> np.ndarray:
+    """inplace_col_max_upscale_sparse in I32F32 (quotients truncated)."""
+    maxes = m.max(axis=0, keepdims=True) if m.size else np.zeros((1, m.shape[1]))
+    return np.where(maxes > 0, to_fixed(np.divide(m, maxes, out=np.zeros_like(m, dtype=np.float64), where=maxes > 0)),
+                    0.0)
+
+
+def fixed_bonds_alpha(params: YumaParams) -> float:
+    """compute_ema_bonds_normal's alpha: 1 - I32F32(I64F64(bma) / 1e6); 900000 gives 0.1 + 2^-32 / 2.5."""
+    bma = math.floor(params.bonds_moving_average / 1_000_000 * 2.0 ** 64) / 2.0 ** 64
+    return 1.0 - math.floor(bma * FIXED_ONE) / FIXED_ONE
+
+
 def legacy_bonds(Wb: np.ndarray, B0_u16: np.ndarray, A: np.ndarray, params: YumaParams) -> np.ndarray:
-    """Step 11, legacy: B = column-normalise(alpha dB + (1 - alpha) column-normalise(B0)), dB = Wb * A."""
-    delta = col_normalize(Wb * A[:, None])
-    alpha = params.bonds_alpha
-    return col_normalize(alpha * delta + (1.0 - alpha) * col_normalize(B0_u16))
+    """Step 11, legacy: B = column-normalise(alpha dB + (1 - alpha) column-normalise(B0)), dB = Wb * A.
+
+    Stored legacy bonds are re-normalised every epoch, so I32F32's truncations accumulate in them: each step
+    truncates as subtensor's does, which keeps the stored u16 exact (test_bonds of epoch.rs)."""
+    delta = fixed_col_normalize(to_fixed(Wb * A[:, None]))
+    alpha = fixed_bonds_alpha(params)
+    B0 = fixed_col_normalize(np.asarray(B0_u16, dtype=np.float64))
+    return fixed_col_normalize(to_fixed(alpha * delta) + to_fixed((1.0 - alpha) * B0))
 
 
 def split_emission(
@@ -395,7 +418,7 @@ def run_epoch(inputs: EpochInputs, params: YumaParams = YumaParams()) -> EpochRe
         B = legacy_bonds(Wb, stored_bonds, A, params)
         dividends = normalize(B @ incentive)
         bonds_present = B > 0
-        bonds_u16 = proportion_to_u16(col_max_upscale(B))
+        bonds_u16 = proportion_to_u16(fixed_col_max_upscale(B))
     bonds_u16[~new_permit, :] = 0  # rows losing (or never holding) a permit are cleared
     bonds_present[~new_permit, :] = False
 
