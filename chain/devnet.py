@@ -707,21 +707,24 @@ class DevnetChain(Chain):
             self._conn.execute("UPDATE subnets SET epochs_through = ? WHERE netuid = ?", (due[-1], netuid))
         return ran
 
-    def _run_epoch(self, netuid: int, block: int, budget: float | None = None) -> None:
+    def _run_epoch(self, netuid: int, block: int, budget: float | None = None, scheduled: bool = True) -> None:
+        """The epoch at `block`. A scheduled one moves the commit-reveal clock (the subnet's epoch counter,
+        reveals before it runs); an extra one (`trigger_epoch`) does not, as SubtensorModule::epoch does not."""
         c = self._conn
         params = self._params(netuid)
         index, last_epoch_block = c.execute(
             "SELECT epoch_index, last_epoch_block FROM subnets WHERE netuid = ?", (netuid,)
         ).fetchone()
-        if params["commit_reveal"]:
-            self._reveal_commits(netuid, block, index + 1, params)  # before the epoch, as subtensor's block step
+        current = index + 1 if scheduled else index  # subtensor's current_epoch_with_lookahead
+        if params["commit_reveal"] and scheduled:
+            self._reveal_commits(netuid, block, current, params)  # before the epoch, as subtensor's block step
         if budget is None:
             budget = params["emission_per_block"] * params["tempo"]
         if c.execute("SELECT 1 FROM epochs WHERE netuid = ? AND block = ?", (netuid, block)).fetchone():
             raise ValueError(f"subnet {netuid} already ran an epoch at block {block}")
         c.execute("INSERT INTO epochs (netuid, block, emission_budget) VALUES (?, ?, ?)", (netuid, block, budget))
         c.execute("UPDATE subnets SET epoch_index = ?, last_epoch_block = ? WHERE netuid = ?",
-                  (index + 1, block, netuid))
+                  (current, block, netuid))
         rows = c.execute(
             "SELECT uid, hotkey, last_update, block_at_registration, validator_permit "
             "FROM neurons WHERE netuid = ? ORDER BY uid",
@@ -733,7 +736,7 @@ class DevnetChain(Chain):
         hotkeys = [r[1] for r in rows]
         stake = self._stakes(netuid)
         owner_uid = self._owner_uid(netuid)
-        commit_blocks = self._commit_blocks(netuid, hotkeys, index + 1, params) if params["commit_reveal"] else None
+        commit_blocks = self._commit_blocks(netuid, hotkeys, current, params) if params["commit_reveal"] else None
         inputs = EpochInputs(
             block=block,
             stake=stake,
@@ -1240,13 +1243,16 @@ class DevnetChain(Chain):
 
     async def trigger_epoch(self, netuid: int, emission_budget: float | None = None) -> EpochRecord:
         """Run the subnet's epoch now, at the current block, after this block's transactions so far (what
-        subtensor's tests do with SubtensorModule::epoch); `emission_budget` defaults to the tempo's."""
+        subtensor's tests do with SubtensorModule::epoch); `emission_budget` defaults to the tempo's. It
+        counts as the latest epoch for the bonds mask but leaves the commit-reveal clock alone (no reveal,
+        the epoch counter unchanged), as SubtensorModule::epoch does."""
         if emission_budget is not None and not (0 <= float(emission_budget) < math.inf):
             raise ValueError(f"emission_budget must be a finite number >= 0, got {emission_budget!r}")
 
         def operation(block: int) -> None:
             self._subnet_row(netuid)
-            self._run_epoch(netuid, block, None if emission_budget is None else float(emission_budget))
+            self._run_epoch(netuid, block, None if emission_budget is None else float(emission_budget),
+                            scheduled=False)
 
         await self._write(operation)
         return await self.last_epoch(netuid)

@@ -246,13 +246,12 @@ def test_u16_max_is_subtensors():
 
 async def test_a_pending_commit_masks_weights_to_a_uid_registered_after_it(chain, wallets):
     """subtensor's test_epoch_masks_incoming_to_sniped_uid_prevents_inheritance (epoch.rs): a validator with a
-    commit pending since before a uid's registration cannot pass weight to the newcomer. The devnet's
-    trigger_epoch moves the commit-reveal clock (subtensor's test-only epoch() does not), so the reveal period
-    is 3 here instead of 2, keeping the commit pending through both epochs as in the Rust test."""
+    commit pending since before a uid's registration cannot pass weight to the newcomer (tempo 10, reveal
+    period 2, the two epochs run by trigger_epoch as the Rust test runs SubtensorModule::epoch)."""
     async def run(with_commit: bool) -> float:
         c = DevnetChain(chain.path + ("-commit" if with_commit else "-plain"), block_interval=FROZEN, create=True)
         try:
-            netuid = await c.create_subnet(OWNER_COLDKEY, tempo=10, commit_reveal=True, reveal_period=3,
+            netuid = await c.create_subnet(OWNER_COLDKEY, tempo=10, commit_reveal=True, reveal_period=2,
                                            max_uids=3, max_validators=3, immunity_period=0, min_non_immune_uids=0)
             val, old, filler, new = wallets[:4]
             for w, stake in ((val, 10_000.0), (old, 100.0), (filler, 5_000.0)):
@@ -293,3 +292,41 @@ async def test_validators_without_weights_are_paid_by_stake(chain, wallets):
     for _ in range(3):
         epoch = await epoch_after(chain, netuid)
         assert [round(n.emission, 9) for n in epoch.neurons] == [7.5, 2.5]
+
+
+async def test_a_commit_masks_only_registrations_after_it_and_only_while_pending(chain, wallets):
+    """subtensor's test_epoch_does_not_mask_outside_window_but_masks_inside (epoch.rs), on the devnet's own
+    schedule (tempo 8, reveal period 2): a commit made before uid 1 registered has expired by the vote, so
+    uid 1 is not masked; a second commit made just before uids 2 and 3 registered is still pending, so the
+    validator's weights to them are."""
+    async def run(second_commit: bool) -> list[float]:
+        c = DevnetChain(chain.path + ("-two" if second_commit else "-one"), block_interval=FROZEN, create=True)
+        try:
+            netuid = await c.create_subnet(OWNER_COLDKEY, tempo=8, commit_reveal=True, reveal_period=2,
+                                           max_validators=1, weights_rate_limit=0)
+            v, old, mid, new = wallets[:4]
+            await c.register(v, netuid)
+            await c.add_stake(v, v, netuid, 10_000.0)
+            await c.advance_blocks(8)
+            await c.set_weights(v, netuid, {0: 1.0}, 0)  # the first (dummy) commit
+            await c.register(old, netuid)  # uid 1, outside the window
+            await c.add_stake(old, old, netuid, 1_000.0)
+            await c.advance_blocks(3 * 8)  # the first commit expires
+            if second_commit:
+                await c.set_weights(v, netuid, {0: 1.0}, 0)
+            await c.advance_blocks(1)
+            for w in (mid, new):  # uids 2 and 3, inside the window of the second commit
+                await c.register(w, netuid)
+                await c.add_stake(w, w, netuid, 1_000.0)
+            await c.advance_blocks(1)
+            await c.set_hyperparameter(netuid, "commit_reveal", False)
+            await c.set_weights(v, netuid, {1: 1.0, 2: 1.0, 3: 1.0}, 0)
+            await c.set_hyperparameter(netuid, "commit_reveal", True)
+            epoch = await c.trigger_epoch(netuid, 1000.0)
+            return [epoch.by_uid(u).incentive for u in (1, 2, 3)]
+        finally:
+            await c.close()
+
+    old, mid, new = await run(second_commit=True)
+    assert old > 0 and mid == 0.0 and new == 0.0
+    assert all(x > 0 for x in await run(second_commit=False))  # control: no pending commit, no mask
