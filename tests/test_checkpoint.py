@@ -30,8 +30,7 @@ from inference.model.checkpoint import (
     write_checkpoint,
     write_manifest,
 )
-from inference.model.config import ModelConfig
-from inference.model.k3 import KimiK3Model
+from inference.model import KimiK3Model, ModelConfig
 
 SMALL_SHARD = 256 * 1024  # forces the tiny checkpoint (1.46 MB) into several shards
 ROOT = Path(__file__).resolve().parent.parent
