@@ -5,7 +5,10 @@ k3, checkpoint, tokenizer). This package imports nothing else of ours.
 """
 from inference.model import mxfp4
 from inference.model.checkpoint import (
+    EVERY_TENSOR,
     CheckpointError,
+    TensorSelection,
+    TensorSite,
     TensorSpec,
     expected_tensors,
     fingerprint,
@@ -17,6 +20,7 @@ from inference.model.checkpoint import (
     read_manifest,
     read_weight_map,
     state_dict_to_checkpoint_tensors,
+    tensor_site,
     verify_manifest,
     write_checkpoint,
     write_manifest,
@@ -26,8 +30,9 @@ from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache, check_
 from inference.model.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
+    "EVERY_TENSOR", "TensorSite", "tensor_site",
     "ByteTokenizer", "CheckpointError", "ConfigError", "KimiK3Model", "ModelConfig", "ResidualState",
-    "SequenceCache", "TensorSpec", "Tokenizer", "TokenizerError", "check_forward_batch",
+    "SequenceCache", "TensorSelection", "TensorSpec", "Tokenizer", "TokenizerError", "check_forward_batch",
     "expected_tensors", "fingerprint", "load_checkpoint", "load_tensors", "load_tokenizer",
     "make_random_checkpoint", "mxfp4", "random_checkpoint_tensors", "read_config", "read_manifest",
     "read_weight_map", "state_dict_to_checkpoint_tensors", "verify_manifest", "write_checkpoint",

@@ -1,6 +1,7 @@
 """One shard process of the sharded Kimi K3 runtime (docs/engine.md section 2).
 
-A shard is one device of a placement plan (`inference.planning.plan.Plan`): it loads only the tensors that plan gives
+A shard is one device of a placement plan (`inference.planning.plan.Plan`): it loads, through the one checkpoint
+loader (`inference.model.checkpoint.load_checkpoint` with `shard_selection`), only the tensors that plan gives
 its rank (its home layers' attention, norms, router, latent projections and shared experts, its routed
 experts, the embedding or the LM head when they are its), keeps the decode caches of its home layers, and
 runs every step on the same deterministic schedule as every other rank (`ShardRank.run_step`): the residual
@@ -55,8 +56,9 @@ from inference.model import (
     ModelConfig,
     ResidualState,
     SequenceCache,
+    TensorSelection,
     fingerprint,
-    load_tensors,
+    load_checkpoint,
     read_config,
 )
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
@@ -118,32 +120,10 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
     return assign
 
 
-def owned_keys(config: ModelConfig, plan: Plan, rank: int, keys) -> list[str]:
-    """The model state_dict keys `rank` holds under `plan`."""
-    homed = {f"model.layers.{i}." for i in plan.layers_homed_on(rank)}
-    experts = {f"model.layers.{layer}.block_sparse_moe.experts.{e}."
-               for layer, ids in plan.experts_on(rank).items() for e in ids}
-    head = {"model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
-            "lm_head.weight"}
-    out = []
-    for key in keys:
-        if key.startswith("model.layers."):
-            layer_prefix = ".".join(key.split(".")[:3]) + "."
-            if ".block_sparse_moe.experts." in key:
-                expert_prefix = ".".join(key.split(".")[:6]) + "."
-                if expert_prefix in experts:
-                    out.append(key)
-            elif layer_prefix in homed:
-                out.append(key)
-        elif key == "model.embed_tokens.weight":
-            if rank == plan.embedding_rank:
-                out.append(key)
-        elif key in head:
-            if rank == plan.lm_head_rank:
-                out.append(key)
-        else:
-            raise CheckpointError(f"the sharded runtime does not know where tensor {key} belongs")
-    return out
+def shard_selection(plan: Plan, rank: int) -> TensorSelection:
+    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head."""
+    return TensorSelection.shard(plan.layers_homed_on(rank), plan.experts_on(rank),
+                                 embedding=rank == plan.embedding_rank, head=rank == plan.lm_head_rank)
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -179,28 +159,7 @@ def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: st
                       skeleton: str | None = None) -> KimiK3Model:
     """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
     model = model_skeleton(config, dtype, skeleton)
-    targets = model.state_dict(keep_vars=True)
-    mine = owned_keys(config, plan, rank, targets)
-    loaded = load_tensors(checkpoint, mine)
-    with torch.no_grad():
-        for key in mine:
-            target, src = targets[key], loaded.pop(key)
-            if key.endswith(".A_log"):  # stored padded to config.a_log_size, the model keeps one per head
-                if src.numel() < target.numel():
-                    raise CheckpointError(f"{key} holds {src.numel()} values, the model needs {target.numel()}")
-                src = src.reshape(-1)[:target.numel()].reshape(target.shape)
-            elif tuple(src.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {key} has shape {list(src.shape)} in the checkpoint but the model "
-                                      f"expects {list(target.shape)}")
-            if (src.dtype == torch.uint8) != (target.dtype == torch.uint8):
-                raise CheckpointError(f"tensor {key} is {src.dtype} in the checkpoint, the model holds {target.dtype}")
-            value = src.to(device=device, dtype=target.dtype).contiguous()
-            module_name, _, name = key.rpartition(".")
-            module = model.get_submodule(module_name)
-            if name in module._parameters:
-                module._parameters[name] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[name] = value
+    load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank), device=device)
     return model
 
 
