@@ -444,6 +444,32 @@ def test_tensor_sites_name_every_tensor_and_refuse_strangers():
         TensorSelection.stage(5, 2, embedding=False, head=False)
 
 
+# ------------------------------------------------- one random initialisation
+@pytest.mark.parametrize("preset, seed", [("tiny", 0), ("tiny", 5), ("tiny_kimi_linear", 2)])
+def test_the_seeded_model_is_the_seeded_checkpoint(tmp_path, preset, seed):
+    """`KimiK3Model(config, seed=s)` and `make_random_checkpoint(config, seed=s)` loaded back are one network."""
+    config = ModelConfig.preset(preset)
+    built = KimiK3Model(config, seed=seed)
+    make_random_checkpoint(config, tmp_path, seed=seed, max_shard_bytes=SMALL_SHARD)
+    loaded = KimiK3Model(config, random_init=False)
+    load_checkpoint(loaded, tmp_path, progress=False)
+    a, b = built.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    # the model's tensors written out are the checkpoint's bytes, so the same fingerprint
+    write_checkpoint(state_dict_to_checkpoint_tensors(a, config), config, tmp_path / "from_model",
+                     max_shard_bytes=SMALL_SHARD)
+    assert fingerprint(tmp_path / "from_model") == fingerprint(tmp_path)
+    ids = [torch.tensor(list(b"one network")), torch.tensor(list(b"two"))]
+    with torch.no_grad():
+        la = built(ids, [built.new_cache() for _ in ids], all_logits=True)
+        lb = loaded(ids, [loaded.new_cache() for _ in ids], all_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    other = KimiK3Model(config, seed=seed + 1)
+    assert not torch.equal(other.lm_head.weight, built.lm_head.weight)  # the seed matters
+
+
 # ------------------------------------------------- random weights are useful
 def next_token_entropy(model, prompt: bytes) -> tuple[float, int]:
     with torch.no_grad():

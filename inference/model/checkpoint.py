@@ -649,9 +649,14 @@ def _materialise(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------- random weights
-# Scales of the random weights: chosen so that the tiny model's next-token distributions are neither
-# uniform nor one-hot (see tests/test_checkpoint.py); projections get unit-variance outputs.
-LM_HEAD_GAIN = 3.0  # logits of std ~3 after the final norm, as in the model's own init
+# The one random initialisation: `make_random_checkpoint(config, seed=s)` writes these tensors and
+# `KimiK3Model(config, seed=s)` holds them (`fill_random_weights`), so the two are one network.
+# Scales: chosen so that the tiny model's next-token distributions are neither uniform nor one-hot (top
+# probability around 0.35, depending on context; see tests/test_checkpoint.py); projections get unit-variance
+# outputs. Measured on the tiny model: with unit gain on the residual branch outputs and AttnRes query std
+# 1/sqrt(D) the network amplifies fp32 rounding ~1000x, so a prefill and a token-by-token decode differ by up to
+# 1e-3; with the values below the amplification is ~30-70x and they agree within ~2e-5.
+LM_HEAD_GAIN = 3.0  # logits of std ~3 after the final norm (unit RMS)
 NORM_JITTER = 0.1  # norm weights 1 + 0.1 * N(0, 1)
 CONV_STD = 0.5
 DT_BIAS_STD = 0.1
@@ -674,16 +679,22 @@ RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "s
                            "routed_expert_up_proj.weight")
 
 
+def _random_expert(base: str, packed_spec: TensorSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MXFP4 expert weight on the grid: (weight_packed, weight_scale), drawn together from its base name."""
+    out_f, in_f = packed_spec.shape[0], packed_spec.shape[1] * 2
+    g = torch.Generator().manual_seed(_seed_for(seed, base))
+    return mxfp4.random_on_grid(out_f, in_f, g, expert_scale_exponents(in_f))
+
+
 def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -> torch.Tensor:
     """The deterministic random value of one checkpoint tensor (depends only on seed, name and shape)."""
     key = model_key(name)
-    if key.endswith((PACKED_SUFFIX, SCALE_SUFFIX)):
-        base = key.rsplit(".", 1)[0]
-        out_f = spec.shape[0]
-        in_f = spec.shape[1] * (2 if key.endswith(PACKED_SUFFIX) else MXFP4_BLOCK)
-        g = torch.Generator().manual_seed(_seed_for(seed, base))
-        packed, scale = mxfp4.random_on_grid(out_f, in_f, g, expert_scale_exponents(in_f))
-        return packed if key.endswith(PACKED_SUFFIX) else scale
+    if key.endswith(PACKED_SUFFIX):
+        return _random_expert(key[: -len(PACKED_SUFFIX)], spec, seed)[0]
+    if key.endswith(SCALE_SUFFIX):
+        out_f, blocks = spec.shape
+        return _random_expert(key[: -len(SCALE_SUFFIX)], TensorSpec((out_f, blocks * MXFP4_BLOCK // 2), spec.dtype),
+                              seed)[1]
     g = torch.Generator().manual_seed(_seed_for(seed, key))
     normal = torch.randn(spec.shape, generator=g, dtype=torch.float32)
     if key.endswith(".A_log"):
@@ -704,15 +715,39 @@ def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -
     elif key == "lm_head.weight":
         t = LM_HEAD_GAIN * normal / math.sqrt(spec.shape[1])
     elif key.endswith("attn_res_proj.weight") or key.endswith("_res_proj.weight"):
-        # AttnRes query vectors: source logits of std ~0.5 (the model's own init, see inference/model/k3.py)
+        # AttnRes query vectors: source logits of std ~0.5
         t = 0.5 * normal / math.sqrt(spec.shape[-1])
     elif key.endswith(RESIDUAL_BRANCH_OUTPUTS):
-        # outputs feeding the residual stream get 1/sqrt(2 * layers), as in the model's init: with gain 1
+        # outputs feeding the residual stream get 1/sqrt(2 * layers) (the GPT-2 factor): with gain 1
         # the 13-layer tiny model amplifies fp32 rounding ~1000x and prefill and decode drift apart
         t = normal / math.sqrt(spec.shape[-1]) / math.sqrt(2 * config.num_layers)
     else:  # projections [out, in]
         t = normal / math.sqrt(spec.shape[-1])
     return t.to(spec.dtype)
+
+
+def fill_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Give `model` (a KimiK3Model) the tensors of `make_random_checkpoint(model.config, seed=seed)`, as loading
+    that checkpoint would: same values, cast to the model's dtypes, A_log trimmed to one value per head."""
+    config = model.config
+    targets = model.state_dict(keep_vars=True)
+    specs = expected_tensors(config)
+    with torch.no_grad():
+        for name, spec in specs.items():
+            key = model_key(name)
+            if key.endswith(SCALE_SUFFIX):
+                continue  # drawn with its packed twin
+            if key.endswith(PACKED_SUFFIX):
+                base = key[: -len(PACKED_SUFFIX)]
+                packed, scale = _random_expert(base, spec, seed)
+                targets[key].copy_(packed)
+                targets[base + SCALE_SUFFIX].copy_(scale)
+                continue
+            t = random_tensor(name, spec, config, seed)
+            target = targets[key]
+            if key.endswith(".A_log"):
+                t = t.reshape(-1)[: target.numel()].reshape(target.shape)
+            target.copy_(t)
 
 
 def random_checkpoint_tensors(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -768,6 +803,7 @@ __all__ = [
     "load_tensors",
     "load_checkpoint",
     "random_tensor",
+    "fill_random_weights",
     "random_checkpoint_tensors",
     "make_random_checkpoint",
 ]
