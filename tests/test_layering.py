@@ -3,6 +3,7 @@
 - inference/ imports nothing from protocol/, neurons/, chain/ or scoring/: it is an engine to embed anywhere;
 - inference/sharding/ does not import inference/serving/ (serving wraps the sharded model, not the reverse);
 - inference/model/ does not import the other inference/ packages (everything else builds on the model);
+- inference/planning/ imports neither the serving engine nor the sharded runtime (they use plans);
 - chain/ imports nothing of ours outside chain/ (it knows only the SDK, numpy and SQLite);
 - protocol/ imports nothing from inference/, neurons/, chain/ or scoring/.
 
@@ -24,6 +25,7 @@ RULES = [
     ("inference.sharding", ("inference.serving",), "the sharded runtime sits below the serving engine"),
     ("inference.model", ("inference.serving", "inference.sharding", "inference.planning"),
      "the model is the bottom layer of inference/"),
+    ("inference.planning", ("inference.serving", "inference.sharding"), "plans are made before anything runs"),
     ("chain", ("inference", "protocol", "neurons", "scoring", "scripts", "tests"), "chain/ is a leaf"),
     ("protocol", ("inference", "neurons", "chain", "scoring"), "protocol/ knows schemas, signing and HTTP only"),
 ]
