@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max, selection_count_pmf
 from inference.planning.plan import (
     Link,

@@ -53,7 +53,7 @@ from chain.interface import (
     RateLimited,
     connect,
 )
-from inference.serving.builders import EngineSpec
+from inference.serving import EngineSpec
 from inference.version import version_key
 from neurons.settings import (
     WalletNotFound,
@@ -1184,9 +1184,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
     problems = settings.problems()
     if problems:
         raise ValidatorSetupError("; ".join(problems))
-    from inference.model.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415
-    from inference.serving.builders import EngineSpecError, build_engine  # noqa: PLC0415
-    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.model import CheckpointError, fingerprint, read_config  # noqa: PLC0415
+    from inference.serving import EngineSpecError, build_engine  # noqa: PLC0415
+    from inference.model import load_tokenizer  # noqa: PLC0415
 
     wallet = wallet or open_wallet(settings.wallet)
     checkpoint = settings.engine.checkpoint
