@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ from neurons.settings import (
     read_options,
     wallet_options,
 )
+from protocol.errors import ErrorCode
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -417,22 +417,22 @@ def _wire_token(event: EngineToken) -> TokenEvent:
                       top_logprobs=[[TopLogprob(token_id=t, logprob=_logprob(lp)) for t, lp in event.top_logprobs]])
 
 
-_HTTP_STATUS = re.compile(r"HTTP (\d{3})")
-
-
 def _miner_error(error: EngineError, timeouts: TimeoutSettings) -> MinerError:
-    """The adapter's errors in the protocol client's terms, so both targets count errors alike."""
-    status = _HTTP_STATUS.search(error.message)
-    if status:
-        return MinerHTTPError(int(status.group(1)), error.code, error.message)
-    if "cannot reach" in error.message:
+    """The adapter's errors in the protocol client's terms, so both targets count errors alike.
+    Read from the error's fields (its code, the server's status, the deadline that passed), never its text."""
+    if error.http_status is not None:
+        return MinerHTTPError(error.http_status, error.code, error.message)
+    if error.unreachable:
         return MinerUnreachable(error.message)
-    if "no response within" in error.message:
+    if error.timeout == "first_byte":
         return MinerTimeout("first_byte", timeouts.first_token_s)
-    if "stalled" in error.message:
+    if error.timeout == "between_events":
         return MinerTimeout("between_events", timeouts.between_tokens_s)
-    if error.code in ("invalid_request", "context_too_long"):
-        return MinerHTTPError(400, error.code, error.message)
+    if error.timeout == "total":
+        return MinerTimeout("total", timeouts.request_s)
+    code = ErrorCode.parse(error.code)
+    if code is not None and code.http_status < 500:
+        return MinerHTTPError(code.http_status, code, error.message)
     return MinerProtocolError(f"{error.code}: {error.message}")
 
 

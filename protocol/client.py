@@ -30,6 +30,7 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from .auth import hotkey_signer, sign_request
+from .errors import ErrorCode
 from .schemas import (
     CAPABILITIES_PATH,
     GENERATE_PATH,
@@ -87,11 +88,18 @@ class MinerUnreachable(MinerError):
 
 
 class MinerHTTPError(MinerError):
+    """A non-200 answer. `code` is the error body's code as sent; `error_code` is it as an
+    ErrorCode, or None for a code this protocol does not define."""
+
     def __init__(self, status: int, code: str, message: str):
         super().__init__(f"HTTP {status} {code}: {message}")
         self.status = status
-        self.code = code
+        self.code = str(code)
         self.message = message
+
+    @property
+    def error_code(self) -> Optional[ErrorCode]:
+        return ErrorCode.parse(self.code)
 
 
 class MinerTimeout(MinerError):
@@ -112,8 +120,12 @@ class MinerStreamError(MinerError):
 
     def __init__(self, code: str, message: str):
         super().__init__(f"miner error {code}: {message}")
-        self.code = code
+        self.code = str(code)
         self.message = message
+
+    @property
+    def error_code(self) -> Optional[ErrorCode]:
+        return ErrorCode.parse(self.code)
 
 
 # ---------------------------------------------------------------- results
@@ -414,7 +426,7 @@ class MinerClient:
         if detail is not None:
             raise MinerHTTPError(response.status, detail.code, detail.message)
         raise MinerHTTPError(
-            response.status, "unparseable_error", f"HTTP {response.status} without a JSON error body"
+            response.status, ErrorCode.UNPARSEABLE_ERROR, f"HTTP {response.status} without a JSON error body"
         )
 
     async def _read_body(self, response, clock: _CallClock, limit: int, over_limit: str) -> bytes:

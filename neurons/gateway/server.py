@@ -50,6 +50,7 @@ from neurons.settings import (
     port_number,
     positive_float,
 )
+from protocol.errors import ErrorCode, http_status
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -316,16 +317,19 @@ class KeyRateLimiter:
 
 # ---------------------------------------------------------------- OpenAI errors
 class ApiError(Exception):
-    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
+    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}.
 
-    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
-                 kind: Optional[str] = None, retry_after_s: Optional[float] = None):
+    The status comes from the code (protocol.errors); `status` is given only for aiohttp's
+    own answers, whose status may have no code of its own."""
+
+    def __init__(self, code: Optional[ErrorCode | str], message: str, param: Optional[str] = None,
+                 kind: Optional[str] = None, retry_after_s: Optional[float] = None, status: Optional[int] = None):
         super().__init__(message)
-        self.status = status
+        self.status = status if status is not None else http_status(code)
         self.message = message
-        self.code = code
+        self.code = None if code is None else str(code)
         self.param = param
-        self.kind = kind or _ERROR_KIND.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.kind = kind or _ERROR_KIND.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
@@ -460,13 +464,13 @@ def _parse_body(model: type[_Body], raw: bytes) -> Any:
     except ValidationError as error:
         message, kinds = describe_validation_error(error)
         if "json_invalid" in kinds or "json_type" in kinds:
-            raise ApiError(400, "the body is not a JSON object", code="invalid_json") from None
+            raise ApiError(ErrorCode.INVALID_JSON, "the body is not a JSON object") from None
         first = error.errors(include_url=False, include_input=False)[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"unsupported parameter: {param}", code="unsupported_parameter",
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER, f"unsupported parameter: {param}",
                            param=param) from None
-        raise ApiError(400, message, code="invalid_value", param=param) from None
+        raise ApiError(ErrorCode.INVALID_VALUE, message, param=param) from None
 
 
 # ---------------------------------------------------------------- text out
@@ -552,37 +556,37 @@ class OrganicGateway:
             return error.response()
         except web.HTTPException as error:  # aiohttp's own (unknown path, wrong method, body too large)
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status)
-            return ApiError(error.status, error.reason or "error", code=code).response()
+            return ApiError(code, error.reason or "error", status=error.status).response()
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("unexpected failure answering %s %s", request.method, request.path)
-            return ApiError(500, "the gateway failed on this request", code="internal_error").response()
+            return ApiError(ErrorCode.INTERNAL_ERROR, "the gateway failed on this request").response()
 
     def _authenticate(self, request: web.Request) -> str:
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+            raise ApiError(ErrorCode.INVALID_API_KEY, "missing API key: send 'Authorization: Bearer YOUR_KEY'")
         who = self.api_keys.check(key)
         if who is None:
-            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+            raise ApiError(ErrorCode.INVALID_API_KEY, "incorrect API key")
         return who
 
     def _admit(self, request: web.Request) -> str:
         who = self._authenticate(request)
         wait = self.limiter.take(who)
         if wait is not None:
-            raise ApiError(429, f"rate limit of {self.settings.rate_limit_requests} requests per "
-                                f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s",
-                           code="rate_limit_exceeded", retry_after_s=wait)
+            raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
+                           f"rate limit of {self.settings.rate_limit_requests} requests per "
+                           f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s", retry_after_s=wait)
         return who
 
     def _check_model(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this gateway serves "
-                                f"{self.settings.model_name!r}", code="model_not_found", param="model")
+            raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {name!r} does not exist; this gateway serves "
+                                                      f"{self.settings.model_name!r}", param="model")
 
     # ------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -609,7 +613,7 @@ class OrganicGateway:
             ids = self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
                                                      add_generation_prompt=True)
         except ValueError as error:
-            raise ApiError(400, str(error), code="invalid_value", param="messages") from None
+            raise ApiError(ErrorCode.INVALID_VALUE, str(error), param="messages") from None
         plan = _Plan("chat", body, ids, body.requested_max_tokens, body.user_logprobs,
                      "chatcmpl-" + secrets.token_hex(12), int(time.time()))
         return await self._serve(request, plan)
@@ -625,7 +629,7 @@ class OrganicGateway:
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise ApiError(400, "this gateway takes one prompt per request", code="invalid_value", param="prompt")
+                raise ApiError(ErrorCode.INVALID_VALUE, "this gateway takes one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -634,10 +638,10 @@ class OrganicGateway:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               code="invalid_value", param="prompt")
+                raise ApiError(ErrorCode.INVALID_VALUE, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt")
         if not ids:
-            raise ApiError(400, "the prompt is empty", code="invalid_value", param="prompt")
+            raise ApiError(ErrorCode.INVALID_VALUE, "the prompt is empty", param="prompt")
         return ids
 
     # ------------------------------------------------------------ routing
@@ -691,26 +695,27 @@ class OrganicGateway:
 
     async def _serve(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
         if plan.max_tokens is not None and plan.max_tokens > self.settings.max_tokens_cap:
-            raise ApiError(400, f"max_tokens is {plan.max_tokens}, above this gateway's limit of "
-                                f"{self.settings.max_tokens_cap}", code="invalid_value", param="max_tokens")
+            raise ApiError(ErrorCode.INVALID_VALUE, f"max_tokens is {plan.max_tokens}, above this gateway's limit of "
+                                                    f"{self.settings.max_tokens_cap}", param="max_tokens")
         if plan.body.top_k > self.tokenizer.vocab_size:
-            raise ApiError(400, f"top_k is {plan.body.top_k}, above the vocabulary size {self.tokenizer.vocab_size}",
-                           code="invalid_value", param="top_k")
+            raise ApiError(ErrorCode.INVALID_VALUE,
+                           f"top_k is {plan.body.top_k}, above the vocabulary size {self.tokenizer.vocab_size}",
+                           param="top_k")
         writer = _SseWriter(request, plan, self.tokenizer, self.settings.model_name)
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 return await self._route(plan, writer)
         except TimeoutError:
             if writer.response is None:
-                raise ApiError(504, f"no miner answered within {self.settings.request_timeout_s:g} s",
-                               code="timeout") from None
+                raise ApiError(ErrorCode.TIMEOUT,
+                               f"no miner answered within {self.settings.request_timeout_s:g} s") from None
             await writer.fail("the request took longer than the gateway allows")
             return writer.response
 
     async def _route(self, plan: _Plan, writer: "_SseWriter") -> web.StreamResponse:
         targets = await self._ranked()
         if not targets:
-            raise ApiError(503, "no miner is available right now; retry later", code="no_miner_available")
+            raise ApiError(ErrorCode.NO_MINER_AVAILABLE, "no miner is available right now; retry later")
         attempts, too_small, errors = 0, 0, []
         for target in targets:
             if attempts >= self.settings.max_attempts:
@@ -735,12 +740,13 @@ class OrganicGateway:
                 return response
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
         if attempts == 0 and too_small:
-            raise ApiError(400, f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
-                                "context of any available miner; shorten the prompt or lower max_tokens",
-                           code="context_length_exceeded", param="messages" if plan.kind == "chat" else "prompt")
+            raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                           f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
+                           "context of any available miner; shorten the prompt or lower max_tokens",
+                           param="messages" if plan.kind == "chat" else "prompt")
         log.warning("organic request failed on %d miners: %s", attempts, "; ".join(errors))
-        raise ApiError(502, f"{attempts} miners were tried and none gave a verified answer; retry later",
-                       code="miners_failed")
+        raise ApiError(ErrorCode.MINERS_FAILED,
+                       f"{attempts} miners were tried and none gave a verified answer; retry later")
 
     def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
         log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
@@ -968,7 +974,7 @@ class _SseWriter:
 
     async def fail(self, message: str) -> None:
         """End a started stream with an error chunk (no [DONE]): the client raises it."""
-        error = ApiError(502, message, code="miner_failed")
+        error = ApiError(ErrorCode.MINER_FAILED, message)
         try:
             await self.response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
             await self.response.write_eof()

@@ -70,6 +70,7 @@ from neurons.settings import (
     wallet_options,
     open_wallet as open_cli_wallet,
 )
+from protocol.errors import ErrorCode, http_status
 from protocol.auth import AuthFailure, SQLiteNonceStore, hotkey_signer, verify_request
 from protocol.schemas import (
     CAPABILITIES_PATH,
@@ -263,15 +264,19 @@ def read_miner_settings(
 
 # ---------------------------------------------------------------- refusals
 class Refusal(Exception):
-    """A request answered with an error status and a JSON body; never reaches the engine."""
+    """A request answered with an error status and a JSON body; never reaches the engine.
 
-    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
-                 close: bool = False):
+    The status and the default Retry-After come from the code (protocol.errors); `status`
+    is given only for aiohttp's own answers whose status has no code of its own."""
+
+    def __init__(self, code: ErrorCode | str, message: str, retry_after_s: float | None = None,
+                 close: bool = False, status: int | None = None):
         super().__init__(message)
-        self.status = status
-        self.code = code
+        known = ErrorCode.parse(code)
+        self.code = str(code)
+        self.status = status if status is not None else http_status(code)
         self.message = message
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = retry_after_s if retry_after_s is not None or known is None else known.retry_after_s
         self.close = close
 
     def response(self) -> web.Response:
@@ -285,20 +290,12 @@ class Refusal(Exception):
         return response
 
 
-# Engine refusal code -> (HTTP status, Retry-After seconds)
-_ENGINE_STATUS = {
-    "invalid_request": (400, None),
-    "context_too_long": (400, None),
-    "queue_full": (429, 1.0),
-    "over_capacity": (429, 1.0),
-    "engine_unavailable": (503, 5.0),
-    "engine_failure": (503, 5.0),
-}
-
-
 def engine_refusal(error: EngineError) -> Refusal:
-    status, retry = _ENGINE_STATUS.get(error.code, (503, 5.0))
-    return Refusal(status, _wire_code(error.code), _public_message(error), retry)
+    """An engine refusal as the miner's answer; a code the table lacks counts as an engine failure."""
+    code = ErrorCode.parse(error.code)
+    if code is None:
+        return Refusal(_wire_code(error.code), _public_message(error), 5.0, status=503)
+    return Refusal(code, _public_message(error))
 
 
 def _wire_code(code: str) -> str:
@@ -352,16 +349,16 @@ class ValidatorAccess:
         if budget is not None:
             return budget
         if self.snapshot is None:
-            raise Refusal(503, "metagraph_unavailable",
-                          "this miner has not read the subnet's metagraph yet; retry shortly", 5.0)
+            raise Refusal(ErrorCode.METAGRAPH_UNAVAILABLE,
+                          "this miner has not read the subnet's metagraph yet; retry shortly")
         neuron = self._neurons.get(hotkey)
         netuid = self.snapshot.netuid
         if neuron is None:
-            raise Refusal(403, "not_registered", f"hotkey {hotkey} is not registered on subnet {netuid}")
+            raise Refusal(ErrorCode.NOT_REGISTERED, f"hotkey {hotkey} is not registered on subnet {netuid}")
         if not neuron.validator_permit:
-            raise Refusal(403, "no_validator_permit",
+            raise Refusal(ErrorCode.NO_VALIDATOR_PERMIT,
                           f"uid {neuron.uid} has no validator permit on subnet {netuid}")
-        raise Refusal(403, "insufficient_stake",
+        raise Refusal(ErrorCode.INSUFFICIENT_STAKE,
                       f"uid {neuron.uid} has stake {neuron.stake:g}, below this miner's minimum of "
                       f"{self.settings.min_validator_stake:g}")
 
@@ -389,7 +386,7 @@ class CallerBudgets:
         if tokens < 1.0:
             self._buckets[hotkey] = (tokens, now)
             wait = (1.0 - tokens) / rate
-            raise Refusal(429, "rate_limited",
+            raise Refusal(ErrorCode.RATE_LIMITED,
                           f"this hotkey may send {budget.requests_per_window} requests per {self.window_s:g} s "
                           f"(its stake share); retry in {wait:.1f} s", wait)
         self._buckets[hotkey] = (tokens - 1.0, now)
@@ -397,12 +394,11 @@ class CallerBudgets:
     def open_stream(self, hotkey: str, budget: CallerBudget) -> None:
         mine = self._streams.get(hotkey, 0)
         if mine >= budget.max_streams:
-            raise Refusal(429, "caller_streams",
-                          f"this hotkey has {mine} streams open; its limit (stake share) is {budget.max_streams}",
-                          1.0)
+            raise Refusal(ErrorCode.CALLER_STREAMS,
+                          f"this hotkey has {mine} streams open; its limit (stake share) is {budget.max_streams}")
         if self.streams_in_flight >= self.capacity:
-            raise Refusal(429, "over_capacity", f"all {self.capacity} streams of this miner are busy; retry later",
-                          1.0)
+            raise Refusal(ErrorCode.OVER_CAPACITY,
+                          f"all {self.capacity} streams of this miner are busy; retry later")
         self._streams[hotkey] = mine + 1
         self.streams_in_flight += 1
 
@@ -750,31 +746,31 @@ class MinerServer:
             if refusal.status == 429:
                 self.metrics.rejections.labels(refusal.code).inc()
         except ProtocolError as error:
-            response = Refusal(error.status, error.code, error.message).response()
+            response = Refusal(error.code, error.message, status=error.status).response()
         except web.HTTPException as error:  # aiohttp's own answers (unknown path, wrong method): JSON too
             code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(error.status, "http_error")
-            response = Refusal(error.status, code, error.reason or code).response()
+            response = Refusal(code, error.reason or code, status=error.status).response()
         except asyncio.CancelledError:
             self.metrics.disconnects.inc()
             raise
         except Exception:
             log.exception("unexpected failure answering %s %s", request.method, request.path)
-            response = Refusal(500, "internal_error", "the miner failed on this request").response()
+            response = Refusal(ErrorCode.INTERNAL_ERROR, "the miner failed on this request").response()
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         return response
 
     async def _admit(self, request: web.Request) -> Admission:
         """Size, btauth/1, validator gate and request budget, in this order, before any parsing."""
         if self.draining:
-            raise Refusal(503, "shutting_down", "this miner is shutting down; retry later", 5.0)
+            raise Refusal(ErrorCode.SHUTTING_DOWN, "this miner is shutting down; retry later")
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise Refusal(413, "too_large", f"request body is {request.content_length} bytes, above the limit of "
+            raise Refusal(ErrorCode.TOO_LARGE, f"request body is {request.content_length} bytes, above the limit of "
                                             f"{limit}", close=True)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise Refusal(413, "too_large", f"request body is above the limit of {limit} bytes", close=True) from None
+            raise Refusal(ErrorCode.TOO_LARGE, f"request body is above the limit of {limit} bytes", close=True) from None
         args = (request.headers, body, request.method, request.raw_path, self.hotkey, self.nonce_store)
         try:
             if len(body) > OFF_LOOP_BYTES:
@@ -783,8 +779,7 @@ class MinerServer:
                 hotkey = verify_request(*args)
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
-            raise Refusal(failure.status, failure.code, failure.message,
-                          5.0 if failure.status == 503 else None) from None
+            raise Refusal(failure.code, failure.message, status=failure.status) from None
         try:
             budget = self.access.check(hotkey)
         except Refusal as refusal:
@@ -862,10 +857,10 @@ class MinerServer:
             except EngineError as error:
                 raise engine_refusal(error) from None
             except TimeoutError:
-                raise Refusal(503, "engine_stalled", "the engine did not finish scoring in time", 5.0) from None
+                raise Refusal(ErrorCode.ENGINE_STALLED, "the engine did not finish scoring in time") from None
             if [p.position for p in scored] != positions:
                 log.error("the engine scored positions other than those asked")
-                raise Refusal(503, "engine_failure", "the engine failed on this request; retry later", 5.0)
+                raise Refusal(ErrorCode.ENGINE_FAILURE, "the engine failed on this request; retry later")
             body = await self._off_loop_if_large(len(positions) * (1 + parsed.top_k) * 64, self._score_answer,
                                                  parsed, scored)
             return _json(body)
