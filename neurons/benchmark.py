@@ -167,24 +167,13 @@ class QualitySettings:
 
 
 @dataclass(frozen=True)
-class TimeoutSettings:
-    connect_s: float = 5.0
-    first_token_s: float = 300.0
-    between_tokens_s: float = 60.0
-    request_s: float = 1800.0
-
-    def client(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_token_s,
-                              between_events=self.between_tokens_s, total=self.request_s)
-
-
-@dataclass(frozen=True)
 class BenchmarkSettings:
     target: TargetSettings = field(default_factory=TargetSettings)
     wallet: WalletChoice = field(default_factory=WalletChoice)
     workload: WorkloadSettings = field(default_factory=WorkloadSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
-    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    # the validators' deadlines (protocol.client.ClientTimeouts), so the benchmark times out where they would
+    timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
     tokenizer_checkpoint: Optional[str] = None
     out_dir: Optional[str] = None
     log_level: str = "WARNING"
@@ -257,14 +246,15 @@ def benchmark_options() -> tuple[Option, ...]:
                "greedy canaries checked against the reference (needs --reference-checkpoint)", group="quality"),
         Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int, 4,
                "answer probes (exact copy, planted fact), greedy", group="quality"),
-        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 5.0,
-               "deadline to connect", group="timeouts"),
-        Option("timeouts.first_token_s", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               300.0, "deadline for the first token (covers queueing and prefill)", group="timeouts"),
-        Option("timeouts.between_tokens_s", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S",
-               positive_float, 60.0, "deadline between two tokens", group="timeouts"),
-        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 1800.0,
-               "deadline of one request", group="timeouts"),
+        Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
+               ClientTimeouts.connect, "deadline to connect", group="timeouts"),
+        Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
+               ClientTimeouts.first_byte, "deadline for the first token (covers queueing and prefill)",
+               group="timeouts"),
+        Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S",
+               positive_float, ClientTimeouts.between_events, "deadline between two tokens", group="timeouts"),
+        Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
+               ClientTimeouts.total, "deadline of one request", group="timeouts"),
         Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text, None,
                "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
                group="general", metavar="DIR"),
@@ -314,7 +304,7 @@ class OpenAIEndpoint:
 
     kind = "openai"
 
-    def __init__(self, settings: TargetSettings, timeouts: TimeoutSettings, concurrency: int):
+    def __init__(self, settings: TargetSettings, timeouts: ClientTimeouts, concurrency: int):
         self.settings = settings
         self.timeouts = timeouts
         self.concurrency = concurrency
@@ -323,7 +313,7 @@ class OpenAIEndpoint:
 
     async def _model_entry(self) -> dict:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
-        timeout = aiohttp.ClientTimeout(total=self.timeouts.connect_s + 10.0)
+        timeout = aiohttp.ClientTimeout(total=self.timeouts.connect + 10.0)
         url = self.settings.openai_url.rstrip("/") + "/v1/models"
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -348,10 +338,10 @@ class OpenAIEndpoint:
         self.engine = RemoteEngine(
             RemoteSettings(base_url=self.settings.openai_url, model_name=self.settings.model,
                            api_key=self.settings.api_key, max_context=max_context,
-                           max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect_s,
-                           first_byte_timeout_s=self.timeouts.first_token_s,
-                           between_events_timeout_s=self.timeouts.between_tokens_s,
-                           total_timeout_s=self.timeouts.request_s),
+                           max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect,
+                           first_byte_timeout_s=self.timeouts.first_byte,
+                           between_events_timeout_s=self.timeouts.between_events,
+                           total_timeout_s=self.timeouts.total),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         await self.engine.start()
         caps = Capabilities(model_id=self.settings.model[:128], model_fingerprint=UNDECLARED,
@@ -417,7 +407,7 @@ def _wire_token(event: EngineToken) -> TokenEvent:
                       top_logprobs=[[TopLogprob(token_id=t, logprob=_logprob(lp)) for t, lp in event.top_logprobs]])
 
 
-def _miner_error(error: EngineError, timeouts: TimeoutSettings) -> MinerError:
+def _miner_error(error: EngineError, timeouts: ClientTimeouts) -> MinerError:
     """The adapter's errors in the protocol client's terms, so both targets count errors alike.
     Read from the error's fields (its code, the server's status, the deadline that passed), never its text."""
     if error.http_status is not None:
@@ -425,11 +415,11 @@ def _miner_error(error: EngineError, timeouts: TimeoutSettings) -> MinerError:
     if error.unreachable:
         return MinerUnreachable(error.message)
     if error.timeout == "first_byte":
-        return MinerTimeout("first_byte", timeouts.first_token_s)
+        return MinerTimeout("first_byte", timeouts.first_byte)
     if error.timeout == "between_events":
-        return MinerTimeout("between_events", timeouts.between_tokens_s)
+        return MinerTimeout("between_events", timeouts.between_events)
     if error.timeout == "total":
-        return MinerTimeout("total", timeouts.request_s)
+        return MinerTimeout("total", timeouts.total)
     code = ErrorCode.parse(error.code)
     if code is not None and code.http_status < 500:
         return MinerHTTPError(code.http_status, code, error.message)
@@ -702,7 +692,7 @@ def open_endpoint(settings: BenchmarkSettings):
             wallet = open_wallet(WalletSettings(settings.wallet.name, settings.wallet.hotkey, settings.wallet.path))
         except MinerSetupError as error:
             raise BenchmarkSetupError(str(error)) from None
-        return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts.client())
+        return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts)
     return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))
 
 

@@ -62,7 +62,14 @@ Event = Union[TokenEvent, FinalEvent, ErrorEvent]
 
 @dataclass(frozen=True)
 class ClientTimeouts:
-    """Seconds; see the module docstring for what each one bounds."""
+    """Seconds; see the module docstring for what each one bounds.
+
+    The one timeouts type of every client of a miner (validator, gateway, endpoint benchmark),
+    with one set of defaults, so that all of them hold a miner to the same deadlines:
+    connect: a reachable host answers a SYN in well under a second, 3 s allows for a far one;
+    first_byte: a full-context prefill on the reference hardware takes tens of seconds;
+    between_events: a serving miner emits a token every few hundred ms, 10 s of silence is a stall;
+    total: 600 s covers the longest generation a validator or a user asks for."""
 
     connect: float = 3.0
     first_byte: float = 60.0

@@ -2,26 +2,20 @@
 (in-process MinerServers over the tiny checkpoint's reference engine) that accept the gateway's
 signed requests because its hotkey holds a validator permit and stake on a devnet."""
 import asyncio
-import importlib.util
 import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import bittensor as bt
 import openai
 import pytest
 from hypothesis import given, settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.sampling import SamplingParams
-from inference.serving.builders import load_reference_model
 from neurons.gateway.server import (
     ApiKeyFileError,
     ApiKeys,
@@ -34,6 +28,7 @@ from neurons.gateway.server import (
     gateway_options,
     read_api_keys,
 )
+from neurons.miner_app import cheats
 from neurons.settings import build_settings, read_options
 from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
@@ -49,32 +44,13 @@ MODEL = "kimi-k3-test"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
-async def _make_devnet(path: Path, wallets: dict) -> int:
-    chain = DevnetChain(path, create=True, block_interval=1.0)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)  # no epoch during the tests
-        for name in ("validator", "miner_a", "miner_b", "cheater"):
-            await chain.register(wallets[name], netuid)
-        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 1000.0)
-        return netuid
-    finally:
-        await chain.close()
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_reference):
     root = tmp_path_factory.mktemp("gateway")
-    make_random_checkpoint(CONFIG, root / "ckpt", seed=0)
-    model, tokenizer, fingerprint = load_reference_model(root / "ckpt")
-    wallets = {n: make_wallet(root / "wallets", n) for n in ("owner", "validator", "miner_a", "miner_b", "cheater")}
-    netuid = asyncio.run(_make_devnet(root / "devnet.sqlite", wallets))
+    model, tokenizer, fingerprint = tiny_reference
+    wallets = make_wallets(root / "wallets", ("owner", "validator", "miner_a", "miner_b", "cheater"))
+    netuid, _ = make_subnet(root / "devnet.sqlite", wallets, ("validator", "miner_a", "miner_b", "cheater"),
+                            {"validator": 1000.0})
     keys = root / "keys.txt"
     keys.write_text(f"# organic users\n{KEY}   # alice\n\n")
     return dict(root=root, model=model, tokenizer=tokenizer, fingerprint=fingerprint, wallets=wallets,
@@ -82,8 +58,7 @@ def world(tmp_path_factory):
 
 
 def cheating_engine(inner, cheat):
-    module = importlib.import_module("neurons.miner_app.cheats")
-    return module.CheatingEngine(inner, cheat)
+    return cheats.CheatingEngine(inner, cheat)
 
 
 def engine_of(world) -> LocalEngine:
@@ -114,12 +89,6 @@ class AsyncDirectory(Directory):
         return list(self.targets)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 async def subnet(world, tmp_path):
     """Start miners and a gateway in-process; everything is closed at the end of the test."""
@@ -147,7 +116,8 @@ async def subnet(world, tmp_path):
 
     async def gateway(directory, **overrides) -> GatewayServer:
         values = dict(enabled=True, host="127.0.0.1", port=0, api_keys_file=str(world["keys"]), model_name=MODEL,
-                      default_max_tokens=6, first_token_timeout_s=20.0, request_timeout_s=60.0)
+                      default_max_tokens=6,
+                      miner_timeouts=ClientTimeouts(first_byte=20.0, total=60.0))
         values.update(overrides)
         server = GatewayServer(directory, client, world["tokenizer"], GatewaySettings(**values))
         gateways.append(server)
@@ -257,7 +227,7 @@ async def test_chat_and_completions_streamed_and_whole_through_the_openai_client
         assert isinstance(outcome, GenerateResult) and tier0(world, best, outcome) == []
 
 
-async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, subnet, tmp_path):
+async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, subnet, tmp_path, free_port):
     start_miner, start_gateway, _ = subnet
     keys = tmp_path / "keys.txt"
     keys.write_text(KEY + "\n")
@@ -300,7 +270,7 @@ async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, 
     assert directory.reports == []  # nothing invalid reached a miner
 
 
-async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_miner(world, subnet):
+async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_miner(world, subnet, free_port):
     start_miner, start_gateway, _ = subnet
     directory = Directory([MinerTarget(uid=9, hotkey=world["wallets"]["miner_a"].hotkey.ss58_address,
                                        url=f"http://127.0.0.1:{free_port()}", score=1.0)])
@@ -319,7 +289,7 @@ async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_mine
 
 
 # ---------------------------------------------------------------- failover
-async def test_failover_past_an_unreachable_miner_and_a_stopped_one(world, subnet):
+async def test_failover_past_an_unreachable_miner_and_a_stopped_one(world, subnet, free_port):
     start_miner, start_gateway, stop_miner = subnet
     a = await start_miner("miner_a", uid=1, score=0.8)
     b = await start_miner("miner_b", uid=2, score=0.7)

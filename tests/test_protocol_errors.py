@@ -10,6 +10,7 @@ from inference.serving.engine import ERROR_CODES, EngineError
 from neurons.gateway.server import ApiError
 from neurons.miner_app.server import Refusal, engine_refusal
 from protocol.auth import AuthFailure
+from protocol.client import ClientTimeouts
 from protocol.errors import HTTP_STATUS, RETRY_AFTER_S, ErrorCode, http_status
 from protocol.schemas import ProtocolError, error_body, parse_error_body
 
@@ -79,15 +80,15 @@ def test_the_code_travels_as_its_wire_value():
     ("first_byte", {"timeout": "first_byte"}),
 ])
 def test_the_benchmark_reads_the_error_fields_not_the_message(kind, fields):
-    from neurons.benchmark import TimeoutSettings, _miner_error, error_kind
+    from neurons.benchmark import _miner_error, error_kind
     # the message says something else on purpose: only the fields count
     error = EngineError("over_capacity" if kind == "http" else "engine_failure", "HTTP 500 stalled cannot reach",
                         **fields)
     expected = {"http": "http_429", "unreachable": "unreachable", "first_byte": "timeout_first_byte"}[kind]
-    assert error_kind(_miner_error(error, TimeoutSettings())) == expected
+    assert error_kind(_miner_error(error, ClientTimeouts())) == expected
 
 
 def test_the_benchmark_counts_a_local_refusal_by_its_code():
-    from neurons.benchmark import TimeoutSettings, _miner_error, error_kind
-    assert error_kind(_miner_error(EngineError("context_too_long", "too long"), TimeoutSettings())) == "http_400"
-    assert error_kind(_miner_error(EngineError("engine_failure", "HTTP 404"), TimeoutSettings())) == "protocol"
+    from neurons.benchmark import _miner_error, error_kind
+    assert error_kind(_miner_error(EngineError("context_too_long", "too long"), ClientTimeouts())) == "http_400"
+    assert error_kind(_miner_error(EngineError("engine_failure", "HTTP 404"), ClientTimeouts())) == "protocol"

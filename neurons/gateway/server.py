@@ -34,7 +34,7 @@ import os
 import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Protocol, Sequence, Union
 
@@ -136,10 +136,8 @@ class GatewaySettings:
     max_tokens_cap: int = 32768
     max_body_bytes: int = 16 * 1024 * 1024
     request_logprobs: int = 5  # asked of the miner on every request, so that tier 0 can check greedy tokens
-    connect_timeout_s: float = 3.0
-    first_token_timeout_s: float = 60.0
-    between_tokens_timeout_s: float = 15.0
-    request_timeout_s: float = 600.0
+    # Calls to miners; `total` is also the deadline of one user request, failovers included.
+    miner_timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
     capabilities_ttl_s: float = 300.0
     miner_cooldown_s: float = 30.0
 
@@ -152,8 +150,7 @@ class GatewaySettings:
                 out.append(f"gateway {name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.request_logprobs <= MAX_USER_LOGPROBS:
             out.append(f"gateway request_logprobs must lie in 0..{MAX_USER_LOGPROBS}")
-        for name in ("rate_limit_window_s", "connect_timeout_s", "first_token_timeout_s",
-                     "between_tokens_timeout_s", "request_timeout_s", "capabilities_ttl_s"):
+        for name in ("rate_limit_window_s", "capabilities_ttl_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 out.append(f"gateway {name} must be a positive number of seconds, got {value}")
@@ -162,9 +159,8 @@ class GatewaySettings:
         return out
 
     @property
-    def miner_timeouts(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_timeout_s, first_byte=self.first_token_timeout_s,
-                              between_events=self.between_tokens_timeout_s, total=self.request_timeout_s)
+    def request_timeout_s(self) -> float:
+        return self.miner_timeouts.total
 
 
 def gateway_options() -> tuple[Option, ...]:
@@ -196,15 +192,16 @@ def gateway_options() -> tuple[Option, ...]:
                "largest max_tokens a user may ask for", group=g),
         Option("gateway.max_body_bytes", "--gateway-max-body", f"{p}MAX_BODY", byte_size, 16 * 1024 * 1024,
                "largest request body (larger: 413)", group=g, metavar="SIZE"),
-        Option("gateway.connect_timeout_s", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
-               3.0, "deadline to connect to a miner", group=g),
-        Option("gateway.first_token_timeout_s", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
-               positive_float, 60.0, "deadline for a miner's first token (covers the prefill)", group=g),
-        Option("gateway.between_tokens_timeout_s", "--gateway-between-tokens-timeout-s",
-               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, 15.0, "deadline between two tokens of a miner",
+        Option("gateway.miner_timeouts.connect", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S",
+               positive_float, ClientTimeouts.connect, "deadline to connect to a miner", group=g),
+        Option("gateway.miner_timeouts.first_byte", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
+               positive_float, ClientTimeouts.first_byte, "deadline for a miner's first token (covers the prefill)",
                group=g),
-        Option("gateway.request_timeout_s", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
-               600.0, "deadline of one user request, failovers included", group=g),
+        Option("gateway.miner_timeouts.between_events", "--gateway-between-tokens-timeout-s",
+               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, ClientTimeouts.between_events,
+               "deadline between two tokens of a miner", group=g),
+        Option("gateway.miner_timeouts.total", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S",
+               positive_float, ClientTimeouts.total, "deadline of one user request, failovers included", group=g),
         Option("gateway.miner_cooldown_s", "--gateway-miner-cooldown-s", f"{p}MINER_COOLDOWN_S", non_negative_float,
                30.0, "a miner that could not be reached is tried last for this long", group=g),
     )
@@ -669,8 +666,9 @@ class OrganicGateway:
         if cached is not None and now - cached[1] < self.settings.capabilities_ttl_s:
             return cached[0]
         s = self.settings
-        timeouts = ClientTimeouts(connect=s.connect_timeout_s, first_byte=min(10.0, s.first_token_timeout_s),
-                                  between_events=s.between_tokens_timeout_s, total=min(20.0, s.request_timeout_s))
+        t = s.miner_timeouts
+        timeouts = ClientTimeouts(connect=t.connect, first_byte=min(10.0, t.first_byte),
+                                  between_events=t.between_events, total=min(20.0, t.total))
         caps = await self.client.capabilities(target.url, target.hotkey, timeouts)
         self._capabilities[key] = (caps, now)
         return caps

@@ -124,6 +124,7 @@ class RoundSettings:
     miners_at_once: int = 0  # 0: every chosen miner at the same time
     deadline_s: float = 600.0
     capabilities_refresh_s: float = 600.0
+    capabilities_timeout_s: float = 10.0
     max_rounds: int = 0  # 0: run until stopped
     seed: Optional[int] = None  # None: unpredictable workloads (production)
     uids: Optional[str] = None  # "3,5": evaluate only these uids (debugging one miner); None: all
@@ -139,25 +140,12 @@ class RoundSettings:
 
 
 @dataclass(frozen=True)
-class TimeoutSettings:
-    connect_s: float = 3.0
-    first_byte_s: float = 60.0
-    between_events_s: float = 10.0
-    request_s: float = 300.0
-    capabilities_s: float = 10.0
-    audit_s: float = 120.0
-
-    def client(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_byte_s,
-                              between_events=self.between_events_s, total=self.request_s)
-
-
-@dataclass(frozen=True)
 class AuditSettings:
     rate: Optional[float] = None  # None: the scoring profile's
     rate_new: Optional[float] = None
     canary_pool: Optional[str] = None
     canaries: int = 64
+    timeout_s: float = 120.0  # one tier-1 audit on the reference; past it the audit reaches no verdict
 
 
 @dataclass(frozen=True)
@@ -182,7 +170,7 @@ class ValidatorSettings:
     reference_engine: bool = False
     db: str = "~/.k3-subnet/validator.sqlite"
     rounds: RoundSettings = field(default_factory=RoundSettings)
-    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)  # every call to a miner
     audits: AuditSettings = field(default_factory=AuditSettings)
     scoring: ScoringSettings = field(default_factory=ScoringSettings)
     weights: WeightSettings = field(default_factory=WeightSettings)
@@ -293,17 +281,19 @@ def validator_options() -> tuple[Option, ...]:
         Option("rounds.uids", "--uids", f"{p}UIDS", optional_text, None,
                "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others keep their window "
                "scores (default: every serving miner)", group=g_round, metavar="UIDS"),
-        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 3.0,
-               "TCP connect to a miner", group=g_time),
-        Option("timeouts.first_byte_s", "--first-byte-timeout-s", f"{p}FIRST_BYTE_TIMEOUT_S", positive_float, 60.0,
-               "from sending a request to its first event (covers the prefill)", group=g_time),
-        Option("timeouts.between_events_s", "--between-events-timeout-s", f"{p}BETWEEN_EVENTS_TIMEOUT_S",
-               positive_float, 10.0, "longest silence between two events of a stream", group=g_time),
-        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 300.0,
-               "whole request", group=g_time),
-        Option("timeouts.capabilities_s", "--capabilities-timeout-s", f"{p}CAPABILITIES_TIMEOUT_S", positive_float,
-               10.0, "a /v1/capabilities call", group=g_time),
-        Option("timeouts.audit_s", "--audit-timeout-s", f"{p}AUDIT_TIMEOUT_S", positive_float, 120.0,
+        Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
+               ClientTimeouts.connect, "TCP connect to a miner", group=g_time),
+        Option("timeouts.first_byte", "--first-byte-timeout-s", f"{p}FIRST_BYTE_TIMEOUT_S", positive_float,
+               ClientTimeouts.first_byte, "from sending a request to its first event (covers the prefill)",
+               group=g_time),
+        Option("timeouts.between_events", "--between-events-timeout-s", f"{p}BETWEEN_EVENTS_TIMEOUT_S",
+               positive_float, ClientTimeouts.between_events, "longest silence between two events of a stream",
+               group=g_time),
+        Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
+               ClientTimeouts.total, "whole request", group=g_time),
+        Option("rounds.capabilities_timeout_s", "--capabilities-timeout-s", f"{p}CAPABILITIES_TIMEOUT_S",
+               positive_float, 10.0, "a /v1/capabilities call", group=g_time),
+        Option("audits.timeout_s", "--audit-timeout-s", f"{p}AUDIT_TIMEOUT_S", positive_float, 120.0,
                "one tier-1 audit on the reference (past it the audit reaches no verdict)", group=g_time),
         Option("audits.rate", "--audit-rate", f"{p}AUDIT_RATE", optional_float, None,
                "share of answers given a tier-1 audit (default: the profile's, 0.10)", group=g_audit, metavar="X"),
@@ -553,7 +543,7 @@ class ValidatorLoop:
         self.reference = reference
         self.canaries = canaries
         self.expected_fingerprint = expected_fingerprint
-        self.client = client or MinerClient(wallet.hotkey, settings.timeouts.client())
+        self.client = client or MinerClient(wallet.hotkey, settings.timeouts)
         self._owns_client = client is None
         seed = settings.rounds.seed
         self.rng = rng or random.Random(seed if seed is not None else secrets.randbits(64))
@@ -737,10 +727,10 @@ class ValidatorLoop:
         if cached is not None and cached[:2] == (neuron.hotkey, url) \
                 and now - cached[3] < self.settings.rounds.capabilities_refresh_s:
             return cached[2], None
-        t = self.settings.timeouts
-        budget = max(0.1, min(t.capabilities_s, deadline - asyncio.get_running_loop().time()))
-        timeouts = ClientTimeouts(connect=min(t.connect_s, budget), first_byte=budget, between_events=budget,
-                                  total=budget)
+        budget = max(0.1, min(self.settings.rounds.capabilities_timeout_s,
+                              deadline - asyncio.get_running_loop().time()))
+        timeouts = ClientTimeouts(connect=min(self.settings.timeouts.connect, budget), first_byte=budget,
+                                  between_events=budget, total=budget)
         try:
             caps = await self.client.capabilities(url, neuron.hotkey, timeouts)
         except MinerError as error:
@@ -919,9 +909,9 @@ class ValidatorLoop:
             audit = await asyncio.wait_for(
                 audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
                             rng=self.rng),
-                self.settings.timeouts.audit_s)
+                self.settings.audits.timeout_s)
         except TimeoutError:
-            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.timeouts.audit_s:g} s")
+            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.audits.timeout_s:g} s")
         wall_s, cpu_s = time.monotonic() - wall, time.process_time() - cpu
         self.cpu.audit_wall_s += wall_s
         self.cpu.audit_cpu_s += cpu_s
@@ -950,7 +940,7 @@ class ValidatorLoop:
         chosen, coldkeys = [], set()
         for _, _, uid, hotkey, url, coldkey in candidates:
             if coldkey not in coldkeys:
-                chosen.append(MinerScoreReference(self.client, url, hotkey, self.settings.timeouts.client()))
+                chosen.append(MinerScoreReference(self.client, url, hotkey, self.settings.timeouts))
                 coldkeys.add(coldkey)
             if len(chosen) == 2:
                 break
@@ -1297,7 +1287,7 @@ def status_report(store: ValidatorStore) -> dict:
 
 __all__ = [
     "AuditSettings", "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "RoundSettings", "ScoringSettings",
-    "STATUS_COLUMNS", "TimeoutSettings", "Validator", "ValidatorLoop", "ValidatorSettings", "ValidatorSetupError",
+    "STATUS_COLUMNS", "Validator", "ValidatorLoop", "ValidatorSettings", "ValidatorSetupError",
     "ValidatorState", "WeightSettings", "build_validator", "conform_weights", "read_validator_settings",
     "reference_capabilities", "run_validator", "status_report", "validator_options",
 ]
