@@ -57,6 +57,9 @@ from inference.serving.sampling import SamplingParams
 from inference.model.tokenizer import IM_END, load_tokenizer
 from neurons.settings import (
     Option,
+    WalletNotFound,
+    bind_defaults,
+    WalletSettings,
     build_parser,
     build_settings,
     logging_options,
@@ -65,6 +68,7 @@ from neurons.settings import (
     optional_int,
     optional_text,
     positive_float,
+    open_wallet,
     read_options,
     wallet_options,
 )
@@ -205,62 +209,62 @@ class BenchmarkSettings:
 
 
 def benchmark_options() -> tuple[Option, ...]:
+    """Every flag of the benchmark, with its default from BenchmarkSettings."""
     p = "K3_BENCH_"
-    return (
-        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, None,
-               "a miner's base URL (signed subnet protocol)", group="target", metavar="URL"),
-        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, None,
-               "the miner's SS58 hotkey", group="target", metavar="SS58"),
-        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text, None,
+    return bind_defaults(BenchmarkSettings, (
+        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, "a miner's base URL (signed subnet protocol)",
+               group="target", metavar="URL"),
+        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, "the miner's SS58 hotkey",
+               group="target", metavar="SS58"),
+        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text,
                "an OpenAI-compatible server's base URL (vLLM, SGLang; /v1 is added)", group="target", metavar="URL"),
-        Option("target.model", "--model", f"{p}MODEL", optional_text, None,
-               "with --openai: the model name the server serves", group="target", metavar="NAME"),
-        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text, None,
+        Option("target.model", "--model", f"{p}MODEL", optional_text, "with --openai: the model name the server serves",
+               group="target", metavar="NAME"),
+        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text,
                "with --openai: bearer token (prefer the environment variable)", group="target", secret=True,
                metavar="KEY"),
-        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int, None,
+        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int,
                "with --openai: the server's context when /v1/models does not say (max_model_len)", group="target"),
     ) + tuple(dataclasses.replace(o, env=o.env.replace("K3_", p)) for o in wallet_options()) + (
-        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list, (128, 1024, 8192),
+        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list,
                "prompt sizes in tokens, chat template included", group="workload", metavar="N,N,..."),
-        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list, (64, 256),
+        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list,
                "max_tokens of the requests", group="workload", metavar="N,N,..."),
-        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, (1, 8, 64),
-               "simultaneous streams per wave", group="workload", metavar="N,N,..."),
-        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, 3, "waves per workload", group="workload"),
-        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, 1,
-               "requests sent first and not counted", group="workload"),
-        Option("workload.seed", "--seed", f"{p}SEED", int, 0, "seed of the request set", group="workload"),
-        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float, 0.0,
+        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, "simultaneous streams per wave",
+               group="workload", metavar="N,N,..."),
+        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, "waves per workload", group="workload"),
+        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, "requests sent first and not counted",
+               group="workload"),
+        Option("workload.seed", "--seed", f"{p}SEED", int, "seed of the request set", group="workload"),
+        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float,
                "sampling temperature of the workload requests", group="workload", metavar="X"),
-        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, 1.0, "nucleus sampling", group="workload",
+        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, "nucleus sampling", group="workload",
                metavar="X"),
-        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int, 5,
+        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int,
                "top-k alternatives asked per token (tier 0 checks greedy tokens against them)", group="workload"),
         Option("quality.reference_checkpoint", "--reference-checkpoint", f"{p}REFERENCE_CHECKPOINT", optional_text,
-               None, "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries",
-               group="quality", metavar="DIR"),
-        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int, 8,
+               "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries", group="quality",
+               metavar="DIR"),
+        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int,
                "workload responses given a teacher-forced audit (needs --reference-checkpoint)", group="quality"),
-        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int, 4,
+        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int,
                "greedy canaries checked against the reference (needs --reference-checkpoint)", group="quality"),
-        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int, 4,
+        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int,
                "answer probes (exact copy, planted fact), greedy", group="quality"),
         Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
-               ClientTimeouts.connect, "deadline to connect", group="timeouts"),
+               "deadline to connect", group="timeouts"),
         Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               ClientTimeouts.first_byte, "deadline for the first token (covers queueing and prefill)",
-               group="timeouts"),
-        Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S",
-               positive_float, ClientTimeouts.between_events, "deadline between two tokens", group="timeouts"),
+               "deadline for the first token (covers queueing and prefill)", group="timeouts"),
+        Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float,
+               "deadline between two tokens", group="timeouts"),
         Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
-               ClientTimeouts.total, "deadline of one request", group="timeouts"),
-        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text, None,
+               "deadline of one request", group="timeouts"),
+        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text,
                "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
                group="general", metavar="DIR"),
-        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, None,
-               "where report.json and report.md go", group="general", metavar="DIR"),
-    ) + tuple(dataclasses.replace(o, default="WARNING") for o in logging_options())
+        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, "where report.json and report.md go",
+               group="general", metavar="DIR"),
+    ) + logging_options())
 
 
 def read_benchmark_settings(argv: Optional[Sequence[str]] = None,
@@ -686,11 +690,9 @@ async def run_probes(runner: Runner, settings: BenchmarkSettings, tokenizer) -> 
 def open_endpoint(settings: BenchmarkSettings):
     t = settings.target
     if t.miner_url:
-        from neurons.miner_app.server import MinerSetupError, WalletSettings, open_wallet  # noqa: PLC0415 (the SDK)
-
         try:
             wallet = open_wallet(WalletSettings(settings.wallet.name, settings.wallet.hotkey, settings.wallet.path))
-        except MinerSetupError as error:
+        except WalletNotFound as error:
             raise BenchmarkSetupError(str(error)) from None
         return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts)
     return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))

@@ -37,14 +37,14 @@ from inference.serving.engine import Engine, EngineSettings, EventStream, Genera
 from inference.serving.engine import TokenEvent as EngineTokenEvent  # noqa: E402
 from inference.serving.sampling import SamplingParams  # noqa: E402
 from inference.serving.builders import load_reference_model  # noqa: E402
-from neurons.miner_app.server import (  # noqa: E402
+from neurons.miner_app import (  # noqa: E402
     AccessSettings,
-    ChainSettings,
     MinerServer,
     MinerSettings,
     ServerSettings,
     wire_token_event,
 )
+from neurons.settings import ChainSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request  # noqa: E402
 from protocol.client import MinerClient  # noqa: E402
 from protocol.schemas import GENERATE_PATH, GenerateRequest, encode_event, encode_model  # noqa: E402

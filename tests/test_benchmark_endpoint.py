@@ -15,7 +15,8 @@ from inference.serving.engine import EngineSettings, LocalEngine
 from inference.model.k3 import KimiK3Model
 from inference.serving.openai_server import OpenAICompatibleServer
 from neurons import benchmark as bench
-from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.schemas import Capabilities, Limits
 

@@ -16,7 +16,7 @@ from chain.interface import connect
 from inference.model.config import ModelConfig
 from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.sampling import SamplingParams
-from neurons.gateway.server import (
+from neurons.gateway import (
     ApiKeyFileError,
     ApiKeys,
     GatewayServer,
@@ -30,7 +30,8 @@ from neurons.gateway.server import (
 )
 from neurons.miner_app import cheats
 from neurons.settings import build_settings, read_options
-from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities
@@ -73,12 +74,15 @@ class Directory:
     def __init__(self, targets):
         self.targets = list(targets)
         self.reports = []
+        self.verdicts = []  # the gateway's tier-0 failures per report (None for an error)
 
     def ranked_miners(self):
         return list(self.targets)
 
-    def record_organic(self, *, uid, hotkey, outcome, prompt_ids):
+    def record_organic(self, *, uid, hotkey, outcome, prompt_ids, tier0, tier0_cpu_s):
         self.reports.append((uid, hotkey, outcome, list(prompt_ids)))
+        self.verdicts.append(tier0)
+        assert (tier0 is None) == (tier0_cpu_s is None) and (tier0_cpu_s is None or tier0_cpu_s >= 0)
 
 
 class AsyncDirectory(Directory):
@@ -117,7 +121,7 @@ async def subnet(world, tmp_path):
     async def gateway(directory, **overrides) -> GatewayServer:
         values = dict(enabled=True, host="127.0.0.1", port=0, api_keys_file=str(world["keys"]), model_name=MODEL,
                       default_max_tokens=6,
-                      miner_timeouts=ClientTimeouts(first_byte=20.0, total=60.0))
+                      miner_timeouts=ClientTimeouts(first_byte=20.0, between_events=15.0, total=60.0))
         values.update(overrides)
         server = GatewayServer(directory, client, world["tokenizer"], GatewaySettings(**values))
         gateways.append(server)
@@ -225,6 +229,7 @@ async def test_chat_and_completions_streamed_and_whole_through_the_openai_client
     assert directory.reports[0][3] == prompt_ids and directory.reports[2][3] == tokenizer.encode(text_prompt)
     for uid, hotkey, outcome, _ in directory.reports:
         assert isinstance(outcome, GenerateResult) and tier0(world, best, outcome) == []
+    assert directory.verdicts == [[]] * 4  # tier 0 ran once, in the gateway, and its verdict came along
 
 
 async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, subnet, tmp_path, free_port):
@@ -333,6 +338,7 @@ async def test_a_tier0_failure_fails_over_before_the_first_byte_and_ends_a_start
         failures = tier0(world, cheater, outcome)  # what made the gateway move on, as the validator sees it
         assert {f.check for f in failures} == {"usage_completion"} and all(f.hard for f in failures)
         assert tier0(world, honest, outcome2) == []
+        assert directory.verdicts == [failures, []]  # the validator gets the gateway's verdict, not a rerun
 
         # Streaming from the cheater alone: its tokens flow, then verification fails at the end and the
         # stream ends with an error chunk that the client raises.

@@ -26,9 +26,8 @@ from inference.serving.remote import RemoteEngine
 from inference.serving.sampling import SamplingParams
 from inference.serving.builders import build_engine
 from neurons.miner_app import cheats
-from neurons.miner_app.server import (
+from neurons.miner_app import (
     AccessSettings,
-    ChainSettings,
     MinerServer,
     MinerSettings,
     ServerSettings,
@@ -36,6 +35,7 @@ from neurons.miner_app.server import (
     prompt_token_ids,
     read_miner_settings,
 )
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore, sign_request
 from protocol.client import MinerClient, MinerHTTPError
 from protocol.schemas import (

@@ -7,8 +7,8 @@ import pytest
 from inference.serving import engine as engine_module
 from inference.serving import openai_server
 from inference.serving.engine import ERROR_CODES, EngineError
-from neurons.gateway.server import ApiError
-from neurons.miner_app.server import Refusal, engine_refusal
+from neurons.gateway import ApiError
+from neurons.miner_app import Refusal, engine_refusal
 from protocol.auth import AuthFailure
 from protocol.client import ClientTimeouts
 from protocol.errors import HTTP_STATUS, RETRY_AFTER_S, ErrorCode, http_status

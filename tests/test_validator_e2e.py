@@ -32,7 +32,7 @@ from inference.serving.engine import EngineSettings, LocalEngine
 from inference.serving.builders import EngineSpec, load_reference_model
 from inference.version import version_key
 from neurons.settings import ChainSettings, WalletSettings
-from neurons.validator_app.rounds import (
+from neurons.validator_app import (
     AuditSettings,
     RoundSettings,
     ScoringSettings,
@@ -42,7 +42,7 @@ from neurons.validator_app.rounds import (
     WeightSettings,
     run_validator,
 )
-from neurons.gateway.server import GatewaySettings
+from neurons.gateway import GatewaySettings
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest

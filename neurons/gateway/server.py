@@ -24,33 +24,21 @@ is the validator's own count.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import inspect
 import json
 import logging
-import math
-import os
 import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Optional, Protocol, Sequence, Union
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Union
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from neurons.settings import (
-    Option,
-    byte_size,
-    flag,
-    non_negative_float,
-    optional_text,
-    port_number,
-    positive_float,
-)
-from protocol.errors import ErrorCode, http_status
+from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
+from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
+from neurons.gateway.settings import GatewaySettings, GatewaySetupError
+from protocol.errors import ErrorCode
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -66,24 +54,15 @@ from protocol.schemas import (
     FinalEvent,
     GenerateRequest,
     TokenEvent,
-    U64_MAX,
-    describe_validation_error,
 )
 from scoring.config import ScoringConfig
 from scoring.verify import Failure, check_tier0
 
 log = logging.getLogger("k3.gateway")
 
-MAX_STOP_STRINGS = 4  # OpenAI's bound; the wire allows more
-MAX_STOP_CHARS = 64
-MAX_USER_LOGPROBS = 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
 MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
-
-
-class GatewaySetupError(RuntimeError):
-    """The gateway cannot start as configured; the message says what to change."""
 
 
 # ---------------------------------------------------------------- the seam to the validator
@@ -110,364 +89,15 @@ class MinerDirectory(Protocol):
     the gateway skips those with score <= `min_score`. It may also be a coroutine function.
 
     Optional hook, called once per generation attempt (sync, or a coroutine run in the
-    background): `record_organic(uid=..., hotkey=..., outcome=..., prompt_ids=...)`, where
-    `outcome` is the finished GenerateResult or the MinerError the attempt raised (its `.partial`
-    holds the request and what had arrived) and `prompt_ids` the prompt as the validator
-    tokenized it. The gateway has already run tier 0 to decide on failover; the hook records the
-    measurement (and may run tier 0 again on its own copy of the miner's capabilities).
+    background): `record_organic(uid=..., hotkey=..., outcome=..., prompt_ids=..., tier0=...,
+    tier0_cpu_s=...)`, where `outcome` is the finished GenerateResult or the MinerError the attempt
+    raised (its `.partial` holds the request and what had arrived), `prompt_ids` the prompt as the
+    validator tokenized it and `tier0` the tier-0 failures of a finished answer (None for an error),
+    with the CPU seconds they took. Tier 0 runs once, here (it decides on failover); the hook
+    records the measurement with that verdict and does not run it again.
     """
 
     def ranked_miners(self) -> Sequence[MinerTarget]: ...
-
-
-# ---------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class GatewaySettings:
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys_file: Optional[str] = None
-    model_name: str = "kimi-k3"
-    max_attempts: int = 3
-    min_score: float = 0.0
-    rate_limit_requests: int = 60
-    rate_limit_window_s: float = 60.0
-    default_max_tokens: int = 1024
-    max_tokens_cap: int = 32768
-    max_body_bytes: int = 16 * 1024 * 1024
-    request_logprobs: int = 5  # asked of the miner on every request, so that tier 0 can check greedy tokens
-    # Calls to miners; `total` is also the deadline of one user request, failovers included.
-    miner_timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
-    capabilities_ttl_s: float = 300.0
-    miner_cooldown_s: float = 30.0
-
-    def problems(self, need_key_file: bool = True) -> list[str]:
-        out = []
-        if need_key_file and self.enabled and not self.api_keys_file:
-            out.append("the gateway needs --gateway-api-keys FILE (one API key per line)")
-        for name in ("max_attempts", "rate_limit_requests", "default_max_tokens", "max_tokens_cap"):
-            if getattr(self, name) < 1:
-                out.append(f"gateway {name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.request_logprobs <= MAX_USER_LOGPROBS:
-            out.append(f"gateway request_logprobs must lie in 0..{MAX_USER_LOGPROBS}")
-        for name in ("rate_limit_window_s", "capabilities_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                out.append(f"gateway {name} must be a positive number of seconds, got {value}")
-        if self.max_body_bytes < 1024:
-            out.append("--gateway-max-body must be at least 1 KiB")
-        return out
-
-    @property
-    def request_timeout_s(self) -> float:
-        return self.miner_timeouts.total
-
-
-def gateway_options() -> tuple[Option, ...]:
-    """The gateway's flags (dest "gateway.*"), for the validator's option table."""
-    p, g = "K3_GATEWAY_", "organic gateway"
-    return (
-        Option("gateway.enabled", "--gateway", f"{p}ENABLED", flag, False,
-               "serve the OpenAI-compatible organic gateway (real users' requests to the best miners)", group=g),
-        Option("gateway.host", "--gateway-host", f"{p}HOST", str, "127.0.0.1", "address the gateway binds to",
-               group=g),
-        Option("gateway.port", "--gateway-port", f"{p}PORT", port_number, 8000, "gateway port (0 picks a free one)",
-               group=g),
-        Option("gateway.api_keys_file", "--gateway-api-keys", f"{p}API_KEYS", optional_text, None,
-               "file of API keys, one per line, '#' starts a comment; re-read when it changes", group=g,
-               metavar="FILE"),
-        Option("gateway.model_name", "--gateway-model-name", f"{p}MODEL_NAME", str, "kimi-k3",
-               "model name users ask for (and /v1/models lists)", group=g, metavar="NAME"),
-        Option("gateway.max_attempts", "--gateway-max-attempts", f"{p}MAX_ATTEMPTS", int, 3,
-               "miners tried per request before giving up (failover before the first byte)", group=g),
-        Option("gateway.min_score", "--gateway-min-score", f"{p}MIN_SCORE", non_negative_float, 0.0,
-               "miners at or below this score get no organic traffic", group=g, metavar="X"),
-        Option("gateway.rate_limit_requests", "--gateway-rate-limit", f"{p}RATE_LIMIT", int, 60,
-               "requests per key per window (beyond: 429)", group=g),
-        Option("gateway.rate_limit_window_s", "--gateway-rate-limit-window-s", f"{p}RATE_LIMIT_WINDOW_S",
-               positive_float, 60.0, "rate-limit window", group=g),
-        Option("gateway.default_max_tokens", "--gateway-default-max-tokens", f"{p}DEFAULT_MAX_TOKENS", int, 1024,
-               "max_tokens of a chat request that gives none (bounded by the miner's context)", group=g),
-        Option("gateway.max_tokens_cap", "--gateway-max-tokens", f"{p}MAX_TOKENS", int, 32768,
-               "largest max_tokens a user may ask for", group=g),
-        Option("gateway.max_body_bytes", "--gateway-max-body", f"{p}MAX_BODY", byte_size, 16 * 1024 * 1024,
-               "largest request body (larger: 413)", group=g, metavar="SIZE"),
-        Option("gateway.miner_timeouts.connect", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S",
-               positive_float, ClientTimeouts.connect, "deadline to connect to a miner", group=g),
-        Option("gateway.miner_timeouts.first_byte", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
-               positive_float, ClientTimeouts.first_byte, "deadline for a miner's first token (covers the prefill)",
-               group=g),
-        Option("gateway.miner_timeouts.between_events", "--gateway-between-tokens-timeout-s",
-               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, ClientTimeouts.between_events,
-               "deadline between two tokens of a miner", group=g),
-        Option("gateway.miner_timeouts.total", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S",
-               positive_float, ClientTimeouts.total, "deadline of one user request, failovers included", group=g),
-        Option("gateway.miner_cooldown_s", "--gateway-miner-cooldown-s", f"{p}MINER_COOLDOWN_S", non_negative_float,
-               30.0, "a miner that could not be reached is tried last for this long", group=g),
-    )
-
-
-# ---------------------------------------------------------------- API keys
-class ApiKeyFileError(ValueError):
-    """An API key file that cannot be used."""
-
-
-MIN_KEY_CHARS = 8
-
-
-def read_api_keys(path: Union[str, Path]) -> set[str]:
-    """Keys of a key file: one per line; `#` starts a comment (so keys hold no `#` and no spaces)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ApiKeyFileError(f"cannot read the API key file {path}: {error.strerror or error}") from None
-    keys = set()
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        key = line.split("#", 1)[0].strip()
-        if not key:
-            continue
-        if any(ch.isspace() for ch in key):
-            raise ApiKeyFileError(f"{path}:{lineno}: one key per line, without spaces")
-        if len(key) < MIN_KEY_CHARS:
-            raise ApiKeyFileError(f"{path}:{lineno}: a key needs at least {MIN_KEY_CHARS} characters")
-        keys.add(key)
-    return keys
-
-
-def key_id(key: str) -> str:
-    """A short name of a key for logs and rate limits (never the key itself)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-class ApiKeys:
-    """The accepted keys, re-read whenever the file changes (a bad edit keeps the last good set)."""
-
-    def __init__(self, path: Union[str, Path]):
-        self.path = Path(path).expanduser()
-        self._stamp: Optional[tuple] = None
-        self._digests: set[bytes] = set()
-        self.reload_error: Optional[str] = None
-        self._load(raise_errors=True)
-
-    def _file_stamp(self) -> Optional[tuple]:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def _load(self, raise_errors: bool = False) -> None:
-        stamp = self._file_stamp()
-        try:
-            keys = read_api_keys(self.path)
-        except ApiKeyFileError as error:
-            if raise_errors:
-                raise
-            if self.reload_error != str(error):
-                log.error("keeping the previous %d API keys: %s", len(self._digests), error)
-            self.reload_error = str(error)
-            self._stamp = stamp
-            return
-        self._digests = {hashlib.sha256(k.encode()).digest() for k in keys}
-        self._stamp = stamp
-        self.reload_error = None
-        log.info("loaded %d API keys from %s", len(keys), self.path)
-
-    def __len__(self) -> int:
-        self._refresh()
-        return len(self._digests)
-
-    def _refresh(self) -> None:
-        if self._file_stamp() != self._stamp:
-            self._load()
-
-    def check(self, key: str) -> Optional[str]:
-        """The key's id when it is accepted, else None."""
-        self._refresh()
-        digest = hashlib.sha256(key.encode()).digest()
-        # Compare digests in constant time: nothing about a valid key leaks through timing.
-        accepted = False
-        for known in self._digests:
-            accepted |= hmac.compare_digest(known, digest)
-        return key_id(key) if accepted else None
-
-
-class KeyRateLimiter:
-    """`requests` per `window_s` per key, as a token bucket (bursts up to a window's worth)."""
-
-    def __init__(self, requests: int, window_s: float):
-        self.size = float(requests)
-        self.rate = requests / window_s
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def take(self, key: str, now: Optional[float] = None) -> Optional[float]:
-        """None when the request may go; else the seconds to wait."""
-        now = time.monotonic() if now is None else now
-        tokens, updated = self._buckets.get(key, (self.size, now))
-        tokens = min(self.size, tokens + (now - updated) * self.rate)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            return (1.0 - tokens) / self.rate
-        self._buckets[key] = (tokens - 1.0, now)
-        return None
-
-
-# ---------------------------------------------------------------- OpenAI errors
-class ApiError(Exception):
-    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}.
-
-    The status comes from the code (protocol.errors); `status` is given only for aiohttp's
-    own answers, whose status may have no code of its own."""
-
-    def __init__(self, code: Optional[ErrorCode | str], message: str, param: Optional[str] = None,
-                 kind: Optional[str] = None, retry_after_s: Optional[float] = None, status: Optional[int] = None):
-        super().__init__(message)
-        self.status = status if status is not None else http_status(code)
-        self.message = message
-        self.code = None if code is None else str(code)
-        self.param = param
-        self.kind = kind or _ERROR_KIND.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-_ERROR_KIND = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-# ---------------------------------------------------------------- OpenAI request bodies
-class _Body(BaseModel):
-    # strict: no "0.5" for 0.5 or true for 1; extra="forbid": an unsupported option is an error, not ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = Field(min_length=1, max_length=256)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # an extension (vLLM, SGLang): 0 = off
-    n: int = Field(1, ge=1, le=1)
-    seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
-    stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    presence_penalty: Optional[float] = None  # accepted only as "off" (0)
-    frequency_penalty: Optional[float] = None
-    user: Optional[str] = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _checks(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported (only 0)")
-        for i, text in enumerate(self.stop_strings):
-            if not 1 <= len(text) <= MAX_STOP_CHARS:
-                raise ValueError(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters")
-        if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        unknown = set(self.stream_options or {}) - {"include_usage"}
-        if unknown:
-            raise ValueError(f"stream_options supports only include_usage, not {sorted(unknown)}")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[_TextPart]]
-    name: Optional[str] = Field(None, max_length=64)
-
-    def as_template_message(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        # "developer" is OpenAI's newer name for system instructions.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class ChatCompletionBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _chat_checks(self):
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def user_logprobs(self) -> Optional[int]:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class CompletionBody(_Body):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
-    echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, le=1)
-    suffix: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _completion_checks(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
-
-    @property
-    def user_logprobs(self) -> Optional[int]:
-        return self.logprobs
-
-
-def _parse_body(model: type[_Body], raw: bytes) -> Any:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        message, kinds = describe_validation_error(error)
-        if "json_invalid" in kinds or "json_type" in kinds:
-            raise ApiError(ErrorCode.INVALID_JSON, "the body is not a JSON object") from None
-        first = error.errors(include_url=False, include_input=False)[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        if first["type"] == "extra_forbidden":
-            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER, f"unsupported parameter: {param}",
-                           param=param) from None
-        raise ApiError(ErrorCode.INVALID_VALUE, message, param=param) from None
 
 
 # ---------------------------------------------------------------- text out
@@ -507,7 +137,7 @@ class _Plan:
     """One user request, ready to route."""
 
     kind: str  # "chat" | "completion"
-    body: _Body
+    body: RequestBody
     prompt_ids: list[int]
     max_tokens: Optional[int]  # None: as much as the miner's context allows, up to default_max_tokens
     user_logprobs: Optional[int]
@@ -604,7 +234,7 @@ class OrganicGateway:
     # ------------------------------------------------------------ generation endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: ChatCompletionBody = _parse_body(ChatCompletionBody, await request.read())
+        body: ChatCompletionBody = parse_body(ChatCompletionBody, await request.read())
         self._check_model(body.model)
         try:
             ids = self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
@@ -617,7 +247,7 @@ class OrganicGateway:
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: CompletionBody = _parse_body(CompletionBody, await request.read())
+        body: CompletionBody = parse_body(CompletionBody, await request.read())
         self._check_model(body.model)
         plan = _Plan("completion", body, self._completion_prompt(body.prompt), body.requested_max_tokens,
                      body.user_logprobs, "cmpl-" + secrets.token_hex(12), int(time.time()))
@@ -754,8 +384,12 @@ class OrganicGateway:
         if unreachable and self.settings.miner_cooldown_s > 0:
             self._cooldown_until[target.hotkey] = time.monotonic() + self.settings.miner_cooldown_s
 
-    def _verify(self, target: MinerTarget, caps: Capabilities, result: GenerateResult) -> list[Failure]:
-        return check_tier0(None, result, self.tokenizer, caps, target.hotkey, self.scoring_config)
+    def _verify(self, target: MinerTarget, caps: Capabilities, result: GenerateResult) -> tuple[list[Failure], float]:
+        """Tier 0 on a finished answer, run here once: its failures decide on failover and go on to
+        the validator's record_organic hook with the CPU time they took."""
+        started = time.thread_time()
+        failures = check_tier0(None, result, self.tokenizer, caps, target.hotkey, self.scoring_config)
+        return failures, time.thread_time() - started
 
     async def _attempt_whole(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
                              plan: _Plan) -> Optional[web.Response]:
@@ -765,8 +399,8 @@ class OrganicGateway:
             self._note_failure(target, error)
             self._report(target, error, wire)
             return None
-        failures = self._verify(target, caps, result)
-        self._report(target, result, wire)
+        failures, cpu_s = self._verify(target, caps, result)
+        self._report(target, result, wire, failures, cpu_s)
         if failures:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             return None
@@ -799,8 +433,8 @@ class OrganicGateway:
             return writer.response
         except ConnectionError:  # the user left; closing the stream above freed the miner's sequence
             return writer.response or web.Response(status=499)
-        failures = self._verify(target, caps, result)
-        self._report(target, result, wire)
+        failures, cpu_s = self._verify(target, caps, result)
+        self._report(target, result, wire, failures, cpu_s)
         if failures:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             if writer.response is None:
@@ -812,13 +446,14 @@ class OrganicGateway:
         return writer.response
 
     # ------------------------------------------------------------ the validator's hook
-    def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest) -> None:
+    def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest,
+                tier0: Optional[list[Failure]] = None, tier0_cpu_s: Optional[float] = None) -> None:
         hook = getattr(self.directory, "record_organic", None)
         if hook is None:
             return
         try:
             done = hook(uid=target.uid, hotkey=target.hotkey, outcome=outcome,
-                        prompt_ids=list(wire.prompt_token_ids))
+                        prompt_ids=list(wire.prompt_token_ids), tier0=tier0, tier0_cpu_s=tier0_cpu_s)
         except Exception as error:  # the validator's bookkeeping must never fail a user's request
             log.warning("record_organic failed for uid %d: %r", target.uid, error)
             return
@@ -1039,7 +674,6 @@ class GatewayServer:
 
 
 __all__ = [
-    "MinerTarget", "MinerDirectory", "Outcome", "GatewaySettings", "gateway_options", "GatewaySetupError",
-    "ApiKeys", "ApiKeyFileError", "read_api_keys", "KeyRateLimiter", "ApiError", "StopTrimmer",
-    "OrganicGateway", "build_gateway_app", "GatewayServer", "GATEWAY_KEY",
+    "MinerTarget", "MinerDirectory", "Outcome", "StopTrimmer", "OrganicGateway", "build_gateway_app", "GatewayServer",
+    "GATEWAY_KEY",
 ]
