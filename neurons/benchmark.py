@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,6 +63,9 @@ from inference.serving import (
 from inference.model.tokenizer import IM_END, load_tokenizer
 from neurons.settings import (
     Option,
+    WalletNotFound,
+    bind_defaults,
+    WalletSettings,
     build_parser,
     build_settings,
     logging_options,
@@ -72,9 +74,11 @@ from neurons.settings import (
     optional_int,
     optional_text,
     positive_float,
+    open_wallet,
     read_options,
     wallet_options,
 )
+from protocol.errors import ErrorCode
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -173,24 +177,13 @@ class QualitySettings:
 
 
 @dataclass(frozen=True)
-class TimeoutSettings:
-    connect_s: float = 5.0
-    first_token_s: float = 300.0
-    between_tokens_s: float = 60.0
-    request_s: float = 1800.0
-
-    def client(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_token_s,
-                              between_events=self.between_tokens_s, total=self.request_s)
-
-
-@dataclass(frozen=True)
 class BenchmarkSettings:
     target: TargetSettings = field(default_factory=TargetSettings)
     wallet: WalletChoice = field(default_factory=WalletChoice)
     workload: WorkloadSettings = field(default_factory=WorkloadSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
-    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    # the validators' deadlines (protocol.client.ClientTimeouts), so the benchmark times out where they would
+    timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
     tokenizer_checkpoint: Optional[str] = None
     out_dir: Optional[str] = None
     log_level: str = "WARNING"
@@ -222,61 +215,62 @@ class BenchmarkSettings:
 
 
 def benchmark_options() -> tuple[Option, ...]:
+    """Every flag of the benchmark, with its default from BenchmarkSettings."""
     p = "K3_BENCH_"
-    return (
-        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, None,
-               "a miner's base URL (signed subnet protocol)", group="target", metavar="URL"),
-        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, None,
-               "the miner's SS58 hotkey", group="target", metavar="SS58"),
-        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text, None,
+    return bind_defaults(BenchmarkSettings, (
+        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, "a miner's base URL (signed subnet protocol)",
+               group="target", metavar="URL"),
+        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, "the miner's SS58 hotkey",
+               group="target", metavar="SS58"),
+        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text,
                "an OpenAI-compatible server's base URL (vLLM, SGLang; /v1 is added)", group="target", metavar="URL"),
-        Option("target.model", "--model", f"{p}MODEL", optional_text, None,
-               "with --openai: the model name the server serves", group="target", metavar="NAME"),
-        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text, None,
+        Option("target.model", "--model", f"{p}MODEL", optional_text, "with --openai: the model name the server serves",
+               group="target", metavar="NAME"),
+        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text,
                "with --openai: bearer token (prefer the environment variable)", group="target", secret=True,
                metavar="KEY"),
-        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int, None,
+        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int,
                "with --openai: the server's context when /v1/models does not say (max_model_len)", group="target"),
     ) + tuple(dataclasses.replace(o, env=o.env.replace("K3_", p)) for o in wallet_options()) + (
-        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list, (128, 1024, 8192),
+        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list,
                "prompt sizes in tokens, chat template included", group="workload", metavar="N,N,..."),
-        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list, (64, 256),
+        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list,
                "max_tokens of the requests", group="workload", metavar="N,N,..."),
-        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, (1, 8, 64),
-               "simultaneous streams per wave", group="workload", metavar="N,N,..."),
-        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, 3, "waves per workload", group="workload"),
-        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, 1,
-               "requests sent first and not counted", group="workload"),
-        Option("workload.seed", "--seed", f"{p}SEED", int, 0, "seed of the request set", group="workload"),
-        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float, 0.0,
+        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, "simultaneous streams per wave",
+               group="workload", metavar="N,N,..."),
+        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, "waves per workload", group="workload"),
+        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, "requests sent first and not counted",
+               group="workload"),
+        Option("workload.seed", "--seed", f"{p}SEED", int, "seed of the request set", group="workload"),
+        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float,
                "sampling temperature of the workload requests", group="workload", metavar="X"),
-        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, 1.0, "nucleus sampling", group="workload",
+        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, "nucleus sampling", group="workload",
                metavar="X"),
-        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int, 5,
+        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int,
                "top-k alternatives asked per token (tier 0 checks greedy tokens against them)", group="workload"),
         Option("quality.reference_checkpoint", "--reference-checkpoint", f"{p}REFERENCE_CHECKPOINT", optional_text,
-               None, "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries",
-               group="quality", metavar="DIR"),
-        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int, 8,
+               "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries", group="quality",
+               metavar="DIR"),
+        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int,
                "workload responses given a teacher-forced audit (needs --reference-checkpoint)", group="quality"),
-        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int, 4,
+        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int,
                "greedy canaries checked against the reference (needs --reference-checkpoint)", group="quality"),
-        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int, 4,
+        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int,
                "answer probes (exact copy, planted fact), greedy", group="quality"),
-        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 5.0,
+        Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
                "deadline to connect", group="timeouts"),
-        Option("timeouts.first_token_s", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               300.0, "deadline for the first token (covers queueing and prefill)", group="timeouts"),
-        Option("timeouts.between_tokens_s", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S",
-               positive_float, 60.0, "deadline between two tokens", group="timeouts"),
-        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 1800.0,
+        Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
+               "deadline for the first token (covers queueing and prefill)", group="timeouts"),
+        Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float,
+               "deadline between two tokens", group="timeouts"),
+        Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
                "deadline of one request", group="timeouts"),
-        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text, None,
+        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text,
                "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
                group="general", metavar="DIR"),
-        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, None,
-               "where report.json and report.md go", group="general", metavar="DIR"),
-    ) + tuple(dataclasses.replace(o, default="WARNING") for o in logging_options())
+        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, "where report.json and report.md go",
+               group="general", metavar="DIR"),
+    ) + logging_options())
 
 
 def read_benchmark_settings(argv: Optional[Sequence[str]] = None,
@@ -320,7 +314,7 @@ class OpenAIEndpoint:
 
     kind = "openai"
 
-    def __init__(self, settings: TargetSettings, timeouts: TimeoutSettings, concurrency: int):
+    def __init__(self, settings: TargetSettings, timeouts: ClientTimeouts, concurrency: int):
         self.settings = settings
         self.timeouts = timeouts
         self.concurrency = concurrency
@@ -329,7 +323,7 @@ class OpenAIEndpoint:
 
     async def _model_entry(self) -> dict:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
-        timeout = aiohttp.ClientTimeout(total=self.timeouts.connect_s + 10.0)
+        timeout = aiohttp.ClientTimeout(total=self.timeouts.connect + 10.0)
         url = self.settings.openai_url.rstrip("/") + "/v1/models"
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -354,10 +348,10 @@ class OpenAIEndpoint:
         self.engine = RemoteEngine(
             RemoteSettings(base_url=self.settings.openai_url, model_name=self.settings.model,
                            api_key=self.settings.api_key, max_context=max_context,
-                           max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect_s,
-                           first_byte_timeout_s=self.timeouts.first_token_s,
-                           between_events_timeout_s=self.timeouts.between_tokens_s,
-                           total_timeout_s=self.timeouts.request_s),
+                           max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect,
+                           first_byte_timeout_s=self.timeouts.first_byte,
+                           between_events_timeout_s=self.timeouts.between_events,
+                           total_timeout_s=self.timeouts.total),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         await self.engine.start()
         caps = Capabilities(model_id=self.settings.model[:128], model_fingerprint=UNDECLARED,
@@ -423,22 +417,22 @@ def _wire_token(event: EngineToken) -> TokenEvent:
                       top_logprobs=[[TopLogprob(token_id=t, logprob=_logprob(lp)) for t, lp in event.top_logprobs]])
 
 
-_HTTP_STATUS = re.compile(r"HTTP (\d{3})")
-
-
-def _miner_error(error: EngineError, timeouts: TimeoutSettings) -> MinerError:
-    """The adapter's errors in the protocol client's terms, so both targets count errors alike."""
-    status = _HTTP_STATUS.search(error.message)
-    if status:
-        return MinerHTTPError(int(status.group(1)), error.code, error.message)
-    if "cannot reach" in error.message:
+def _miner_error(error: EngineError, timeouts: ClientTimeouts) -> MinerError:
+    """The adapter's errors in the protocol client's terms, so both targets count errors alike.
+    Read from the error's fields (its code, the server's status, the deadline that passed), never its text."""
+    if error.http_status is not None:
+        return MinerHTTPError(error.http_status, error.code, error.message)
+    if error.unreachable:
         return MinerUnreachable(error.message)
-    if "no response within" in error.message:
-        return MinerTimeout("first_byte", timeouts.first_token_s)
-    if "stalled" in error.message:
-        return MinerTimeout("between_events", timeouts.between_tokens_s)
-    if error.code in ("invalid_request", "context_too_long"):
-        return MinerHTTPError(400, error.code, error.message)
+    if error.timeout == "first_byte":
+        return MinerTimeout("first_byte", timeouts.first_byte)
+    if error.timeout == "between_events":
+        return MinerTimeout("between_events", timeouts.between_events)
+    if error.timeout == "total":
+        return MinerTimeout("total", timeouts.total)
+    code = ErrorCode.parse(error.code)
+    if code is not None and code.http_status < 500:
+        return MinerHTTPError(code.http_status, code, error.message)
     return MinerProtocolError(f"{error.code}: {error.message}")
 
 
@@ -702,13 +696,11 @@ async def run_probes(runner: Runner, settings: BenchmarkSettings, tokenizer) -> 
 def open_endpoint(settings: BenchmarkSettings):
     t = settings.target
     if t.miner_url:
-        from neurons.miner_app.server import MinerSetupError, WalletSettings, open_wallet  # noqa: PLC0415 (the SDK)
-
         try:
             wallet = open_wallet(WalletSettings(settings.wallet.name, settings.wallet.hotkey, settings.wallet.path))
-        except MinerSetupError as error:
+        except WalletNotFound as error:
             raise BenchmarkSetupError(str(error)) from None
-        return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts.client())
+        return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts)
     return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))
 
 

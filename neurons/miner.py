@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.settings import describe_values  # noqa: E402
-from neurons.miner_app.server import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
+from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

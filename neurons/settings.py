@@ -114,21 +114,32 @@ for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "
 
 
 # ---------------------------------------------------------------- the table
+class _FromSettings:
+    def __repr__(self) -> str:
+        return "FROM_SETTINGS"
+
+
+# An option's default when the settings dataclass holds it: `bind_defaults` reads it from there.
+FROM_SETTINGS: Any = _FromSettings()
+
+
 @dataclass(frozen=True)
 class Option:
-    """One setting: `dest` is its dotted path in the settings dataclasses."""
+    """One setting: `dest` is its dotted path in the settings dataclasses. Its default is the
+    dataclass field's (filled in by `bind_defaults`); `default=` only for an option that has no
+    settings dataclass behind it."""
 
     dest: str
     flag: str
     env: str | None
     read: Callable[[str], Any]
-    default: Any
     help: str
     group: str = "general"
     choices: tuple = ()
     required: bool = False
     secret: bool = False  # never printed back (API keys)
     metavar: str | None = None
+    default: Any = FROM_SETTINGS
 
     @property
     def is_switch(self) -> bool:
@@ -236,7 +247,33 @@ def _put(tree: dict, dest: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def bind_defaults(settings: type | Any, options: Iterable[Option], prefix: str = "") -> tuple[Option, ...]:
+    """`options` with every FROM_SETTINGS default read from `settings` (a dataclass, or an instance):
+    the value at the option's `dest` (less `prefix`, e.g. "gateway") in the default instance. The
+    dataclasses hold each default once; the flag table and --help show the same values."""
+    instance = settings() if isinstance(settings, type) else settings
+    out = []
+    for option in options:
+        if option.default is FROM_SETTINGS:
+            path = option.dest
+            if prefix:
+                if not path.startswith(prefix + "."):
+                    raise ValueError(f"option {option.flag} ({path}) is not under {prefix!r}")
+                path = path[len(prefix) + 1:]
+            node = instance
+            for part in path.split("."):
+                if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+                    raise ValueError(f"option {option.flag}: {type(instance).__name__} has no setting {option.dest!r}")
+                node = getattr(node, part)
+            option = dataclasses.replace(option, default=node)
+        out.append(option)
+    return tuple(out)
+
+
 def _check_table(options: Sequence[Option]) -> None:
+    unbound = [option.flag for option in options if option.default is FROM_SETTINGS]
+    if unbound:
+        raise ValueError(f"options without a default (bind_defaults was not applied): {', '.join(unbound)}")
     seen_dest, seen_flag, seen_env = set(), set(), set()
     for option in options:
         for seen, key, what in ((seen_dest, option.dest, "dest"), (seen_flag, option.flag, "flag"),
@@ -336,29 +373,27 @@ class ChainSettings:
     timeout_s: float = 30.0
 
 
-def wallet_options(default_name: str = "default") -> tuple[Option, ...]:
+def wallet_options() -> tuple[Option, ...]:
     """Options of `WalletSettings` (dest "wallet.*")."""
     return (
-        Option("wallet.name", "--wallet-name", "K3_WALLET_NAME", str, default_name,
-               "bittensor wallet (coldkey) name", group="wallet"),
-        Option("wallet.hotkey", "--wallet-hotkey", "K3_WALLET_HOTKEY", str, "default",
+        Option("wallet.name", "--wallet-name", "K3_WALLET_NAME", str, "bittensor wallet (coldkey) name", group="wallet"),
+        Option("wallet.hotkey", "--wallet-hotkey", "K3_WALLET_HOTKEY", str,
                "hotkey name inside the wallet; it signs answers and is the on-chain identity", group="wallet"),
-        Option("wallet.path", "--wallet-path", "K3_WALLET_PATH", expanded_path, "~/.bittensor/wallets",
-               "directory holding the wallets", group="wallet"),
+        Option("wallet.path", "--wallet-path", "K3_WALLET_PATH", expanded_path, "directory holding the wallets",
+               group="wallet"),
     )
 
 
 def chain_options() -> tuple[Option, ...]:
     """Options of `ChainSettings` (dest "chain.*")."""
     return (
-        Option("chain.network", "--chain", "K3_CHAIN", str, "finney",
+        Option("chain.network", "--chain", "K3_CHAIN", str,
                "chain to use: devnet:PATH (embedded SQLite devnet), finney, test, local, or a ws:// / wss:// URL",
                group="chain", metavar="SPEC"),
-        Option("chain.netuid", "--netuid", "K3_NETUID", int, None, "the subnet's netuid", group="chain",
-               required=True),
-        Option("chain.metagraph_refresh_s", "--metagraph-refresh-s", "K3_METAGRAPH_REFRESH_S", positive_float, 60.0,
+        Option("chain.netuid", "--netuid", "K3_NETUID", int, "the subnet's netuid", group="chain", required=True),
+        Option("chain.metagraph_refresh_s", "--metagraph-refresh-s", "K3_METAGRAPH_REFRESH_S", positive_float,
                "seconds between metagraph reads", group="chain"),
-        Option("chain.timeout_s", "--chain-timeout-s", "K3_CHAIN_TIMEOUT_S", positive_float, 30.0,
+        Option("chain.timeout_s", "--chain-timeout-s", "K3_CHAIN_TIMEOUT_S", positive_float,
                "deadline of one chain read or write; on expiry the last metagraph is kept", group="chain"),
     )
 
@@ -367,52 +402,52 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
     """Options of `inference.serving.builders.EngineSpec` (dest "engine.*")."""
     p = env_prefix
     return (
-        Option("engine.kind", "--engine", f"{p}KIND", str, "reference",
+        Option("engine.kind", "--engine", f"{p}KIND", str,
                "what serves the model: reference (in-process model), sharded (shard processes), remote "
                "(an OpenAI-compatible server such as vLLM or SGLang)", group="engine",
                choices=("reference", "sharded", "remote")),
-        Option("engine.checkpoint", "--checkpoint", f"{p}CHECKPOINT", optional_text, None,
+        Option("engine.checkpoint", "--checkpoint", f"{p}CHECKPOINT", optional_text,
                "checkpoint directory (reference and sharded: the weights; remote: at least config.json, "
                "k3_manifest.json and the tokenizer, for the fingerprint and text prompts)", group="engine",
                metavar="DIR"),
-        Option("engine.plan", "--plan", f"{p}PLAN", optional_text, None,
+        Option("engine.plan", "--plan", f"{p}PLAN", optional_text,
                "sharded: placement plan file from scripts/plan_cluster.py", group="engine", metavar="FILE"),
-        Option("engine.shards", "--shards", f"{p}SHARDS", optional_int, None,
+        Option("engine.shards", "--shards", f"{p}SHARDS", optional_int,
                "sharded: number of local shard processes (a simple plan is built)", group="engine", metavar="N"),
-        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str, "pipeline",
+        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str,
                "sharded with --shards: split by pipeline stage, by expert, or both", group="engine",
                choices=("pipeline", "expert", "both")),
-        Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text, None,
+        Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text,
                "sharded across hosts: HOST:PORT where this process hosts the rendezvous store that shard ranks "
-               "1..N-1 on other hosts join (started there with torchrun -m inference.sharding.worker)",
-               group="engine", metavar="HOST:PORT"),
-        Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text, None,
+               "1..N-1 on other hosts join (started there with torchrun -m inference.sharding.worker)", group="engine",
+               metavar="HOST:PORT"),
+        Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text,
                "remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", group="engine",
                metavar="URL"),
-        Option("engine.remote_model", "--remote-model", f"{p}REMOTE_MODEL", optional_text, None,
+        Option("engine.remote_model", "--remote-model", f"{p}REMOTE_MODEL", optional_text,
                "remote: the model name the server serves", group="engine", metavar="NAME"),
-        Option("engine.remote_api_key", "--remote-api-key", f"{p}REMOTE_API_KEY", optional_text, None,
-               "remote: bearer token for the server (prefer the environment variable)", group="engine",
-               secret=True, metavar="KEY"),
-        Option("engine.remote_score_mode", "--remote-score-mode", f"{p}REMOTE_SCORE_MODE", str, "prompt_logprobs",
+        Option("engine.remote_api_key", "--remote-api-key", f"{p}REMOTE_API_KEY", optional_text,
+               "remote: bearer token for the server (prefer the environment variable)", group="engine", secret=True,
+               metavar="KEY"),
+        Option("engine.remote_score_mode", "--remote-score-mode", f"{p}REMOTE_SCORE_MODE", str,
                "remote: how the server scores prompts (prompt_logprobs for vLLM, echo for others)", group="engine",
                choices=("prompt_logprobs", "echo")),
-        Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "float32", "weights dtype of the in-process model",
-               group="engine", choices=("float32", "bfloat16")),
-        Option("engine.settings.max_context", "--max-context", f"{p}MAX_CONTEXT", int, 32768,
+        Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "weights dtype of the in-process model", group="engine",
+               choices=("float32", "bfloat16")),
+        Option("engine.settings.max_context", "--max-context", f"{p}MAX_CONTEXT", int,
                "largest prompt plus output, in tokens", group="engine"),
-        Option("engine.settings.max_concurrent_sequences", "--max-concurrent", f"{p}MAX_CONCURRENT", int, 64,
+        Option("engine.settings.max_concurrent_sequences", "--max-concurrent", f"{p}MAX_CONCURRENT", int,
                "sequences served at once (the miner's declared capacity)", group="engine"),
-        Option("engine.settings.cache_memory_budget_bytes", "--cache-memory", f"{p}CACHE_MEMORY", byte_size, 2 << 30,
-               "memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits or is refused",
-               group="engine", metavar="SIZE"),
-        Option("engine.settings.max_waiting", "--max-waiting", f"{p}MAX_WAITING", int, 128,
+        Option("engine.settings.cache_memory_budget_bytes", "--cache-memory", f"{p}CACHE_MEMORY", byte_size,
+               "memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits or is refused", group="engine",
+               metavar="SIZE"),
+        Option("engine.settings.max_waiting", "--max-waiting", f"{p}MAX_WAITING", int,
                "requests that may wait for cache memory before new ones are refused", group="engine"),
     )
 
 
 def logging_options() -> tuple[Option, ...]:
     return (
-        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "INFO", "log level", group="logging",
+        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "log level", group="logging",
                choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
-from neurons.validator_app.rounds import (  # noqa: E402
+from neurons.validator_app import (  # noqa: E402
     ValidatorSetupError,
     read_validator_settings,
     run_validator,
@@ -33,9 +33,9 @@ from neurons.validator_app.rounds import (  # noqa: E402
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
 
 STATUS_OPTIONS = (
-    Option("db", "--db", "K3_VALIDATOR_DB", expanded_path, "~/.k3-subnet/validator.sqlite",
-           "the validator's database", group="status", metavar="FILE"),
-    Option("json", "--json", None, flag, False, "print JSON instead of a table", group="status"),
+    Option("db", "--db", "K3_VALIDATOR_DB", expanded_path, "the validator's database", group="status", metavar="FILE",
+           default="~/.k3-subnet/validator.sqlite"),
+    Option("json", "--json", None, flag, "print JSON instead of a table", group="status", default=False),
 )
 COMMANDS = ("run", "status")
 

@@ -9,6 +9,7 @@ from .auth import (
     sign_request,
     verify_request,
 )
+from .errors import HTTP_STATUS, ErrorCode, http_status
 from .client import (
     ClientTimeouts,
     GenerateResult,

@@ -20,6 +20,7 @@ from typing import Optional
 
 from bittensor import http_auth
 
+from .errors import ErrorCode
 from .schemas import error_body
 
 AUTH_MAX_AGE_S = http_auth.DEFAULT_MAX_AGE  # 10 s freshness window
@@ -34,24 +35,24 @@ _REQUIRED_HEADERS = (
     http_auth.HEADER_SIGNATURE,
 )
 
-# http_auth error class -> (HTTP status, our error code). http_auth's messages
+# http_auth error class -> our error code (its HTTP status: protocol.errors). http_auth's messages
 # never echo the signature or payload, so they are returned to the caller.
-_FAILURES: tuple[tuple[type[http_auth.AuthError], int, str], ...] = (
-    (http_auth.WrongReceiver, 403, "wrong_receiver"),
-    (http_auth.MalformedAuth, 401, "malformed_auth"),
-    (http_auth.StaleRequest, 401, "stale_request"),
-    (http_auth.BadSignature, 401, "bad_signature"),
-    (http_auth.ReplayedRequest, 401, "replayed_request"),
+_FAILURES: tuple[tuple[type[http_auth.AuthError], ErrorCode], ...] = (
+    (http_auth.WrongReceiver, ErrorCode.WRONG_RECEIVER),
+    (http_auth.MalformedAuth, ErrorCode.MALFORMED_AUTH),
+    (http_auth.StaleRequest, ErrorCode.STALE_REQUEST),
+    (http_auth.BadSignature, ErrorCode.BAD_SIGNATURE),
+    (http_auth.ReplayedRequest, ErrorCode.REPLAYED_REQUEST),
 )
 
 
 class AuthFailure(Exception):
     """A request that failed authentication; answer with `status` and `to_json()`."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
-        self.status = status
-        self.code = code
+        self.status = code.http_status
+        self.code = str(code)
         self.message = message
 
     def to_json(self) -> bytes:
@@ -109,8 +110,7 @@ def verify_request(
     missing = [name for name in _REQUIRED_HEADERS if name.lower() not in present]
     if missing:
         raise AuthFailure(
-            401,
-            "missing_auth",
+            ErrorCode.MISSING_AUTH,
             f"missing btauth/1 headers: {', '.join(missing)}; sign the request with "
             "bittensor.http_auth.sign(..., receiver_ss58=<this server's hotkey>)",
         )
@@ -127,12 +127,12 @@ def verify_request(
             nonce_store=nonce_store,
         )
     except http_auth.AuthError as error:
-        for kind, status, code in _FAILURES:
+        for kind, code in _FAILURES:
             if isinstance(error, kind):
-                raise AuthFailure(status, code, str(error)) from None
-        raise AuthFailure(401, "unauthorized", str(error)) from None
+                raise AuthFailure(code, str(error)) from None
+        raise AuthFailure(ErrorCode.UNAUTHORIZED, str(error)) from None
     except sqlite3.Error:
-        raise AuthFailure(503, "replay_store_unavailable", "the replay store is unavailable; retry") from None
+        raise AuthFailure(ErrorCode.REPLAY_STORE_UNAVAILABLE, "the replay store is unavailable; retry") from None
     return caller.hotkey_ss58
 
 

@@ -30,6 +30,7 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from .auth import hotkey_signer, sign_request
+from .errors import ErrorCode
 from .schemas import (
     CAPABILITIES_PATH,
     GENERATE_PATH,
@@ -61,7 +62,14 @@ Event = Union[TokenEvent, FinalEvent, ErrorEvent]
 
 @dataclass(frozen=True)
 class ClientTimeouts:
-    """Seconds; see the module docstring for what each one bounds."""
+    """Seconds; see the module docstring for what each one bounds.
+
+    The one timeouts type of every client of a miner (validator, gateway, endpoint benchmark),
+    with one set of defaults, so that all of them hold a miner to the same deadlines:
+    connect: a reachable host answers a SYN in well under a second, 3 s allows for a far one;
+    first_byte: a full-context prefill on the reference hardware takes tens of seconds;
+    between_events: a serving miner emits a token every few hundred ms, 10 s of silence is a stall;
+    total: 600 s covers the longest generation a validator or a user asks for."""
 
     connect: float = 3.0
     first_byte: float = 60.0
@@ -87,11 +95,18 @@ class MinerUnreachable(MinerError):
 
 
 class MinerHTTPError(MinerError):
+    """A non-200 answer. `code` is the error body's code as sent; `error_code` is it as an
+    ErrorCode, or None for a code this protocol does not define."""
+
     def __init__(self, status: int, code: str, message: str):
         super().__init__(f"HTTP {status} {code}: {message}")
         self.status = status
-        self.code = code
+        self.code = str(code)
         self.message = message
+
+    @property
+    def error_code(self) -> Optional[ErrorCode]:
+        return ErrorCode.parse(self.code)
 
 
 class MinerTimeout(MinerError):
@@ -112,8 +127,12 @@ class MinerStreamError(MinerError):
 
     def __init__(self, code: str, message: str):
         super().__init__(f"miner error {code}: {message}")
-        self.code = code
+        self.code = str(code)
         self.message = message
+
+    @property
+    def error_code(self) -> Optional[ErrorCode]:
+        return ErrorCode.parse(self.code)
 
 
 # ---------------------------------------------------------------- results
@@ -414,7 +433,7 @@ class MinerClient:
         if detail is not None:
             raise MinerHTTPError(response.status, detail.code, detail.message)
         raise MinerHTTPError(
-            response.status, "unparseable_error", f"HTTP {response.status} without a JSON error body"
+            response.status, ErrorCode.UNPARSEABLE_ERROR, f"HTTP {response.status} without a JSON error body"
         )
 
     async def _read_body(self, response, clock: _CallClock, limit: int, over_limit: str) -> bytes:

@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from .errors import http_status
 
 PROTOCOL_VERSION = 1
 
@@ -132,13 +133,13 @@ def _too_large(what: str, got: int, limit: int) -> PydanticCustomError:
 
 
 class ProtocolError(Exception):
-    """A request that the server refuses: `status` is the HTTP status to answer with."""
+    """A request that the server refuses: `status` (from the code, protocol.errors) is the HTTP status to answer with."""
 
-    def __init__(self, code: str, message: str, status: int = 400):
+    def __init__(self, code: str, message: str):
         super().__init__(message)
-        self.code = code
+        self.code = str(code)
         self.message = message
-        self.status = status
+        self.status = http_status(code, 400)
 
     def to_json(self) -> bytes:
         return error_body(self.code, self.message)
@@ -476,7 +477,7 @@ def encode_event(event: Union[TokenEvent, FinalEvent, ErrorEvent]) -> bytes:
 
 
 def error_body(code: str, message: str) -> bytes:
-    return encode_model(ErrorBody(error=ErrorDetail(code=code, message=message[:1024])))
+    return encode_model(ErrorBody(error=ErrorDetail(code=str(code), message=message[:1024])))
 
 
 def describe_validation_error(error: ValidationError, max_items: int = 5) -> tuple[str, set[str]]:
@@ -495,7 +496,7 @@ def describe_validation_error(error: ValidationError, max_items: int = 5) -> tup
 def _parse(model: type[BaseModel], raw: bytes, limits: Limits) -> Any:
     if len(raw) > limits.max_body_bytes:
         raise ProtocolError(
-            "too_large", f"request body is {len(raw)} bytes, above the limit of {limits.max_body_bytes}", 413
+            "too_large", f"request body is {len(raw)} bytes, above the limit of {limits.max_body_bytes}"
         )
     try:
         return model.model_validate_json(raw, context={"limits": limits})
@@ -504,7 +505,7 @@ def _parse(model: type[BaseModel], raw: bytes, limits: Limits) -> Any:
         if "json_invalid" in kinds or "json_type" in kinds:
             raise ProtocolError("invalid_json", f"body is not a JSON object: {message}") from None
         if "too_large" in kinds:
-            raise ProtocolError("too_large", message, 413) from None
+            raise ProtocolError("too_large", message) from None
         if "unsupported_version" in kinds:
             raise ProtocolError("unsupported_version", message) from None
         raise ProtocolError("invalid_request", message) from None

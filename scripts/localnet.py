@@ -213,7 +213,7 @@ def stop_all(neurons: list[Neuron], grace_s: float = 10.0) -> None:
 
 # ------------------------------------------------------------------ dashboard
 async def snapshot(chain, netuid: int, run_dir: Path, neurons: list[Neuron]) -> dict:
-    from neurons.validator_app.rounds import status_report
+    from neurons.validator_app import status_report
     from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 
     block = await chain.block()

@@ -1,23 +1,22 @@
-"""scripts/benchmark_endpoint.py at tiny sizes against (a) a real miner on loopback (signed protocol,
+"""The endpoint benchmark (neurons/benchmark.py) at tiny sizes against (a) a real miner on loopback (signed protocol,
 devnet permit and stake, capacity 2 so that a wave of 5 gets 429s) and (b) the OpenAI-compatible
 server over the reference engine, with the same checkpoint as the reference for audits and canaries."""
-import asyncio
 import dataclasses
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
-import bittensor as bt
 import pytest
 from aiohttp import web
 
-from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model import KimiK3Model, ModelConfig, make_random_checkpoint
-from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer, load_reference_model
-from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, LocalEngine
+from inference.model.k3 import KimiK3Model
+from inference.serving.openai_server import OpenAICompatibleServer
+from neurons import benchmark as bench
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.schemas import Capabilities, Limits
 
@@ -27,41 +26,15 @@ MODEL_NAME = "kimi-k3-tiny"
 CAPACITY = 2
 
 
-def load_script():
-    module = importlib.import_module("neurons.benchmark")
-    return module
-
-
-bench = load_script()
-
-
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
-async def _make_devnet(path: Path, wallets: dict) -> int:
-    chain = DevnetChain(path, create=True, block_interval=1.0)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
-        for name in ("validator", "miner"):
-            await chain.register(wallets[name], netuid)
-        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 1000.0)
-        return netuid
-    finally:
-        await chain.close()
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, tiny_reference):
     root = tmp_path_factory.mktemp("bench")
-    make_random_checkpoint(CONFIG, root / "ckpt", seed=0)
-    model, tokenizer, fingerprint = load_reference_model(root / "ckpt")
-    wallets = {n: make_wallet(root / "wallets", n) for n in ("owner", "validator", "miner")}
-    netuid = asyncio.run(_make_devnet(root / "devnet.sqlite", wallets))
-    return dict(root=root, ckpt=root / "ckpt", model=model, tokenizer=tokenizer, fingerprint=fingerprint,
+    model, tokenizer, fingerprint = tiny_reference
+    wallets = make_wallets(root / "wallets", ("owner", "validator", "miner"))
+    netuid, _ = make_subnet(root / "devnet.sqlite", wallets, ("validator", "miner"), {"validator": 1000.0})
+    return dict(root=root, ckpt=tiny_checkpoint, model=model, tokenizer=tokenizer, fingerprint=fingerprint,
                 wallets=wallets, netuid=netuid)
 
 

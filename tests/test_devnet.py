@@ -37,12 +37,9 @@ OWNER = "5C4hrfjw9DjXZTzV3MwzrrAr9P1MJhSrvWGWqi1eSuyUpnhM"  # ss58 of the all-ze
 
 
 @pytest.fixture(scope="module")
-def wallet_dir(tmp_path_factory) -> Path:
+def wallet_dir(tmp_path_factory, make_wallets) -> Path:
     path = tmp_path_factory.mktemp("wallets")
-    for i in range(10):
-        w = bt.Wallet(f"w{i}", "default", path=str(path))
-        w.create_new_coldkey(use_password=False, suppress=True)
-        w.create_new_hotkey(use_password=False, suppress=True)
+    make_wallets(path, [f"w{i}" for i in range(10)])
     return path
 
 

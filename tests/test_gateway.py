@@ -2,31 +2,21 @@
 (in-process MinerServers over the tiny checkpoint's reference engine) that accept the gateway's
 signed requests because its hotkey holds a validator permit and stake on a devnet."""
 import asyncio
-import importlib.util
 import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import bittensor as bt
 import openai
 import pytest
 from hypothesis import given, settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model import ModelConfig, make_random_checkpoint
-from inference.serving import (
-    EngineSettings,
-    GenerationRequest,
-    LocalEngine,
-    SamplingParams,
-    TokenEvent,
-    load_reference_model,
-)
-from neurons.gateway.server import (
+from inference.model.config import ModelConfig
+from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
+from inference.serving.sampling import SamplingParams
+from neurons.gateway import (
     ApiKeyFileError,
     ApiKeys,
     GatewayServer,
@@ -38,8 +28,10 @@ from neurons.gateway.server import (
     gateway_options,
     read_api_keys,
 )
+from neurons.miner_app import cheats
 from neurons.settings import build_settings, read_options
-from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities
@@ -53,32 +45,13 @@ MODEL = "kimi-k3-test"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
-async def _make_devnet(path: Path, wallets: dict) -> int:
-    chain = DevnetChain(path, create=True, block_interval=1.0)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)  # no epoch during the tests
-        for name in ("validator", "miner_a", "miner_b", "cheater"):
-            await chain.register(wallets[name], netuid)
-        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 1000.0)
-        return netuid
-    finally:
-        await chain.close()
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_reference):
     root = tmp_path_factory.mktemp("gateway")
-    make_random_checkpoint(CONFIG, root / "ckpt", seed=0)
-    model, tokenizer, fingerprint = load_reference_model(root / "ckpt")
-    wallets = {n: make_wallet(root / "wallets", n) for n in ("owner", "validator", "miner_a", "miner_b", "cheater")}
-    netuid = asyncio.run(_make_devnet(root / "devnet.sqlite", wallets))
+    model, tokenizer, fingerprint = tiny_reference
+    wallets = make_wallets(root / "wallets", ("owner", "validator", "miner_a", "miner_b", "cheater"))
+    netuid, _ = make_subnet(root / "devnet.sqlite", wallets, ("validator", "miner_a", "miner_b", "cheater"),
+                            {"validator": 1000.0})
     keys = root / "keys.txt"
     keys.write_text(f"# organic users\n{KEY}   # alice\n\n")
     return dict(root=root, model=model, tokenizer=tokenizer, fingerprint=fingerprint, wallets=wallets,
@@ -86,8 +59,7 @@ def world(tmp_path_factory):
 
 
 def cheating_engine(inner, cheat):
-    module = importlib.import_module("neurons.miner_app.cheats")
-    return module.CheatingEngine(inner, cheat)
+    return cheats.CheatingEngine(inner, cheat)
 
 
 def engine_of(world) -> LocalEngine:
@@ -102,12 +74,15 @@ class Directory:
     def __init__(self, targets):
         self.targets = list(targets)
         self.reports = []
+        self.verdicts = []  # the gateway's tier-0 failures per report (None for an error)
 
     def ranked_miners(self):
         return list(self.targets)
 
-    def record_organic(self, *, uid, hotkey, outcome, prompt_ids):
+    def record_organic(self, *, uid, hotkey, outcome, prompt_ids, tier0, tier0_cpu_s):
         self.reports.append((uid, hotkey, outcome, list(prompt_ids)))
+        self.verdicts.append(tier0)
+        assert (tier0 is None) == (tier0_cpu_s is None) and (tier0_cpu_s is None or tier0_cpu_s >= 0)
 
 
 class AsyncDirectory(Directory):
@@ -116,12 +91,6 @@ class AsyncDirectory(Directory):
     async def ranked_miners(self):
         await asyncio.sleep(0)
         return list(self.targets)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -151,7 +120,8 @@ async def subnet(world, tmp_path):
 
     async def gateway(directory, **overrides) -> GatewayServer:
         values = dict(enabled=True, host="127.0.0.1", port=0, api_keys_file=str(world["keys"]), model_name=MODEL,
-                      default_max_tokens=6, first_token_timeout_s=20.0, request_timeout_s=60.0)
+                      default_max_tokens=6,
+                      miner_timeouts=ClientTimeouts(first_byte=20.0, between_events=15.0, total=60.0))
         values.update(overrides)
         server = GatewayServer(directory, client, world["tokenizer"], GatewaySettings(**values))
         gateways.append(server)
@@ -259,9 +229,10 @@ async def test_chat_and_completions_streamed_and_whole_through_the_openai_client
     assert directory.reports[0][3] == prompt_ids and directory.reports[2][3] == tokenizer.encode(text_prompt)
     for uid, hotkey, outcome, _ in directory.reports:
         assert isinstance(outcome, GenerateResult) and tier0(world, best, outcome) == []
+    assert directory.verdicts == [[]] * 4  # tier 0 ran once, in the gateway, and its verdict came along
 
 
-async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, subnet, tmp_path):
+async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, subnet, tmp_path, free_port):
     start_miner, start_gateway, _ = subnet
     keys = tmp_path / "keys.txt"
     keys.write_text(KEY + "\n")
@@ -304,7 +275,7 @@ async def test_keys_rate_limits_and_bad_requests_get_openai_style_errors(world, 
     assert directory.reports == []  # nothing invalid reached a miner
 
 
-async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_miner(world, subnet):
+async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_miner(world, subnet, free_port):
     start_miner, start_gateway, _ = subnet
     directory = Directory([MinerTarget(uid=9, hotkey=world["wallets"]["miner_a"].hotkey.ss58_address,
                                        url=f"http://127.0.0.1:{free_port()}", score=1.0)])
@@ -323,7 +294,7 @@ async def test_bad_values_are_400_and_an_oversized_request_does_not_reach_a_mine
 
 
 # ---------------------------------------------------------------- failover
-async def test_failover_past_an_unreachable_miner_and_a_stopped_one(world, subnet):
+async def test_failover_past_an_unreachable_miner_and_a_stopped_one(world, subnet, free_port):
     start_miner, start_gateway, stop_miner = subnet
     a = await start_miner("miner_a", uid=1, score=0.8)
     b = await start_miner("miner_b", uid=2, score=0.7)
@@ -367,6 +338,7 @@ async def test_a_tier0_failure_fails_over_before_the_first_byte_and_ends_a_start
         failures = tier0(world, cheater, outcome)  # what made the gateway move on, as the validator sees it
         assert {f.check for f in failures} == {"usage_completion"} and all(f.hard for f in failures)
         assert tier0(world, honest, outcome2) == []
+        assert directory.verdicts == [failures, []]  # the validator gets the gateway's verdict, not a rerun
 
         # Streaming from the cheater alone: its tokens flow, then verification fails at the end and the
         # stream ends with an error chunk that the client raises.

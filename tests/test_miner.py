@@ -1,7 +1,6 @@
 """The miner's HTTP server in-process (aiohttp AppRunner on loopback) against a real devnet file,
 real wallets, a real tiny checkpoint and the real reference engine (wrapped only to count calls)."""
 import asyncio
-import importlib.util
 import itertools
 import json
 import re
@@ -12,31 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import bittensor as bt
 import hypothesis
 from bittensor import http_auth
 import pytest
 from aiohttp import web
 from hypothesis import strategies as st
 
-from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model import ModelConfig, make_random_checkpoint
-from inference.serving import (
-    Engine,
-    EngineSettings,
-    GenerationRequest,
-    LocalEngine,
-    OpenAICompatibleServer,
-    RemoteEngine,
-    SamplingParams,
-    TokenEvent as EngineTokenEvent,
-    build_engine,
-    load_reference_model,
-)
-from neurons.miner_app.server import (
+from inference.model.config import ModelConfig
+from inference.serving.engine import Engine, EngineSettings, GenerationRequest, LocalEngine
+from inference.serving.engine import TokenEvent as EngineTokenEvent
+from inference.serving.openai_server import OpenAICompatibleServer
+from inference.serving.remote import RemoteEngine
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import build_engine
+from neurons.miner_app import cheats
+from neurons.miner_app import (
     AccessSettings,
-    ChainSettings,
     MinerServer,
     MinerSettings,
     ServerSettings,
@@ -44,6 +35,7 @@ from neurons.miner_app.server import (
     prompt_token_ids,
     read_miner_settings,
 )
+from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore, sign_request
 from protocol.client import MinerClient, MinerHTTPError
 from protocol.schemas import (
@@ -70,13 +62,6 @@ PROMPT = [(11 * j + 5) % 256 for j in range(24)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
 @dataclass
 class World:
     root: Path
@@ -92,30 +77,16 @@ class World:
         return self.wallets[name].hotkey
 
 
-async def _make_devnet(path: Path, wallets: dict) -> int:
-    chain = DevnetChain(path, create=True, block_interval=1.0)
-    try:
-        # A long tempo: no epoch runs during the tests, so permits stay as staked below.
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
-        for name in ("miner", "other_miner", "validator", "small", "poor", "nopermit"):
-            await chain.register(wallets[name], netuid)
-        for name, stake in (("validator", 1000.0), ("small", 10.0), ("poor", 2.0)):
-            await chain.add_stake(wallets[name], wallets[name], netuid, stake)
-        return netuid
-    finally:
-        await chain.close()
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, tiny_reference) -> World:
     root = tmp_path_factory.mktemp("miner")
-    checkpoint = root / "ckpt"
-    make_random_checkpoint(CONFIG, checkpoint, seed=0)
-    model, tokenizer, fingerprint = load_reference_model(checkpoint)
+    model, tokenizer, fingerprint = tiny_reference
     names = ("owner", "miner", "other_miner", "validator", "small", "poor", "nopermit", "stranger")
-    wallets = {name: make_wallet(root / "wallets", name) for name in names}
-    netuid = asyncio.run(_make_devnet(root / "devnet.sqlite", wallets))
-    return World(root, checkpoint, root / "devnet.sqlite", netuid, wallets, model, tokenizer, fingerprint)
+    wallets = make_wallets(root / "wallets", names)
+    netuid, _ = make_subnet(root / "devnet.sqlite", wallets,
+                            ("miner", "other_miner", "validator", "small", "poor", "nopermit"),
+                            {"validator": 1000.0, "small": 10.0, "poor": 2.0})
+    return World(root, tiny_checkpoint, root / "devnet.sqlite", netuid, wallets, model, tokenizer, fingerprint)
 
 
 class CountingEngine(Engine):
@@ -662,18 +633,13 @@ async def test_streams_that_outlive_the_shutdown_grace_end_with_an_error_event(w
 
 
 # ---------------------------------------------------------------- the cheating miner's engine
-def cheating_module():
-    module = importlib.import_module("neurons.miner_app.cheats")
-    return module
-
-
 async def _generate(world, miner, request):
     async with MinerClient(world.key("validator")) as client:
         return await client.generate(miner.url, miner.hotkey, request)
 
 
 async def test_cheat_truncate_changes_the_answer_to_a_long_prompt(world, start_miner):
-    cheating = cheating_module()
+    cheating = cheats
     long_prompt = [(7 * j + 3) % 256 for j in range(600)]
     request = GenerateRequest(request_id="long", prompt_token_ids=long_prompt, max_tokens=4, temperature=0.0)
     honest = await _generate(world, await start_miner(), request)
@@ -684,7 +650,7 @@ async def test_cheat_truncate_changes_the_answer_to_a_long_prompt(world, start_m
 
 
 async def test_cheat_buffer_sends_every_event_at_once(world, start_miner):
-    cheating = cheating_module()
+    cheating = cheats
     request = GenerateRequest(request_id="buf", prompt_token_ids=PROMPT, max_tokens=12, temperature=0.0)
     honest = await _generate(world, await start_miner(), request)
     cheater = await start_miner(engine=cheating.CheatingEngine(local_engine(world), "buffer"))
@@ -695,7 +661,7 @@ async def test_cheat_buffer_sends_every_event_at_once(world, start_miner):
 
 
 async def test_cheat_inflate_reports_more_tokens_than_it_sent_and_delay_throttles(world, start_miner):
-    cheating = cheating_module()
+    cheating = cheats
     request = GenerateRequest(request_id="infl", prompt_token_ids=PROMPT, max_tokens=5, temperature=0.0)
     inflated = await _generate(world, await start_miner(
         engine=cheating.CheatingEngine(local_engine(world), "inflate")), request)

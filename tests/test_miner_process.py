@@ -4,7 +4,6 @@ lets an open stream finish. Both processes start at once so that their start-up 
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,11 +11,9 @@ from contextlib import aclosing
 from pathlib import Path
 
 import aiohttp
-import bittensor as bt
 import pytest
 
 from chain.devnet import DevnetChain
-from inference.model import ModelConfig, make_random_checkpoint
 from protocol.client import MinerClient
 from protocol.schemas import FinalEvent, GenerateRequest, TokenEvent
 from protocol.signature import verify_response
@@ -26,39 +23,13 @@ START_TIMEOUT_S = 120.0  # two cold Python processes importing torch on a busy 2
 PROMPT = [(5 * j + 1) % 256 for j in range(16)]
 
 
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _make_devnet(path: Path, wallets: dict) -> int:
-    chain = DevnetChain(path, create=True, block_interval=1.0)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
-        for name in ("miner", "cheater", "validator"):
-            await chain.register(wallets[name], netuid)
-        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 100.0)
-        return netuid
-    finally:
-        await chain.close()
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_port):
     root = tmp_path_factory.mktemp("miner_process")
-    checkpoint = root / "ckpt"
-    make_random_checkpoint(ModelConfig.tiny(), checkpoint, seed=0)
-    wallets = {name: make_wallet(root / "wallets", name) for name in ("owner", "miner", "cheater", "validator")}
+    checkpoint = tiny_checkpoint
+    wallets = make_wallets(root / "wallets", ("owner", "miner", "cheater", "validator"))
     devnet = root / "devnet.sqlite"
-    netuid = asyncio.run(_make_devnet(devnet, wallets))
+    netuid, _ = make_subnet(devnet, wallets, ("miner", "cheater", "validator"), {"validator": 100.0})
 
     def command(script: str, wallet: str, metrics_port: int, *extra: str) -> list[str]:
         return [sys.executable, str(ROOT / script), "--chain", f"devnet:{devnet}", "--netuid", str(netuid),

@@ -1,4 +1,5 @@
 """Miner settings from flags and environment (neurons/settings.py), and the budget arithmetic."""
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -8,14 +9,16 @@ from chain.interface import MetagraphSnapshot, NeuronInfo
 from inference.serving import EngineSpec
 from neurons import miner as miner_entry
 from neurons.settings import (
+    FROM_SETTINGS,
     Option,
+    bind_defaults,
     build_settings,
     byte_size,
     flag,
     options_table,
     read_options,
 )
-from neurons.miner_app.server import (
+from neurons.miner_app import (
     AccessSettings,
     CallerBudget,
     CallerBudgets,
@@ -87,14 +90,39 @@ def test_a_generic_table_builds_nested_dataclasses():
         inner: Inner = field(default_factory=Inner)
         rate: float = 0.5
 
-    table = (Option("inner.depth", "--depth", "T_DEPTH", int, 1, "depth"),
-             Option("rate", "--rate", "T_RATE", float, 0.5, "rate"))
+    table = (Option("inner.depth", "--depth", "T_DEPTH", int, "depth", default=1),
+             Option("rate", "--rate", "T_RATE", float, "rate", default=0.5))
     values = read_options(table, ["--depth", "4"], {"T_RATE": "0.25"})
     assert build_settings(Outer, values) == Outer(Inner(depth=4, name="x"), 0.25)
     with pytest.raises(TypeError, match="no settings named"):
         build_settings(Outer, {"speed": 1})
     with pytest.raises(ValueError, match="share the flag"):
-        read_options(table + (Option("other", "--depth", None, int, 0, "dup"),), [], {})
+        read_options(table + (Option("other", "--depth", None, int, "dup", default=0),), [], {})
+
+
+def test_flag_defaults_are_the_settings_dataclasses_defaults():
+    """Every flag's default comes from its settings dataclass: no flags and no environment give
+    exactly the dataclasses' defaults (the required --netuid aside)."""
+    from neurons.benchmark import BenchmarkSettings, benchmark_options
+    from neurons.validator_app import ValidatorSettings, read_validator_settings, validator_options
+
+    assert read_miner_settings(REQUIRED, {})[0] == dataclasses.replace(
+        MinerSettings(), chain=dataclasses.replace(MinerSettings().chain, netuid=7))
+    assert read_validator_settings(REQUIRED, {}) == dataclasses.replace(
+        ValidatorSettings(), chain=dataclasses.replace(ValidatorSettings().chain, netuid=7))
+    assert build_settings(BenchmarkSettings, read_options(benchmark_options(), [], {})) == BenchmarkSettings()
+    for table in (miner_options(), validator_options(), benchmark_options()):
+        assert all(option.default is not FROM_SETTINGS for option in table)
+    # the benchmark's log level is its own dataclass's, not the miner's
+    assert {o.flag: o.default for o in benchmark_options()}["--log-level"] == BenchmarkSettings().log_level == "WARNING"
+
+
+def test_an_option_without_a_default_or_a_dataclass_is_refused():
+    table = (Option("depth", "--depth", None, int, "depth"),)
+    with pytest.raises(ValueError, match="--depth"):
+        read_options(table, [], {})
+    with pytest.raises(ValueError, match="no setting 'nowhere'"):
+        bind_defaults(MinerSettings, (Option("nowhere", "--nowhere", None, int, "x"),))
 
 
 def test_help_and_the_settings_table_cover_every_option(capsys):

@@ -4,7 +4,6 @@ import multiprocessing
 import time
 
 import aiohttp
-import bittensor as bt
 import pytest
 from aiohttp import web
 from bittensor import http_auth
@@ -22,17 +21,10 @@ PATH = "/v1/generate"
 BODY = b'{"request_id":"r-1","prompt":"hello","max_tokens":4}'
 
 
-def make_hotkey(root, name):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet.hotkey
-
-
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wallets")
-    return {name: make_hotkey(root, name) for name in ("validator", "miner", "other")}
+def keys(tmp_path_factory, make_wallets):
+    wallets = make_wallets(tmp_path_factory.mktemp("wallets"), ("validator", "miner", "other"))
+    return {name: wallet.hotkey for name, wallet in wallets.items()}
 
 
 async def start_worker(miner_ss58, store):

@@ -10,7 +10,6 @@ import itertools
 import socket
 import time
 
-import bittensor as bt
 import pytest
 from aiohttp import web
 
@@ -63,17 +62,10 @@ STEP_S = 0.05
 FOREVER_S = 30.0
 
 
-def make_hotkey(root, name):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet.hotkey
-
-
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wallets")
-    return {name: make_hotkey(root, name) for name in ("validator", "miner", "other")}
+def keys(tmp_path_factory, make_wallets):
+    wallets = make_wallets(tmp_path_factory.mktemp("wallets"), ("validator", "miner", "other"))
+    return {name: wallet.hotkey for name, wallet in wallets.items()}
 
 
 def token(index, token_id=None, logprobs=2):

@@ -48,15 +48,8 @@ def coldkey(wallet) -> str:
 
 
 @pytest.fixture(scope="module")
-def wallets(tmp_path_factory) -> dict[str, bt.Wallet]:
-    path = tmp_path_factory.mktemp("wallets")
-    made = {}
-    for name in ("owner", "validator", "miner", "newcomer"):
-        wallet = bt.Wallet(name, "default", path=str(path))
-        wallet.create_new_coldkey(use_password=False, suppress=True)
-        wallet.create_new_hotkey(use_password=False, suppress=True)
-        made[name] = wallet
-    return made
+def wallets(tmp_path_factory, make_wallets) -> dict[str, bt.Wallet]:
+    return make_wallets(tmp_path_factory.mktemp("wallets"), ("owner", "validator", "miner", "newcomer"))
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import bittensor as bt
 import openai
 import pytest
 
@@ -31,18 +30,17 @@ from inference.model import ModelConfig, make_random_checkpoint
 from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_reference_model
 from inference.version import version_key
 from neurons.settings import ChainSettings, WalletSettings
-from neurons.validator_app.rounds import (
+from neurons.validator_app import (
     AuditSettings,
     RoundSettings,
     ScoringSettings,
-    TimeoutSettings,
     ValidatorLoop,
     ValidatorSettings,
     ValidatorState,
     WeightSettings,
     run_validator,
 )
-from neurons.gateway.server import GatewaySettings
+from neurons.gateway import GatewaySettings
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
@@ -109,25 +107,6 @@ class World:
         return path.read_text()[-3000:] if path.exists() else ""
 
 
-def make_wallet(root: Path, name: str):
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
-async def _setup_devnet(path: Path, wallets: dict) -> tuple[int, dict]:
-    chain = DevnetChain(path, create=True, block_interval=BLOCK_INTERVAL)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=TEMPO, weights_rate_limit=WEIGHTS_RATE_LIMIT)
-        uids = {name: await chain.register(wallets[name], netuid) for name in VALIDATORS + MINERS}
-        for name in VALIDATORS:
-            await chain.add_stake(wallets[name], wallets[name], netuid, VALIDATOR_STAKE)
-        return netuid, uids
-    finally:
-        await chain.close()
-
-
 def _miner_command(world: World, name: str) -> list[str]:
     checkpoint = world.other_checkpoint if name == "cheat_weights" else world.checkpoint
     script = "neurons/miner.py" if name == "cheat_weights" else "scripts/cheating_miner.py"
@@ -182,13 +161,14 @@ async def _wait_for_miners(world: World, timeout_s: float = 180.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
     root = tmp_path_factory.mktemp("validator")
-    checkpoint, other = root / "ckpt0", root / "ckpt1"
-    make_random_checkpoint(MODEL, checkpoint, seed=0)  # the real model
+    checkpoint, other = tiny_checkpoint, root / "ckpt1"  # the real model (seed 0)
     make_random_checkpoint(MODEL, other, seed=1)  # the cheater's different weights
-    wallets = {name: make_wallet(root / "wallets", name) for name in ("owner",) + VALIDATORS + MINERS}
-    netuid, uids = asyncio.run(_setup_devnet(root / "devnet.sqlite", wallets))
+    wallets = make_wallets(root / "wallets", ("owner",) + VALIDATORS + MINERS)
+    netuid, uids = make_subnet(root / "devnet.sqlite", wallets, VALIDATORS + MINERS,
+                               {name: VALIDATOR_STAKE for name in VALIDATORS}, block_interval=BLOCK_INTERVAL,
+                               tempo=TEMPO, weights_rate_limit=WEIGHTS_RATE_LIMIT)
     w = World(root, checkpoint, other, root / "devnet.sqlite", netuid, wallets, uids)
     try:
         for name in MINERS:
@@ -233,9 +213,8 @@ def validator_settings(world: World, db: Path, **changes) -> ValidatorSettings:
         reference_engine=True,
         db=str(db),
         rounds=RoundSettings(**rounds),
-        timeouts=TimeoutSettings(connect_s=2.0, first_byte_s=60.0, between_events_s=20.0, request_s=90.0,
-                                 audit_s=90.0),
-        audits=AuditSettings(rate=1.0, rate_new=1.0, canaries=16),
+        timeouts=ClientTimeouts(connect=2.0, first_byte=60.0, between_events=20.0, total=90.0),
+        audits=AuditSettings(rate=1.0, rate_new=1.0, canaries=16, timeout_s=90.0),
         scoring=ScoringSettings(profile="local_testnet", overrides=json.dumps(changes.pop("profile", TEST_PROFILE))),
         weights=WeightSettings(**weights),
         **changes,

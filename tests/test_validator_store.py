@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neurons.validator_app.rounds import (
+from neurons.validator_app import (
     ValidatorSettings,
     ValidatorSetupError,
     ValidatorState,

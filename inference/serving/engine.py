@@ -31,13 +31,25 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------- types
 class EngineError(Exception):
-    """A request the engine will not or cannot serve. `code` is machine-readable:
-    invalid_request, context_too_long, over_capacity, queue_full, engine_unavailable, engine_failure."""
+    """A request the engine will not or cannot serve. `code` is machine-readable: one of ERROR_CODES.
 
-    def __init__(self, code: str, message: str):
+    A remote engine also says, as data, what went wrong on the wire: `http_status`, the status
+    the server answered with; `timeout`, which deadline passed ("first_byte", "between_events"
+    or "total"); `unreachable`, the server could not be reached. Nobody parses `message`."""
+
+    def __init__(self, code: str, message: str, *, http_status: int | None = None, timeout: str | None = None,
+                 unreachable: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.http_status = http_status
+        self.timeout = timeout
+        self.unreachable = unreachable
+
+
+# Every code an EngineError carries (protocol.errors.ErrorCode holds each; a test checks).
+ERROR_CODES = ("invalid_request", "context_too_long", "over_capacity", "queue_full", "engine_unavailable",
+               "engine_failure", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from inference.serving.engine import Engine, EngineError, FinalEvent, Generation
 from inference.serving.sampling import SamplingParams
 
 _ERROR_STATUS = {"invalid_request": 400, "context_too_long": 400, "over_capacity": 429, "queue_full": 429,
-                 "engine_unavailable": 503, "engine_failure": 500}
+                 "engine_unavailable": 503, "engine_failure": 503}  # as protocol.errors (a test checks)
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:

@@ -146,9 +146,10 @@ class RemoteEngine(Engine):
                 self._session.post(self._url + path, data=json.dumps(body), headers=self._headers()),
                 timeout=self.settings.first_byte_timeout_s)
         except asyncio.TimeoutError:
-            raise EngineError("engine_failure", f"the server sent no response within {self.settings.first_byte_timeout_s} s") from None
+            raise EngineError("engine_failure", f"the server sent no response within {self.settings.first_byte_timeout_s} s",
+                              timeout="first_byte") from None
         except aiohttp.ClientError as exc:
-            raise EngineError("engine_unavailable", f"cannot reach the server: {exc}") from None
+            raise EngineError("engine_unavailable", f"cannot reach the server: {exc}", unreachable=True) from None
         if resp.status != 200:
             try:
                 text = (await resp.read())[:4096].decode(errors="replace")
@@ -163,7 +164,7 @@ class RemoteEngine(Engine):
             code = _STATUS_CODES.get(resp.status, "engine_failure" if resp.status >= 500 else "invalid_request")
             if code == "invalid_request" and message and "context" in message.lower():
                 code = "context_too_long"
-            raise EngineError(code, f"server answered HTTP {resp.status}: {message}")
+            raise EngineError(code, f"server answered HTTP {resp.status}: {message}", http_status=resp.status)
         return resp
 
     def generate(self, request: GenerationRequest) -> "asyncio.AsyncIterator":
@@ -249,11 +250,12 @@ class RemoteEngine(Engine):
         buffer = b""
         while True:
             if time.perf_counter() - t0 > s.total_timeout_s:
-                raise EngineError("engine_failure", f"the stream exceeded {s.total_timeout_s} s")
+                raise EngineError("engine_failure", f"the stream exceeded {s.total_timeout_s} s", timeout="total")
             try:
                 chunk = await asyncio.wait_for(resp.content.readany(), timeout=s.between_events_timeout_s)
             except asyncio.TimeoutError:
-                raise EngineError("engine_failure", f"the server stalled for {s.between_events_timeout_s} s mid-stream") from None
+                raise EngineError("engine_failure", f"the server stalled for {s.between_events_timeout_s} s mid-stream",
+                                  timeout="between_events") from None
             except aiohttp.ClientError as exc:
                 raise EngineError("engine_failure", f"the stream broke: {exc}") from None
             if not chunk:

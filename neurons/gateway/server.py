@@ -24,32 +24,21 @@ is the validator's own count.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import inspect
 import json
 import logging
-import math
-import os
 import secrets
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Optional, Protocol, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from neurons.settings import (
-    Option,
-    byte_size,
-    flag,
-    non_negative_float,
-    optional_text,
-    port_number,
-    positive_float,
-)
+from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
+from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
+from neurons.gateway.settings import GatewaySettings, GatewaySetupError
+from protocol.errors import ErrorCode
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -65,24 +54,15 @@ from protocol.schemas import (
     FinalEvent,
     GenerateRequest,
     TokenEvent,
-    U64_MAX,
-    describe_validation_error,
 )
 from scoring.config import ScoringConfig
 from scoring.verify import Failure, check_tier0
 
 log = logging.getLogger("k3.gateway")
 
-MAX_STOP_STRINGS = 4  # OpenAI's bound; the wire allows more
-MAX_STOP_CHARS = 64
-MAX_USER_LOGPROBS = 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
 MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
-
-
-class GatewaySetupError(RuntimeError):
-    """The gateway cannot start as configured; the message says what to change."""
 
 
 # ---------------------------------------------------------------- the seam to the validator
@@ -109,364 +89,15 @@ class MinerDirectory(Protocol):
     the gateway skips those with score <= `min_score`. It may also be a coroutine function.
 
     Optional hook, called once per generation attempt (sync, or a coroutine run in the
-    background): `record_organic(uid=..., hotkey=..., outcome=..., prompt_ids=...)`, where
-    `outcome` is the finished GenerateResult or the MinerError the attempt raised (its `.partial`
-    holds the request and what had arrived) and `prompt_ids` the prompt as the validator
-    tokenized it. The gateway has already run tier 0 to decide on failover; the hook records the
-    measurement (and may run tier 0 again on its own copy of the miner's capabilities).
+    background): `record_organic(uid=..., hotkey=..., outcome=..., prompt_ids=..., tier0=...,
+    tier0_cpu_s=...)`, where `outcome` is the finished GenerateResult or the MinerError the attempt
+    raised (its `.partial` holds the request and what had arrived), `prompt_ids` the prompt as the
+    validator tokenized it and `tier0` the tier-0 failures of a finished answer (None for an error),
+    with the CPU seconds they took. Tier 0 runs once, here (it decides on failover); the hook
+    records the measurement with that verdict and does not run it again.
     """
 
     def ranked_miners(self) -> Sequence[MinerTarget]: ...
-
-
-# ---------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class GatewaySettings:
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys_file: Optional[str] = None
-    model_name: str = "kimi-k3"
-    max_attempts: int = 3
-    min_score: float = 0.0
-    rate_limit_requests: int = 60
-    rate_limit_window_s: float = 60.0
-    default_max_tokens: int = 1024
-    max_tokens_cap: int = 32768
-    max_body_bytes: int = 16 * 1024 * 1024
-    request_logprobs: int = 5  # asked of the miner on every request, so that tier 0 can check greedy tokens
-    connect_timeout_s: float = 3.0
-    first_token_timeout_s: float = 60.0
-    between_tokens_timeout_s: float = 15.0
-    request_timeout_s: float = 600.0
-    capabilities_ttl_s: float = 300.0
-    miner_cooldown_s: float = 30.0
-
-    def problems(self, need_key_file: bool = True) -> list[str]:
-        out = []
-        if need_key_file and self.enabled and not self.api_keys_file:
-            out.append("the gateway needs --gateway-api-keys FILE (one API key per line)")
-        for name in ("max_attempts", "rate_limit_requests", "default_max_tokens", "max_tokens_cap"):
-            if getattr(self, name) < 1:
-                out.append(f"gateway {name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.request_logprobs <= MAX_USER_LOGPROBS:
-            out.append(f"gateway request_logprobs must lie in 0..{MAX_USER_LOGPROBS}")
-        for name in ("rate_limit_window_s", "connect_timeout_s", "first_token_timeout_s",
-                     "between_tokens_timeout_s", "request_timeout_s", "capabilities_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                out.append(f"gateway {name} must be a positive number of seconds, got {value}")
-        if self.max_body_bytes < 1024:
-            out.append("--gateway-max-body must be at least 1 KiB")
-        return out
-
-    @property
-    def miner_timeouts(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_timeout_s, first_byte=self.first_token_timeout_s,
-                              between_events=self.between_tokens_timeout_s, total=self.request_timeout_s)
-
-
-def gateway_options() -> tuple[Option, ...]:
-    """The gateway's flags (dest "gateway.*"), for the validator's option table."""
-    p, g = "K3_GATEWAY_", "organic gateway"
-    return (
-        Option("gateway.enabled", "--gateway", f"{p}ENABLED", flag, False,
-               "serve the OpenAI-compatible organic gateway (real users' requests to the best miners)", group=g),
-        Option("gateway.host", "--gateway-host", f"{p}HOST", str, "127.0.0.1", "address the gateway binds to",
-               group=g),
-        Option("gateway.port", "--gateway-port", f"{p}PORT", port_number, 8000, "gateway port (0 picks a free one)",
-               group=g),
-        Option("gateway.api_keys_file", "--gateway-api-keys", f"{p}API_KEYS", optional_text, None,
-               "file of API keys, one per line, '#' starts a comment; re-read when it changes", group=g,
-               metavar="FILE"),
-        Option("gateway.model_name", "--gateway-model-name", f"{p}MODEL_NAME", str, "kimi-k3",
-               "model name users ask for (and /v1/models lists)", group=g, metavar="NAME"),
-        Option("gateway.max_attempts", "--gateway-max-attempts", f"{p}MAX_ATTEMPTS", int, 3,
-               "miners tried per request before giving up (failover before the first byte)", group=g),
-        Option("gateway.min_score", "--gateway-min-score", f"{p}MIN_SCORE", non_negative_float, 0.0,
-               "miners at or below this score get no organic traffic", group=g, metavar="X"),
-        Option("gateway.rate_limit_requests", "--gateway-rate-limit", f"{p}RATE_LIMIT", int, 60,
-               "requests per key per window (beyond: 429)", group=g),
-        Option("gateway.rate_limit_window_s", "--gateway-rate-limit-window-s", f"{p}RATE_LIMIT_WINDOW_S",
-               positive_float, 60.0, "rate-limit window", group=g),
-        Option("gateway.default_max_tokens", "--gateway-default-max-tokens", f"{p}DEFAULT_MAX_TOKENS", int, 1024,
-               "max_tokens of a chat request that gives none (bounded by the miner's context)", group=g),
-        Option("gateway.max_tokens_cap", "--gateway-max-tokens", f"{p}MAX_TOKENS", int, 32768,
-               "largest max_tokens a user may ask for", group=g),
-        Option("gateway.max_body_bytes", "--gateway-max-body", f"{p}MAX_BODY", byte_size, 16 * 1024 * 1024,
-               "largest request body (larger: 413)", group=g, metavar="SIZE"),
-        Option("gateway.connect_timeout_s", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
-               3.0, "deadline to connect to a miner", group=g),
-        Option("gateway.first_token_timeout_s", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
-               positive_float, 60.0, "deadline for a miner's first token (covers the prefill)", group=g),
-        Option("gateway.between_tokens_timeout_s", "--gateway-between-tokens-timeout-s",
-               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, 15.0, "deadline between two tokens of a miner",
-               group=g),
-        Option("gateway.request_timeout_s", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
-               600.0, "deadline of one user request, failovers included", group=g),
-        Option("gateway.miner_cooldown_s", "--gateway-miner-cooldown-s", f"{p}MINER_COOLDOWN_S", non_negative_float,
-               30.0, "a miner that could not be reached is tried last for this long", group=g),
-    )
-
-
-# ---------------------------------------------------------------- API keys
-class ApiKeyFileError(ValueError):
-    """An API key file that cannot be used."""
-
-
-MIN_KEY_CHARS = 8
-
-
-def read_api_keys(path: Union[str, Path]) -> set[str]:
-    """Keys of a key file: one per line; `#` starts a comment (so keys hold no `#` and no spaces)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ApiKeyFileError(f"cannot read the API key file {path}: {error.strerror or error}") from None
-    keys = set()
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        key = line.split("#", 1)[0].strip()
-        if not key:
-            continue
-        if any(ch.isspace() for ch in key):
-            raise ApiKeyFileError(f"{path}:{lineno}: one key per line, without spaces")
-        if len(key) < MIN_KEY_CHARS:
-            raise ApiKeyFileError(f"{path}:{lineno}: a key needs at least {MIN_KEY_CHARS} characters")
-        keys.add(key)
-    return keys
-
-
-def key_id(key: str) -> str:
-    """A short name of a key for logs and rate limits (never the key itself)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-class ApiKeys:
-    """The accepted keys, re-read whenever the file changes (a bad edit keeps the last good set)."""
-
-    def __init__(self, path: Union[str, Path]):
-        self.path = Path(path).expanduser()
-        self._stamp: Optional[tuple] = None
-        self._digests: set[bytes] = set()
-        self.reload_error: Optional[str] = None
-        self._load(raise_errors=True)
-
-    def _file_stamp(self) -> Optional[tuple]:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def _load(self, raise_errors: bool = False) -> None:
-        stamp = self._file_stamp()
-        try:
-            keys = read_api_keys(self.path)
-        except ApiKeyFileError as error:
-            if raise_errors:
-                raise
-            if self.reload_error != str(error):
-                log.error("keeping the previous %d API keys: %s", len(self._digests), error)
-            self.reload_error = str(error)
-            self._stamp = stamp
-            return
-        self._digests = {hashlib.sha256(k.encode()).digest() for k in keys}
-        self._stamp = stamp
-        self.reload_error = None
-        log.info("loaded %d API keys from %s", len(keys), self.path)
-
-    def __len__(self) -> int:
-        self._refresh()
-        return len(self._digests)
-
-    def _refresh(self) -> None:
-        if self._file_stamp() != self._stamp:
-            self._load()
-
-    def check(self, key: str) -> Optional[str]:
-        """The key's id when it is accepted, else None."""
-        self._refresh()
-        digest = hashlib.sha256(key.encode()).digest()
-        # Compare digests in constant time: nothing about a valid key leaks through timing.
-        accepted = False
-        for known in self._digests:
-            accepted |= hmac.compare_digest(known, digest)
-        return key_id(key) if accepted else None
-
-
-class KeyRateLimiter:
-    """`requests` per `window_s` per key, as a token bucket (bursts up to a window's worth)."""
-
-    def __init__(self, requests: int, window_s: float):
-        self.size = float(requests)
-        self.rate = requests / window_s
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def take(self, key: str, now: Optional[float] = None) -> Optional[float]:
-        """None when the request may go; else the seconds to wait."""
-        now = time.monotonic() if now is None else now
-        tokens, updated = self._buckets.get(key, (self.size, now))
-        tokens = min(self.size, tokens + (now - updated) * self.rate)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            return (1.0 - tokens) / self.rate
-        self._buckets[key] = (tokens - 1.0, now)
-        return None
-
-
-# ---------------------------------------------------------------- OpenAI errors
-class ApiError(Exception):
-    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
-                 kind: Optional[str] = None, retry_after_s: Optional[float] = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.kind = kind or _ERROR_KIND.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-_ERROR_KIND = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-# ---------------------------------------------------------------- OpenAI request bodies
-class _Body(BaseModel):
-    # strict: no "0.5" for 0.5 or true for 1; extra="forbid": an unsupported option is an error, not ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = Field(min_length=1, max_length=256)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # an extension (vLLM, SGLang): 0 = off
-    n: int = Field(1, ge=1, le=1)
-    seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
-    stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    presence_penalty: Optional[float] = None  # accepted only as "off" (0)
-    frequency_penalty: Optional[float] = None
-    user: Optional[str] = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _checks(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported (only 0)")
-        for i, text in enumerate(self.stop_strings):
-            if not 1 <= len(text) <= MAX_STOP_CHARS:
-                raise ValueError(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters")
-        if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        unknown = set(self.stream_options or {}) - {"include_usage"}
-        if unknown:
-            raise ValueError(f"stream_options supports only include_usage, not {sorted(unknown)}")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[_TextPart]]
-    name: Optional[str] = Field(None, max_length=64)
-
-    def as_template_message(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        # "developer" is OpenAI's newer name for system instructions.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class ChatCompletionBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _chat_checks(self):
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def user_logprobs(self) -> Optional[int]:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class CompletionBody(_Body):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_USER_LOGPROBS)
-    echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, le=1)
-    suffix: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _completion_checks(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
-
-    @property
-    def user_logprobs(self) -> Optional[int]:
-        return self.logprobs
-
-
-def _parse_body(model: type[_Body], raw: bytes) -> Any:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        message, kinds = describe_validation_error(error)
-        if "json_invalid" in kinds or "json_type" in kinds:
-            raise ApiError(400, "the body is not a JSON object", code="invalid_json") from None
-        first = error.errors(include_url=False, include_input=False)[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"unsupported parameter: {param}", code="unsupported_parameter",
-                           param=param) from None
-        raise ApiError(400, message, code="invalid_value", param=param) from None
 
 
 # ---------------------------------------------------------------- text out
@@ -506,7 +137,7 @@ class _Plan:
     """One user request, ready to route."""
 
     kind: str  # "chat" | "completion"
-    body: _Body
+    body: RequestBody
     prompt_ids: list[int]
     max_tokens: Optional[int]  # None: as much as the miner's context allows, up to default_max_tokens
     user_logprobs: Optional[int]
@@ -552,37 +183,37 @@ class OrganicGateway:
             return error.response()
         except web.HTTPException as error:  # aiohttp's own (unknown path, wrong method, body too large)
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status)
-            return ApiError(error.status, error.reason or "error", code=code).response()
+            return ApiError(code, error.reason or "error", status=error.status).response()
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("unexpected failure answering %s %s", request.method, request.path)
-            return ApiError(500, "the gateway failed on this request", code="internal_error").response()
+            return ApiError(ErrorCode.INTERNAL_ERROR, "the gateway failed on this request").response()
 
     def _authenticate(self, request: web.Request) -> str:
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+            raise ApiError(ErrorCode.INVALID_API_KEY, "missing API key: send 'Authorization: Bearer YOUR_KEY'")
         who = self.api_keys.check(key)
         if who is None:
-            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+            raise ApiError(ErrorCode.INVALID_API_KEY, "incorrect API key")
         return who
 
     def _admit(self, request: web.Request) -> str:
         who = self._authenticate(request)
         wait = self.limiter.take(who)
         if wait is not None:
-            raise ApiError(429, f"rate limit of {self.settings.rate_limit_requests} requests per "
-                                f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s",
-                           code="rate_limit_exceeded", retry_after_s=wait)
+            raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
+                           f"rate limit of {self.settings.rate_limit_requests} requests per "
+                           f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s", retry_after_s=wait)
         return who
 
     def _check_model(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this gateway serves "
-                                f"{self.settings.model_name!r}", code="model_not_found", param="model")
+            raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {name!r} does not exist; this gateway serves "
+                                                      f"{self.settings.model_name!r}", param="model")
 
     # ------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -603,20 +234,20 @@ class OrganicGateway:
     # ------------------------------------------------------------ generation endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: ChatCompletionBody = _parse_body(ChatCompletionBody, await request.read())
+        body: ChatCompletionBody = parse_body(ChatCompletionBody, await request.read())
         self._check_model(body.model)
         try:
             ids = self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
                                                      add_generation_prompt=True)
         except ValueError as error:
-            raise ApiError(400, str(error), code="invalid_value", param="messages") from None
+            raise ApiError(ErrorCode.INVALID_VALUE, str(error), param="messages") from None
         plan = _Plan("chat", body, ids, body.requested_max_tokens, body.user_logprobs,
                      "chatcmpl-" + secrets.token_hex(12), int(time.time()))
         return await self._serve(request, plan)
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: CompletionBody = _parse_body(CompletionBody, await request.read())
+        body: CompletionBody = parse_body(CompletionBody, await request.read())
         self._check_model(body.model)
         plan = _Plan("completion", body, self._completion_prompt(body.prompt), body.requested_max_tokens,
                      body.user_logprobs, "cmpl-" + secrets.token_hex(12), int(time.time()))
@@ -625,7 +256,7 @@ class OrganicGateway:
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise ApiError(400, "this gateway takes one prompt per request", code="invalid_value", param="prompt")
+                raise ApiError(ErrorCode.INVALID_VALUE, "this gateway takes one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -634,10 +265,10 @@ class OrganicGateway:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               code="invalid_value", param="prompt")
+                raise ApiError(ErrorCode.INVALID_VALUE, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt")
         if not ids:
-            raise ApiError(400, "the prompt is empty", code="invalid_value", param="prompt")
+            raise ApiError(ErrorCode.INVALID_VALUE, "the prompt is empty", param="prompt")
         return ids
 
     # ------------------------------------------------------------ routing
@@ -665,8 +296,9 @@ class OrganicGateway:
         if cached is not None and now - cached[1] < self.settings.capabilities_ttl_s:
             return cached[0]
         s = self.settings
-        timeouts = ClientTimeouts(connect=s.connect_timeout_s, first_byte=min(10.0, s.first_token_timeout_s),
-                                  between_events=s.between_tokens_timeout_s, total=min(20.0, s.request_timeout_s))
+        t = s.miner_timeouts
+        timeouts = ClientTimeouts(connect=t.connect, first_byte=min(10.0, t.first_byte),
+                                  between_events=t.between_events, total=min(20.0, t.total))
         caps = await self.client.capabilities(target.url, target.hotkey, timeouts)
         self._capabilities[key] = (caps, now)
         return caps
@@ -691,26 +323,27 @@ class OrganicGateway:
 
     async def _serve(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
         if plan.max_tokens is not None and plan.max_tokens > self.settings.max_tokens_cap:
-            raise ApiError(400, f"max_tokens is {plan.max_tokens}, above this gateway's limit of "
-                                f"{self.settings.max_tokens_cap}", code="invalid_value", param="max_tokens")
+            raise ApiError(ErrorCode.INVALID_VALUE, f"max_tokens is {plan.max_tokens}, above this gateway's limit of "
+                                                    f"{self.settings.max_tokens_cap}", param="max_tokens")
         if plan.body.top_k > self.tokenizer.vocab_size:
-            raise ApiError(400, f"top_k is {plan.body.top_k}, above the vocabulary size {self.tokenizer.vocab_size}",
-                           code="invalid_value", param="top_k")
+            raise ApiError(ErrorCode.INVALID_VALUE,
+                           f"top_k is {plan.body.top_k}, above the vocabulary size {self.tokenizer.vocab_size}",
+                           param="top_k")
         writer = _SseWriter(request, plan, self.tokenizer, self.settings.model_name)
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 return await self._route(plan, writer)
         except TimeoutError:
             if writer.response is None:
-                raise ApiError(504, f"no miner answered within {self.settings.request_timeout_s:g} s",
-                               code="timeout") from None
+                raise ApiError(ErrorCode.TIMEOUT,
+                               f"no miner answered within {self.settings.request_timeout_s:g} s") from None
             await writer.fail("the request took longer than the gateway allows")
             return writer.response
 
     async def _route(self, plan: _Plan, writer: "_SseWriter") -> web.StreamResponse:
         targets = await self._ranked()
         if not targets:
-            raise ApiError(503, "no miner is available right now; retry later", code="no_miner_available")
+            raise ApiError(ErrorCode.NO_MINER_AVAILABLE, "no miner is available right now; retry later")
         attempts, too_small, errors = 0, 0, []
         for target in targets:
             if attempts >= self.settings.max_attempts:
@@ -735,12 +368,13 @@ class OrganicGateway:
                 return response
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
         if attempts == 0 and too_small:
-            raise ApiError(400, f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
-                                "context of any available miner; shorten the prompt or lower max_tokens",
-                           code="context_length_exceeded", param="messages" if plan.kind == "chat" else "prompt")
+            raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                           f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
+                           "context of any available miner; shorten the prompt or lower max_tokens",
+                           param="messages" if plan.kind == "chat" else "prompt")
         log.warning("organic request failed on %d miners: %s", attempts, "; ".join(errors))
-        raise ApiError(502, f"{attempts} miners were tried and none gave a verified answer; retry later",
-                       code="miners_failed")
+        raise ApiError(ErrorCode.MINERS_FAILED,
+                       f"{attempts} miners were tried and none gave a verified answer; retry later")
 
     def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
         log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
@@ -750,8 +384,12 @@ class OrganicGateway:
         if unreachable and self.settings.miner_cooldown_s > 0:
             self._cooldown_until[target.hotkey] = time.monotonic() + self.settings.miner_cooldown_s
 
-    def _verify(self, target: MinerTarget, caps: Capabilities, result: GenerateResult) -> list[Failure]:
-        return check_tier0(None, result, self.tokenizer, caps, target.hotkey, self.scoring_config)
+    def _verify(self, target: MinerTarget, caps: Capabilities, result: GenerateResult) -> tuple[list[Failure], float]:
+        """Tier 0 on a finished answer, run here once: its failures decide on failover and go on to
+        the validator's record_organic hook with the CPU time they took."""
+        started = time.thread_time()
+        failures = check_tier0(None, result, self.tokenizer, caps, target.hotkey, self.scoring_config)
+        return failures, time.thread_time() - started
 
     async def _attempt_whole(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
                              plan: _Plan) -> Optional[web.Response]:
@@ -761,8 +399,8 @@ class OrganicGateway:
             self._note_failure(target, error)
             self._report(target, error, wire)
             return None
-        failures = self._verify(target, caps, result)
-        self._report(target, result, wire)
+        failures, cpu_s = self._verify(target, caps, result)
+        self._report(target, result, wire, failures, cpu_s)
         if failures:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             return None
@@ -795,8 +433,8 @@ class OrganicGateway:
             return writer.response
         except ConnectionError:  # the user left; closing the stream above freed the miner's sequence
             return writer.response or web.Response(status=499)
-        failures = self._verify(target, caps, result)
-        self._report(target, result, wire)
+        failures, cpu_s = self._verify(target, caps, result)
+        self._report(target, result, wire, failures, cpu_s)
         if failures:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             if writer.response is None:
@@ -808,13 +446,14 @@ class OrganicGateway:
         return writer.response
 
     # ------------------------------------------------------------ the validator's hook
-    def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest) -> None:
+    def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest,
+                tier0: Optional[list[Failure]] = None, tier0_cpu_s: Optional[float] = None) -> None:
         hook = getattr(self.directory, "record_organic", None)
         if hook is None:
             return
         try:
             done = hook(uid=target.uid, hotkey=target.hotkey, outcome=outcome,
-                        prompt_ids=list(wire.prompt_token_ids))
+                        prompt_ids=list(wire.prompt_token_ids), tier0=tier0, tier0_cpu_s=tier0_cpu_s)
         except Exception as error:  # the validator's bookkeeping must never fail a user's request
             log.warning("record_organic failed for uid %d: %r", target.uid, error)
             return
@@ -968,7 +607,7 @@ class _SseWriter:
 
     async def fail(self, message: str) -> None:
         """End a started stream with an error chunk (no [DONE]): the client raises it."""
-        error = ApiError(502, message, code="miner_failed")
+        error = ApiError(ErrorCode.MINER_FAILED, message)
         try:
             await self.response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
             await self.response.write_eof()
@@ -1035,7 +674,6 @@ class GatewayServer:
 
 
 __all__ = [
-    "MinerTarget", "MinerDirectory", "Outcome", "GatewaySettings", "gateway_options", "GatewaySetupError",
-    "ApiKeys", "ApiKeyFileError", "read_api_keys", "KeyRateLimiter", "ApiError", "StopTrimmer",
-    "OrganicGateway", "build_gateway_app", "GatewayServer", "GATEWAY_KEY",
+    "MinerTarget", "MinerDirectory", "Outcome", "StopTrimmer", "OrganicGateway", "build_gateway_app", "GatewayServer",
+    "GATEWAY_KEY",
 ]

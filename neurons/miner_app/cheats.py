@@ -25,18 +25,19 @@ from pathlib import Path
 
 from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent
 from neurons.settings import Option, non_negative_float
-from neurons.miner_app.server import MinerSetupError, read_miner_settings, serve
+from neurons.miner_app.server import serve
+from neurons.miner_app.settings import MinerSetupError, read_miner_settings
 
 CHEATS = ("none", "truncate", "buffer", "inflate")
 TRUNCATE_KEEP_TOKENS = 512
 
 CHEAT_OPTIONS = (
-    Option("cheat.kind", "--cheat", "K3_CHEAT", str, "none",
+    Option("cheat.kind", "--cheat", "K3_CHEAT", str,
            "how to cheat: truncate (last 512 prompt tokens only), buffer (send everything at the end), "
-           "inflate (report more completion tokens), none", group="cheating", choices=CHEATS),
-    Option("cheat.token_delay_ms", "--token-delay-ms", "K3_CHEAT_TOKEN_DELAY_MS", non_negative_float, 0.0,
-           "add this much to every model step (throttles an honest miner's compute)", group="cheating",
-           metavar="MS"),
+           "inflate (report more completion tokens), none", group="cheating", choices=CHEATS, default="none"),
+    Option("cheat.token_delay_ms", "--token-delay-ms", "K3_CHEAT_TOKEN_DELAY_MS", non_negative_float,
+           "add this much to every model step (throttles an honest miner's compute)", group="cheating", metavar="MS",
+           default=0.0),
 )
 
 

@@ -30,52 +30,36 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from chain.interface import Chain, ChainError, MetagraphSnapshot, NotRegistered, RateLimited, connect
-from inference.serving import (
-    Engine,
-    EngineError,
-    EngineSpec,
-    EngineSpecError,
-    FinalEvent as EngineFinalEvent,
-    GenerationRequest,
-    SamplingParams,
-    TokenEvent as EngineTokenEvent,
-    build_engine,
-)
+from chain.interface import Chain, ChainError, NotRegistered, RateLimited, connect
+from inference.serving.engine import Engine, EngineError, GenerationRequest
+from inference.serving.engine import FinalEvent as EngineFinalEvent
+from inference.serving.engine import TokenEvent as EngineTokenEvent
+from inference.serving.sampling import SamplingParams
+from inference.serving.builders import EngineSpec, EngineSpecError, build_engine
 from inference.version import __version__
-from neurons.settings import (
-    WalletNotFound,
-    ChainSettings,
-    Option,
-    WalletSettings,
-    build_settings,
-    byte_size,
-    chain_options,
-    engine_options,
-    expanded_path,
-    flag,
-    logging_options,
-    non_negative_float,
-    non_negative_int,
-    optional_int,
-    optional_text,
-    port_number,
-    positive_float,
-    read_options,
-    wallet_options,
-    open_wallet as open_cli_wallet,
+from chain.watch import MetagraphWatch
+from neurons.miner_app.access import (
+    CallerBudget,
+    CallerBudgets,
+    Refusal,
+    ValidatorAccess,
+    engine_refusal,
+    public_message,
+    wire_code,
 )
+from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
+from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
+from neurons.settings import WalletNotFound, WalletSettings
+from neurons.settings import open_wallet as open_cli_wallet
+from protocol.errors import ErrorCode
 from protocol.auth import AuthFailure, SQLiteNonceStore, hotkey_signer, verify_request
 from protocol.schemas import (
     CAPABILITIES_PATH,
@@ -102,7 +86,6 @@ from protocol.schemas import (
     Usage,
     encode_event,
     encode_model,
-    error_body,
     parse_generate,
     parse_score,
 )
@@ -113,385 +96,7 @@ log = logging.getLogger("k3.miner")
 # Bodies above this are hashed, parsed and tokenised in a worker thread: a
 # 64 MiB prompt would otherwise stall every other stream for a noticeable time.
 OFF_LOOP_BYTES = 1 << 20
-METRICS_HOST = "127.0.0.1"
 MAX_MILLIS = 1e9
-_ERROR_CODE = re.compile(r"^[a-z0-9_]{1,64}$")
-
-
-class MinerSetupError(RuntimeError):
-    """The miner cannot start as configured; the message says what to change."""
-
-
-# ---------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = "0.0.0.0"
-    port: int = 8091
-    external_ip: str | None = None
-    external_port: int | None = None
-    publish: bool = True
-    publish_retry_s: float = 600.0
-    metrics: bool = True
-    metrics_port: int = 9091
-    nonce_store: str = "~/.k3-subnet/miner-nonces.sqlite"
-    max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
-    max_output_tokens: int = DEFAULT_LIMITS.max_tokens
-    shutdown_grace_s: float = 30.0
-    first_event_timeout_s: float = 600.0
-    stall_timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class AccessSettings:
-    """Who may call, and how much. Budgets are shares of the miner by stake, with floors."""
-
-    min_validator_stake: float = 1000.0
-    window_s: float = 60.0
-    requests_per_window: int = 1200  # all validators together; each gets its stake share
-    min_requests: int = 30  # per window, whatever the stake: small validators can still measure
-    min_streams: int = 1
-    overcommit: float = 2.0  # a validator may open up to share * overcommit of the capacity
-    max_streams: int = 0  # global cap; 0 = the engine's declared capacity
-
-
-@dataclass(frozen=True)
-class MinerSettings:
-    chain: ChainSettings = field(default_factory=ChainSettings)
-    wallet: WalletSettings = field(default_factory=WalletSettings)
-    server: ServerSettings = field(default_factory=ServerSettings)
-    access: AccessSettings = field(default_factory=AccessSettings)
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    log_level: str = "INFO"
-
-    def problems(self) -> list[str]:
-        """Everything wrong with these settings, each with what to do about it."""
-        out = list(self.engine.problems())
-        s, a, c = self.server, self.access, self.chain
-        if self.engine.kind == "remote" and not self.engine.checkpoint:
-            out.append("the remote engine needs --checkpoint: a directory with the served model's config.json, "
-                       "k3_manifest.json (its fingerprint) and tokenizer files")
-        if not 0 <= c.netuid <= 65535:
-            out.append(f"--netuid {c.netuid} is not a netuid (0..65535)")
-        if s.publish and not s.external_ip and s.host in ("0.0.0.0", "::", ""):
-            out.append(f"--host {s.host or '(all)'} is not an address validators can reach: set --external-ip "
-                       "(the public address to publish on chain), or --no-publish")
-        if s.metrics and s.metrics_port and s.metrics_port == s.port:
-            out.append(f"--metrics-port and --port are both {s.port}; give metrics its own port")
-        if s.max_body_bytes < 1024:
-            out.append("--max-body must be at least 1 KiB")
-        if s.max_output_tokens < 1:
-            out.append("--max-output-tokens must be at least 1")
-        if a.min_validator_stake < 0:
-            out.append("--min-validator-stake cannot be negative")
-        if a.requests_per_window < 1 or a.min_requests < 1 or a.min_streams < 1:
-            out.append("--budget-requests, --budget-min-requests and --budget-min-streams must be at least 1")
-        if a.overcommit <= 0 or a.window_s <= 0:
-            out.append("--budget-overcommit and --budget-window-s must be positive")
-        return out
-
-
-def server_options() -> tuple[Option, ...]:
-    p, g = "K3_MINER_", "server"
-    return (
-        Option("server.host", "--host", f"{p}HOST", str, "0.0.0.0", "address to bind the API to", group=g),
-        Option("server.port", "--port", f"{p}PORT", port_number, 8091, "API port (0 picks a free one)", group=g),
-        Option("server.external_ip", "--external-ip", f"{p}EXTERNAL_IP", optional_text, None,
-               "address published on chain, when validators reach you at another address than --host "
-               "(NAT, proxy); default: --host", group=g, metavar="IP"),
-        Option("server.external_port", "--external-port", f"{p}EXTERNAL_PORT", optional_int, None,
-               "port published on chain; default: the bound port", group=g, metavar="PORT"),
-        Option("server.publish", "--publish", f"{p}PUBLISH", flag, True,
-               "publish the endpoint on chain at start (ServeAxon)", group=g),
-        Option("server.publish_retry_s", "--publish-retry-s", f"{p}PUBLISH_RETRY_S", positive_float, 600.0,
-               "when the published endpoint differs from ours (rate limited, not yet registered), retry "
-               "publishing at most this often", group=g),
-        Option("server.metrics", "--metrics", f"{p}METRICS", flag, True,
-               f"serve Prometheus /metrics on {METRICS_HOST}", group=g),
-        Option("server.metrics_port", "--metrics-port", f"{p}METRICS_PORT", port_number, 9091,
-               f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)", group=g),
-        Option("server.nonce_store", "--nonce-store", f"{p}NONCE_STORE", expanded_path,
-               "~/.k3-subnet/miner-nonces.sqlite",
-               "SQLite file of seen request nonces (replay protection), shared by every worker of this miner; "
-               "give each miner its own", group=g, metavar="FILE"),
-        Option("server.max_body_bytes", "--max-body", f"{p}MAX_BODY", byte_size, DEFAULT_LIMITS.max_body_bytes,
-               "largest request body, e.g. 64MiB (larger: 413)", group=g, metavar="SIZE"),
-        Option("server.max_output_tokens", "--max-output-tokens", f"{p}MAX_OUTPUT_TOKENS", int,
-               DEFAULT_LIMITS.max_tokens, "largest max_tokens a request may ask for", group=g),
-        Option("server.shutdown_grace_s", "--shutdown-grace-s", f"{p}SHUTDOWN_GRACE_S", non_negative_float, 30.0,
-               "on SIGINT/SIGTERM, how long open streams may finish before they are ended", group=g),
-        Option("server.first_event_timeout_s", "--first-event-timeout-s", f"{p}FIRST_EVENT_TIMEOUT_S",
-               positive_float, 600.0, "longest wait for a generation's first token (covers the prefill)", group=g),
-        Option("server.stall_timeout_s", "--stall-timeout-s", f"{p}STALL_TIMEOUT_S", positive_float, 120.0,
-               "longest wait between two tokens before the stream is ended with an error event", group=g),
-    )
-
-
-def access_options() -> tuple[Option, ...]:
-    p, g = "K3_MINER_", "validators and budgets"
-    return (
-        Option("access.min_validator_stake", "--min-validator-stake", f"{p}MIN_VALIDATOR_STAKE", non_negative_float,
-               1000.0, "least subnet stake (alpha) a caller with a validator permit needs", group=g),
-        Option("access.window_s", "--budget-window-s", f"{p}BUDGET_WINDOW_S", positive_float, 60.0,
-               "length of the request-budget window", group=g),
-        Option("access.requests_per_window", "--budget-requests", f"{p}BUDGET_REQUESTS", int, 1200,
-               "requests per window for all validators together; each gets its share of validator stake",
-               group=g),
-        Option("access.min_requests", "--budget-min-requests", f"{p}BUDGET_MIN_REQUESTS", int, 30,
-               "requests per window every permitted validator gets, whatever its stake", group=g),
-        Option("access.min_streams", "--budget-min-streams", f"{p}BUDGET_MIN_STREAMS", int, 1,
-               "concurrent streams every permitted validator gets, whatever its stake", group=g),
-        Option("access.overcommit", "--budget-overcommit", f"{p}BUDGET_OVERCOMMIT", positive_float, 2.0,
-               "a validator may hold up to (stake share x this) of the capacity in streams at once", group=g),
-        Option("access.max_streams", "--max-streams", f"{p}MAX_STREAMS", non_negative_int, 0,
-               "global cap on streams at once (0: the engine's capacity, --max-concurrent); beyond it: 429",
-               group=g),
-    )
-
-
-def miner_options() -> tuple[Option, ...]:
-    return (wallet_options() + chain_options() + server_options() + access_options() + engine_options()
-            + logging_options())
-
-
-def read_miner_settings(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    extra: Sequence[Option] = (),
-    prog: str | None = None,
-    description: str | None = None,
-) -> tuple[MinerSettings, dict[str, Any]]:
-    """Settings from flags and environment; `extra` options (a script's own) come back as a dict."""
-    options = miner_options() + tuple(extra)
-    values = read_options(options, argv, environ, prog=prog, description=description)
-    extras = {top: values.pop(top) for top in {o.dest.split(".")[0] for o in extra}}
-    return build_settings(MinerSettings, values), extras
-
-
-# ---------------------------------------------------------------- refusals
-class Refusal(Exception):
-    """A request answered with an error status and a JSON body; never reaches the engine."""
-
-    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
-                 close: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.close = close
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        response = web.Response(status=self.status, body=error_body(self.code, self.message),
-                                content_type=JSON_CONTENT_TYPE, headers=headers)
-        if self.close:  # the unread rest of an oversized body is not worth draining
-            response.force_close()
-        return response
-
-
-# Engine refusal code -> (HTTP status, Retry-After seconds)
-_ENGINE_STATUS = {
-    "invalid_request": (400, None),
-    "context_too_long": (400, None),
-    "queue_full": (429, 1.0),
-    "over_capacity": (429, 1.0),
-    "engine_unavailable": (503, 5.0),
-    "engine_failure": (503, 5.0),
-}
-
-
-def engine_refusal(error: EngineError) -> Refusal:
-    status, retry = _ENGINE_STATUS.get(error.code, (503, 5.0))
-    return Refusal(status, _wire_code(error.code), _public_message(error), retry)
-
-
-def _wire_code(code: str) -> str:
-    return code if _ERROR_CODE.match(code or "") else "engine_failure"
-
-
-def _public_message(error: EngineError) -> str:
-    # An engine failure's message can carry internals (exception text, paths); the caller gets a plain one.
-    if error.code in ("invalid_request", "context_too_long", "queue_full", "over_capacity"):
-        return error.message[:1024]
-    if error.code == "engine_unavailable":
-        return "the engine is not serving right now; retry later"
-    return "the engine failed on this request; retry later"
-
-
-# ---------------------------------------------------------------- validator gate
-@dataclass(frozen=True)
-class CallerBudget:
-    uid: int
-    stake: float
-    requests_per_window: int
-    max_streams: int
-
-
-class ValidatorAccess:
-    """Who may call this miner and with what budget, computed once per metagraph snapshot.
-
-    A caller must be registered, hold a validator permit and have at least
-    `min_validator_stake`. Its budget is its share of the stake of all such
-    validators: `requests_per_window * share` requests per window and
-    `capacity * min(1, share * overcommit)` streams at once, each at least its floor.
-    """
-
-    def __init__(self, snapshot: MetagraphSnapshot | None, settings: AccessSettings, capacity: int):
-        self.snapshot = snapshot
-        self.settings = settings
-        self._neurons = {n.hotkey: n for n in snapshot.neurons} if snapshot is not None else {}
-        self._budgets: dict[str, CallerBudget] = {}
-        eligible = [n for n in self._neurons.values()
-                    if n.validator_permit and n.stake >= settings.min_validator_stake]
-        total = sum(n.stake for n in eligible)
-        for n in eligible:
-            share = n.stake / total if total > 0 else 0.0
-            requests = max(settings.min_requests, math.ceil(settings.requests_per_window * share))
-            streams = math.ceil(capacity * min(1.0, share * settings.overcommit))
-            streams = min(capacity, max(settings.min_streams, streams))
-            self._budgets[n.hotkey] = CallerBudget(n.uid, n.stake, requests, streams)
-
-    def check(self, hotkey: str) -> CallerBudget:
-        budget = self._budgets.get(hotkey)
-        if budget is not None:
-            return budget
-        if self.snapshot is None:
-            raise Refusal(503, "metagraph_unavailable",
-                          "this miner has not read the subnet's metagraph yet; retry shortly", 5.0)
-        neuron = self._neurons.get(hotkey)
-        netuid = self.snapshot.netuid
-        if neuron is None:
-            raise Refusal(403, "not_registered", f"hotkey {hotkey} is not registered on subnet {netuid}")
-        if not neuron.validator_permit:
-            raise Refusal(403, "no_validator_permit",
-                          f"uid {neuron.uid} has no validator permit on subnet {netuid}")
-        raise Refusal(403, "insufficient_stake",
-                      f"uid {neuron.uid} has stake {neuron.stake:g}, below this miner's minimum of "
-                      f"{self.settings.min_validator_stake:g}")
-
-    def budget_of(self, hotkey: str) -> CallerBudget | None:
-        return self._budgets.get(hotkey)
-
-
-class CallerBudgets:
-    """Per-caller request rate (a token bucket holding one window's worth) and streams at once,
-    under a global cap. Everything here runs on the event loop: no locks needed."""
-
-    def __init__(self, window_s: float, capacity: int):
-        self.window_s = window_s
-        self.capacity = capacity
-        self._buckets: dict[str, tuple[float, float]] = {}  # hotkey -> (tokens, updated at)
-        self._streams: dict[str, int] = {}
-        self.streams_in_flight = 0
-
-    def take_request(self, hotkey: str, budget: CallerBudget, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        size = float(budget.requests_per_window)
-        rate = size / self.window_s
-        tokens, updated = self._buckets.get(hotkey, (size, now))
-        tokens = min(size, tokens + (now - updated) * rate)
-        if tokens < 1.0:
-            self._buckets[hotkey] = (tokens, now)
-            wait = (1.0 - tokens) / rate
-            raise Refusal(429, "rate_limited",
-                          f"this hotkey may send {budget.requests_per_window} requests per {self.window_s:g} s "
-                          f"(its stake share); retry in {wait:.1f} s", wait)
-        self._buckets[hotkey] = (tokens - 1.0, now)
-
-    def open_stream(self, hotkey: str, budget: CallerBudget) -> None:
-        mine = self._streams.get(hotkey, 0)
-        if mine >= budget.max_streams:
-            raise Refusal(429, "caller_streams",
-                          f"this hotkey has {mine} streams open; its limit (stake share) is {budget.max_streams}",
-                          1.0)
-        if self.streams_in_flight >= self.capacity:
-            raise Refusal(429, "over_capacity", f"all {self.capacity} streams of this miner are busy; retry later",
-                          1.0)
-        self._streams[hotkey] = mine + 1
-        self.streams_in_flight += 1
-
-    def close_stream(self, hotkey: str) -> None:
-        left = self._streams.get(hotkey, 0) - 1
-        if left > 0:
-            self._streams[hotkey] = left
-        else:
-            self._streams.pop(hotkey, None)
-        self.streams_in_flight -= 1
-
-    @contextlib.contextmanager
-    def stream_slot(self, hotkey: str, budget: CallerBudget):
-        self.open_stream(hotkey, budget)
-        try:
-            yield
-        finally:
-            self.close_stream(hotkey)
-
-
-# ---------------------------------------------------------------- metagraph
-class MetagraphWatch:
-    """The latest metagraph snapshot, re-read with a deadline; a failed read keeps the last one."""
-
-    def __init__(self, chain: Chain, netuid: int, timeout_s: float):
-        self.chain = chain
-        self.netuid = netuid
-        self.timeout_s = timeout_s
-        self.snapshot: MetagraphSnapshot | None = None
-        self.read_at: float | None = None  # monotonic time of the last good read
-        self.last_error: str | None = None  # why the latest read failed (None: it worked)
-        self.failures = 0
-
-    async def refresh(self) -> bool:
-        try:
-            snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failure to read (typed chain errors, SDK or OS errors,
-            # our deadline) must leave the miner serving on the last snapshot.
-            self.failures += 1
-            self.last_error = "timed out" if isinstance(error, TimeoutError) else type(error).__name__
-            log.warning("metagraph read failed (%s: %s); keeping the snapshot of block %s",
-                        self.last_error, error, self.snapshot.block if self.snapshot else "none")
-            return False
-        self.snapshot, self.read_at, self.last_error = snapshot, time.monotonic(), None
-        return True
-
-    @property
-    def age_s(self) -> float | None:
-        return None if self.read_at is None else time.monotonic() - self.read_at
-
-
-# ---------------------------------------------------------------- metrics
-class MinerMetrics:
-    """Miner counters, in their own registry (the engine has its own)."""
-
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("k3_miner_requests", "Answered requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
-        self.auth_failures = Counter("k3_miner_auth_failures",
-                                     "Requests refused by authentication or the validator gate, by reason",
-                                     ["reason"], registry=r)
-        self.rejections = Counter("k3_miner_rejections", "429 answers by reason", ["reason"], registry=r)
-        self.stream_errors = Counter("k3_miner_stream_errors", "Generations ended by an error event, by code",
-                                     ["code"], registry=r)
-        self.disconnects = Counter("k3_miner_client_disconnects",
-                                   "Requests whose client left before the answer was complete", registry=r)
-        self.streams_active = Gauge("k3_miner_streams_active", "Generate and score requests in flight", registry=r)
-        self.metagraph_block = Gauge("k3_miner_metagraph_block", "Block of the metagraph snapshot in use",
-                                     registry=r)
-        self.metagraph_age = Gauge("k3_miner_metagraph_age_seconds", "Age of the metagraph snapshot in use",
-                                   registry=r)
-        self.metagraph_failures = Counter("k3_miner_metagraph_read_failures", "Failed metagraph reads",
-                                          registry=r)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-_ENDPOINTS = {GENERATE_PATH: "generate", SCORE_PATH: "score", CAPABILITIES_PATH: "capabilities",
-              HEALTH_PATH: "health"}
 
 
 # ---------------------------------------------------------------- wire conversion
@@ -748,7 +353,7 @@ class MinerServer:
     # ------------------------------------------------------------ admission
     @web.middleware
     async def _answer_errors(self, request: web.Request, handler) -> web.StreamResponse:
-        endpoint = _ENDPOINTS.get(request.path, "other")
+        endpoint = ENDPOINTS.get(request.path, "other")
         try:
             response = await handler(request)
         except Refusal as refusal:
@@ -756,31 +361,31 @@ class MinerServer:
             if refusal.status == 429:
                 self.metrics.rejections.labels(refusal.code).inc()
         except ProtocolError as error:
-            response = Refusal(error.status, error.code, error.message).response()
+            response = Refusal(error.code, error.message, status=error.status).response()
         except web.HTTPException as error:  # aiohttp's own answers (unknown path, wrong method): JSON too
             code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(error.status, "http_error")
-            response = Refusal(error.status, code, error.reason or code).response()
+            response = Refusal(code, error.reason or code, status=error.status).response()
         except asyncio.CancelledError:
             self.metrics.disconnects.inc()
             raise
         except Exception:
             log.exception("unexpected failure answering %s %s", request.method, request.path)
-            response = Refusal(500, "internal_error", "the miner failed on this request").response()
+            response = Refusal(ErrorCode.INTERNAL_ERROR, "the miner failed on this request").response()
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         return response
 
     async def _admit(self, request: web.Request) -> Admission:
         """Size, btauth/1, validator gate and request budget, in this order, before any parsing."""
         if self.draining:
-            raise Refusal(503, "shutting_down", "this miner is shutting down; retry later", 5.0)
+            raise Refusal(ErrorCode.SHUTTING_DOWN, "this miner is shutting down; retry later")
         limit = self.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise Refusal(413, "too_large", f"request body is {request.content_length} bytes, above the limit of "
+            raise Refusal(ErrorCode.TOO_LARGE, f"request body is {request.content_length} bytes, above the limit of "
                                             f"{limit}", close=True)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise Refusal(413, "too_large", f"request body is above the limit of {limit} bytes", close=True) from None
+            raise Refusal(ErrorCode.TOO_LARGE, f"request body is above the limit of {limit} bytes", close=True) from None
         args = (request.headers, body, request.method, request.raw_path, self.hotkey, self.nonce_store)
         try:
             if len(body) > OFF_LOOP_BYTES:
@@ -789,8 +394,7 @@ class MinerServer:
                 hotkey = verify_request(*args)
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
-            raise Refusal(failure.status, failure.code, failure.message,
-                          5.0 if failure.status == 503 else None) from None
+            raise Refusal(failure.code, failure.message, status=failure.status) from None
         try:
             budget = self.access.check(hotkey)
         except Refusal as refusal:
@@ -868,10 +472,10 @@ class MinerServer:
             except EngineError as error:
                 raise engine_refusal(error) from None
             except TimeoutError:
-                raise Refusal(503, "engine_stalled", "the engine did not finish scoring in time", 5.0) from None
+                raise Refusal(ErrorCode.ENGINE_STALLED, "the engine did not finish scoring in time") from None
             if [p.position for p in scored] != positions:
                 log.error("the engine scored positions other than those asked")
-                raise Refusal(503, "engine_failure", "the engine failed on this request; retry later", 5.0)
+                raise Refusal(ErrorCode.ENGINE_FAILURE, "the engine failed on this request; retry later")
             body = await self._off_loop_if_large(len(positions) * (1 + parsed.top_k) * 64, self._score_answer,
                                                  parsed, scored)
             return _json(body)
@@ -944,15 +548,15 @@ class MinerServer:
         except EngineError as error:
             log.warning("generation ended by the engine after %d tokens: %s: %s", len(token_ids), error.code,
                         error.message)
-            self.metrics.stream_errors.labels(_wire_code(error.code)).inc()
-            await response.write(encode_event(ErrorEvent(code=_wire_code(error.code),
-                                                         message=_public_message(error))))
+            self.metrics.stream_errors.labels(wire_code(error.code)).inc()
+            await response.write(encode_event(ErrorEvent(code=wire_code(error.code),
+                                                         message=public_message(error))))
         await response.write_eof()
 
     def _final_event(self, final: EngineFinalEvent, body: bytes, token_ids: list[int], arrived: float,
                      first_token_at: float | None) -> FinalEvent:
         if final.finish_reason not in ("eos", "stop", "length"):
-            raise EngineError(_wire_code(final.finish_reason or "engine_failure"),
+            raise EngineError(wire_code(final.finish_reason or "engine_failure"),
                               f"the generation ended as {final.finish_reason!r}")
         if final.completion_tokens != len(token_ids):
             log.warning("the engine reports %d completion tokens but streamed %d", final.completion_tokens,

@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import random
 import secrets
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,28 +51,14 @@ from chain.interface import (
     RateLimited,
     connect,
 )
-from inference.serving import EngineSpec
+from chain.watch import MetagraphWatch
 from inference.version import version_key
-from neurons.settings import (
-    WalletNotFound,
-    ChainSettings,
-    Option,
-    WalletSettings,
-    build_settings,
-    chain_options,
-    engine_options,
-    expanded_path,
-    flag,
-    logging_options,
-    non_negative_int,
-    optional_int,
-    optional_text,
-    positive_float,
-    read_options,
-    wallet_options,
-    open_wallet as open_cli_wallet,
-)
-from neurons.gateway.server import GatewayServer, GatewaySettings, GatewaySetupError, gateway_options
+from neurons.gateway.server import GatewayServer
+from neurons.gateway.settings import GatewaySetupError
+from neurons.settings import WalletNotFound, WalletSettings
+from neurons.settings import open_wallet as open_cli_wallet
+from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
+from neurons.validator_app.weights import conform_weights  # MERGE: chain.weights (see weights.py)
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import (
     ClientTimeouts,
@@ -85,269 +69,27 @@ from protocol.client import (
     MinerTimeout,
 )
 from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
-from scoring.config import ScoringConfig, ScoringConfigError
+from scoring.config import ScoringConfig
 from scoring.metrics import Measurement, measure_burst, measure_request
 from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema, weights_from_ema
 from scoring.verify import (
     AuditResult,
     CanaryPool,
     CanaryPoolError,
-    ConsensusReference,
-    MinerScoreReference,
+    Failure,
     Verification,
-    audit_probability,
     audit_tier1,
     check_tier0,
     validator_prompt_ids,
     verify_item,
 )
-from scoring.workloads import WorkItem, WorkloadError, canary_item, canary_prompts, group_bursts, plan_round
+from scoring.audits import AuditorCandidate, choose_auditors, consensus_reference, draw_audit
+from scoring.canaries import canary_escalation
+from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round
 
 log = logging.getLogger("k3.validator")
 
-SCORING_PROFILES = ("production", "local_testnet")
 TRANSIENT_CHAIN_ERRORS = (ChainConnectionError, RateLimited, TimeoutError, OSError)
-
-
-class ValidatorSetupError(RuntimeError):
-    """The validator cannot start as configured; the message says what to change."""
-
-
-# ---------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class RoundSettings:
-    interval_s: float = 60.0
-    requests_per_miner: Optional[int] = None  # None: the scoring profile's round_requests
-    concurrency: int = 64
-    miner_concurrency: int = 8
-    sample_size: int = 0  # 0: every serving miner each round
-    miners_at_once: int = 0  # 0: every chosen miner at the same time
-    deadline_s: float = 600.0
-    capabilities_refresh_s: float = 600.0
-    max_rounds: int = 0  # 0: run until stopped
-    seed: Optional[int] = None  # None: unpredictable workloads (production)
-    uids: Optional[str] = None  # "3,5": evaluate only these uids (debugging one miner); None: all
-
-
-    def only_uids(self) -> Optional[set[int]]:
-        if not self.uids:
-            return None
-        try:
-            return {int(part) for part in self.uids.split(",") if part.strip()}
-        except ValueError:
-            raise ValidatorSetupError(f"--uids {self.uids!r} must be comma-separated integers, e.g. 3,5") from None
-
-
-@dataclass(frozen=True)
-class TimeoutSettings:
-    connect_s: float = 3.0
-    first_byte_s: float = 60.0
-    between_events_s: float = 10.0
-    request_s: float = 300.0
-    capabilities_s: float = 10.0
-    audit_s: float = 120.0
-
-    def client(self) -> ClientTimeouts:
-        return ClientTimeouts(connect=self.connect_s, first_byte=self.first_byte_s,
-                              between_events=self.between_events_s, total=self.request_s)
-
-
-@dataclass(frozen=True)
-class AuditSettings:
-    rate: Optional[float] = None  # None: the scoring profile's
-    rate_new: Optional[float] = None
-    canary_pool: Optional[str] = None
-    canaries: int = 64
-
-
-@dataclass(frozen=True)
-class ScoringSettings:
-    profile: str = "production"
-    overrides: Optional[str] = None  # JSON object of ScoringConfig fields
-
-
-@dataclass(frozen=True)
-class WeightSettings:
-    enabled: bool = True
-    check_s: float = 12.0
-    retry_s: float = 2.0
-    retry_max_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class ValidatorSettings:
-    chain: ChainSettings = field(default_factory=ChainSettings)
-    wallet: WalletSettings = field(default_factory=WalletSettings)
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    reference_engine: bool = False
-    db: str = "~/.k3-subnet/validator.sqlite"
-    rounds: RoundSettings = field(default_factory=RoundSettings)
-    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
-    audits: AuditSettings = field(default_factory=AuditSettings)
-    scoring: ScoringSettings = field(default_factory=ScoringSettings)
-    weights: WeightSettings = field(default_factory=WeightSettings)
-    gateway: GatewaySettings = field(default_factory=GatewaySettings)
-    log_level: str = "INFO"
-
-    def scoring_config(self) -> ScoringConfig:
-        """The profile, then --scoring-overrides, then the explicit round and audit flags."""
-        if self.scoring.profile not in SCORING_PROFILES:
-            raise ValidatorSetupError(f"--scoring-profile {self.scoring.profile!r} is not one of {SCORING_PROFILES}")
-        changes: dict[str, Any] = {}
-        if self.scoring.overrides:
-            try:
-                changes = json.loads(self.scoring.overrides)
-            except json.JSONDecodeError as error:
-                raise ValidatorSetupError(f"--scoring-overrides is not JSON: {error}") from None
-            if not isinstance(changes, dict):
-                raise ValidatorSetupError("--scoring-overrides must be a JSON object of ScoringConfig fields")
-            known = set(ScoringConfig.__dataclass_fields__)
-            unknown = sorted(set(changes) - known)
-            if unknown:
-                raise ValidatorSetupError(f"--scoring-overrides names unknown fields {unknown}; see scoring/config.py")
-            changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
-        for name, value in (("round_requests", self.rounds.requests_per_miner), ("audit_rate", self.audits.rate),
-                            ("audit_rate_new_or_suspect", self.audits.rate_new)):
-            if value is not None:
-                changes[name] = value
-        try:
-            if self.scoring.profile == "local_testnet":
-                return ScoringConfig.local_testnet(**changes)
-            return ScoringConfig(**changes)
-        except (ScoringConfigError, TypeError) as error:
-            raise ValidatorSetupError(str(error)) from None
-
-    def problems(self) -> list[str]:
-        out = list(self.gateway.problems())
-        if not self.engine.checkpoint:
-            out.append("--checkpoint is required: the model's checkpoint directory (config.json, tokenizer, "
-                       "k3_manifest.json; the weights too with --reference-engine)")
-        elif not (Path(self.engine.checkpoint) / "config.json").exists():
-            out.append(f"--checkpoint {self.engine.checkpoint} has no config.json; make one with "
-                       "scripts/make_checkpoint.py or point it at the model's directory")
-        if self.reference_engine:
-            out += [p for p in self.engine.problems() if "checkpoint" not in p]
-        r, w = self.rounds, self.weights
-        try:
-            r.only_uids()
-        except ValidatorSetupError as error:
-            out.append(str(error))
-        if r.concurrency < 1 or r.miner_concurrency < 1:
-            out.append("--concurrency and --miner-concurrency must be at least 1")
-        if r.requests_per_miner is not None and r.requests_per_miner < 1:
-            out.append("--requests-per-miner must be at least 1")
-        for name, value in (("--audit-rate", self.audits.rate), ("--audit-rate-new", self.audits.rate_new)):
-            if value is not None and not 0 <= value <= 1:
-                out.append(f"{name} must lie in [0, 1], got {value}")
-        if self.audits.canary_pool and not Path(self.audits.canary_pool).exists():
-            out.append(f"--canary-pool {self.audits.canary_pool} does not exist")
-        if not 0 <= self.chain.netuid <= 65535:
-            out.append(f"--netuid {self.chain.netuid} is not a netuid (0..65535)")
-        if w.retry_max_s < w.retry_s:
-            out.append("--weights-retry-max-s must be at least --weights-retry-s")
-        try:
-            self.scoring_config()
-        except ValidatorSetupError as error:
-            out.append(str(error))
-        return out
-
-
-def validator_options() -> tuple[Option, ...]:
-    p = "K3_VALIDATOR_"
-    g_round, g_time, g_audit, g_weights = "rounds", "timeouts", "verification", "weights"
-    return wallet_options() + chain_options() + engine_options("K3_REFERENCE_") + gateway_options() + (
-        Option("reference_engine", "--reference-engine", f"{p}REFERENCE_ENGINE", flag, False,
-               "run the model from --checkpoint (or --engine remote/sharded) as this validator's own reference "
-               "for tier-1 audits and tier-2 canaries; without it audits go to two other miners on different "
-               "coldkeys", group="engine"),
-        Option("db", "--db", f"{p}DB", expanded_path, "~/.k3-subnet/validator.sqlite",
-               "SQLite file of everything the validator learns (measurements, audits, failures, EMA, weights); "
-               "a restart resumes from it", group="store", metavar="FILE"),
-        Option("rounds.interval_s", "--round-interval-s", f"{p}ROUND_INTERVAL_S", positive_float, 60.0,
-               "seconds from the start of one round to the start of the next (a longer round is followed at once)",
-               group=g_round),
-        Option("rounds.requests_per_miner", "--requests-per-miner", f"{p}REQUESTS_PER_MINER", optional_int, None,
-               "requests per miner per round (a burst of N streams counts N); default: the scoring profile's",
-               group=g_round),
-        Option("rounds.concurrency", "--concurrency", f"{p}CONCURRENCY", int, 64,
-               "requests in flight at once over all miners", group=g_round),
-        Option("rounds.miner_concurrency", "--miner-concurrency", f"{p}MINER_CONCURRENCY", int, 8,
-               "requests in flight at once to one miner (never above its declared capacity; a burst may use it all)",
-               group=g_round),
-        Option("rounds.sample_size", "--sample-size", f"{p}SAMPLE_SIZE", non_negative_int, 0,
-               "miners evaluated per round, least recently evaluated first (0: all serving miners)", group=g_round),
-        Option("rounds.miners_at_once", "--miners-at-once", f"{p}MINERS_AT_ONCE", non_negative_int, 0,
-               "miners evaluated at the same time (0: all of a round's miners together); fewer keeps miners that "
-               "share one machine, as on a local testnet, from slowing each other down", group=g_round),
-        Option("rounds.deadline_s", "--round-deadline-s", f"{p}ROUND_DEADLINE_S", positive_float, 600.0,
-               "a miner's requests must all end within this many seconds of its evaluation starting (all "
-               "start together unless --miners-at-once is set); what is still in flight then is cut and "
-               "measured as a timeout", group=g_round),
-        Option("rounds.capabilities_refresh_s", "--capabilities-refresh-s", f"{p}CAPABILITIES_REFRESH_S",
-               positive_float, 600.0, "how long a miner's /v1/capabilities answer is reused", group=g_round),
-        Option("rounds.max_rounds", "--max-rounds", f"{p}MAX_ROUNDS", non_negative_int, 0,
-               "stop after this many rounds (0: run until SIGINT/SIGTERM)", group=g_round),
-        Option("rounds.seed", "--seed", f"{p}SEED", optional_int, None,
-               "seed of workloads and audit draws, for reproducible tests (unset: unpredictable, as production "
-               "needs)", group=g_round),
-        Option("rounds.uids", "--uids", f"{p}UIDS", optional_text, None,
-               "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others keep their window "
-               "scores (default: every serving miner)", group=g_round, metavar="UIDS"),
-        Option("timeouts.connect_s", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float, 3.0,
-               "TCP connect to a miner", group=g_time),
-        Option("timeouts.first_byte_s", "--first-byte-timeout-s", f"{p}FIRST_BYTE_TIMEOUT_S", positive_float, 60.0,
-               "from sending a request to its first event (covers the prefill)", group=g_time),
-        Option("timeouts.between_events_s", "--between-events-timeout-s", f"{p}BETWEEN_EVENTS_TIMEOUT_S",
-               positive_float, 10.0, "longest silence between two events of a stream", group=g_time),
-        Option("timeouts.request_s", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float, 300.0,
-               "whole request", group=g_time),
-        Option("timeouts.capabilities_s", "--capabilities-timeout-s", f"{p}CAPABILITIES_TIMEOUT_S", positive_float,
-               10.0, "a /v1/capabilities call", group=g_time),
-        Option("timeouts.audit_s", "--audit-timeout-s", f"{p}AUDIT_TIMEOUT_S", positive_float, 120.0,
-               "one tier-1 audit on the reference (past it the audit reaches no verdict)", group=g_time),
-        Option("audits.rate", "--audit-rate", f"{p}AUDIT_RATE", optional_float, None,
-               "share of answers given a tier-1 audit (default: the profile's, 0.10)", group=g_audit, metavar="X"),
-        Option("audits.rate_new", "--audit-rate-new", f"{p}AUDIT_RATE_NEW", optional_float, None,
-               "audit share for new or suspect miners (default: the profile's, 0.20)", group=g_audit, metavar="X"),
-        Option("audits.canary_pool", "--canary-pool", f"{p}CANARY_POOL", optional_text, None,
-               "tier-2 canary pool file (k3-canaries JSON from a reference deployment); without it and with "
-               "--reference-engine the validator computes its own canaries", group=g_audit, metavar="FILE"),
-        Option("audits.canaries", "--canaries", f"{p}CANARIES", non_negative_int, 64,
-               "with --reference-engine and no pool file: canaries to keep ready (computed on the reference)",
-               group=g_audit),
-        Option("scoring.profile", "--scoring-profile", f"{p}SCORING_PROFILE", str, "production",
-               "scoring numbers: production (docs/subnet.md) or local_testnet (tiny model on CPUs)",
-               group="scoring", choices=SCORING_PROFILES),
-        Option("scoring.overrides", "--scoring-overrides", f"{p}SCORING_OVERRIDES", optional_text, None,
-               "JSON object of scoring/config.py fields to change, e.g. '{\"chat_max_tokens\": [64, 128]}'",
-               group="scoring", metavar="JSON"),
-        Option("weights.enabled", "--set-weights", f"{p}SET_WEIGHTS", flag, True,
-               "set weights on chain once per epoch window (off: score only)", group=g_weights),
-        Option("weights.check_s", "--weights-check-s", f"{p}WEIGHTS_CHECK_S", positive_float, 12.0,
-               "how often the weight task asks the chain whether weights are due", group=g_weights),
-        Option("weights.retry_s", "--weights-retry-s", f"{p}WEIGHTS_RETRY_S", positive_float, 2.0,
-               "first backoff after a transient chain error at set-weights (doubles each time)", group=g_weights),
-        Option("weights.retry_max_s", "--weights-retry-max-s", f"{p}WEIGHTS_RETRY_MAX_S", positive_float, 120.0,
-               "longest backoff between set-weights attempts", group=g_weights),
-    ) + logging_options()
-
-
-def optional_float(text: str) -> Optional[float]:
-    if text.strip() == "":
-        return None
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a finite number")
-    return value
-
-
-optional_float.__name__ = "number"
-
-
-def read_validator_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
-                            prog: str | None = None, description: str | None = None) -> ValidatorSettings:
-    values = read_options(validator_options(), argv, environ, prog=prog, description=description)
-    return build_settings(ValidatorSettings, values)
 
 
 # ---------------------------------------------------------------- small pieces
@@ -417,39 +159,13 @@ class RoundReport:
     skipped: Optional[str] = None  # why no round ran (no metagraph yet, no miners)
 
 
-def conform_weights(weights: Mapping[int, float], max_weight_limit: float) -> dict[int, float]:
-    """Positive weights only, normalised, with no weight above `max_weight_limit` of the total when
-    enough uids carry weight to allow it (the excess goes to the others in proportion)."""
-    kept = {uid: float(w) for uid, w in weights.items() if w > 0 and math.isfinite(w)}
-    total = sum(kept.values())
-    if total <= 0:
-        return {}
-    out = {uid: w / total for uid, w in kept.items()}
-    if max_weight_limit >= 1.0 or len(out) * max_weight_limit < 1.0:
-        return out
-    for _ in range(len(out)):
-        over = {uid for uid, w in out.items() if w > max_weight_limit + 1e-12}
-        if not over:
-            break
-        excess = sum(out[uid] - max_weight_limit for uid in over)
-        for uid in over:
-            out[uid] = max_weight_limit
-        rest = {uid: w for uid, w in out.items() if uid not in over and w < max_weight_limit}
-        rest_total = sum(rest.values())
-        if rest_total <= 0:
-            break
-        for uid, w in rest.items():
-            out[uid] = w + excess * w / rest_total
-    return out
-
-
 # ---------------------------------------------------------------- the state the gateway reads
 class ValidatorState:
     """The validator's view, for the organic gateway (in this process or another, through the database).
 
-    `ranked_miners()` orders the miners by EMA; `record_organic(...)` runs tier 0 on an organic
-    generation and stores it as a measurement (source "organic"), which the next round folds into
-    the scoring window."""
+    `ranked_miners()` orders the miners by EMA; `record_organic(...)` stores an organic generation
+    with its tier-0 verdict (the gateway's, or its own when none is given) as a measurement (source
+    "organic"), which the next round folds into the scoring window."""
 
     def __init__(self, store: ValidatorStore, tokenizer=None, config: Optional[ScoringConfig] = None):
         self.store = store
@@ -478,9 +194,12 @@ class ValidatorState:
         return [RankedMiner(uid, hotkey, url, score, shares.get(uid, 0.0)) for uid, hotkey, url, score in rows]
 
     def record_organic(self, uid: int, hotkey: str, outcome: GenerateResult | MinerError,
-                       prompt_ids: Optional[Sequence[int]] = None) -> Optional[Verification]:
-        """Tier 0 on an organic generation (a GenerateResult, or the MinerError raised), stored for
-        the next round. Returns the verification (None for an error)."""
+                       prompt_ids: Optional[Sequence[int]] = None, tier0: Optional[list[Failure]] = None,
+                       tier0_cpu_s: Optional[float] = None) -> Optional[Verification]:
+        """An organic generation (a GenerateResult, or the MinerError raised), stored for the next
+        round with its tier-0 verdict. `tier0` is the verdict the gateway already reached (tier 0
+        runs once per organic request); without it tier 0 runs here. Returns the verification
+        (None for an error)."""
         if self.tokenizer is None:
             raise ValueError("record_organic needs the model's tokenizer: ValidatorState(store, tokenizer)")
         miner = self.store.miners().get(uid)
@@ -495,10 +214,13 @@ class ValidatorState:
         item = WorkItem("chat", request, ids)
         verification, cpu_s = None, None
         if isinstance(outcome, GenerateResult) and outcome.final is not None:
-            started = time.thread_time()
-            verification = Verification(tier0=check_tier0(item, outcome, self.tokenizer, capabilities, hotkey,
-                                                          self.config))
-            cpu_s = time.thread_time() - started
+            if tier0 is not None:
+                verification, cpu_s = Verification(tier0=list(tier0)), tier0_cpu_s
+            else:
+                started = time.thread_time()
+                verification = Verification(tier0=check_tier0(item, outcome, self.tokenizer, capabilities, hotkey,
+                                                              self.config))
+                cpu_s = time.thread_time() - started
         measurement = measure_request(uid, hotkey, item, outcome, verification, self.config)
         round_number = self.store.round
         self.store.add_measurements([(measurement, cpu_s)], round_number, source="organic")
@@ -553,16 +275,14 @@ class ValidatorLoop:
         self.reference = reference
         self.canaries = canaries
         self.expected_fingerprint = expected_fingerprint
-        self.client = client or MinerClient(wallet.hotkey, settings.timeouts.client())
+        self.client = client or MinerClient(wallet.hotkey, settings.timeouts)
         self._owns_client = client is None
         seed = settings.rounds.seed
         self.rng = rng or random.Random(seed if seed is not None else secrets.randbits(64))
         self.state = ValidatorState(store, tokenizer, self.config)
         self.window, self._last_row = store.load_window(self.config.window_s, self.config.hard_failure_s)
         self.ema: dict[int, EmaEntry] = store.load_ema()
-        self.snapshot: Optional[MetagraphSnapshot] = None
-        self._snapshot_read_at: Optional[float] = None
-        self.metagraph_failures = 0
+        self.metagraph = MetagraphWatch(chain, self.netuid, settings.chain.timeout_s)
         self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
         self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
         self.cpu = CpuStats()
@@ -688,24 +408,18 @@ class ValidatorLoop:
         return len(rows)
 
     # ------------------------------------------------------------ metagraph and miners
+    @property
+    def snapshot(self) -> Optional[MetagraphSnapshot]:
+        return self.metagraph.snapshot
+
+    @property
+    def metagraph_failures(self) -> int:
+        return self.metagraph.failures
+
     async def refresh_metagraph(self) -> Optional[MetagraphSnapshot]:
         """Re-read the metagraph (at most every metagraph_refresh_s) with a deadline; keep the last
         snapshot when the read fails."""
-        fresh_for = self.settings.chain.metagraph_refresh_s
-        if self.snapshot is not None and self._snapshot_read_at is not None \
-                and time.monotonic() - self._snapshot_read_at < fresh_for:
-            return self.snapshot
-        try:
-            snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.settings.chain.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failed read leaves us on the last snapshot
-            self.metagraph_failures += 1
-            log.warning("metagraph read failed (%s: %s); keeping the snapshot of block %s",
-                        type(error).__name__, error, self.snapshot.block if self.snapshot else "none")
-            return self.snapshot
-        self.snapshot, self._snapshot_read_at = snapshot, time.monotonic()
-        return snapshot
+        return await self.metagraph.latest(self.settings.chain.metagraph_refresh_s)
 
     def serving_miners(self, snapshot: MetagraphSnapshot) -> list[NeuronInfo]:
         """Neurons with a published endpoint, except this validator (validators without endpoints
@@ -737,10 +451,10 @@ class ValidatorLoop:
         if cached is not None and cached[:2] == (neuron.hotkey, url) \
                 and now - cached[3] < self.settings.rounds.capabilities_refresh_s:
             return cached[2], None
-        t = self.settings.timeouts
-        budget = max(0.1, min(t.capabilities_s, deadline - asyncio.get_running_loop().time()))
-        timeouts = ClientTimeouts(connect=min(t.connect_s, budget), first_byte=budget, between_events=budget,
-                                  total=budget)
+        budget = max(0.1, min(self.settings.rounds.capabilities_timeout_s,
+                              deadline - asyncio.get_running_loop().time()))
+        timeouts = ClientTimeouts(connect=min(self.settings.timeouts.connect, budget), first_byte=budget,
+                                  between_events=budget, total=budget)
         try:
             caps = await self.client.capabilities(url, neuron.hotkey, timeouts)
         except MinerError as error:
@@ -893,8 +607,7 @@ class ValidatorLoop:
                                       cpu_s=cpu_s), number)
         now = time.time()
         new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, now, self.config)
-        draw = self.rng.random() < audit_probability(item, self.config, new_or_suspect=new_or_suspect)
-        if draw and not any(f.hard for f in verification.tier0):
+        if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
             reference, name = self._reference_for(neuron, caps, item, result)
             if reference is not None:
                 audit, wall_s, audit_cpu_s = await self._audit(item, result, reference)
@@ -908,7 +621,9 @@ class ValidatorLoop:
                     disagreement=int(audit.disagreement), error=audit.error,
                     failures="; ".join(map(str, audit.failures)), cpu_s=audit_cpu_s, wall_s=wall_s), number)
                 if audit.disagreement:
-                    escalation = self._canary_escalation(caps)
+                    canary, escalation = canary_escalation(self.canaries, self.rng, caps, self.config, self.tokenizer)
+                    if canary is not None:
+                        self.store.mark_canaries_used([canary.canary_id])
                     if escalation is not None:
                         escalations.append(escalation)
         return verification, cpu_s
@@ -919,9 +634,9 @@ class ValidatorLoop:
             audit = await asyncio.wait_for(
                 audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
                             rng=self.rng),
-                self.settings.timeouts.audit_s)
+                self.settings.audits.timeout_s)
         except TimeoutError:
-            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.timeouts.audit_s:g} s")
+            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.audits.timeout_s:g} s")
         wall_s, cpu_s = time.monotonic() - wall, time.process_time() - cpu
         self.cpu.audit_wall_s += wall_s
         self.cpu.audit_cpu_s += cpu_s
@@ -929,48 +644,24 @@ class ValidatorLoop:
         return audit, wall_s, cpu_s
 
     def _reference_for(self, neuron: NeuronInfo, caps: Capabilities, item: WorkItem, result: GenerateResult):
-        """The validator's own engine, else two other miners on two other coldkeys (best EMA first)."""
+        """The validator's own engine, else two other miners on two other coldkeys (scoring.audits)."""
         if self.reference is not None:
             return self.reference, "local"
-        need = item.prompt_tokens + len(result.token_ids)
         candidates = []
         for other in self.serving_miners(self.snapshot) if self.snapshot is not None else []:
-            if other.uid == neuron.uid or other.coldkey == neuron.coldkey:
-                continue
             cached = self._capabilities.get(other.uid)
-            if cached is not None and cached[0] == other.hotkey and (
-                    cached[2].max_context < need or cached[2].limits.max_score_tokens < need):
-                continue  # declared too small for this audit
+            known = cached[2] if cached is not None and cached[0] == other.hotkey else None
             ema = self.ema.get(other.uid)
-            score = ema.value if ema is not None and ema.hotkey == other.hotkey else 0.0
-            candidates.append((score, self.rng.random(), other.uid, other.hotkey, other.endpoint.url, other.coldkey))
-        candidates.sort(reverse=True)
-        if sum(1 for c in candidates if c[0] > 0) >= 2:
-            candidates = [c for c in candidates if c[0] > 0]  # once there is a ranking, only trusted auditors
-        chosen, coldkeys = [], set()
-        for _, _, uid, hotkey, url, coldkey in candidates:
-            if coldkey not in coldkeys:
-                chosen.append(MinerScoreReference(self.client, url, hotkey, self.settings.timeouts.client()))
-                coldkeys.add(coldkey)
-            if len(chosen) == 2:
-                break
-        if len(chosen) < 2:
+            candidates.append(AuditorCandidate(
+                uid=other.uid, hotkey=other.hotkey, coldkey=other.coldkey, url=other.endpoint.url,
+                score=ema.value if ema is not None and ema.hotkey == other.hotkey else 0.0,
+                max_context=known.max_context if known else None,
+                max_score_tokens=known.limits.max_score_tokens if known else None))
+        chosen = choose_auditors(neuron.uid, neuron.coldkey, candidates, item.prompt_tokens + len(result.token_ids),
+                                 self.rng)
+        if not chosen:
             return None, "none"
-        return ConsensusReference(chosen, margin=self.config.auditor_disagreement_margin), \
-            "miners:" + ",".join(r.hotkey for r in chosen)
-
-    def _canary_escalation(self, caps: Capabilities) -> Optional[WorkItem]:
-        if self.canaries is None:
-            return None
-        canary = self.canaries.take(self.rng, max_prompt_tokens=caps.max_context - self.config.chat_max_tokens[0])
-        if canary is None:
-            return None
-        self.store.mark_canaries_used([canary.canary_id])
-        try:
-            return canary_item(self.rng, canary, caps, self.config, self.tokenizer)
-        except WorkloadError as error:
-            log.warning("cannot escalate with canary %s: %s", canary.canary_id, error)
-            return None
+        return consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
 
     # ------------------------------------------------------------ canaries on the reference
     def _refill_canaries_soon(self, miners: int) -> None:
@@ -1269,57 +960,7 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
     return 0
 
 
-# ---------------------------------------------------------------- status
-STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
-                  "failures", "last_failure", "score", "ema", "weight")
-
-
-def status_report(store: ValidatorStore) -> dict:
-    """The validator's current view per miner, from its database."""
-    meta = store.meta()
-    latest = store.latest_scores()
-    ema = store.load_ema()
-    miners = store.miners()
-    last = store.last_weights()
-    failures: dict[int, list] = {}
-    for row in store.failures():
-        failures.setdefault(int(row["uid"]), []).append(row)
-    uids = sorted(set(latest) | set(ema) | set(miners))
-    rows = []
-    for uid in uids:
-        score = latest.get(uid)
-        miner = miners.get(uid)
-        hotkey = (miner.hotkey if miner else None) or (score["hotkey"] if score else None) or \
-            (ema[uid].hotkey if uid in ema else "")
-        mine = [f for f in failures.get(uid, []) if f["hotkey"] == hotkey]
-        last_failure = mine[-1] if mine else None
-        rows.append({
-            "uid": uid, "hotkey": hotkey, "url": miner.url if miner else None,
-            "ttft_per_1k_s": score["ttft_per_1k_s"] if score else None,
-            "decode_tps": score["decode_tps"] if score else None,
-            "burst_tps": score["burst_tps"] if score else None,
-            "long_context_share": score["long_context_share"] if score else None,
-            "quality": score["quality"] if score else None,
-            "reliability": score["reliability"] if score else None,
-            "requests": int(score["requests"]) if score else 0,
-            "failures": len(mine),
-            "last_failure": f"{last_failure['check_name']}: {last_failure['reason']}" if last_failure else None,
-            "score": score["score"] if score else None,
-            "reasons": json.loads(score["reasons"]) if score and score["reasons"] else [],
-            "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
-            "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, hotkey) else 0.0,
-        })
-    return {
-        "db": str(store.path), "round": int(meta.get("round", 0)),
-        "completed_round": int(meta.get("completed_round", 0)),
-        "weights_set_at": last.set_at, "weights_block": last.block, "version_key": last.version_key,
-        "miners": rows,
-    }
-
-
 __all__ = [
-    "AuditSettings", "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "RoundSettings", "ScoringSettings",
-    "STATUS_COLUMNS", "TimeoutSettings", "Validator", "ValidatorLoop", "ValidatorSettings", "ValidatorSetupError",
-    "ValidatorState", "WeightSettings", "build_validator", "conform_weights", "read_validator_settings",
-    "reference_capabilities", "run_validator", "status_report", "validator_options",
+    "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "Validator", "ValidatorLoop", "ValidatorState",
+    "build_validator", "reference_capabilities", "run_validator",
 ]

@@ -1,0 +1,53 @@
+"""The validator's status report: its current view of every miner, read from its database
+(what `python neurons/validator.py status` prints)."""
+from __future__ import annotations
+
+import json
+
+from neurons.validator_app.store import ValidatorStore
+
+STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
+                  "failures", "last_failure", "score", "ema", "weight")
+
+
+def status_report(store: ValidatorStore) -> dict:
+    """The validator's current view per miner, from its database."""
+    meta = store.meta()
+    latest = store.latest_scores()
+    ema = store.load_ema()
+    miners = store.miners()
+    last = store.last_weights()
+    failures: dict[int, list] = {}
+    for row in store.failures():
+        failures.setdefault(int(row["uid"]), []).append(row)
+    uids = sorted(set(latest) | set(ema) | set(miners))
+    rows = []
+    for uid in uids:
+        score = latest.get(uid)
+        miner = miners.get(uid)
+        hotkey = (miner.hotkey if miner else None) or (score["hotkey"] if score else None) or \
+            (ema[uid].hotkey if uid in ema else "")
+        mine = [f for f in failures.get(uid, []) if f["hotkey"] == hotkey]
+        last_failure = mine[-1] if mine else None
+        rows.append({
+            "uid": uid, "hotkey": hotkey, "url": miner.url if miner else None,
+            "ttft_per_1k_s": score["ttft_per_1k_s"] if score else None,
+            "decode_tps": score["decode_tps"] if score else None,
+            "burst_tps": score["burst_tps"] if score else None,
+            "long_context_share": score["long_context_share"] if score else None,
+            "quality": score["quality"] if score else None,
+            "reliability": score["reliability"] if score else None,
+            "requests": int(score["requests"]) if score else 0,
+            "failures": len(mine),
+            "last_failure": f"{last_failure['check_name']}: {last_failure['reason']}" if last_failure else None,
+            "score": score["score"] if score else None,
+            "reasons": json.loads(score["reasons"]) if score and score["reasons"] else [],
+            "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
+            "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, hotkey) else 0.0,
+        })
+    return {
+        "db": str(store.path), "round": int(meta.get("round", 0)),
+        "completed_round": int(meta.get("completed_round", 0)),
+        "weights_set_at": last.set_at, "weights_block": last.block, "version_key": last.version_key,
+        "miners": rows,
+    }

@@ -1,0 +1,97 @@
+"""Fixtures shared by the test files: real bittensor wallets, the tiny checkpoint and a devnet subnet.
+
+Factories are session fixtures so that a module-scoped `world` fixture can use them:
+
+    def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint): ...
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import bittensor as bt
+import pytest
+
+from chain.devnet import DevnetChain
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.serving.builders import load_reference_model
+
+
+
+def unused_port() -> int:
+    """A loopback port that was free a moment ago (for a server started next, or one nobody serves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def new_wallet(root: Path, name: str) -> bt.Wallet:
+    """A real wallet (coldkey and hotkey "default", no password) under `root`."""
+    wallet = bt.Wallet(name, "default", path=str(root))
+    wallet.create_new_coldkey(use_password=False, suppress=True)
+    wallet.create_new_hotkey(use_password=False, suppress=True)
+    return wallet
+
+
+def new_wallets(root: Path, names: Iterable[str]) -> dict[str, bt.Wallet]:
+    return {name: new_wallet(root, name) for name in names}
+
+
+async def new_subnet(path: Path, wallets: Mapping[str, bt.Wallet], register: Iterable[str],
+                     stakes: Mapping[str, float] | None = None, *, owner: str = "owner",
+                     block_interval: float = 1.0, tempo: int = 10_000, **subnet) -> tuple[int, dict[str, int]]:
+    """A devnet at `path` with one subnet created by `owner`: `register` names registered (uids in
+    that order), each name in `stakes` staking that much on itself. The default tempo is long: no
+    epoch runs during a test, so permits stay as staked. Returns (netuid, uid by name)."""
+    chain = DevnetChain(path, create=True, block_interval=block_interval)
+    try:
+        netuid = await chain.create_subnet(wallets[owner], tempo=tempo, **subnet)
+        uids = {name: await chain.register(wallets[name], netuid) for name in register}
+        for name, stake in (stakes or {}).items():
+            await chain.add_stake(wallets[name], wallets[name], netuid, stake)
+        return netuid, uids
+    finally:
+        await chain.close()
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """unused_port() -> a loopback port free a moment ago."""
+    return unused_port
+
+
+@pytest.fixture(scope="session")
+def make_wallet():
+    """new_wallet(root, name) -> a real bittensor wallet."""
+    return new_wallet
+
+
+@pytest.fixture(scope="session")
+def make_wallets():
+    """new_wallets(root, names) -> {name: wallet}."""
+    return new_wallets
+
+
+@pytest.fixture(scope="session")
+def make_subnet():
+    """A blocking new_subnet: make_subnet(path, wallets, register, stakes, **options) -> (netuid, uids)."""
+    def make(*args, **kwargs) -> tuple[int, dict[str, int]]:
+        return asyncio.run(new_subnet(*args, **kwargs))
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model's checkpoint, seed 0, written once per session (read-only for the tests)."""
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    make_random_checkpoint(ModelConfig.tiny(), path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_checkpoint):
+    """(model, tokenizer, fingerprint) of the tiny checkpoint, loaded once per session."""
+    return load_reference_model(tiny_checkpoint)
