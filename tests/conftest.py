@@ -15,9 +15,8 @@ import bittensor as bt
 import pytest
 
 from chain.devnet import DevnetChain
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.builders import load_reference_model
+from inference.model import ModelConfig, make_random_checkpoint
+from inference.serving import load_reference_model
 
 
 

@@ -10,10 +10,8 @@ import pytest
 from aiohttp import web
 
 from chain.interface import connect
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, LocalEngine
-from inference.model.k3 import KimiK3Model
-from inference.serving.openai_server import OpenAICompatibleServer
+from inference.model import KimiK3Model, ModelConfig
+from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer
 from neurons import benchmark as bench
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from neurons.settings import ChainSettings

@@ -13,9 +13,8 @@ from hypothesis import given, settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from chain.interface import connect
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.serving.sampling import SamplingParams
+from inference.model import ModelConfig
+from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 from neurons.gateway import (
     ApiKeyFileError,
     ApiKeys,

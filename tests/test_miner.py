@@ -18,13 +18,18 @@ from aiohttp import web
 from hypothesis import strategies as st
 
 from chain.interface import connect
-from inference.model.config import ModelConfig
-from inference.serving.engine import Engine, EngineSettings, GenerationRequest, LocalEngine
-from inference.serving.engine import TokenEvent as EngineTokenEvent
-from inference.serving.openai_server import OpenAICompatibleServer
-from inference.serving.remote import RemoteEngine
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import build_engine
+from inference.model import ModelConfig
+from inference.serving import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    LocalEngine,
+    OpenAICompatibleServer,
+    RemoteEngine,
+    SamplingParams,
+    TokenEvent as EngineTokenEvent,
+    build_engine,
+)
 from neurons.miner_app import cheats
 from neurons.miner_app import (
     AccessSettings,

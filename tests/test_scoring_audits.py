@@ -2,8 +2,7 @@
 when an audit is drawn, and what a disagreement escalates to."""
 import random
 
-from inference.model.config import ModelConfig
-from inference.model.tokenizer import ByteTokenizer
+from inference.model import ByteTokenizer, ModelConfig
 from protocol.schemas import Capabilities, GenerateRequest, Limits
 from scoring.audits import AuditorCandidate, choose_auditors, draw_audit
 from scoring.canaries import canary_escalation

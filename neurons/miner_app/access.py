@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from chain.interface import MetagraphSnapshot
-from inference.serving.engine import EngineError
+from inference.serving import EngineError
 from neurons.miner_app.settings import AccessSettings
 from neurons.rate_limit import TokenBuckets
 from protocol.errors import ErrorCode, http_status

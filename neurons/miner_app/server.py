@@ -39,11 +39,17 @@ from pathlib import Path
 from aiohttp import web
 
 from chain.interface import Chain, ChainError, NotRegistered, RateLimited, connect
-from inference.serving.engine import Engine, EngineError, GenerationRequest
-from inference.serving.engine import FinalEvent as EngineFinalEvent
-from inference.serving.engine import TokenEvent as EngineTokenEvent
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import EngineSpec, EngineSpecError, build_engine
+from inference.serving import (
+    Engine,
+    EngineError,
+    EngineSpec,
+    EngineSpecError,
+    FinalEvent as EngineFinalEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent as EngineTokenEvent,
+    build_engine,
+)
 from inference.version import __version__
 from chain.watch import MetagraphWatch
 from neurons.miner_app.access import (

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.serving.builders import EngineSpec
+from inference.serving import EngineSpec
 from neurons.settings import (
     ChainSettings,
     Option,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from inference.serving.builders import EngineSpec
+from inference.serving import EngineSpec
 from neurons.gateway.settings import GatewaySettings, gateway_options
 from neurons.settings import (
     ChainSettings,
