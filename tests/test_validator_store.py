@@ -14,7 +14,7 @@ from neurons.validator_app import (
     ValidatorSettings,
     ValidatorSetupError,
     ValidatorState,
-    conform_weights,
+    submitted_weights,
     read_validator_settings,
     status_report,
 )
@@ -140,13 +140,11 @@ def test_ranked_miners_and_status_view(tmp_path):
     state.store.close()
 
 
-def test_conform_weights():
-    assert conform_weights({1: 0.0, 2: 3.0, 3: 1.0}, 1.0) == {2: 0.75, 3: 0.25}
-    capped = conform_weights({1: 8.0, 2: 1.0, 3: 1.0}, 0.5)
-    assert capped[1] == pytest.approx(0.5) and capped[2] == pytest.approx(0.25) and sum(capped.values()) == pytest.approx(1)
-    # Too few uids to respect the limit: left as they are (the chain then says why).
-    assert conform_weights({1: 3.0, 2: 1.0}, 0.4) == {1: 0.75, 2: 0.25}
-    assert conform_weights({1: 0.0}, 1.0) == {}
+def test_submitted_weights_are_normalised_and_left_for_the_chain_to_clip():
+    assert submitted_weights({1: 0.0, 2: 3.0, 3: 1.0}) == {2: 0.75, 3: 0.25}
+    assert submitted_weights({1: 8.0, 2: 1.0, 3: 1.0}) == {1: 0.8, 2: 0.1, 3: 0.1}  # chain.weights clips
+    assert submitted_weights({1: float("nan"), 2: 1.0}) == {2: 1.0}
+    assert submitted_weights({1: 0.0}) == {}
 
 
 def test_settings_from_flags_and_environment(tmp_path):

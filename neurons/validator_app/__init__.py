@@ -25,7 +25,7 @@ from neurons.validator_app.settings import (
 )
 from neurons.validator_app.status import STATUS_COLUMNS, status_report
 from neurons.validator_app.store import LastWeights, StoredMiner, ValidatorStore, ValidatorStoreError
-from neurons.validator_app.weights import conform_weights
+from neurons.validator_app.weights import submitted_weights
 
 __all__ = [
     "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "Validator", "ValidatorLoop", "ValidatorState",
@@ -34,5 +34,5 @@ __all__ = [
     "ValidatorSetupError", "WeightSettings", "read_validator_settings", "validator_options",
     "STATUS_COLUMNS", "status_report",
     "LastWeights", "StoredMiner", "ValidatorStore", "ValidatorStoreError",
-    "conform_weights",
+    "submitted_weights",
 ]

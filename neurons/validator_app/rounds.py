@@ -58,7 +58,7 @@ from neurons.gateway.settings import GatewaySetupError
 from neurons.settings import WalletNotFound, WalletSettings
 from neurons.settings import open_wallet as open_cli_wallet
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
-from neurons.validator_app.weights import conform_weights  # MERGE: chain.weights (see weights.py)
+from neurons.validator_app.weights import submitted_weights
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import (
     ClientTimeouts,
@@ -750,8 +750,7 @@ class ValidatorLoop:
         attempt = 0
         while stop is None or not stop.is_set():
             weights = self.current_weights()
-            hp = await self._safe_hyperparameters()
-            submitted = conform_weights(weights, hp.max_weight_limit if hp else 1.0)
+            submitted = submitted_weights(weights)
             if not submitted:
                 self.store.record_weight_attempt(False, "every miner has weight 0: nothing to submit")
                 log.warning("not setting weights: every miner's EMA is 0")
