@@ -11,9 +11,8 @@ k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs about 1 + c*k pla
 `verify_cost`: the price of one more position in a forward). k is the argmax of E(k) / (1 + c*k) over
 0..max_draft_tokens: 0 when drafts are poor, so novel text decodes plainly. The estimate of a is a decayed
 count of accepted drafts over drafts judged (a rejection ends a step's trials). On a plain step the
-drafter is still asked for one token (free: no model work), and whether it would have been accepted
-(greedy: equal to the chosen token; sampled: with probability p(draft)) updates a, so a sequence whose text
-turns repetitive starts speculating again without paying for probes.
+drafter is still asked for one token (free: no model work), and whether it equals the token the step chose
+updates a, so a sequence whose text turns repetitive starts speculating again without paying for probes.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from typing import Sequence
 import torch
 
 from inference.model.kda import REWIND_MODES
-from inference.serving.sampling import SampledToken, SamplingParams, TokenSampler, filtered_probs
+from inference.serving.sampling import SamplingParams, TokenSampler
 from inference.speculative.drafters import DRAFTER_KINDS, Draft, Drafter, make_drafter
 from inference.speculative.verify import Verdict, accept_drafts
 
@@ -132,17 +131,14 @@ class SequenceSpeculation:
         self.length.observe(verdict.accepted, verdict.accepted + (1 if verdict.accepted < k else 0))
         return verdict
 
-    def observe_plain(self, logits: torch.Tensor, chosen: int) -> None:
-        """After a plain step: judge the drafter's unused guess for free."""
+    def observe_plain(self, chosen: int) -> None:
+        """After a plain step that chose `chosen`: judge the drafter's unused guess for free. Counting a
+        success when guess == chosen estimates the acceptance probability p(guess) without bias, greedy or
+        sampled."""
         self.plain_steps += 1
-        if self._shadow is None:
-            return
-        if self.params.temperature == 0.0:
-            success = 1.0 if self._shadow == chosen else 0.0
-        else:
-            success = float(filtered_probs(logits, self.params)[self._shadow])
-        self.length.observe(success, 1.0)
-        self._shadow = None
+        if self._shadow is not None:
+            self.length.observe(1.0 if self._shadow == chosen else 0.0, 1.0)
+            self._shadow = None
 
     def stats(self) -> dict:
         return {"draft_proposed": self.proposed, "draft_accepted": self.accepted,
@@ -176,7 +172,7 @@ def speculative_generate(model, prompt_ids: Sequence[int], params: SamplingParam
         if not draft.tokens:
             logits = model.forward([fed], [cache])[0]
             token = sampler.choose(logits).token_id
-            spec.observe_plain(logits, token)
+            spec.observe_plain(token)
             continue
         start = cache.length
         cache.mark(config.rewind_mode)
