@@ -170,14 +170,15 @@ class ReplayDrafter(Drafter):
         return Draft([self._at(i) for i in range(max(start, 0), stop)])
 
 
-def make_drafter(kind: str) -> Drafter | None:
-    """A fresh drafter for one sequence: "ngram", "suffix", or None for "none"."""
+def make_drafter(kind: str, min_match: int | None = None) -> Drafter | None:
+    """A fresh drafter for one sequence: "ngram", "suffix", or None for "none". `min_match`: the shortest
+    match it copies from (n-gram: min_n, raising max_n if needed; suffix: min_match); None keeps the defaults."""
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter()
+        return NgramDrafter() if min_match is None else NgramDrafter(min_match, max(min_match, 6))
     if kind == "suffix":
-        return SuffixDrafter()
+        return SuffixDrafter() if min_match is None else SuffixDrafter(min_match)
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
 
 

@@ -17,7 +17,7 @@ updates a, so a sequence whose text turns repetitive starts speculating again wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,10 +39,14 @@ class SpeculationConfig:
     prior_weight: float = 2.0  # ... worth this many judged drafts
     memory: float = 0.9  # decay of the acceptance counts per judged step
     fixed_draft_tokens: int | None = None  # benchmarks/tests: always draft this many (no adaptation)
+    min_match: int | None = None  # shortest history match a drafter copies from (None: the drafter's default)
+    # A drafter of one's own per sequence, called with the prompt's token ids (a draft model; a benchmark's
+    # drafter of known quality). Overrides `drafter`.
+    drafter_factory: Callable[[list[int]], Drafter] | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.drafter != "none"
+        return self.drafter != "none" or self.drafter_factory is not None
 
     def problems(self) -> list[str]:
         out = []
@@ -56,6 +60,8 @@ class SpeculationConfig:
             out.append(f"rewind_mode must be one of {', '.join(REWIND_MODES)} (got {self.rewind_mode!r})")
         if not 0.0 < self.prior_acceptance < 1.0 or not 0.0 < self.memory <= 1.0:
             out.append("prior_acceptance must lie in (0, 1) and memory in (0, 1]")
+        if self.min_match is not None and self.min_match < 1:
+            out.append(f"min_match must be >= 1 (got {self.min_match})")
         if self.fixed_draft_tokens is not None and not 0 <= self.fixed_draft_tokens <= self.max_draft_tokens:
             out.append(f"fixed_draft_tokens must lie in 0..max_draft_tokens (got {self.fixed_draft_tokens})")
         return out
@@ -101,13 +107,19 @@ class SequenceSpeculation:
         """`drafter` overrides the one config.drafter names (a draft model, or a test's drafter)."""
         self.config = config
         self.params = params
-        self.drafter = drafter if drafter is not None else make_drafter(config.drafter)
+        self.drafter = drafter if drafter is not None else make_drafter(config.drafter, config.min_match)
         self.length = DraftLength(config)
         self.proposed = 0  # drafted tokens sent to verification
         self.accepted = 0  # of which accepted
         self.verify_steps = 0  # steps that verified at least one draft
         self.plain_steps = 0
         self._shadow: int | None = None  # the drafter's guess on a plain step, judged afterwards
+
+    @classmethod
+    def for_request(cls, config: SpeculationConfig, params: SamplingParams,
+                    prompt_ids: list[int]) -> "SequenceSpeculation":
+        drafter = config.drafter_factory(list(prompt_ids)) if config.drafter_factory is not None else None
+        return cls(config, params, drafter)
 
     def drafts(self, history: Sequence[int], limit: int) -> Draft:
         """Drafts for this step (possibly none), at most `limit` (room left in max_tokens and the context)."""
@@ -140,9 +152,12 @@ class SequenceSpeculation:
             self.length.observe(1.0 if self._shadow == chosen else 0.0, 1.0)
             self._shadow = None
 
+    def final_counts(self) -> dict:
+        """The counts a request's final event reports."""
+        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted, "verify_steps": self.verify_steps}
+
     def stats(self) -> dict:
-        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted,
-                "verify_steps": self.verify_steps, "plain_steps": self.plain_steps}
+        return {**self.final_counts(), "plain_steps": self.plain_steps}
 
 
 @torch.inference_mode()
@@ -155,7 +170,8 @@ def speculative_generate(model, prompt_ids: Sequence[int], params: SamplingParam
     if problems:
         raise ValueError("; ".join(problems))
     sampler = TokenSampler(params)
-    spec = SequenceSpeculation(config, params, drafter)
+    spec = SequenceSpeculation(config, params, drafter) if drafter is not None else \
+        SequenceSpeculation.for_request(config, params, list(prompt_ids))
     history = [int(t) for t in prompt_ids]
     cache = model.new_cache()
     logits = model.forward([torch.tensor(history, dtype=torch.long)], [cache])[0]
