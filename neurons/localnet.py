@@ -12,6 +12,11 @@ the miners (miner 0 single-process, miner 1 sharded over 2 processes, the last o
 validator as separate processes, and shows a live dashboard. Logs of every process are in RUN_DIR/logs.
 Ctrl-C or the end of --duration stops everything it started (whole process groups, shards included).
 `--summary FILE` writes what happened (weights, incentive, failures) as JSON at the end.
+
+`--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
+writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
+setup service, after which the miners and the validator run as containers of their own. Run again on a
+set-up directory, it changes nothing.
 """
 from __future__ import annotations
 
@@ -80,6 +85,9 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--round-interval", type=float, default=10.0, help="validator seconds between rounds")
     ap.add_argument("--no-dashboard", action="store_true", help="print one status line per refresh instead")
     ap.add_argument("--summary", type=Path, default=None, help="write a JSON summary here at the end")
+    ap.add_argument("--setup-only", action="store_true",
+                    help="devnet: create the chain, wallets, registrations and stake in --run-dir, write "
+                         "localnet.json there and exit (nothing is started)")
     ap.add_argument("--stop-after-epochs", type=int, default=0,
                     help="devnet: stop once this many epochs have run after the validator's first weights (0 = no)")
     args = ap.parse_args(argv)
@@ -87,6 +95,8 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
         ap.error("--miners must be at least 2 (one honest, one cheating)")
     if args.chain != "devnet" and (args.netuid is None or args.wallet_path is None or not args.miner_wallets):
         ap.error("with a real node, give --netuid, --wallet-path and --miner-wallets (wallets registered with btcli)")
+    if args.setup_only and (args.chain != "devnet" or args.run_dir is None):
+        ap.error("--setup-only sets up the embedded devnet: give --run-dir and no --chain")
     args.checkpoints = args.checkpoints.expanduser().resolve()
     if args.run_dir is not None:
         args.run_dir = args.run_dir.expanduser().resolve()
@@ -130,6 +140,21 @@ async def setup_devnet(run_dir: Path, args, neurons: list[Neuron]) -> tuple[str,
     await chain.add_stake(validator.wallet, validator.wallet.hotkey.ss58_address, netuid, VALIDATOR_STAKE)
     await chain.close()
     return f"devnet:{db}", netuid
+
+
+SETUP_FILE = "localnet.json"
+
+
+def write_setup(path: Path, chain_spec: str, netuid: int, neurons: list[Neuron], args) -> None:
+    """What --setup-only made, for the processes started after it; written last, so its presence
+    means the setup finished."""
+    setup = {"chain": chain_spec, "netuid": netuid, "checkpoint": str(checkpoint_dir(args)),
+             "neurons": [{"name": n.name, "role": n.role, "kind": n.kind, "wallet_name": n.wallet.name,
+                          "wallet_hotkey": "default", "wallet_path": str(Path(n.wallet.path)),
+                          "hotkey": n.wallet.hotkey.ss58_address} for n in neurons]}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(setup, indent=2))
+    partial.replace(path)
 
 
 def miner_command(n: Neuron, index: int, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
@@ -340,6 +365,9 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[localnet] run directory {run_dir}")
+    if args.setup_only and (run_dir / SETUP_FILE).exists():
+        print(f"[localnet] already set up: {run_dir / SETUP_FILE}")
+        return 0
     ensure_checkpoints(args)
 
     neurons: list[Neuron] = []
@@ -362,6 +390,10 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
     else:
         chain_spec, netuid = args.chain, args.netuid
     print(f"[localnet] chain {chain_spec}, netuid {netuid}")
+    if args.setup_only:
+        write_setup(run_dir / SETUP_FILE, chain_spec, netuid, neurons, args)
+        print(f"[localnet] set up; wrote {run_dir / SETUP_FILE}")
+        return 0
 
     state = {}
     miners = []
