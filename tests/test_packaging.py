@@ -8,6 +8,7 @@ what is tested is the project's own packaging: its metadata, packages, package d
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -128,3 +129,27 @@ def test_planner_finds_a_shipped_cluster_by_name(installed):
     bad = subprocess.run([str(venv / "bin" / "k3-plan"), "--model", "kimi_k3", "--cluster", "no_such_cluster"],
                          cwd=elsewhere, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2 and "b300_8" in bad.stderr  # the message lists the shipped clusters
+
+
+def test_installed_localnet_sets_up_a_devnet_the_installed_chain_cli_reads(installed):
+    """Beyond --help: k3-localnet --setup-only (compose.yaml's setup service) from the installed package
+    makes the tiny checkpoint, the devnet, wallets, registrations and stake; k3-chain reads them back."""
+    venv, elsewhere = installed
+    run_dir = elsewhere / "net"
+    setup = [str(venv / "bin" / "k3-localnet"), "--setup-only", "--run-dir", str(run_dir), "--miners", "2",
+             "--checkpoints", str(elsewhere / "checkpoints")]
+    proc = subprocess.run(setup, cwd=elsewhere, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    made = json.loads((run_dir / "localnet.json").read_text())
+    assert (elsewhere / "checkpoints" / "tiny" / "config.json").exists()
+    meta = subprocess.run([str(venv / "bin" / "k3-chain"), "metagraph", "--db", str(run_dir / "devnet.sqlite"),
+                           "--netuid", str(made["netuid"]), "--json"], cwd=elsewhere, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert meta.returncode == 0, meta.stderr[-2000:]
+    neurons = {n["hotkey"]: n for n in json.loads(meta.stdout)["neurons"]}
+    assert set(neurons) == {n["hotkey"] for n in made["neurons"]}
+    validator = next(n for n in made["neurons"] if n["role"] == "validator")
+    assert neurons[validator["hotkey"]]["stake"] > 0 and neurons[validator["hotkey"]]["validator_permit"]
+    again = subprocess.run(setup, cwd=elsewhere, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and "already set up" in again.stdout
+    assert json.loads((run_dir / "localnet.json").read_text()) == made
