@@ -18,8 +18,8 @@ Upgrades: the file records the schema version that wrote it. Opening it for writ
 migrations in `MIGRATIONS` newer than that version, in order, each in its own transaction, after
 copying the file as it was to `<db>.schema-v<N>.bak`. A new database is made the same way (version 1,
 then every migration), so a fresh file and an upgraded one are the same. A file written by a newer
-release is refused (no downgrades). To change the schema: append a `Migration` (never edit
-`_SCHEMA_V1` or an existing migration) and raise nothing else; `SCHEMA_VERSION` follows.
+release is refused (no downgrades). To change the schema, append a `Migration` (never edit
+`_SCHEMA_V1` or a released migration); `SCHEMA_VERSION` follows.
 
 WAL mode, so the status command and the organic gateway can read (and the gateway write organic
 measurements) while the validator runs. Each write is its own short transaction.
