@@ -434,6 +434,12 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
                choices=("prompt_logprobs", "echo")),
         Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "weights dtype of the in-process model", group="engine",
                choices=("float32", "bfloat16")),
+        Option("engine.speculate", "--speculate", f"{p}SPECULATE", str,
+               "reference engine: speculative decoding with model-free drafts (ngram: prompt lookup; suffix: a "
+               "suffix index over prompt and output); the output is exactly the model's", group="engine",
+               choices=("none", "ngram", "suffix")),
+        Option("engine.draft_tokens", "--draft-tokens", f"{p}DRAFT_TOKENS", int,
+               "with --speculate: most tokens drafted per step (fewer when drafts are poor)", group="engine"),
         Option("engine.settings.max_context", "--max-context", f"{p}MAX_CONTEXT", int,
                "largest prompt plus output, in tokens", group="engine"),
         Option("engine.settings.max_concurrent_sequences", "--max-concurrent", f"{p}MAX_CONCURRENT", int,

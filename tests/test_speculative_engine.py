@@ -115,3 +115,22 @@ def test_engine_refuses_bad_speculation_settings(model, tokenizer):
         LocalEngine(NoRewindModel(), tokenizer, speculation=SpeculationConfig(drafter="ngram"))
     # "none" is plain decoding, accepted by any model
     LocalEngine(NoRewindModel(), tokenizer, speculation=SpeculationConfig(drafter="none"))
+
+
+async def test_the_miner_flag_builds_a_speculating_engine_with_the_plain_output(tiny_checkpoint):
+    from neurons.miner_app import read_miner_settings
+    from inference.serving import build_engine
+
+    base = ["--netuid", "1", "--chain", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
+    plain_settings, _ = read_miner_settings(base, {})
+    fast_settings, _ = read_miner_settings(base + ["--speculate", "ngram", "--draft-tokens", "4"], {})
+    assert fast_settings.engine.speculate == "ngram" and fast_settings.engine.draft_tokens == 4
+    request = GenerationRequest(REQUESTS[0].prompt_token_ids, SamplingParams(max_tokens=6))
+    async with build_engine(plain_settings.engine) as plain:
+        assert plain.speculation is None
+        want, _ = await collect(plain.generate(request))
+    async with build_engine(fast_settings.engine) as fast:
+        assert fast.speculation.drafter == "ngram" and fast.speculation.max_draft_tokens == 4
+        got, final = await collect(fast.generate(request))
+    assert [t.token_id for t in got] == [t.token_id for t in want]
+    assert final.draft_proposed >= final.draft_accepted

@@ -15,6 +15,8 @@ import torch
 
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
+from inference.speculative.drafters import DRAFTER_KINDS
+from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
@@ -38,6 +40,8 @@ class EngineSpec:
     remote_api_key: str | None = None
     remote_score_mode: str = "prompt_logprobs"  # "prompt_logprobs" (vLLM) or "echo"
     dtype: str = "float32"
+    speculate: str = "none"  # reference: model-free drafts ("ngram", "suffix"), verified exactly by the model
+    draft_tokens: int = 8  # reference with speculate: most tokens drafted per step (fewer when drafts are poor)
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     def problems(self) -> list[str]:
@@ -59,6 +63,13 @@ class EngineSpec:
                        "tokenizer (the weights may be absent): it gives the fingerprint and the tokenizer")
         if self.dtype not in _DTYPES:
             out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.speculate not in DRAFTER_KINDS:
+            out.append(f"speculate {self.speculate!r} is not one of {DRAFTER_KINDS}")
+        elif self.speculate != "none" and self.kind != "reference":
+            out.append(f"speculative decoding runs in the reference engine only (the {self.kind} engine's caches "
+                       "cannot rewind): use --speculate none")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"draft tokens {self.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}")
         return out
 
 
@@ -103,7 +114,9 @@ def build_engine(spec: EngineSpec) -> Engine:
         raise EngineSpecError("; ".join(problems))
     if spec.kind == "reference":
         model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
+        speculation = SpeculationConfig(drafter=spec.speculate, max_draft_tokens=spec.draft_tokens)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
+                           speculation=speculation if speculation.enabled else None,
                            layout={"processes": 1})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
