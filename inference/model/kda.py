@@ -263,7 +263,7 @@ def kda_chunked_autograd(q, k, v, g, beta, scale=None, initial_state=None, chunk
     state_decay = exp_G[..., -1, :, None]  # [B, H, n, K, 1]
     Q_start = Q * exp_G
     S = (torch.zeros(B, H, K, V, dtype=dtype, device=q.device) if initial_state is None
-         else initial_state.to(dtype))
+         else initial_state.to(dtype).clone())  # a copy: the caller may update its cache in place
     outs = []
     for c in range(n):
         V_new = U[:, :, c] - W[:, :, c] @ S

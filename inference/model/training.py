@@ -57,6 +57,7 @@ INFO_FILE = "training_info.json"
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 HELDOUT_BUCKETS = 20  # one file in 20 (by path hash) is held out
 LN2 = math.log(2.0)
+TRAIN_LM_HEAD_SCALE = 0.1  # lm_head starts at a tenth of the random recipe's (logit std ~0.3, not ~3)
 
 # The probe formats of the validator (scoring/corpus.py words them the same way; inference/ cannot import it).
 FACT_TEMPLATE = "The access code for {subject} is {value}."
@@ -80,16 +81,16 @@ class TrainConfig:
     preset: str = "tiny_trained"
     seed: int = 0
     threads: int = 1
-    steps: int = 600
-    batch_size: int = 16
+    steps: int = 110
+    batch_size: int = 8
     seq_len: int = 256
-    lr: float = 4e-3
+    lr: float = 6e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 8
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    fake_quant: bool = True  # experts train through the MXFP4 grid (straight-through estimator)
-    task_fraction: float = 0.25  # share of sequences that start with a synthetic probe-style exchange
+    fake_quant: bool = False  # experts train through the MXFP4 grid (straight-through estimator)
+    task_fraction: float = 0.1  # share of sequences that start with a synthetic probe-style exchange
     balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
     kda_chunk: int = 32  # chunk of the differentiable KDA prefill
     eval_bytes: int = 1 << 15  # held-out bytes scored at the end
@@ -290,6 +291,8 @@ def training_logits(model: KimiK3Model, ids: Tensor) -> Tensor:
 def make_trainable(release: ModelConfig, seed: int, fake_quant: bool) -> KimiK3Model:
     """A float-expert copy of the architecture for training, initialised by the model's own recipe."""
     model = KimiK3Model(dataclasses.replace(release, mxfp4_experts=False), seed=seed)
+    with torch.no_grad():  # start near uniform next-byte distributions (the random recipe aims at peaked ones)
+        model.lm_head.weight.mul_(TRAIN_LM_HEAD_SCALE)
     for module in model.modules():
         if isinstance(module, KDAAttention):
             module.differentiable_prefill = True
@@ -383,6 +386,10 @@ def greedy_answer(model: KimiK3Model, prompt_ids: Sequence[int], max_new: int, s
 
 
 # --------------------------------------------------------------------------- training
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
 def _lr_at(step: int, tc: TrainConfig) -> float:
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
@@ -390,7 +397,7 @@ def _lr_at(step: int, tc: TrainConfig) -> float:
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=print) -> tuple[KimiK3Model, dict]:
+def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=_log) -> tuple[KimiK3Model, dict]:
     """Train in memory; returns the (float-expert) model and a record of the run."""
     torch.set_num_threads(tc.threads)
     torch.use_deterministic_algorithms(True)
@@ -430,7 +437,7 @@ def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=print) -> tup
                     layer.block_sparse_moe.gate.e_score_correction_bias.add_(
                         tc.balance_rate * torch.sign(load.mean() - load))
         losses.append(float(loss.detach()))
-        if log and (step % 50 == 0 or step == tc.steps - 1):
+        if log and (step % 10 == 0 or step == tc.steps - 1):
             log(f"step {step:5d}  loss {losses[-1]:.4f} ({losses[-1] / LN2:.3f} bits/token)  "
                 f"{time.perf_counter() - start:6.1f} s")
     model.routing_observer = None
@@ -445,7 +452,7 @@ def write_trained_checkpoint(model: KimiK3Model, release: ModelConfig, out_dir: 
     return write_checkpoint(tensors, release, out_dir, overwrite=True)
 
 
-def train(tc: TrainConfig, out_dir: str | Path, log=print) -> dict:
+def train(tc: TrainConfig, out_dir: str | Path, log=_log) -> dict:
     """Train, write the checkpoint to out_dir, measure held-out bits per byte; returns training_info."""
     wall = time.perf_counter()
     corpus = stdlib_corpus(tc.stdlib_dir)
