@@ -102,15 +102,17 @@ def test_gradients_reach_every_part_of_the_network():
     torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     unrouted = [n for n, g in grads.items() if g is None]
-    assert all(".experts." in n for n in unrouted)  # only a routed expert no token chose has no gradient
+    assert all(".experts." in n or n.startswith("model.layers.0.self_attention_res") for n in unrouted)
     grads = {n: g for n, g in grads.items() if g is not None}
     assert all(torch.isfinite(g).all() for g in grads.values())
     for part in ("self_attn.q_proj", "self_attn.A_log", "self_attn.dt_bias", "q_conv1d", "kv_b_proj",
                  "q_a_proj", "gate.weight", "routed_expert_down_proj", "experts.", "shared_experts",
                  "mlp_res_proj", "self_attention_res_proj", "output_attn_res_proj", "embed_tokens", "lm_head"):
         assert any(part in n and g.abs().sum() > 0 for n, g in grads.items()), part
+    # Layer 0's attention-side AttnRes site never runs (no completed block exists yet), in inference too.
+    unused = {"model.layers.0.self_attention_res_proj.weight", "model.layers.0.self_attention_res_norm.weight"}
     silent = [n for n, g in grads.items() if g.abs().sum() == 0 and ".experts." not in n]
-    assert not silent
+    assert not silent and unused <= set(unrouted)
 
 
 # ------------------------------------------------------------------------------ determinism
@@ -169,7 +171,7 @@ def test_shipped_checkpoint_loads_with_its_fingerprint_and_beats_the_baselines()
     model = load_model(ASSET)
     assert model.config == training.trained_tiny_config() and model.config.mxfp4_experts
     corpus = stdlib_corpus()
-    windows = heldout_windows(corpus, 4096, 256)
+    windows = heldout_windows(corpus, 2048, 256)
     trained = bits_per_byte(model, windows)
     unigram = unigram_bits_per_byte(corpus.train, windows)
     random = bits_per_byte(random_model(model.config), windows)
