@@ -39,6 +39,8 @@ _MIN_EXPONENT = -30.0
 _SPAN_ELEMENTS = 1 << 17
 # eps inside the square root of the q/k L2 normalisation (model.md section 2, step 3).
 _L2_EPS = 1e-6
+# kda_chunked_autograd factors pair decays inside a chunk while they span at most this many nats.
+_FACTOR_LIMIT = 60.0
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -221,6 +223,62 @@ def _kda_span(q, k, v, g, beta, scale, S, C, out):
     return states[n]
 
 
+def kda_chunked_autograd(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=16):
+    """Chunkwise-parallel KDA written out of place, so that autograd can differentiate it (training).
+
+    Same contract and result as `kda_chunked` (up to rounding); the inference paths never call it. Inside a
+    chunk the pair decays factor around the chunk's middle row m, exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j),
+    which turns the pair sums into matrix products. That is safe only while every |G_i - G_m| stays far inside
+    the fp32 range: with the K3 gate (log-decay >= -5 per step) and chunks of 16 it stays within 40. Larger
+    spans (a stronger gate, a longer chunk) raise ValueError rather than overflow.
+    """
+    B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two; got {chunk_size}")
+    dtype = _compute_dtype(q)
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    n = -(-T // C)
+    pad = n * C - T
+
+    def to_chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...]; padding rows are identity steps
+        x = x.to(dtype)
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.unflatten(1, (n, C)).movedim(3, 1)
+
+    Q, Kc, Vc = to_chunks(q) * scale, to_chunks(k), to_chunks(v)
+    bc = to_chunks(beta)[..., None]  # [B, H, n, C, 1]
+    G = to_chunks(g).cumsum(-2)  # [B, H, n, C, K]: row i sums the log-decays of steps 0..i of its chunk
+    rel = G - G[..., C // 2: C // 2 + 1, :]
+    span = float(rel.detach().abs().max()) if rel.numel() else 0.0
+    if span > _FACTOR_LIMIT:
+        raise ValueError(f"kda_chunked_autograd: decays span {span:.0f} nats inside a chunk of {C} "
+                         f"(limit {_FACTOR_LIMIT:.0f}); use a smaller chunk_size")
+    up, down = rel.exp(), (-rel).exp()  # exp(G_i - G_m), exp(G_m - G_j)
+    K_down = Kc * down
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
+    A_qk = ((Q * up) @ K_down.transpose(-1, -2)).masked_fill(~lower, 0.0)
+    N = ((Kc * bc * up) @ K_down.transpose(-1, -2)).masked_fill(~lower.tril(-1), 0.0)  # j < i
+    eye = torch.eye(C, dtype=dtype, device=q.device)
+    exp_G = G.exp()  # the decay from the chunk start (exponent <= 0)
+    rhs = torch.cat([Kc * exp_G, Vc], dim=-1) * bc
+    WU = torch.linalg.solve_triangular(eye + N, rhs, upper=False, unitriangular=True)
+    W, U = WU[..., :K], WU[..., K:]
+    K_to_end = (G[..., -1:, :] - G).exp() * Kc  # exp(G_last - G_j) K_j, exponent <= 0
+    state_decay = exp_G[..., -1, :, None]  # [B, H, n, K, 1]
+    Q_start = Q * exp_G
+    S = (torch.zeros(B, H, K, V, dtype=dtype, device=q.device) if initial_state is None
+         else initial_state.to(dtype).clone())  # a copy: the caller may update its cache in place
+    outs = []
+    for c in range(n):
+        V_new = U[:, :, c] - W[:, :, c] @ S
+        outs.append(Q_start[:, :, c] @ S + A_qk[:, :, c] @ V_new)
+        S = state_decay[:, :, c] * S + K_to_end[:, :, c].transpose(-1, -2) @ V_new
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T]  # [B, H, T, V]
+    return o.transpose(1, 2), S
+
+
 # ------------------------------------------------------------------------------------------ layer
 REWIND_MODES = ("snapshot", "replay")
 
@@ -349,6 +407,8 @@ class KDAAttention(nn.Module):
             self.g_b_proj = nn.Linear(d, P, bias=False)
         self.o_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False)
+        # Training only: prefill through kda_chunked_autograd, which autograd can differentiate.
+        self.differentiable_prefill = False
 
     # -------------------------------------------------------------------------------- cache
     def new_cache(self) -> KDALayerCache:
@@ -420,6 +480,8 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         if trace is None:
             kernel = kda_chunked if chunked else kda_recurrent
+            if chunked and self.differentiable_prefill:  # training (inference.model.training) switches it on
+                kernel = kda_chunked_autograd
             o, state = kernel(q, k, v, g, beta, scale=d ** -0.5, initial_state=state)  # o [B, T, H, d] fp32
         else:
             trace["states"] = []
@@ -470,4 +532,5 @@ class KDAAttention(nn.Module):
         return y[:, 0]
 
 
-__all__ = ["kda_recurrent", "kda_chunked", "KDALayerCache", "KDARewindLog", "REWIND_MODES", "KDAAttention", "CHUNKED_MIN_TOKENS"]
+__all__ = ["kda_recurrent", "kda_chunked", "kda_chunked_autograd", "KDALayerCache", "KDARewindLog", "REWIND_MODES",
+           "KDAAttention", "CHUNKED_MIN_TOKENS"]
