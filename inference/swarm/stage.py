@@ -354,11 +354,14 @@ class Stage:
 
     # ------------------------------------------------------------ forward
     def check_forward(self, session: StageSession, position: int, inputs, mode: str = "none",
-                      targets: Sequence[int] | None = None, top_k: int = 0) -> int:
-        """Validate a forward without touching the session; returns the number of new tokens."""
-        if position != session.position:
+                      targets: Sequence[int] | None = None, top_k: int = 0, expected_position: int | None = None) -> int:
+        """Validate a forward without touching the session; returns the number of new tokens.
+        `expected_position`: where the session will be once already accepted forwards ran (a server that queues
+        forwards checks against that); by default the session's position."""
+        expected = session.position if expected_position is None else expected_position
+        if position != expected:
             raise StageError(409, "position_mismatch",
-                             f"session {session.session_id!r} is at position {session.position}, the forward "
+                             f"session {session.session_id!r} is at position {expected}, the forward "
                              f"starts at {position}")
         cfg = self.config
         if self.layers.has_embedding:
@@ -390,8 +393,6 @@ class Stage:
             raise StageError(413, "context_too_long", f"{position} + {n} tokens exceed this stage's context of {context}")
         if mode not in HEAD_MODES:
             raise StageError(400, "bad_mode", f"mode must be one of {HEAD_MODES}")
-        if mode != "none" and not self.layers.has_head:
-            raise StageError(400, "bad_mode", "only the last stage samples or scores")
         if not 0 <= top_k <= MAX_LOGPROBS:
             raise StageError(400, "bad_top_k", f"top_k must lie in 0..{MAX_LOGPROBS}")
         if mode == "score":
