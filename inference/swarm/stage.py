@@ -188,7 +188,7 @@ class StageLimits:
     max_context: int = 4096
     idle_expiry_s: float = 300.0  # a session untouched this long is dropped
     evict_idle_s: float = 10.0  # when full, the least recently used session idle this long may be evicted
-    max_snapshots: int = 64  # KDA snapshots kept per session (one per forward)
+    max_snapshots: int = 16  # KDA snapshots kept per session (one per forward)
     rewind_window: int = 1024  # positions of recorded inputs kept per session for replay
 
 

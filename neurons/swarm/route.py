@@ -185,12 +185,14 @@ class RouteDriver:
     """Opens sessions on a route, runs forwards across it and collects the head's results."""
 
     def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
-                 port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0):
+                 port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
+                 public_url: str = ""):
         self.directory = directory
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
         self.config = config
         self.host, self.port = host, port
+        self.public_url = public_url  # what the last stage reaches this driver at (default http://host:port)
         self.hop_timeout_s = hop_timeout_s
         self.probe_timeout_s = probe_timeout_s
         self.refresh_s = refresh_s
@@ -207,7 +209,7 @@ class RouteDriver:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.public_url or f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         self._http = aiohttp.ClientSession()

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--max-tokens-per-forward", type=int, default=512)
     p.add_argument("--idle-expiry-s", type=float, default=300.0)
+    p.add_argument("--max-snapshots", type=int, default=16, help="KDA state snapshots kept per session (rewind)")
+    p.add_argument("--rewind-window", type=int, default=1024, help="positions of recorded inputs kept per session")
     p.add_argument("--hop-timeout-s", type=float, default=5.0)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
@@ -67,7 +69,8 @@ async def run(args) -> None:
     config = read_config(args.checkpoint)
     layers = LayerRange.parse(args.serve_layers, config.num_layers)
     limits = StageLimits(max_sessions=args.max_sessions, max_context=args.max_context,
-                         max_tokens_per_forward=args.max_tokens_per_forward, idle_expiry_s=args.idle_expiry_s)
+                         max_tokens_per_forward=args.max_tokens_per_forward, idle_expiry_s=args.idle_expiry_s,
+                         max_snapshots=args.max_snapshots, rewind_window=args.rewind_window)
     stage = Stage.from_checkpoint(args.checkpoint, layers, _DTYPES[args.dtype], limits)
     server = StageServer(stage, load_hotkey(args), StageServerSettings(
         host=args.host, port=args.port, public_url=args.public_url, max_body_bytes=args.max_body_bytes,

@@ -132,6 +132,7 @@ class StageServer:
                                          for _ in range(self.stage.input_blocks)],
                                   torch.randn(1, cfg.hidden_size, generator=g))
             for p in range(3):
+                self.stage.decode_ms = None  # keep the last (warm) measurement only
                 self.stage.forward(sid, p, x, mode="sample" if layers.has_head else "none")
         finally:
             self.stage.close(sid)
