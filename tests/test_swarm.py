@@ -31,7 +31,7 @@ from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest
 from inference.serving.sampling import SamplingParams
 from neurons.swarm.codec import encode_ids, encode_state
-from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
+from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine, StaticDirectory
 from protocol.auth import sign_request
 from protocol.stage import (CLOSE_PATH, FORWARD_PATH, ForwardHeader, TensorSpec, encode_frame, verify_receipt)
 from inference.model.k3 import ResidualState
@@ -187,8 +187,14 @@ def test_rewind_then_regenerate(swarm):
             fresh = await d.open(SamplingParams(), 0)
             base = (await d.run(fresh, [(PROMPT[:-4], "none", None)]))[0]
             fresh_other = await run_tokens(d, fresh, alt)
-            await d.close(rs)
-            await d.close(fresh)
+            # fork: two sessions from one state continue identically and independently
+            forked = await d.fork(rs)
+            one = await run_tokens(d, rs, [7, 8])
+            two = await run_tokens(d, forked, [7, 8])
+            for x in (rs, fresh, forked):
+                await d.close(x)
+            assert [o.token_id for o in one] == [o.token_id for o in two]
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(one, two)) < 1e-6
             return gen, again, other, fresh_other, base
 
     gen, again, other, fresh_other, base = asyncio.run(main())
@@ -273,6 +279,43 @@ def test_hostile_traffic_is_refused_and_sessions_survive(swarm):
                 "ids_to_middle": 400, "lying_shape": 400, "control_by_stranger": 403}
     assert statuses == expected
     assert tokens == reference_greedy(swarm["model"], PROMPT, 2)[0]
+
+
+def test_metagraph_directory_finds_registered_stages(swarm):
+    from chain.devnet import DevnetChain
+
+    root, info, wallets = swarm["root"], swarm["info"], swarm["wallets"]
+    owner = bt.Wallet("owner", "default", path=str(root / "wallets"))
+    owner.create_new_coldkey(use_password=False, suppress=True)
+    owner.create_new_hotkey(use_password=False, suppress=True)
+
+    async def main():
+        chain = DevnetChain(root / "devnet.sqlite", create=True, block_interval=0.2)
+        try:
+            netuid = await chain.create_subnet(owner, tempo=10_000)
+            cold = owner.coldkeypub.ss58_address
+            for name in ROUTES[4]:
+                await chain.register_hotkey(netuid, info[name]["hotkey"], cold)
+                port = int(info[name]["url"].rsplit(":", 1)[1])
+                await chain.publish_endpoint(info[name]["hotkey"], netuid, "127.0.0.1", port)
+            # a neuron publishing another stage's endpoint is not that stage
+            impostor = wallets["attacker"].hotkey.ss58_address
+            await chain.register_hotkey(netuid, impostor, cold)
+            await chain.publish_endpoint(impostor, netuid, "127.0.0.1", int(info["e"]["url"].rsplit(":", 1)[1]))
+            driver = RouteDriver(MetagraphDirectory(chain, netuid), wallets["driver"].hotkey, swarm["config"],
+                                 hop_timeout_s=HOP_TIMEOUT_S)
+            engine = RouteEngine(driver, swarm["tokenizer"])
+            async with engine:
+                found = await driver.stages(refresh=True)
+                tokens, _, _ = await generate(engine, PROMPT, 3)
+                return {s.hotkey for s in found}, [s.hotkey for s in driver.current], tokens
+        finally:
+            await chain.close()
+
+    found, route, tokens = asyncio.run(main())
+    assert found == {info[n]["hotkey"] for n in ROUTES[4]}
+    assert route == [info[n]["hotkey"] for n in ROUTES[4]]
+    assert tokens == reference_greedy(swarm["model"], PROMPT, 3)[0]
 
 
 def test_killed_stage_is_replaced_by_spare(swarm):

@@ -43,7 +43,7 @@ from neurons.swarm.codec import decode_head_output, encode_ids
 from neurons.swarm.stage_server import post_signed
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
-from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
+from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
                             REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
                             RewindRequest, StageCapabilities, StageWireError, WireSampling, encode_frame,
                             parse_model, split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
@@ -122,6 +122,22 @@ class StaticDirectory(StageDirectory):
     async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
         found = await asyncio.gather(*(self._one(http, u) for u in self.urls))
         return [s for s in found if s is not None]
+
+
+class MetagraphDirectory(StageDirectory):
+    """The stage miners of a subnet: every neuron with a published endpoint that answers /stage/capabilities
+    signed by its own registered hotkey (whole-model miners answer 404 and are left out)."""
+
+    def __init__(self, chain, netuid: int, timeout_s: float = 3.0, config_hash: str | None = None):
+        self.chain = chain
+        self.netuid = netuid
+        self.fetch = StaticDirectory([], timeout_s, config_hash)
+
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
+        snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.fetch.timeout_s * 4)
+        neurons = [n for n in snapshot.neurons if n.endpoint is not None]
+        found = await asyncio.gather(*(self.fetch._one(http, n.endpoint.url) for n in neurons))
+        return [s for s, n in zip(found, neurons) if s is not None and s.hotkey == n.hotkey]
 
 
 def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = frozenset(),
@@ -307,6 +323,17 @@ class RouteDriver:
             if isinstance(r, BaseException):
                 raise r
         rs.position = position
+
+    async def fork(self, rs: RouteSession) -> RouteSession:
+        """A copy of the session on every stage of its route (same position and state), under a new id."""
+        copy = RouteSession(rs.route, rs.route_id, secrets.token_hex(12), step=rs.step, position=rs.position)
+        body = json.dumps({"session": rs.session, "new_session": copy.session}).encode()
+        results = await asyncio.gather(*(self._control(s, FORK_PATH, body) for s in rs.route), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                await self.close(copy)
+                raise r
+        return copy
 
     async def probe(self, route: list[StageInfo]) -> set[str]:
         """Hotkeys of the stages that do not answer a health probe in time."""
@@ -600,4 +627,5 @@ class RouteEngine(Engine):
 
 
 __all__ = ["RouteDriver", "RouteEngine", "RouteFailure", "RouteSession", "StageDirectory", "StaticDirectory",
+           "MetagraphDirectory",
            "StageInfo", "plan_route"]
