@@ -24,7 +24,7 @@ import bittensor as bt
 import pytest
 import torch
 
-from inference.model.checkpoint import make_random_checkpoint
+from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
@@ -112,7 +112,8 @@ def make_engine(swarm, names, prefill_chunk=8):
     urls = [swarm["info"][n]["url"] for n in names]
     driver = RouteDriver(StaticDirectory(urls), swarm["wallets"]["driver"].hotkey, swarm["config"],
                          hop_timeout_s=HOP_TIMEOUT_S)
-    return RouteEngine(driver, swarm["tokenizer"], prefill_chunk=prefill_chunk)
+    return RouteEngine(driver, swarm["tokenizer"], prefill_chunk=prefill_chunk,
+                       model_fingerprint=fingerprint(swarm["ckpt"]))
 
 
 async def generate(engine, prompt, n, on_token=None):
@@ -316,6 +317,70 @@ def test_metagraph_directory_finds_registered_stages(swarm):
     assert found == {info[n]["hotkey"] for n in ROUTES[4]}
     assert route == [info[n]["hotkey"] for n in ROUTES[4]]
     assert tokens == reference_greedy(swarm["model"], PROMPT, 3)[0]
+
+
+def test_miner_protocol_serves_a_route_unchanged(swarm):
+    """The miner server (signed generate/score for validators) over a RouteEngine instead of a whole model."""
+    from chain.devnet import DevnetChain
+    from chain.interface import connect
+    from neurons.miner_app.server import AccessSettings, MinerServer, MinerSettings, ServerSettings
+    from neurons.settings import ChainSettings
+    from protocol.auth import SQLiteNonceStore
+    from protocol.client import MinerClient
+    from protocol.schemas import GenerateRequest, ScoreRequest
+    from protocol.signature import verify_response
+
+    root = swarm["root"]
+    people = {}
+    for name in ("m_owner", "m_miner", "m_validator"):
+        w = bt.Wallet(name, "default", path=str(root / "wallets"))
+        w.create_new_coldkey(use_password=False, suppress=True)
+        w.create_new_hotkey(use_password=False, suppress=True)
+        people[name] = w
+    devnet = root / "miner_devnet.sqlite"
+
+    async def main():
+        chain = DevnetChain(devnet, create=True, block_interval=0.2)
+        try:
+            netuid = await chain.create_subnet(people["m_owner"], tempo=10_000)
+            await chain.register(people["m_miner"], netuid)
+            await chain.register(people["m_validator"], netuid)
+            await chain.add_stake(people["m_validator"], people["m_validator"], netuid, 100.0)
+        finally:
+            await chain.close()
+        settings = MinerSettings(
+            chain=ChainSettings(network=f"devnet:{devnet}", netuid=netuid, metagraph_refresh_s=60.0, timeout_s=10.0),
+            server=ServerSettings(host="127.0.0.1", port=0, publish=False, metrics=False, metrics_port=0,
+                                  nonce_store=str(root / "m_nonces.sqlite"), shutdown_grace_s=0.0),
+            access=AccessSettings(min_validator_stake=5.0))
+        miner_chain = connect(settings.chain.network)
+        miner = MinerServer(settings, engine=make_engine(swarm, ROUTES[3]), tokenizer=swarm["tokenizer"],
+                            chain=miner_chain, wallet=people["m_miner"],
+                            nonce_store=SQLiteNonceStore(settings.server.nonce_store))
+        await miner.start()
+        try:
+            hotkey = people["m_miner"].hotkey.ss58_address
+            async with MinerClient(people["m_validator"].hotkey) as client:
+                caps = await client.capabilities(miner.url, hotkey)
+                result = await client.generate(miner.url, hotkey, GenerateRequest(
+                    request_id="swarm-1", prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0))
+                scored = await client.score(miner.url, hotkey, ScoreRequest(
+                    request_id="swarm-2", token_ids=PROMPT[:8]))
+            ok = verify_response(result.final.signature, result.body, result.token_ids, hotkey)
+            return caps, result.token_ids, ok, scored
+        finally:
+            await miner.close(grace_s=0.0)
+            await miner_chain.close()
+
+    caps, tokens, signed, scored = asyncio.run(main())
+    assert tokens == reference_greedy(swarm["model"], PROMPT, 4)[0] and signed
+    # the miner takes the engine's capabilities once, before the engine planned its first route
+    assert caps.layout["swarm"] is True and caps.engine == "sharded"
+    ref = torch.log_softmax(swarm["model"].forward([torch.tensor(PROMPT[:8])], [swarm["model"].new_cache()],
+                                                   all_logits=True)[0], -1)
+    got = {p.position: p.logprob for p in scored.scores}
+    assert set(got) == set(range(1, 8))
+    assert max(abs(got[q] - float(ref[q - 1, PROMPT[q]])) for q in got) < 1e-4
 
 
 def test_killed_stage_is_replaced_by_spare(swarm):

@@ -8,7 +8,7 @@ from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.serving.builders import load_reference_model
 from inference.swarm.stage import (HeadOutput, LayerRange, Stage, StageError, StageLimits, blocks_before,
-                                   load_stage_model)
+                                   load_stage_model, wire_bytes_per_token)
 from inference.serving.sampling import SamplingParams
 
 PROMPT = [(7 * j + 3) % 256 for j in range(20)]
@@ -79,6 +79,13 @@ def test_layer_range_parsing_and_block_counts():
         with pytest.raises(ValueError):
             LayerRange.parse(bad, 13)
     assert [blocks_before(i, 3) for i in (0, 1, 3, 4, 6, 7, 13)] == [0, 1, 1, 2, 2, 3, 5]
+
+
+def test_wire_cost_of_cuts_follows_the_block_count():
+    k3 = ModelConfig.kimi_k3()
+    # docs/swarm.md section 3: after 12, 48 and 84 layers, 2, 5 and 8 vectors of 7168 bf16 values per token
+    assert [wire_bytes_per_token(k3, c) for c in (12, 48, 84)] == [2 * 7168 * 2, 5 * 7168 * 2, 8 * 7168 * 2]
+    assert wire_bytes_per_token(k3, 13) > wire_bytes_per_token(k3, 12)  # one past a boundary costs a vector more
 
 
 def test_stage_loads_only_its_tensors(ckpt):

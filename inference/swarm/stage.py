@@ -96,6 +96,12 @@ def blocks_before(layer: int, block_size: int) -> int:
     return 0 if layer == 0 else (layer - 1) // block_size + 1
 
 
+def wire_bytes_per_token(config: ModelConfig, cut: int, dtype_bytes: int = 2) -> int:
+    """Bytes per token of the residual state crossing a cut before layer `cut`: (completed block sums,
+    embedding included, + the partial sum) x D values. Cuts at block boundaries are the cheapest in their block."""
+    return (blocks_before(cut, config.attn_res_block_size) + 1) * config.hidden_size * dtype_bytes
+
+
 def stage_keys(config: ModelConfig, layers: LayerRange, keys: Sequence[str]) -> list[str]:
     """The model state_dict keys a stage holds: its layers, the embedding if it starts at 0, the head if it
     ends at the last layer."""
@@ -559,4 +565,5 @@ def session_cache_bytes(config: ModelConfig, layers: LayerRange, length: int) ->
 
 
 __all__ = ["LayerRange", "Stage", "StageError", "StageLimits", "StageSession", "HeadOutput", "blocks_before",
+           "wire_bytes_per_token",
            "stage_keys", "stage_fingerprint", "load_stage_model", "session_cache_bytes"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -231,7 +232,7 @@ class RouteDriver:
         self._http = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post(RESULT_PATH, self.handle_result)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -473,8 +474,11 @@ class RouteEngine(Engine):
         route = self.driver.current
         context = min([self.max_context] + [s.caps.capacity.get("context", self.max_context) for s in route])
         sessions = min([self.max_concurrent] + [s.caps.capacity.get("sessions", self.max_concurrent) for s in route])
+        # without the whole checkpoint's fingerprint, name the route by its stages' fingerprints
+        fp = self.model_fingerprint or "route-" + hashlib.sha256(
+            " ".join(s.caps.fingerprint for s in route).encode()).hexdigest()[:16]
         return EngineCapabilities(
-            model_id=self.config.model_id, model_fingerprint=self.model_fingerprint,
+            model_id=self.config.model_id, model_fingerprint=fp,
             vocab_size=self.config.vocab_size, max_context=context, max_concurrent_sequences=sessions,
             engine_kind="sharded",  # the miner protocol's kinds; layout says it is a swarm route
             layout={"swarm": True, "route": [s.describe() for s in route]}, precision="float32")

@@ -95,7 +95,7 @@ class StageServer:
         app.router.add_post(FORK_PATH, self._wrap(self.handle_fork))
         app.router.add_post(CLOSE_PATH, self._wrap(self.handle_close))
         self._http = aiohttp.ClientSession()
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
@@ -111,10 +111,15 @@ class StageServer:
             await self._http.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    async def _in_worker(self, fn, *args):
+        """Run a call that takes the stage's lock in the compute thread, so the event loop never waits on a
+        forward in progress (acks and health probes stay prompt)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.expiry_interval_s)
-            for sid in self.stage.expire_idle():
+            for sid in await self._in_worker(self.stage.expire_idle):
                 self._queued.pop(sid, None)
                 self._tails.pop(sid, None)
 
@@ -172,8 +177,11 @@ class StageServer:
 
     # ------------------------------------------------------------ handlers
     async def handle_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "layers": [self.stage.layers.start, self.stage.layers.stop],
-                                  "sessions": len(self.stage.sessions), "hotkey": self.hotkey})
+        st = self.stage
+        return web.json_response({"status": "ok", "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
+                                  "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
+                                  "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
+                                  "refused": self.refused})
 
     def capabilities(self):
         cfg, st = self.stage.config, self.stage
@@ -190,13 +198,12 @@ class StageServer:
     async def handle_open(self, caller: str, body: bytes) -> web.Response:
         req: OpenRequest = parse_model(OpenRequest, body, "open")
         s = req.sampling
-        session = self.stage.open(
+        if not self.stage.layers.has_head and req.downstream is None:
+            raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
+        session = await self._in_worker(lambda: self.stage.open(
             req.session, route_id=req.route_id, seed=req.seed, owner=caller, upstream=req.upstream,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, logprobs=s.logprobs),
-            downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump())
-        if not self.stage.layers.has_head and req.downstream is None:
-            self.stage.close(req.session)
-            raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
+            downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
         self._queued[req.session] = session.position
         return web.json_response({"session": req.session, "position": session.position})
 
@@ -222,8 +229,7 @@ class StageServer:
         req: RewindRequest = parse_model(RewindRequest, body, "rewind")
         self._owned(caller, req.session)
         await self._drain(req.session, self.settings.hop_timeout_s)
-        loop = asyncio.get_running_loop()
-        position = await loop.run_in_executor(self._executor, self.stage.rewind, req.session, req.position)
+        position = await self._in_worker(self.stage.rewind, req.session, req.position)
         self._queued[req.session] = position
         return web.json_response({"session": req.session, "position": position})
 
@@ -231,8 +237,7 @@ class StageServer:
         req: ForkRequest = parse_model(ForkRequest, body, "fork")
         self._owned(caller, req.session)
         await self._drain(req.session, self.settings.hop_timeout_s)
-        loop = asyncio.get_running_loop()
-        copy = await loop.run_in_executor(self._executor, self.stage.fork, req.session, req.new_session)
+        copy = await self._in_worker(self.stage.fork, req.session, req.new_session)
         self._queued[req.new_session] = copy.position
         return web.json_response({"session": req.new_session, "position": copy.position})
 
@@ -240,7 +245,7 @@ class StageServer:
         req: CloseRequest = parse_model(CloseRequest, body, "close")
         self._owned(caller, req.session)
         await self._drain(req.session, self.settings.hop_timeout_s)
-        self.stage.close(req.session)
+        await self._in_worker(self.stage.close, req.session)
         self._queued.pop(req.session, None)
         self._tails.pop(req.session, None)
         return web.json_response({"session": req.session, "closed": True})
