@@ -135,3 +135,29 @@ def test_delay_link_delays_each_direction():
 
     got, rtt = asyncio.run(main())
     assert got == b"hello" and 0.1 <= rtt < 0.6
+
+
+def test_delay_link_limits_the_rate():
+    async def main():
+        received = asyncio.get_running_loop().create_future()
+
+        async def sink(r, w):
+            n = 0
+            while n < 25_000:
+                n += len(await r.read(65536))
+            received.set_result(time.monotonic())
+            w.close()
+        server = await asyncio.start_server(sink, "127.0.0.1", 0)
+        link = DelayLink(server.sockets[0].getsockname()[1], rate_bps=1_000_000)  # 1 Mbit/s: 25 kB take 0.2 s
+        await link.start()
+        _, w = await asyncio.open_connection("127.0.0.1", link.listen_port)
+        t0 = time.monotonic()
+        w.write(b"x" * 25_000)
+        await w.drain()
+        done = await asyncio.wait_for(received, 10)
+        w.close()
+        await link.close()
+        server.close()
+        return done - t0
+
+    assert 0.19 <= asyncio.run(main()) < 2.0
