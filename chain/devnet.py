@@ -1,14 +1,27 @@
 """The embedded devnet: a local stand-in for subtensor, its whole state in one SQLite file.
 
-What it keeps from subtensor (docs/subnet.md section 6, docs/yuma.md):
+What it keeps from subtensor (docs/subnet.md section 6, docs/yuma.md; checked against subtensor's own epoch unit
+tests, tests/subtensor_vectors/, at opentensor/subtensor commit 14bc6f9f964b9cc362e9635dd110a487fa5d15a0):
 - blocks: `block = floor((now - genesis) / block_interval)`, genesis and interval stored in the file, so
   every process sees the same block and a restart loses nothing;
 - subnets with a tempo; the epoch of subnet `netuid` runs at every block `b` where subtensor's
   `blocks_until_next_epoch` is 0, i.e. `(b + netuid + 1) % (tempo + 1) == tempo`, with a budget of
-  `emission_per_block * tempo`; epochs run by `chain.yuma.run_epoch`;
+  `emission_per_block * tempo`; epochs run by `chain.yuma.run_epoch` on the stored sparse weights (explicit
+  zeros included) and bonds; bonds to a uid registered at or after the block after the previous epoch are
+  dropped (subtensor's LastMechansimStepBlock rule);
 - registration (append, or replace the uid `prune_candidate` picks when the subnet is full), stake per
-  hotkey on a subnet, validator permits, ServeAxon with a serving rate limit, SetWeights with subtensor's
-  checks in subtensor's order and its error names.
+  hotkey on a subnet, validator permits (the owner's forced), ServeAxon with subtensor's serving rate limit,
+  SetWeights with subtensor's checks in subtensor's order and its error names: UidsLengthExceedUidsInSubNet,
+  HotKeyNotRegisteredInSubNet,
+  NotEnoughStakeToSetWeights (the owner exempt), IncorrectWeightVersionKey, SettingWeightsTooFast (with
+  `retry_after_blocks`; a LastUpdate of 0 is never limited), NeuronNoValidatorPermit (a lone self-weight and
+  the owner exempt), DuplicateUids, UidVecContainInvalidOne, WeightVecLengthIsLow (explicit zeros count),
+  MaxWeightExceeded;
+- commit-reveal when the subnet's `commit_reveal` is on: set_weights commits (CommittingWeightsTooFast,
+  TooManyUnrevealedCommits), LastUpdate moves to the commit block, and the row is revealed, through the
+  checks above, just before the epoch `reveal_period` epochs later runs (the SDK's timelocked commits are
+  revealed by the chain the same way); until then Yuma does not see it, and a pending commit older than a
+  uid's registration masks the committer's weights to it.
 
 Deliberate differences, for a local trust domain:
 - No signatures are checked: whoever can open the file can act for any hotkey or coldkey. A "wallet" is
@@ -21,8 +34,11 @@ Deliberate differences, for a local trust domain:
   registration or a stake change happens. A fresh local testnet's validators can then set weights as
   soon as they are registered and staked (and the weights rate limit allows); after that, permits come
   only from the epoch (P'), as on subtensor.
-- SetWeights behaves as the SDK plus the chain: weights are max-upscaled to u16 and entries that
-  quantise to 0 are dropped (the SDK does so before submitting), then the chain's checks run.
+- SetWeights behaves as the SDK plus the chain: `chain.weights.conform` clips a row over max_weight_limit
+  (where the chain alone would refuse it) and max-upscales it to u16; unlike the SDK it keeps the zeros
+  given, as the chain stores them when they are submitted.
+- Admin calls a real chain gives only to sudo or to its tests: `set_hyperparameter`, `trigger_epoch` (run the
+  epoch now, as subtensor's tests call SubtensorModule::epoch), `set_validator_permits`, `reset_bonds`.
 - Epochs that fell due while no process touched the file run, in order and each at its own block, at
   the start of the next transaction that reads or writes the subnet (at most `max_catch_up_epochs` per
   subnet at a time; older ones are skipped with a warning). The weights rate limit counts from the
@@ -68,7 +84,9 @@ from chain.interface import (
     SetWeightsOutcome,
     SubnetNotFound,
 )
+from chain.weights import WeightsError, conform, exceeds_max_weight, too_few_weights, validated_pairs
 from chain.yuma import (
+    NO_COMMIT,
     YUMA_VERSIONS,
     EpochInputs,
     YumaParams,
@@ -76,14 +94,15 @@ from chain.yuma import (
     run_epoch,
     stake_weights,
     top_k_permits,
-    weights_to_u16,
+    with_owner_permit,
 )
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 U16_MAX = 65535
 DEFAULT_BLOCK_INTERVAL = 1.0
+MAX_UNREVEALED_COMMITS = 10  # subtensor's TooManyUnrevealedCommits bound, per hotkey
 
 
 # ---------------------------------------------------------------- hyperparameters
@@ -103,6 +122,12 @@ def _non_negative(v) -> bool:
 # at one block a second sees an epoch every ~100 s rather than every 6 minutes.
 HYPERPARAMETERS: dict[str, HyperparameterSpec] = {
     "tempo": HyperparameterSpec(int, 100, lambda v: 1 <= v <= 65535, "an integer in [1, 65535]"),
+    # Commit-reveal (subtensor's CommitRevealWeightsEnabled, RevealPeriodEpochs): set_weights commits, and the
+    # weights reach Yuma when the epoch `reveal_period` epochs after the commit's runs.
+    "commit_reveal": HyperparameterSpec(bool, False, lambda v: True, "true or false"),
+    "reveal_period": HyperparameterSpec(int, 1, lambda v: 1 <= v <= 100, "an integer in [1, 100]"),
+    # subtensor's BondsResetOn: `reset_bonds` clears the bonds held to a uid only when it is on.
+    "bonds_reset": HyperparameterSpec(bool, False, lambda v: True, "true or false"),
     "max_uids": HyperparameterSpec(int, 256, lambda v: 1 <= v <= 4096, "an integer in [1, 4096]"),
     "immunity_period": HyperparameterSpec(int, 5000, _non_negative, "a non-negative integer"),
     "weights_rate_limit": HyperparameterSpec(int, 100, _non_negative, "a non-negative integer"),
@@ -206,6 +231,9 @@ class EpochNeuron:
     miner_emission: float
     validator_emission: float
     bonds: dict[int, int] = field(default_factory=dict)  # target uid -> u16 bond stored after the epoch
+    stake_weight: float = 0.0  # S: normalised stake above the threshold
+    active_stake: float = 0.0  # A
+    permit_used: bool = False  # the permit this epoch counted (P)
 
 
 @dataclass(frozen=True)
@@ -231,7 +259,9 @@ CREATE TABLE IF NOT EXISTS subnets (
     owner_hotkey TEXT,
     created_block INTEGER NOT NULL,
     epochs_through INTEGER NOT NULL,           -- every epoch due at a block <= this one has run
-    permits_from_epoch INTEGER NOT NULL DEFAULT 0  -- 1 once an epoch has granted a permit
+    permits_from_epoch INTEGER NOT NULL DEFAULT 0, -- 1 once an epoch has granted a permit
+    epoch_index INTEGER NOT NULL DEFAULT 0,    -- epochs run so far (subtensor's SubnetEpochIndex)
+    last_epoch_block INTEGER                   -- the block of the latest epoch (NULL: none yet)
 );
 CREATE TABLE IF NOT EXISTS subnet_params (
     netuid INTEGER NOT NULL, name TEXT NOT NULL, value,
@@ -269,9 +299,27 @@ CREATE TABLE IF NOT EXISTS epoch_neurons (
     netuid INTEGER NOT NULL, block INTEGER NOT NULL, uid INTEGER NOT NULL, hotkey TEXT NOT NULL,
     stake REAL, active INTEGER, validator_permit INTEGER, rank REAL, trust REAL, consensus REAL,
     incentive REAL, dividends REAL, emission REAL, validator_trust REAL, miner_emission REAL,
-    validator_emission REAL, bonds BLOB,
+    validator_emission REAL, bonds BLOB, stake_weight REAL, active_stake REAL, permit_used INTEGER,
     PRIMARY KEY (netuid, block, uid)
 );
+-- commit-reveal: a committed row waits here until the epoch of commit_epoch + reveal_period reveals it
+CREATE TABLE IF NOT EXISTS weight_commits (
+    netuid INTEGER NOT NULL, hotkey TEXT NOT NULL, commit_block INTEGER NOT NULL, commit_epoch INTEGER NOT NULL,
+    row BLOB NOT NULL, version_key INTEGER NOT NULL, seq INTEGER PRIMARY KEY AUTOINCREMENT
+);
+"""
+
+# Schema 1 files (before explicit zeros, commit-reveal and the epoch counter) gain the new columns and table.
+_MIGRATE_1_TO_2 = """
+ALTER TABLE subnets ADD COLUMN epoch_index INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE subnets ADD COLUMN last_epoch_block INTEGER;
+ALTER TABLE epoch_neurons ADD COLUMN stake_weight REAL;
+ALTER TABLE epoch_neurons ADD COLUMN active_stake REAL;
+ALTER TABLE epoch_neurons ADD COLUMN permit_used INTEGER;
+CREATE TABLE IF NOT EXISTS weight_commits (
+    netuid INTEGER NOT NULL, hotkey TEXT NOT NULL, commit_block INTEGER NOT NULL, commit_epoch INTEGER NOT NULL,
+    row BLOB NOT NULL, version_key INTEGER NOT NULL, seq INTEGER PRIMARY KEY AUTOINCREMENT
+)
 """
 
 
@@ -452,6 +500,9 @@ class DevnetChain(Chain):
         if "genesis_time" not in rows:
             raise ValueError(f"{self.path} is not a devnet database (no genesis); create one with "
                              f"`python -m chain devnet create --db PATH`")
+        if int(rows.get("schema_version", 0)) == 1:
+            self._migrate_from_1()
+            rows["schema_version"] = str(SCHEMA_VERSION)
         if int(rows.get("schema_version", 0)) != SCHEMA_VERSION:
             raise ValueError(f"{self.path} has devnet schema {rows.get('schema_version')}, "
                              f"this code reads {SCHEMA_VERSION}: recreate it")
@@ -460,6 +511,21 @@ class DevnetChain(Chain):
             raise ValueError(f"{self.path} runs at {stored} s per block; {block_interval} was asked for "
                              f"(leave block_interval unset to use the stored one)")
         self.block_interval = stored
+
+    def _migrate_from_1(self) -> None:
+        c = self._conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            if int(c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]) == 1:
+                for statement in _MIGRATE_1_TO_2.split(";"):
+                    if statement.strip():
+                        c.execute(statement)
+                c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            c.execute("COMMIT")
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
 
     # ------------------------------------------------------------ transactions
     def _clock(self) -> int:
@@ -558,6 +624,14 @@ class DevnetChain(Chain):
         ).fetchone()
         return None if row is None else row[0]
 
+    def _owner_uid(self, netuid: int) -> int | None:
+        """The uid of the subnet owner's hotkey, when it is registered (subtensor's get_owner_uid)."""
+        row = self._conn.execute(
+            "SELECT n.uid FROM subnets s JOIN neurons n ON n.netuid = s.netuid AND n.hotkey = s.owner_hotkey "
+            "WHERE s.netuid = ?", (netuid,),
+        ).fetchone()
+        return None if row is None else row[0]
+
     def _neuron_count(self, netuid: int) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM neurons WHERE netuid = ?", (netuid,)).fetchone()[0]
 
@@ -594,7 +668,9 @@ class DevnetChain(Chain):
             return
         params = self._params(netuid)
         stake = self._stakes(netuid)
-        permit = top_k_permits(stake_weights(stake, params["stake_threshold"]), params["max_validators"])
+        owner = self._owner_uid(netuid)
+        permit = with_owner_permit(
+            top_k_permits(stake_weights(stake, params["stake_threshold"], owner), params["max_validators"]), owner)
         self._conn.executemany(
             "UPDATE neurons SET validator_permit = ? WHERE netuid = ? AND uid = ?",
             [(int(p), netuid, uid) for uid, p in enumerate(permit)],
@@ -631,14 +707,26 @@ class DevnetChain(Chain):
             self._conn.execute("UPDATE subnets SET epochs_through = ? WHERE netuid = ?", (due[-1], netuid))
         return ran
 
-    def _run_epoch(self, netuid: int, block: int) -> None:
+    def _run_epoch(self, netuid: int, block: int, budget: float | None = None, scheduled: bool = True) -> None:
+        """The epoch at `block`. A scheduled one moves the commit-reveal clock (the subnet's epoch counter,
+        reveals before it runs); an extra one (`trigger_epoch`) does not, as SubtensorModule::epoch does not."""
         c = self._conn
         params = self._params(netuid)
-        _, owner_hotkey, _ = self._subnet_row(netuid)
-        budget = params["emission_per_block"] * params["tempo"]
+        index, last_epoch_block = c.execute(
+            "SELECT epoch_index, last_epoch_block FROM subnets WHERE netuid = ?", (netuid,)
+        ).fetchone()
+        current = index + 1 if scheduled else index  # subtensor's current_epoch_with_lookahead
+        if params["commit_reveal"] and scheduled:
+            self._reveal_commits(netuid, block, current, params)  # before the epoch, as subtensor's block step
+        if budget is None:
+            budget = params["emission_per_block"] * params["tempo"]
+        if c.execute("SELECT 1 FROM epochs WHERE netuid = ? AND block = ?", (netuid, block)).fetchone():
+            raise ValueError(f"subnet {netuid} already ran an epoch at block {block}")
         c.execute("INSERT INTO epochs (netuid, block, emission_budget) VALUES (?, ?, ?)", (netuid, block, budget))
+        c.execute("UPDATE subnets SET epoch_index = ?, last_epoch_block = ? WHERE netuid = ?",
+                  (current, block, netuid))
         rows = c.execute(
-            "SELECT uid, hotkey, last_update, block_at_registration, validator_permit, registered_since_last_epoch "
+            "SELECT uid, hotkey, last_update, block_at_registration, validator_permit "
             "FROM neurons WHERE netuid = ? ORDER BY uid",
             (netuid,),
         ).fetchall()
@@ -647,19 +735,24 @@ class DevnetChain(Chain):
             return
         hotkeys = [r[1] for r in rows]
         stake = self._stakes(netuid)
+        owner_uid = self._owner_uid(netuid)
+        commit_blocks = self._commit_blocks(netuid, hotkeys, current, params) if params["commit_reveal"] else None
         inputs = EpochInputs(
             block=block,
             stake=stake,
             last_update=np.array([r[2] for r in rows], dtype=np.int64),
             block_at_registration=np.array([r[3] for r in rows], dtype=np.int64),
             validator_permit=np.array([bool(r[4]) for r in rows]),
-            weights=self._matrix("weights", netuid, n),
-            bonds=self._matrix("bonds", netuid, n),
-            registered_since_last_epoch=np.array([bool(r[5]) for r in rows]),
+            weights=self._sparse("weights", netuid),
+            bonds=self._sparse("bonds", netuid),
             emission_budget=budget,
-            subnet_owner_uid=hotkeys.index(owner_hotkey) if owner_hotkey in hotkeys else None,
+            subnet_owner_uid=owner_uid,
+            last_epoch_block=last_epoch_block,
+            tempo=params["tempo"],
+            commit_blocks=commit_blocks,
         )
         result = run_epoch(inputs, yuma_params(params))
+        permit_used = with_owner_permit(inputs.validator_permit, owner_uid)
 
         c.executemany(
             "UPDATE neurons SET active = ?, validator_permit = ?, rank = ?, trust = ?, consensus = ?, incentive = ?, "
@@ -690,20 +783,68 @@ class DevnetChain(Chain):
 
         c.executemany(
             "INSERT INTO epoch_neurons (netuid, block, uid, hotkey, stake, active, validator_permit, rank, trust, "
-            "consensus, incentive, dividends, emission, validator_trust, miner_emission, validator_emission, bonds) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "consensus, incentive, dividends, emission, validator_trust, miner_emission, validator_emission, bonds, "
+            "stake_weight, active_stake, permit_used) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     netuid, block, u, hotkeys[u], float(stake[u]), int(result.active[u]),
                     int(result.validator_permit[u]), float(result.rank[u]), float(result.trust[u]),
                     float(result.consensus[u]), float(result.incentive[u]), float(result.dividends[u]),
                     float(result.emission[u]), float(result.validator_trust[u]), float(result.miner_emission[u]),
-                    float(result.validator_emission[u]), bond_rows.get(u, b""),
+                    float(result.validator_emission[u]), bond_rows.get(u, b""), float(result.stake[u]),
+                    float(result.active_stake[u]), int(permit_used[u]),
                 )
                 for u in range(n)
             ],
         )
         self._trim_history(netuid)
+
+    # ------------------------------------------------------------ commit-reveal
+    def _reveal_commits(self, netuid: int, block: int, epoch: int, params: dict) -> None:
+        """Before the epoch numbered `epoch` runs: drop commits older than its reveal epoch
+        (epoch - reveal_period) and reveal those of the reveal epoch, oldest first, each through the
+        chain's set-weights checks (no rate limit, LastUpdate kept at the commit block); a revealed row the
+        checks refuse is dropped, as subtensor drops it."""
+        c = self._conn
+        reveal_epoch = epoch - params["reveal_period"]
+        c.execute("DELETE FROM weight_commits WHERE netuid = ? AND commit_epoch < ?", (netuid, reveal_epoch))
+        if reveal_epoch < 0:
+            return
+        commits = c.execute(
+            "SELECT seq, hotkey, row, version_key FROM weight_commits WHERE netuid = ? AND commit_epoch = ? "
+            "ORDER BY seq", (netuid, reveal_epoch),
+        ).fetchall()
+        for seq, hotkey, blob, version_key in commits:
+            c.execute("DELETE FROM weight_commits WHERE seq = ?", (seq,))
+            found = c.execute(
+                "SELECT uid, last_update FROM neurons WHERE netuid = ? AND hotkey = ?", (netuid, hotkey)
+            ).fetchone()
+            if found is None:
+                continue
+            entries = _unpack_row(blob)
+            uids, row = [int(u) for u in entries[:, 0]], [int(v) for v in entries[:, 1]]
+            try:
+                self._check_weights(netuid, found[0], uids, row, version_key, block, found[1], params,
+                                    rate_limited=False)
+            except ChainError as error:
+                log.info("devnet subnet %d: the revealed weights of %s are refused (%s: %s)",
+                         netuid, hotkey, error.name, error)
+                continue
+            c.execute("INSERT OR REPLACE INTO weights (netuid, uid, row) VALUES (?, ?, ?)",
+                      (netuid, found[0], blob))
+
+    def _commit_blocks(self, netuid: int, hotkeys: list[str], epoch: int, params: dict) -> np.ndarray:
+        """Per uid, the block of its earliest commit not yet expired (NO_COMMIT when none)."""
+        blocks = np.full(len(hotkeys), NO_COMMIT, dtype=np.int64)
+        uid_of = {hk: u for u, hk in enumerate(hotkeys)}
+        for hotkey, first in self._conn.execute(
+            "SELECT hotkey, MIN(commit_block) FROM weight_commits WHERE netuid = ? AND commit_epoch + ? >= ? "
+            "GROUP BY hotkey", (netuid, params["reveal_period"], epoch),
+        ):
+            if hotkey in uid_of:
+                blocks[uid_of[hotkey]] = first
+        return blocks
 
     def _trim_history(self, netuid: int) -> None:
         oldest_kept = self._conn.execute(
@@ -748,7 +889,8 @@ class DevnetChain(Chain):
             return Hyperparameters(
                 tempo=p["tempo"], weights_rate_limit=p["weights_rate_limit"], max_weight_limit=p["max_weight_limit"],
                 min_allowed_weights=p["min_allowed_weights"], max_uids=p["max_uids"],
-                immunity_period=p["immunity_period"], commit_reveal=False, weights_version=p["weights_version"],
+                immunity_period=p["immunity_period"], commit_reveal=p["commit_reveal"],
+                weights_version=p["weights_version"],
                 activity_cutoff=p["activity_cutoff"],
             )
 
@@ -856,11 +998,13 @@ class DevnetChain(Chain):
             if row is None:
                 raise NotRegistered(f"hotkey {hotkey} is not registered on subnet {netuid}")
             uid, last_served = row
-            if last_served is not None and block - last_served < params["serving_rate_limit"]:
+            limit = params["serving_rate_limit"]
+            # subtensor's axon_passes_rate_limit: no limit, never served (block 0) or limit blocks since.
+            if limit and last_served and block - last_served < limit:
                 raise RateLimited(
                     f"uid {uid} published its endpoint at block {last_served}; the serving rate limit is "
-                    f"{params['serving_rate_limit']} blocks (now {block})",
-                    name="ServingRateLimitExceeded",
+                    f"{limit} blocks (now {block}, wait {limit - (block - last_served)} more)",
+                    name="ServingRateLimitExceeded", retry_after_blocks=limit - (block - last_served),
                 )
             self._conn.execute(
                 "UPDATE neurons SET axon_ip = ?, axon_port = ?, axon_protocol = ?, axon_version = ?, axon_block = ? "
@@ -871,73 +1015,43 @@ class DevnetChain(Chain):
         await self._write(operation)
 
     async def set_weights(self, wallet, netuid: int, weights, version_key: int) -> SetWeightsOutcome:
-        """SetWeights: `weights` is {uid: weight} (or (uid, weight) pairs), quantised to u16 by max-upscaling,
-        entries that become 0 dropped; then subtensor's checks in its order: registered, stake threshold,
-        version key, rate limit, permit (unless only the self weight), duplicates, uids, length, max weight."""
+        """SetWeights as the SDK and the chain do it together. `weights` is {uid: weight} (or (uid, weight)
+        pairs); `chain.weights.conform` clips them to max_weight_limit (where subtensor would refuse with
+        MaxWeightExceeded) and max-upscales them to u16, keeping explicit zeros (subtensor stores them). Then
+        subtensor's checks in its order: registered, stake threshold (the owner is exempt), version key,
+        rate limit, permit (unless a lone self-weight or the owner), duplicates, uids, length, max weight.
+
+        With commit_reveal on, the row is committed instead (checks: registered, CommittingWeightsTooFast,
+        TooManyUnrevealedCommits) and revealed before the epoch `reveal_period` epochs later, where the
+        other checks run; the outcome has committed=True and extra["reveal_epoch"]."""
         hotkey = _hotkey_of(wallet)
-        pairs = _weight_pairs(weights)
         if isinstance(version_key, bool) or not isinstance(version_key, numbers.Integral) or version_key < 0:
             raise ValueError(f"version_key must be a non-negative integer, got {version_key!r}")
-        values = [v for _, v in pairs]
-        quantised = weights_to_u16(values) if any(v > 0 for v in values) else [0] * len(values)
-        kept = [(uid, w) for (uid, _), w in zip(pairs, quantised) if w > 0]
-        uids = [uid for uid, _ in kept]
-        row = [w for _, w in kept]
+        try:
+            pairs = validated_pairs(weights)
+        except WeightsError as error:
+            raise InvalidWeights(str(error)) from None
 
         def operation(block: int) -> SetWeightsOutcome:
             params = self._params(netuid)
+            n = self._neuron_count(netuid)
+            if len(pairs) > n:
+                raise InvalidWeights(f"{len(pairs)} weights given; subnet {netuid} has only {n} uids",
+                                     name="UidsLengthExceedUidsInSubNet")
             found = self._conn.execute(
-                "SELECT uid, last_update, validator_permit FROM neurons WHERE netuid = ? AND hotkey = ?",
-                (netuid, hotkey),
+                "SELECT uid, last_update FROM neurons WHERE netuid = ? AND hotkey = ?", (netuid, hotkey)
             ).fetchone()
             if found is None:
                 raise NotRegistered(f"hotkey {hotkey} is not registered on subnet {netuid}")
-            uid, last_update, permit = found
-            stake = float(self._stakes(netuid)[uid])
-            if stake < params["stake_threshold"]:
-                raise NotEnoughStake(
-                    f"uid {uid} has stake {stake}, below the subnet's stake threshold {params['stake_threshold']}"
-                )
-            if version_key < params["weights_version"]:
-                raise InvalidWeights(
-                    f"version_key {version_key} is below the subnet's weights_version {params['weights_version']}",
-                    name="IncorrectWeightVersionKey",
-                )
-            if block - last_update < params["weights_rate_limit"]:
-                raise RateLimited(
-                    f"uid {uid} last set weights at block {last_update}; the rate limit is "
-                    f"{params['weights_rate_limit']} blocks (now {block}, wait "
-                    f"{params['weights_rate_limit'] - (block - last_update)} more)",
-                    name="SettingWeightsTooFast",
-                )
-            self_weight_only = uids == [uid]
-            if not self_weight_only and not permit:
-                raise NoValidatorPermit(f"uid {uid} has no validator permit on subnet {netuid}")
-            if len(set(uids)) != len(uids):
-                raise InvalidWeights("the weights name a uid more than once", name="DuplicateUids")
-            n = self._neuron_count(netuid)
-            invalid = [u for u in uids if not 0 <= u < n]
-            if invalid:
-                raise InvalidWeights(
-                    f"uids {invalid} are not on subnet {netuid} (it has uids 0..{n - 1})",
-                    name="UidVecContainInvalidOne",
-                )
-            needed = min(params["min_allowed_weights"], n)
-            if not self_weight_only and len(uids) < needed:
-                raise InvalidWeights(
-                    f"{len(uids)} non-zero weights given; subnet {netuid} needs at least {needed}",
-                    name="WeightVecLengthIsLow",
-                )
-            limit = params["max_weight_limit"]
-            if limit < 1.0 and not self_weight_only and row:
-                # subtensor normalises the u16 row to sum 65535 (integer division) and compares in u16
-                total = sum(row)
-                heaviest = max(w * U16_MAX // total for w in row)
-                if heaviest > round(limit * U16_MAX):
-                    raise InvalidWeights(
-                        f"a weight is {heaviest / U16_MAX:.4f} of the row; the subnet's max_weight_limit is {limit}",
-                        name="MaxWeightExceeded",
-                    )
+            uid, last_update = found
+            try:
+                conformed = conform(pairs, uid, params["max_weight_limit"], keep_zeros=True)
+            except WeightsError as error:
+                raise InvalidWeights(str(error)) from None
+            uids, row = list(conformed.uids), list(conformed.values)
+            if params["commit_reveal"]:
+                return self._commit_weights(netuid, uid, hotkey, uids, row, version_key, block, last_update, params)
+            self._check_weights(netuid, uid, uids, row, version_key, block, last_update, params, rate_limited=True)
             self._conn.execute(
                 "INSERT OR REPLACE INTO weights (netuid, uid, row) VALUES (?, ?, ?)",
                 (netuid, uid, _pack_row(uids, row)),
@@ -948,6 +1062,83 @@ class DevnetChain(Chain):
             return SetWeightsOutcome(block=block, uids=tuple(uids), weights_u16=tuple(row))
 
         return await self._write(operation)
+
+    def _rate_limit_error(self, uid: int, last_update: int, block: int, limit: int, name: str) -> RateLimited | None:
+        """Subtensor's check_rate_limit: a uid that never set weights (LastUpdate 0) passes; otherwise
+        block - last_update must reach the limit."""
+        if last_update == 0 or block - last_update >= limit:
+            return None
+        wait = limit - (block - last_update)
+        return RateLimited(
+            f"uid {uid} last set weights at block {last_update}; the rate limit is {limit} blocks "
+            f"(now {block}, wait {wait} more)", name=name, retry_after_blocks=wait,
+        )
+
+    def _check_weights(self, netuid: int, uid: int, uids: list[int], row: list[int], version_key: int, block: int,
+                       last_update: int, params: dict, rate_limited: bool) -> None:
+        """Subtensor's internal_set_weights checks after registration, in its order."""
+        self_weight_only = len(row) == 1 and uids[:1] == [uid]
+        is_owner = self._owner_uid(netuid) == uid
+        stake = float(self._stakes(netuid)[uid])
+        if not is_owner and stake < params["stake_threshold"]:
+            raise NotEnoughStake(
+                f"uid {uid} has stake {stake}, below the subnet's stake threshold {params['stake_threshold']}"
+            )
+        if params["weights_version"] != 0 and version_key < params["weights_version"]:
+            raise InvalidWeights(
+                f"version_key {version_key} is below the subnet's weights_version {params['weights_version']}",
+                name="IncorrectWeightVersionKey",
+            )
+        if rate_limited:
+            error = self._rate_limit_error(uid, last_update, block, params["weights_rate_limit"],
+                                           "SettingWeightsTooFast")
+            if error is not None:
+                raise error
+        permit = self._conn.execute(
+            "SELECT validator_permit FROM neurons WHERE netuid = ? AND uid = ?", (netuid, uid)
+        ).fetchone()[0]
+        if not (self_weight_only or is_owner or permit):
+            raise NoValidatorPermit(f"uid {uid} has no validator permit on subnet {netuid}")
+        if len(set(uids)) != len(uids):
+            raise InvalidWeights("the weights name a uid more than once", name="DuplicateUids")
+        n = self._neuron_count(netuid)
+        invalid = [u for u in uids if not 0 <= u < n]
+        if invalid:
+            raise InvalidWeights(
+                f"uids {invalid} are not on subnet {netuid} (it has uids 0..{n - 1})",
+                name="UidVecContainInvalidOne",
+            )
+        if too_few_weights(len(uids), params["min_allowed_weights"], n, self_weight_only):
+            raise InvalidWeights(
+                f"{len(uids)} weights given; subnet {netuid} needs at least "
+                f"{min(params['min_allowed_weights'], n)}", name="WeightVecLengthIsLow",
+            )
+        if exceeds_max_weight(row, round(params["max_weight_limit"] * U16_MAX), self_weight_only):
+            raise InvalidWeights(
+                f"a weight is above the subnet's max_weight_limit {params['max_weight_limit']}",
+                name="MaxWeightExceeded",
+            )
+
+    def _commit_weights(self, netuid: int, uid: int, hotkey: str, uids: list[int], row: list[int],
+                        version_key: int, block: int, last_update: int, params: dict) -> SetWeightsOutcome:
+        error = self._rate_limit_error(uid, last_update, block, params["weights_rate_limit"],
+                                       "CommittingWeightsTooFast")
+        if error is not None:
+            raise error
+        pending = self._conn.execute(
+            "SELECT COUNT(*) FROM weight_commits WHERE netuid = ? AND hotkey = ?", (netuid, hotkey)
+        ).fetchone()[0]
+        if pending >= MAX_UNREVEALED_COMMITS:
+            raise InvalidWeights(f"{pending} commits of uid {uid} wait for their reveal",
+                                 name="TooManyUnrevealedCommits")
+        epoch = self._conn.execute("SELECT epoch_index FROM subnets WHERE netuid = ?", (netuid,)).fetchone()[0]
+        self._conn.execute(
+            "INSERT INTO weight_commits (netuid, hotkey, commit_block, commit_epoch, row, version_key) "
+            "VALUES (?, ?, ?, ?, ?, ?)", (netuid, hotkey, block, epoch, _pack_row(uids, row), int(version_key)),
+        )
+        self._conn.execute("UPDATE neurons SET last_update = ? WHERE netuid = ? AND uid = ?", (block, netuid, uid))
+        return SetWeightsOutcome(block=block, uids=tuple(uids), weights_u16=tuple(row), committed=True,
+                                 extra={"commit_epoch": epoch, "reveal_epoch": epoch + params["reveal_period"]})
 
     async def close(self) -> None:
         self.close_sync()
@@ -1050,6 +1241,72 @@ class DevnetChain(Chain):
 
         return await self._write(operation)
 
+    async def trigger_epoch(self, netuid: int, emission_budget: float | None = None) -> EpochRecord:
+        """Run the subnet's epoch now, at the current block, after this block's transactions so far (what
+        subtensor's tests do with SubtensorModule::epoch); `emission_budget` defaults to the tempo's. It
+        counts as the latest epoch for the bonds mask but leaves the commit-reveal clock alone (no reveal,
+        the epoch counter unchanged), as SubtensorModule::epoch does."""
+        if emission_budget is not None and not (0 <= float(emission_budget) < math.inf):
+            raise ValueError(f"emission_budget must be a finite number >= 0, got {emission_budget!r}")
+
+        def operation(block: int) -> None:
+            self._subnet_row(netuid)
+            self._run_epoch(netuid, block, None if emission_budget is None else float(emission_budget),
+                            scheduled=False)
+
+        await self._write(operation)
+        return await self.last_epoch(netuid)
+
+    async def set_validator_permits(self, netuid: int, permits) -> None:
+        """Sudo: overwrite the stored validator permits (one bool per uid), as a storage write would; the next
+        epoch uses them and grants its own."""
+        flags = [bool(p) for p in permits]
+
+        def operation(block: int) -> None:
+            self._subnet_row(netuid)
+            if len(flags) != self._neuron_count(netuid):
+                raise ValueError(f"give one permit per uid: subnet {netuid} has {self._neuron_count(netuid)} uids")
+            self._conn.executemany("UPDATE neurons SET validator_permit = ? WHERE netuid = ? AND uid = ?",
+                                   [(int(p), netuid, u) for u, p in enumerate(flags)])
+            self._conn.execute("UPDATE subnets SET permits_from_epoch = 1 WHERE netuid = ?", (netuid,))
+
+        await self._write(operation)
+
+    async def reset_bonds(self, netuid: int, hotkey) -> bool:
+        """Subtensor's do_reset_bonds: with the subnet's bonds_reset on, every bond held to the hotkey's uid is
+        removed. Returns whether anything was reset."""
+        hotkey = _hotkey_of(hotkey)
+
+        def operation(block: int) -> bool:
+            params = self._params(netuid)
+            uid = self._uid(netuid, hotkey)
+            if not params["bonds_reset"] or uid is None:
+                return False
+            updates = []
+            for row_uid, blob in self._conn.execute("SELECT uid, row FROM bonds WHERE netuid = ?", (netuid,)).fetchall():
+                entries = _unpack_row(blob)
+                keep = entries[:, 0] != uid
+                updates.append((_pack_row(entries[keep, 0], entries[keep, 1]), netuid, row_uid))
+            self._conn.executemany("UPDATE bonds SET row = ? WHERE netuid = ? AND uid = ?", updates)
+            return True
+
+        return await self._write(operation)
+
+    async def pending_commits(self, netuid: int) -> list[dict[str, Any]]:
+        """Commit-reveal: the committed rows not yet revealed, oldest first."""
+
+        def query(block: int) -> list[dict[str, Any]]:
+            self._subnet_row(netuid)
+            return [
+                {"hotkey": hk, "commit_block": cb, "commit_epoch": ce, "version_key": vk,
+                 "weights": {int(t): int(v) for t, v in _unpack_row(blob)}}
+                for hk, cb, ce, blob, vk in self._conn.execute(
+                    "SELECT hotkey, commit_block, commit_epoch, row, version_key FROM weight_commits "
+                    "WHERE netuid = ? ORDER BY seq", (netuid,))
+            ]
+
+        return await self._read(query)
+
     async def run_pending_epochs(self) -> int:
         """Run every epoch that has fallen due (any read or write does this too); returns how many ran."""
         return await self._write(lambda block: self._epochs_ran)
@@ -1121,7 +1378,8 @@ class DevnetChain(Chain):
             by_block: dict[int, list[EpochNeuron]] = {b: [] for b, _ in epochs}
             for r in self._conn.execute(
                 "SELECT block, uid, hotkey, stake, active, validator_permit, rank, trust, consensus, incentive, "
-                "dividends, emission, validator_trust, miner_emission, validator_emission, bonds FROM epoch_neurons "
+                "dividends, emission, validator_trust, miner_emission, validator_emission, bonds, stake_weight, "
+                "active_stake, permit_used FROM epoch_neurons "
                 "WHERE netuid = ? AND block >= ? AND block <= ? ORDER BY block, uid",
                 (netuid, epochs[0][0], epochs[-1][0]),
             ):
@@ -1131,6 +1389,7 @@ class DevnetChain(Chain):
                         rank=r[6], trust=r[7], consensus=r[8], incentive=r[9], dividends=r[10], emission=r[11],
                         validator_trust=r[12], miner_emission=r[13], validator_emission=r[14],
                         bonds={int(t): int(v) for t, v in _unpack_row(r[15] or b"")},
+                        stake_weight=r[16] or 0.0, active_stake=r[17] or 0.0, permit_used=bool(r[18]),
                     ))
             return [EpochRecord(netuid, b, budget, tuple(by_block[b])) for b, budget in epochs]
 

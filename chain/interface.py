@@ -34,10 +34,15 @@ class AlreadyRegistered(ChainError):
 
 
 class RateLimited(ChainError):
-    """Too soon: SettingWeightsTooFast, ServingRateLimitExceeded, registration limits."""
+    """Too soon: SettingWeightsTooFast, CommittingWeightsTooFast, ServingRateLimitExceeded, registration
+    limits. `retry_after_blocks` is how many blocks the chain said to wait, when it said (else None)."""
 
     name = "SettingWeightsTooFast"
     transient = True
+
+    def __init__(self, message: str, name: str | None = None, retry_after_blocks: int | None = None):
+        super().__init__(message, name)
+        self.retry_after_blocks = retry_after_blocks
 
 
 class NoValidatorPermit(ChainError):
@@ -189,7 +194,9 @@ class Chain(abc.ABC):
 
     @abc.abstractmethod
     async def set_weights(self, wallet, netuid: int, weights: dict[int, float], version_key: int) -> SetWeightsOutcome:
-        """Raises NotRegistered, NoValidatorPermit, RateLimited, InvalidWeights, ChainConnectionError."""
+        """Raises NotRegistered, NoValidatorPermit, NotEnoughStake, RateLimited (with `retry_after_blocks`
+        when the chain said how long to wait), InvalidWeights, ChainConnectionError. Under commit-reveal the
+        outcome has committed=True: the weights reach the epoch only after the reveal period."""
 
     async def close(self) -> None:
         return None

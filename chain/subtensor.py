@@ -22,10 +22,10 @@ import asyncio
 import logging
 import math
 import numbers
+import re
 from typing import Any, Awaitable, Callable, TypeVar
 
 import bittensor as bt
-from bittensor.intents.weights import clip_to_max_weight
 from bittensor.result import ErrorCode
 
 from chain.interface import (
@@ -46,6 +46,7 @@ from chain.interface import (
     SetWeightsOutcome,
     SubnetNotFound,
 )
+from chain.weights import conform
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,11 @@ def typed_error(error: BaseException, operation: str) -> ChainError:
             return ChainError(f"{operation}: {error.message}", name)
         if name is None and cls is RateLimited:
             name = RATE_LIMIT_NAME_BY_OPERATION.get(operation)
+        if cls is RateLimited:
+            # The SDK's preflight says how long: "... Retry in ~N blocks (~Ss)."
+            wait = re.search(r"[Rr]etry in ~?(\d+) blocks?", error.message or "")
+            return RateLimited(f"{operation}: {error.message}", name,
+                               retry_after_blocks=int(wait.group(1)) if wait else None)
         return cls(f"{operation}: {error.message}", name)
     if isinstance(error, bt.BittensorError):
         # SetWeights raises a plain BittensorError for all-zero, negative,
@@ -274,13 +280,10 @@ def conformed_row(
     items: list[tuple[int, float]], own_uid: int | None, max_weight_limit_u16: int
 ) -> tuple[list[int], list[int]]:
     """The u16 row `SetWeights` submits: clip to max_weight_limit (a lone
-    self-weight is exempt), max-upscale to u16, drop zeros. Uses the SDK's own
-    public helpers so the row reported is the row sent."""
-    uids = [uid for uid, _ in items]
-    values = [w for _, w in items]
-    if uids != [own_uid] and max_weight_limit_u16 < U16_MAX:
-        values = clip_to_max_weight(values, max_weight_limit_u16 / U16_MAX)
-    return bt.intents.normalize(uids, values)
+    self-weight is exempt), max-upscale to u16, drop zeros (chain.weights.conform,
+    which tests/test_devnet_rules.py checks against the SDK's own helpers)."""
+    row = conform(items, own_uid, max_weight_limit_u16 / U16_MAX, keep_zeros=False)
+    return list(row.uids), list(row.values)
 
 
 # ------------------------------------------------------------------ the adapter

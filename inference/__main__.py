@@ -15,11 +15,16 @@ import asyncio
 import json
 import sys
 
-from inference.model.checkpoint import CheckpointError
-from inference.model.config import ConfigError
-from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import load_reference_model
+from inference.model import CheckpointError, ConfigError
+from inference.serving import (
+    EngineError,
+    EngineSettings,
+    GenerationRequest,
+    LocalEngine,
+    SamplingParams,
+    TokenEvent,
+    load_reference_model,
+)
 
 
 class UsageError(Exception):
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "info":
-            from inference.model.checkpoint import fingerprint, read_config
+            from inference.model import fingerprint, read_config
 
             config = read_config(args.checkpoint)
             print(json.dumps({**config.summary(), "fingerprint": fingerprint(args.checkpoint)}, indent=2))

@@ -49,12 +49,18 @@ from typing import Any, Optional, Sequence
 import aiohttp
 
 
-from inference.model.checkpoint import read_config
-from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine
-from inference.serving.engine import FinalEvent as EngineFinal
-from inference.serving.engine import TokenEvent as EngineToken
-from inference.serving.remote import RemoteEngine, RemoteSettings
-from inference.serving.sampling import SamplingParams
+from inference.model import read_config
+from inference.serving import (
+    EngineError,
+    EngineSettings,
+    FinalEvent as EngineFinal,
+    GenerationRequest,
+    LocalEngine,
+    RemoteEngine,
+    RemoteSettings,
+    SamplingParams,
+    TokenEvent as EngineToken,
+)
 from inference.model.tokenizer import IM_END, load_tokenizer
 from neurons.settings import (
     Option,
@@ -609,7 +615,7 @@ def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> di
 
 # ---------------------------------------------------------------- quality
 def reference_engine(checkpoint: str, max_context: int) -> tuple[LocalEngine, str]:
-    from inference.serving.builders import load_reference_model  # noqa: PLC0415 (loads torch models)
+    from inference.serving import load_reference_model  # noqa: PLC0415 (loads torch models)
 
     model, tokenizer, fingerprint = load_reference_model(checkpoint)
     engine = LocalEngine(model, tokenizer, EngineSettings(max_context=max_context, max_concurrent_sequences=4),

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
-from inference.serving.engine import EngineError, GenerationRequest, TokenEvent
-from inference.serving.sampling import SamplingParams
+from inference.serving import EngineError, GenerationRequest, SamplingParams, TokenEvent
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError
 from protocol.schemas import Capabilities, GenerateRequest, ScoreRequest
 from protocol.signature import verify_response

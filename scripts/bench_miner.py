@@ -31,12 +31,12 @@ import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
 from chain.interface import connect  # noqa: E402
-from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.model.config import ModelConfig  # noqa: E402
-from inference.serving.engine import Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine  # noqa: E402
-from inference.serving.engine import TokenEvent as EngineTokenEvent  # noqa: E402
-from inference.serving.sampling import SamplingParams  # noqa: E402
-from inference.serving.builders import load_reference_model  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
+from inference.model import ModelConfig  # noqa: E402
+from inference.serving import Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine  # noqa: E402
+from inference.serving import TokenEvent as EngineTokenEvent  # noqa: E402
+from inference.serving import SamplingParams  # noqa: E402
+from inference.serving import load_reference_model  # noqa: E402
 from neurons.miner_app.server import (  # noqa: E402
     AccessSettings,
     ChainSettings,

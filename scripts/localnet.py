@@ -37,8 +37,8 @@ from rich.table import Table  # noqa: E402
 
 from chain import connect  # noqa: E402
 from chain.devnet import DevnetChain  # noqa: E402
-from inference.model.checkpoint import make_random_checkpoint  # noqa: E402
-from inference.model.config import ModelConfig  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
+from inference.model import ModelConfig  # noqa: E402
 
 CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
 CHECKPOINT = ROOT / "checkpoints" / "tiny"

@@ -15,12 +15,8 @@ from aiohttp import web
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, LocalEngine
-from inference.model.k3 import KimiK3Model
-from inference.serving.openai_server import OpenAICompatibleServer
-from inference.serving.builders import load_reference_model
+from inference.model import KimiK3Model, ModelConfig, make_random_checkpoint
+from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer, load_reference_model
 from neurons.miner_app.server import AccessSettings, ChainSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.schemas import Capabilities, Limits

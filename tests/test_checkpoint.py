@@ -13,6 +13,8 @@ from inference.model.checkpoint import (
     MANIFEST_FILE,
     PREFIX,
     CheckpointError,
+    TensorSelection,
+    TensorSite,
     TensorSpec,
     expected_tensors,
     fingerprint,
@@ -26,12 +28,12 @@ from inference.model.checkpoint import (
     read_manifest,
     read_weight_map,
     state_dict_to_checkpoint_tensors,
+    tensor_site,
     verify_manifest,
     write_checkpoint,
     write_manifest,
 )
-from inference.model.config import ModelConfig
-from inference.model.k3 import KimiK3Model
+from inference.model import KimiK3Model, ModelConfig
 
 SMALL_SHARD = 256 * 1024  # forces the tiny checkpoint (1.46 MB) into several shards
 ROOT = Path(__file__).resolve().parent.parent
@@ -357,6 +359,115 @@ def test_checkpoint_without_index_is_read_from_headers(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     assert read_weight_map(tmp_path) == {n: "model.safetensors" for n in tensors}
     assert torch.equal(load_tensors(tmp_path, ["a"])["a"], torch.ones(3))
+
+
+# ------------------------------------------ one loader, with a selection
+def record_opened_files(monkeypatch) -> list[str]:
+    """The shard files the checkpoint module opens from now on (its own safe_open, wrapped)."""
+    from inference.model import checkpoint as module
+
+    opened, real = [], module.safe_open
+
+    def recording(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "safe_open", recording)
+    return opened
+
+
+def test_a_shard_and_the_whole_model_load_the_same_tensors_through_one_loader(tiny_dir, monkeypatch):
+    from inference.planning import Plan
+    from inference.sharding import worker
+
+    config = ModelConfig.tiny()
+    assert worker.load_checkpoint is load_checkpoint  # the shard worker has no loader of its own
+    full = KimiK3Model(config, random_init=False)
+    load_checkpoint(full, tiny_dir, progress=False)
+    whole = full.state_dict()
+    plan = Plan.simple(config, 3, "both", memory_bytes=1 << 30)
+    weight_map = read_weight_map(tiny_dir)
+    holders: dict[str, list[int]] = {}
+    for rank in range(3):
+        opened = record_opened_files(monkeypatch)
+        shard = worker.build_shard_model(config, plan, rank, str(tiny_dir))
+        held = {k: v for k, v in shard.state_dict().items() if not v.is_meta}
+        assert 0 < len(held) < len(whole)
+        for key, t in held.items():
+            assert t.dtype == whole[key].dtype and torch.equal(t, whole[key]), (rank, key)
+            holders.setdefault(key, []).append(rank)
+        # only the files holding this rank's tensors were opened (headers and data)
+        assert set(opened) == {weight_map[PREFIX + k] for k in held}
+    assert set(holders) == set(whole)  # the plan's shards together hold the whole model
+    for key, ranks in holders.items():
+        if tensor_site(key).kind != "expert":
+            assert len(ranks) == 1, (key, ranks)  # a layer's own tensors live on its home rank only
+
+
+@pytest.mark.parametrize("first, end, embedding, head", [(0, 3, True, False), (4, 9, False, True), (5, 5, False, False)])
+def test_a_stage_selection_loads_only_its_layers(tiny_dir, monkeypatch, first, end, embedding, head):
+    from inference.sharding.worker import model_skeleton
+
+    config = ModelConfig.tiny()
+    full = KimiK3Model(config, random_init=False)
+    load_checkpoint(full, tiny_dir, progress=False)
+    whole = full.state_dict()
+    opened = record_opened_files(monkeypatch)
+    stage = model_skeleton(config, torch.float32, on="meta")
+    select = TensorSelection.stage(first, end, embedding=embedding, head=head)
+    report = load_checkpoint(stage, tiny_dir, verify=False, progress=False, select=select)
+    held = {k: v for k, v in stage.state_dict().items() if not v.is_meta}
+
+    def wanted(key: str) -> bool:
+        site = tensor_site(key)
+        return {"embedding": embedding, "head": head}.get(site.kind, site.layer is not None and first <= site.layer < end)
+
+    assert set(held) == {k for k in whole if wanted(k)} and report["tensors"] == len(held)
+    assert all(torch.equal(held[k], whole[k]) for k in held)
+    weight_map = read_weight_map(tiny_dir)
+    assert set(opened) == {weight_map[PREFIX + k] for k in held}
+    if first < end:  # a stage's layers include their MoE experts
+        assert any(tensor_site(k).kind == "expert" for k in held) == any(config.is_moe(i) for i in range(first, end))
+
+
+def test_tensor_sites_name_every_tensor_and_refuse_strangers():
+    config = ModelConfig.tiny()
+    kinds = {tensor_site(n).kind for n in expected_tensors(config)}
+    assert kinds == {"embedding", "head", "layer", "expert"}
+    site = tensor_site(PREFIX + "model.layers.7.block_sparse_moe.experts.3.w2.weight_packed")
+    assert (site.kind, site.layer, site.expert) == ("expert", 7, 3)
+    assert tensor_site("model.layers.7.block_sparse_moe.gate.weight") == TensorSite("layer", 7)
+    for stranger in ("model.layers.x.input_layernorm.weight", "model.blocks.0.weight", "vision_tower.patch"):
+        with pytest.raises(CheckpointError, match="outside the Kimi K3 layout"):
+            tensor_site(stranger)
+    with pytest.raises(ValueError, match="first <= end"):
+        TensorSelection.stage(5, 2, embedding=False, head=False)
+
+
+# ------------------------------------------------- one random initialisation
+@pytest.mark.parametrize("preset, seed", [("tiny", 0), ("tiny", 5), ("tiny_kimi_linear", 2)])
+def test_the_seeded_model_is_the_seeded_checkpoint(tmp_path, preset, seed):
+    """`KimiK3Model(config, seed=s)` and `make_random_checkpoint(config, seed=s)` loaded back are one network."""
+    config = ModelConfig.preset(preset)
+    built = KimiK3Model(config, seed=seed)
+    make_random_checkpoint(config, tmp_path, seed=seed, max_shard_bytes=SMALL_SHARD)
+    loaded = KimiK3Model(config, random_init=False)
+    load_checkpoint(loaded, tmp_path, progress=False)
+    a, b = built.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    # the model's tensors written out are the checkpoint's bytes, so the same fingerprint
+    write_checkpoint(state_dict_to_checkpoint_tensors(a, config), config, tmp_path / "from_model",
+                     max_shard_bytes=SMALL_SHARD)
+    assert fingerprint(tmp_path / "from_model") == fingerprint(tmp_path)
+    ids = [torch.tensor(list(b"one network")), torch.tensor(list(b"two"))]
+    with torch.no_grad():
+        la = built(ids, [built.new_cache() for _ in ids], all_logits=True)
+        lb = loaded(ids, [loaded.new_cache() for _ in ids], all_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    other = KimiK3Model(config, seed=seed + 1)
+    assert not torch.equal(other.lm_head.weight, built.lm_head.weight)  # the seed matters
 
 
 # ------------------------------------------------- random weights are useful

@@ -1,6 +1,6 @@
 import pytest
 
-from inference.model.config import ConfigError, ModelConfig
+from inference.model import ConfigError, ModelConfig
 
 
 def test_kimi_k3_counts_are_exact():

@@ -5,11 +5,8 @@ import time
 import pytest
 import torch
 
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.model.k3 import KimiK3Model
-from inference.serving.sampling import SamplingParams
-from inference.model.tokenizer import ByteTokenizer
+from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 
 CONFIG = ModelConfig.tiny()
 

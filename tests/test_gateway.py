@@ -17,11 +17,15 @@ from hypothesis import strategies as st
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import load_reference_model
+from inference.model import ModelConfig, make_random_checkpoint
+from inference.serving import (
+    EngineSettings,
+    GenerationRequest,
+    LocalEngine,
+    SamplingParams,
+    TokenEvent,
+    load_reference_model,
+)
 from neurons.gateway.server import (
     ApiKeyFileError,
     ApiKeys,

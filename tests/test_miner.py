@@ -21,15 +21,19 @@ from hypothesis import strategies as st
 
 from chain.devnet import DevnetChain
 from chain.interface import connect
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.engine import Engine, EngineSettings, GenerationRequest, LocalEngine
-from inference.serving.engine import TokenEvent as EngineTokenEvent
-from inference.serving.openai_server import OpenAICompatibleServer
-from inference.serving.remote import RemoteEngine
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import load_reference_model
-from inference.serving.builders import build_engine
+from inference.model import ModelConfig, make_random_checkpoint
+from inference.serving import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    LocalEngine,
+    OpenAICompatibleServer,
+    RemoteEngine,
+    SamplingParams,
+    TokenEvent as EngineTokenEvent,
+    build_engine,
+    load_reference_model,
+)
 from neurons.miner_app.server import (
     AccessSettings,
     ChainSettings,

@@ -16,8 +16,7 @@ import bittensor as bt
 import pytest
 
 from chain.devnet import DevnetChain
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig, make_random_checkpoint
 from protocol.client import MinerClient
 from protocol.schemas import FinalEvent, GenerateRequest, TokenEvent
 from protocol.signature import verify_response

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from chain.interface import MetagraphSnapshot, NeuronInfo
-from inference.serving.builders import EngineSpec
+from inference.serving import EngineSpec
 from neurons import miner as miner_entry
 from neurons.settings import (
     Option,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.model.mla import MLAAttention, MLALayerCache
 
 ATOL = 1e-5

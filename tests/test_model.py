@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from inference.model import checkpoint
-from inference.model.config import ModelConfig
+from inference.model import KimiK3Model, ModelConfig, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
-from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 
 ATOL = 1e-4
 CONFIGS = {

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from inference.model import mxfp4
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig, mxfp4
 from inference.model.moe import DenseMLP, Expert, LatentMoE, Router, situ_glu
 
 

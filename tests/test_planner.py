@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max, selection_count_pmf
 from inference.planning.plan import (
     Link,
@@ -35,7 +35,7 @@ from inference.planning.planner import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTERS = ROOT / "scripts" / "clusters"
+CLUSTERS = ROOT / "inference" / "planning" / "clusters"
 TINY = ModelConfig.tiny()
 K3 = ModelConfig.kimi_k3()
 

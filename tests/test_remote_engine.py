@@ -6,13 +6,19 @@ import pytest
 import torch
 from aiohttp import web
 
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
-from inference.model.k3 import KimiK3Model
-from inference.serving.openai_server import OpenAICompatibleServer
-from inference.serving.remote import RemoteEngine, RemoteSettings
-from inference.serving.sampling import SamplingParams
-from inference.model.tokenizer import ByteTokenizer
+from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.serving import (
+    EngineError,
+    EngineSettings,
+    FinalEvent,
+    GenerationRequest,
+    LocalEngine,
+    OpenAICompatibleServer,
+    RemoteEngine,
+    RemoteSettings,
+    SamplingParams,
+    TokenEvent,
+)
 
 CONFIG = ModelConfig.tiny()
 MODEL_NAME = "kimi-k3-tiny"

@@ -9,12 +9,8 @@ import pytest
 from aiohttp import web
 from bittensor.sp_core import Keypair
 
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine
-from inference.serving.engine import FinalEvent as EngineFinal
-from inference.model.k3 import KimiK3Model
-from inference.serving.sampling import SamplingParams
-from inference.model.tokenizer import ByteTokenizer
+from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.serving import EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine, SamplingParams
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, TimedEvent
 from protocol.schemas import (
     GENERATE_PATH,

@@ -7,8 +7,7 @@ from collections import Counter
 
 import pytest
 
-from inference.model.config import ModelConfig
-from inference.model.tokenizer import ByteTokenizer
+from inference.model import ByteTokenizer, ModelConfig
 from protocol.schemas import Capabilities, Limits, encode_model
 from scoring import corpus
 from scoring.config import ScoringConfig, ScoringConfigError

@@ -16,15 +16,22 @@ import psutil
 import pytest
 import torch
 
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineError, EngineSettings, GenerationRequest, LocalEngine, TokenEvent
-from inference.planning.plan import Plan, RoutingStats
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import EngineSpec, build_engine, load_reference_model
+from inference.model import ModelConfig, make_random_checkpoint
+from inference.serving import (
+    EngineError,
+    EngineSettings,
+    EngineSpec,
+    GenerationRequest,
+    LocalEngine,
+    SamplingParams,
+    TokenEvent,
+    build_engine,
+    load_reference_model,
+)
+from inference.planning import Plan, RoutingRecorder, RoutingStats
 from inference.sharding.messages import STEP, StepHeader, dispatch_specs, pack, packed_nbytes, unpack
-from inference.sharding.worker import ExpertTable, RoutingRecorder, build_shard_model, choose_expert_holders
-from inference.sharding.driver import ShardedModel, ShardFailure, ShardTimeouts
+from inference.sharding.worker import ExpertTable, build_shard_model, choose_expert_holders
+from inference.sharding import ShardFailure, ShardTimeouts, ShardedModel
 
 CONFIG = ModelConfig.tiny()
 ROOT = Path(__file__).resolve().parents[1]

@@ -255,6 +255,7 @@ async def test_set_weights_sdk_preflight_rate_limit(chain, fake, wallets):
     with pytest.raises(RateLimited) as raised:
         await chain.set_weights(wallets["validator"], NETUID, {1: 1.0}, version_key=2)
     assert raised.value.name == "SettingWeightsTooFast" and raised.value.transient
+    assert raised.value.retry_after_blocks == 40  # the SDK's "Retry in ~40 blocks", for the validator to wait
     assert fake.submitted == []
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.model.tokenizer import (
     IM_ASSISTANT,
     IM_END,

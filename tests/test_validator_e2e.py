@@ -27,10 +27,8 @@ import pytest
 
 from chain.devnet import DevnetChain
 from chain.interface import ChainConnectionError, RateLimited
-from inference.model.checkpoint import make_random_checkpoint
-from inference.model.config import ModelConfig
-from inference.serving.engine import EngineSettings, LocalEngine
-from inference.serving.builders import EngineSpec, load_reference_model
+from inference.model import ModelConfig, make_random_checkpoint
+from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_reference_model
 from inference.version import version_key
 from neurons.settings import ChainSettings, WalletSettings
 from neurons.validator_app.rounds import (

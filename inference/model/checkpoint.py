@@ -11,7 +11,7 @@ belong to the release's multimodal wrapper and are skipped. Routed experts are M
 (`weight_packed` / `weight_scale`, uint8); conv weights, A_log, dt_bias, o_norm and the router's
 correction bias are fp32; everything else is bf16.
 
-Public API: `expected_tensors`, `TensorSpec`, `write_checkpoint`, `state_dict_to_checkpoint_tensors`,
+Public API: `expected_tensors`, `TensorSpec`, `tensor_site`, `TensorSelection`, `write_checkpoint`, `state_dict_to_checkpoint_tensors`,
 `write_manifest`, `verify_manifest`, `fingerprint`, `read_manifest`, `read_config`, `read_weight_map`,
 `load_tensors`, `load_checkpoint`, `random_tensor`, `make_random_checkpoint`, `CheckpointError`.
 """
@@ -94,6 +94,83 @@ def model_key(name: str) -> str:
 
 
 # ------------------------------------------------------------------- names
+EMBEDDING_KEY = "model.embed_tokens.weight"
+HEAD_KEYS = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
+             "lm_head.weight")
+LAYER_PREFIX = "model.layers."
+EXPERTS_PART = ".block_sparse_moe.experts."
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """Where a tensor belongs: the embedding, the head (final norm, output AttnRes, LM head), a layer's own
+    tensors (attention, norms, router, latent projections, shared experts), or one routed expert of a layer."""
+
+    kind: str  # "embedding" | "head" | "layer" | "expert"
+    layer: int | None = None
+    expert: int | None = None
+
+
+def tensor_site(key: str) -> TensorSite:
+    """The site of a model state_dict key (or a checkpoint name); CheckpointError for a name outside the layout."""
+    key = model_key(key)
+    if key == EMBEDDING_KEY:
+        return TensorSite("embedding")
+    if key in HEAD_KEYS:
+        return TensorSite("head")
+    if key.startswith(LAYER_PREFIX):
+        layer, _, rest = key[len(LAYER_PREFIX):].partition(".")
+        if layer.isdigit():
+            if ("." + rest).startswith(EXPERTS_PART):
+                expert = rest[len(EXPERTS_PART) - 1:].split(".", 1)[0]
+                if expert.isdigit():
+                    return TensorSite("expert", int(layer), int(expert))
+            else:
+                return TensorSite("layer", int(layer))
+    raise CheckpointError(f"tensor {key} is outside the Kimi K3 layout (no embedding, head, layer or expert name)")
+
+
+@dataclass(frozen=True)
+class TensorSelection:
+    """Which tensors a process holds; `load_checkpoint(..., select=...)` loads only those.
+
+    layers: the layers whose own tensors are held (None: every layer). experts: per MoE layer, the routed
+    experts held (None: every expert of the held layers; a shard of an expert-parallel plan may hold experts of
+    layers it is not home to). embedding / head: whether the input embedding and the output head are held.
+    """
+
+    layers: frozenset[int] | None = None
+    experts: Mapping[int, frozenset[int]] | None = None
+    embedding: bool = True
+    head: bool = True
+
+    @classmethod
+    def shard(cls, layers: Iterable[int], experts: Mapping[int, Iterable[int]], embedding: bool,
+              head: bool) -> "TensorSelection":
+        """A shard of a placement plan: its home layers, the experts placed on it, embedding and head flags."""
+        return cls(frozenset(layers), {int(k): frozenset(v) for k, v in experts.items()}, embedding, head)
+
+    @classmethod
+    def stage(cls, first_layer: int, end_layer: int, embedding: bool, head: bool) -> "TensorSelection":
+        """A pipeline stage: the contiguous layers [first_layer, end_layer) with all their experts."""
+        if not 0 <= first_layer <= end_layer:
+            raise ValueError(f"a stage covers layers [first, end) with 0 <= first <= end; got [{first_layer}, {end_layer})")
+        return cls(frozenset(range(first_layer, end_layer)), None, embedding, head)
+
+    def holds(self, key: str) -> bool:
+        site = tensor_site(key)
+        if site.kind == "embedding":
+            return self.embedding
+        if site.kind == "head":
+            return self.head
+        if site.kind == "expert" and self.experts is not None:
+            return site.expert in self.experts.get(site.layer, ())
+        return self.layers is None or site.layer in self.layers
+
+
+EVERY_TENSOR = TensorSelection()
+
+
 def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     """Every text tensor of a checkpoint for `config`, in layer order: full name -> shape and dtype."""
     c = config
@@ -474,12 +551,16 @@ def _header_specs(ckpt_dir: Path, weight_map: Mapping[str, str]) -> dict[str, tu
     return specs
 
 
-def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool = True, progress: bool = True) -> dict:
+def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool = True, progress: bool = True,
+                    select: TensorSelection = EVERY_TENSOR, device: torch.device | str | None = None) -> dict:
     """Copy a checkpoint's text tensors into `model` (state_dict keys = names minus `language_model.`).
 
-    Checks everything against the shard headers before copying anything: every model tensor must be
-    present with its shape (A_log: any shape with at least H elements, the first H used); no text tensor
-    may be left over. Float tensors are cast to the model tensor's dtype; MXFP4 bytes stay uint8.
+    The one loader: the single-process model loads everything; a shard or a stage passes `select` and reads
+    only the shard files holding its tensors. Checks every selected tensor against the shard headers before
+    copying anything: present, with the model's shape (A_log: any shape with at least H elements, the first H
+    used); no text tensor may be unknown to the model. Float tensors are cast to the model tensor's dtype;
+    MXFP4 bytes stay uint8. A model tensor on the meta device (a skeleton) is replaced by the loaded one on
+    `device` (default: the CPU); others are copied into in place. Unselected tensors are left as they are.
     Returns {"tensors": loaded count, "bytes": bytes read, "skipped": non-text tensors skipped}.
     """
     ckpt_dir = Path(ckpt_dir)
@@ -497,8 +578,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     weight_map = read_weight_map(ckpt_dir)
     skipped = [n for n in weight_map if not is_text_tensor(n)]
     text = {model_key(n): n for n in weight_map if is_text_tensor(n)}
-    header = _header_specs(ckpt_dir, {n: weight_map[n] for n in text.values()})
-    targets = model.state_dict(keep_vars=True)
+    every_target = model.state_dict(keep_vars=True)
+    targets = {k: t for k, t in every_target.items() if select.holds(k)}
 
     for key, target in targets.items():
         if key not in text:
@@ -511,6 +592,14 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                 f"missing tensor {PREFIX + key}: the model expects shape {list(target.shape)}, "
                 f"the checkpoint has none{hint}"
             )
+    extra = sorted(k for k in text if k not in every_target)
+    if extra:
+        raise CheckpointError(
+            f"unexpected tensor {text[extra[0]]} in the checkpoint ({len(extra)} the model does not have)"
+        )
+    # only the headers of the files this selection reads: a host may hold only its shard's files
+    header = _header_specs(ckpt_dir, {text[k]: weight_map[text[k]] for k in targets})
+    for key, target in targets.items():
         shape, dtype = header[text[key]]
         if key.endswith(".A_log"):
             fits = math.prod(shape) >= target.numel()
@@ -526,11 +615,6 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                 f"tensor {text[key]} is {dtype} in the checkpoint but the model holds {target.dtype} "
                 "(MXFP4 bytes must meet uint8 buffers)"
             )
-    extra = sorted(k for k in text if k not in targets)
-    if extra:
-        raise CheckpointError(
-            f"unexpected tensor {text[extra[0]]} in the checkpoint ({len(extra)} the model does not have)"
-        )
 
     by_shard: dict[str, list[str]] = {}
     for key in targets:
@@ -545,16 +629,34 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                     target = targets[key]
                     if key.endswith(".A_log"):
                         t = t.reshape(-1)[: target.numel()].reshape(target.shape)
-                    target.copy_(t)
+                    if target.is_meta:
+                        _materialise(model, key, t.to(device=device or "cpu", dtype=target.dtype).contiguous())
+                    else:
+                        target.copy_(t)
                     bar.update(t.numel() * t.element_size())
     bar.close()
     return {"tensors": len(targets), "bytes": total, "skipped": len(skipped)}
 
 
+def _materialise(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put a loaded tensor in the place of a skeleton's meta parameter or buffer."""
+    module_name, _, name = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    if name in module._parameters:
+        module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[name] = value
+
+
 # ----------------------------------------------------------- random weights
-# Scales of the random weights: chosen so that the tiny model's next-token distributions are neither
-# uniform nor one-hot (see tests/test_checkpoint.py); projections get unit-variance outputs.
-LM_HEAD_GAIN = 3.0  # logits of std ~3 after the final norm, as in the model's own init
+# The one random initialisation: `make_random_checkpoint(config, seed=s)` writes these tensors and
+# `KimiK3Model(config, seed=s)` holds them (`fill_random_weights`), so the two are one network.
+# Scales: chosen so that the tiny model's next-token distributions are neither uniform nor one-hot (top
+# probability around 0.35, depending on context; see tests/test_checkpoint.py); projections get unit-variance
+# outputs. Measured on the tiny model: with unit gain on the residual branch outputs and AttnRes query std
+# 1/sqrt(D) the network amplifies fp32 rounding ~1000x, so a prefill and a token-by-token decode differ by up to
+# 1e-3; with the values below the amplification is ~30-70x and they agree within ~2e-5.
+LM_HEAD_GAIN = 3.0  # logits of std ~3 after the final norm (unit RMS)
 NORM_JITTER = 0.1  # norm weights 1 + 0.1 * N(0, 1)
 CONV_STD = 0.5
 DT_BIAS_STD = 0.1
@@ -577,16 +679,22 @@ RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "s
                            "routed_expert_up_proj.weight")
 
 
+def _random_expert(base: str, packed_spec: TensorSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MXFP4 expert weight on the grid: (weight_packed, weight_scale), drawn together from its base name."""
+    out_f, in_f = packed_spec.shape[0], packed_spec.shape[1] * 2
+    g = torch.Generator().manual_seed(_seed_for(seed, base))
+    return mxfp4.random_on_grid(out_f, in_f, g, expert_scale_exponents(in_f))
+
+
 def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -> torch.Tensor:
     """The deterministic random value of one checkpoint tensor (depends only on seed, name and shape)."""
     key = model_key(name)
-    if key.endswith((PACKED_SUFFIX, SCALE_SUFFIX)):
-        base = key.rsplit(".", 1)[0]
-        out_f = spec.shape[0]
-        in_f = spec.shape[1] * (2 if key.endswith(PACKED_SUFFIX) else MXFP4_BLOCK)
-        g = torch.Generator().manual_seed(_seed_for(seed, base))
-        packed, scale = mxfp4.random_on_grid(out_f, in_f, g, expert_scale_exponents(in_f))
-        return packed if key.endswith(PACKED_SUFFIX) else scale
+    if key.endswith(PACKED_SUFFIX):
+        return _random_expert(key[: -len(PACKED_SUFFIX)], spec, seed)[0]
+    if key.endswith(SCALE_SUFFIX):
+        out_f, blocks = spec.shape
+        return _random_expert(key[: -len(SCALE_SUFFIX)], TensorSpec((out_f, blocks * MXFP4_BLOCK // 2), spec.dtype),
+                              seed)[1]
     g = torch.Generator().manual_seed(_seed_for(seed, key))
     normal = torch.randn(spec.shape, generator=g, dtype=torch.float32)
     if key.endswith(".A_log"):
@@ -607,15 +715,39 @@ def random_tensor(name: str, spec: TensorSpec, config: ModelConfig, seed: int) -
     elif key == "lm_head.weight":
         t = LM_HEAD_GAIN * normal / math.sqrt(spec.shape[1])
     elif key.endswith("attn_res_proj.weight") or key.endswith("_res_proj.weight"):
-        # AttnRes query vectors: source logits of std ~0.5 (the model's own init, see inference/model/k3.py)
+        # AttnRes query vectors: source logits of std ~0.5
         t = 0.5 * normal / math.sqrt(spec.shape[-1])
     elif key.endswith(RESIDUAL_BRANCH_OUTPUTS):
-        # outputs feeding the residual stream get 1/sqrt(2 * layers), as in the model's init: with gain 1
+        # outputs feeding the residual stream get 1/sqrt(2 * layers) (the GPT-2 factor): with gain 1
         # the 13-layer tiny model amplifies fp32 rounding ~1000x and prefill and decode drift apart
         t = normal / math.sqrt(spec.shape[-1]) / math.sqrt(2 * config.num_layers)
     else:  # projections [out, in]
         t = normal / math.sqrt(spec.shape[-1])
     return t.to(spec.dtype)
+
+
+def fill_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Give `model` (a KimiK3Model) the tensors of `make_random_checkpoint(model.config, seed=seed)`, as loading
+    that checkpoint would: same values, cast to the model's dtypes, A_log trimmed to one value per head."""
+    config = model.config
+    targets = model.state_dict(keep_vars=True)
+    specs = expected_tensors(config)
+    with torch.no_grad():
+        for name, spec in specs.items():
+            key = model_key(name)
+            if key.endswith(SCALE_SUFFIX):
+                continue  # drawn with its packed twin
+            if key.endswith(PACKED_SUFFIX):
+                base = key[: -len(PACKED_SUFFIX)]
+                packed, scale = _random_expert(base, spec, seed)
+                targets[key].copy_(packed)
+                targets[base + SCALE_SUFFIX].copy_(scale)
+                continue
+            t = random_tensor(name, spec, config, seed)
+            target = targets[key]
+            if key.endswith(".A_log"):
+                t = t.reshape(-1)[: target.numel()].reshape(target.shape)
+            target.copy_(t)
 
 
 def random_checkpoint_tensors(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -651,6 +783,10 @@ def make_random_checkpoint(
 __all__ = [
     "CheckpointError",
     "TensorSpec",
+    "TensorSite",
+    "TensorSelection",
+    "EVERY_TENSOR",
+    "tensor_site",
     "PREFIX",
     "expected_tensors",
     "num_parameters",
@@ -667,6 +803,7 @@ __all__ = [
     "load_tensors",
     "load_checkpoint",
     "random_tensor",
+    "fill_random_weights",
     "random_checkpoint_tensors",
     "make_random_checkpoint",
 ]

@@ -30,26 +30,20 @@ inference tensors, so keep extending them through these entry points (clone() gi
 A `SequenceCache` may hold only a stage's layers (`new_cache(layers=range(a, b))`); the others stay None.
 `model.routing_observer = fn` makes every MoE layer call fn(layer_index, expert_ids [T, k]) when it routes.
 
-Initialisation (random, for the tiny model and tests; real weights come from inference.model.checkpoint): linear
-layers N(0, 1/in_features), except the outputs of the residual branches (attention o_proj, MLP and shared-
-expert down_proj, routed_expert_up_proj), which get the GPT-2 factor 1/sqrt(2 * num_layers); the embedding
-N(0, 1); the Attention Residuals query vectors N(0, 0.25/D) (source logits of std ~0.5); the router N(0, 1/D)
-with a N(0, 0.02) correction bias; MXFP4 experts on the grid with std ~1/sqrt(in) (moe.MXFP4Linear); lm_head
-N(0, 9/D), so that after the final norm (unit RMS) logits have std ~3: the tiny model's next-token
-distributions then have a top probability around 0.35 (neither uniform nor one-hot) and depend on context.
-Measured on the tiny model: with unit gain on the branch outputs and query std 1/sqrt(D) the network
-amplifies fp32 rounding ~1000x (logit sensitivity to the embedding), so a prefill and a token-by-token decode
-differ by up to 1e-3; with the values above the amplification is ~30-70x and they agree within ~2e-5.
+Initialisation: `KimiK3Model(config, seed=s)` holds exactly the weights of the checkpoint
+`make_random_checkpoint(config, seed=s)` loaded back (one recipe, `inference.model.checkpoint.random_tensor`: a
+seeded draw per tensor name, bf16 like the release, MXFP4 experts on the grid); that module's docstring and
+comments give the scales and why.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from inference.model.checkpoint import fill_random_weights
 from inference.model.config import ModelConfig
 from inference.model.kda import KDAAttention, KDALayerCache
 from inference.model.layers import RMSNorm, attn_res
@@ -58,10 +52,7 @@ from inference.model.moe import DenseMLP, LatentMoE, RoutingObserver
 
 # Tensors that stay fp32 whatever the model dtype (model.md sections 2 and 4), by name suffix.
 FP32_TENSOR_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
-# Random initialisation (see the module docstring for why these values).
-LOGIT_STD = 3.0
-ATTN_RES_QUERY_STD = 0.5
-RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj", "shared_experts.down_proj", "routed_expert_up_proj")
+
 
 
 # --------------------------------------------------------------------------- state and caches
@@ -221,44 +212,23 @@ class KimiK3Model(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
                  random_init: bool = True):
-        """`random_init=False` builds shapes only (no random draws): for a skeleton whose weights come from a
+        """The random model of `seed`: the weights `make_random_checkpoint(config, seed=seed)` writes.
+        `random_init=False` builds shapes only (no random draws): for a skeleton whose weights come from a
         checkpoint, e.g. on the meta device in a shard process."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self._routing_observer: RoutingObserver | None = None
-        # Construction draws from the global RNG (submodules initialise themselves); fork it so a seed
-        # always gives the same model and callers' random streams are untouched.
+        # nn.Linear draws a default init from the global RNG while it is built; fork it so callers' random
+        # streams are untouched (the weights themselves come from the checkpoint recipe below)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.model = KimiK3Decoder(config, random_init)
+            self.model = KimiK3Decoder(config, random_init=False)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if random_init:
-                self._init_weights()
+        if random_init:
+            fill_random_weights(self, seed)
         self._cast(dtype)
 
     # ------------------------------------------------------------ weights
-    @torch.no_grad()
-    def _init_weights(self) -> None:
-        cfg = self.config
-        D = cfg.hidden_size
-        branch_gain = 1.0 / math.sqrt(2 * cfg.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                gain = branch_gain if name.endswith(RESIDUAL_BRANCH_OUTPUTS) else 1.0
-                module.weight.normal_(0.0, gain / math.sqrt(module.in_features))
-        self.model.embed_tokens.weight.normal_(0.0, 1.0)
-        self.lm_head.weight.normal_(0.0, LOGIT_STD / math.sqrt(D))
-        for proj in [self.model.output_attn_res_proj] + [
-            p for layer in self.model.layers for p in (layer.self_attention_res_proj, layer.mlp_res_proj)
-        ]:
-            proj.weight.normal_(0.0, ATTN_RES_QUERY_STD / math.sqrt(D))
-        for layer in self.model.layers:
-            if layer.is_moe:
-                layer.block_sparse_moe.gate.weight.normal_(0.0, 1.0 / math.sqrt(D))
-                layer.block_sparse_moe.gate.e_score_correction_bias.normal_(0.0, 0.02)
-        # MXFP4 experts initialise themselves on the grid (MXFP4Linear), from the seeded RNG above.
-
     def _cast(self, dtype: torch.dtype) -> None:
         """Cast floating tensors to dtype except those the format keeps in fp32."""
         for mod_name, module in self.named_modules():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.planning.plan import Plan, RoutingStats, attn_res_sources, layer_weights, lm_head_bytes
 
 

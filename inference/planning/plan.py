@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from inference.model.config import ConfigError, ModelConfig
+from inference.model import ConfigError, ModelConfig
 
 PLAN_FORMAT = "k3-placement-plan/1"
 ROUTING_FORMAT = "k3-routing-stats/1"

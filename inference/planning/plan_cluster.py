@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from inference.model.config import ConfigError, ModelConfig
+from inference.model import ConfigError, ModelConfig
 from inference.planning.cost_model import CostParams
 from inference.planning.plan import PlanError, RoutingStats
 from inference.planning.planner import Cluster, ClusterError, PlanDoesNotFit, PlannerOptions, plan_cluster

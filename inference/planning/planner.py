@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
 from inference.planning.plan import (
     Device,

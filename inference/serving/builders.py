@@ -7,15 +7,14 @@ One setting picks what runs underneath the same `Engine` interface:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from inference.model.checkpoint import fingerprint, load_checkpoint, read_config
+from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
-from inference.model.k3 import KimiK3Model
-from inference.model.tokenizer import load_tokenizer
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
@@ -76,6 +75,28 @@ def load_reference_model(checkpoint: str | Path, dtype: str = "float32", verify:
     return model, load_tokenizer(checkpoint, config), fingerprint(checkpoint)
 
 
+def build_sharded_engine(spec: EngineSpec, timeouts=None) -> LocalEngine:
+    """The serving engine over a ShardedModel (EngineSpec kind "sharded": a plan file or a shard count).
+
+    Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
+    there; see inference.sharding.worker for the commands to run on the other hosts."""
+    # the sharded runtime spawns processes and pulls in torch.distributed: load it only when asked for
+    from inference.sharding import STORE_ENV, ShardTimeouts, ShardedModel  # noqa: PLC0415
+
+    store = spec.shard_store or os.environ.get(STORE_ENV) or None
+    # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
+    # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins
+    model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=spec.dtype,
+                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None)
+    try:
+        tokenizer = load_tokenizer(spec.checkpoint, model.config)
+        return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=model.fingerprint,
+                           engine_kind="sharded", layout=model.layout())
+    except BaseException:
+        model.close()
+        raise
+
+
 def build_engine(spec: EngineSpec) -> Engine:
     problems = spec.problems()
     if problems:
@@ -85,8 +106,6 @@ def build_engine(spec: EngineSpec) -> Engine:
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
                            layout={"processes": 1})
     if spec.kind == "sharded":
-        from inference.sharding.driver import build_sharded_engine  # noqa: PLC0415 (spawns processes; load lazily)
-
         return build_sharded_engine(spec)
     from inference.serving.remote import RemoteEngine, RemoteSettings  # noqa: PLC0415
 

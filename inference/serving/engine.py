@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 from inference.serving.metrics import EngineMetrics
 from inference.serving.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
 

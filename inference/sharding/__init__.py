@@ -1,1 +1,9 @@
-"""The sharded runtime: driver, worker processes and their messages. Uses inference.model, never inference.serving."""
+"""The sharded runtime: the model split over several processes by a placement plan (driver, worker, messages).
+
+Callers import from here. It uses the model (inference.model) and the plan (inference.planning), never the
+serving engine above it: inference.serving.builders wraps a ShardedModel in the engine.
+"""
+from inference.sharding.driver import STORE_ENV, ShardCache, ShardedModel, ShardFailure, ShardSetHealth
+from inference.sharding.messages import ShardTimeouts
+
+__all__ = ["STORE_ENV", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "ShardedModel"]

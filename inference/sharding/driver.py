@@ -2,7 +2,7 @@
 
 `ShardedModel` has the surface `LocalEngine` drives (`config`, `dtype`, `new_cache()`,
 `forward(token_ids, caches, all_logits)`, `recover()`, `close()`), so the serving engine runs unchanged on
-top of it (`build_sharded_engine`). Underneath (docs/engine.md section 2):
+top of it (`inference.serving.builders.build_sharded_engine`). Underneath (docs/engine.md section 2):
 
 - One process per plan device (`inference.planning.plan.Plan`: pipeline stages over contiguous layers, a home rank
   per layer, expert placement with replicas), talking torch.distributed point to point (gloo on CPU, NCCL
@@ -21,7 +21,7 @@ top of it (`build_sharded_engine`). Underneath (docs/engine.md section 2):
   timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
   `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
 - Routing statistics: each home rank counts expert selections and co-activation
-  (`inference.sharding.worker.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
+  (`inference.planning.routing.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
   planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,13 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from inference.model.checkpoint import fingerprint, read_config, verify_manifest
-from inference.serving.engine import EngineHealth, LocalEngine
-from inference.model.k3 import check_forward_batch
-from inference.planning.plan import Plan, PlanError, RoutingStats
+from inference.model import check_forward_batch, fingerprint, read_config, verify_manifest
+from inference.planning import Plan, PlanError, RoutingStats
 from inference.sharding.messages import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
-from inference.sharding.worker import RoutingRecorder, run_local
-from inference.model.tokenizer import load_tokenizer
+from inference.sharding.worker import run_local
 
 STORE_ENV = "K3_SHARD_STORE"  # HOST:PORT: host the store there and wait for ranks 1..N-1 from other hosts
 _POLL_S = 0.25  # how often a waiting driver looks at process sentinels and heartbeats
@@ -58,6 +56,18 @@ _POLL_S = 0.25  # how often a waiting driver looks at process sentinels and hear
 
 class ShardFailure(RuntimeError):
     """The shard set failed (a process died, hung, or reported an error); its sequences are lost."""
+
+
+@dataclass(frozen=True)
+class ShardSetHealth:
+    """The shard set's state as the serving engine reads a model's health (status "ok" | "degraded" | "down")."""
+
+    status: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
 
 
 class ShardCache:
@@ -261,17 +271,17 @@ class ShardedModel:
             self._state = "stopped"
 
     # ------------------------------------------------------------------ health
-    def health(self) -> EngineHealth:
+    def health(self) -> ShardSetHealth:
         """ok while every shard process lives and beats; degraded while a set starts; down after a failure
         until recover()."""
         if self._state == "starting":
-            return EngineHealth("degraded", self._detail)
+            return ShardSetHealth("degraded", self._detail)
         if self._state != "ready":
-            return EngineHealth("down", self._detail)
+            return ShardSetHealth("down", self._detail)
         problem = self._find_fault(starting=False)
         if problem:
-            return EngineHealth("down", problem)
-        return EngineHealth("ok")
+            return ShardSetHealth("down", problem)
+        return ShardSetHealth("ok")
 
     def _find_fault(self, starting: bool) -> str | None:
         for r, proc in self._procs.items():
@@ -435,23 +445,4 @@ class ShardedModel:
             pass
 
 
-def build_sharded_engine(spec, timeouts: ShardTimeouts | None = None) -> LocalEngine:
-    """The serving engine over a ShardedModel (EngineSpec kind "sharded": a plan file or a shard count).
-
-    Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
-    there; see inference.sharding.worker for the commands to run on the other hosts."""
-    store = getattr(spec, "shard_store", None) or os.environ.get(STORE_ENV) or None
-    # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
-    # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins
-    model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=spec.dtype,
-                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None)
-    try:
-        tokenizer = load_tokenizer(spec.checkpoint, model.config)
-        return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=model.fingerprint,
-                           engine_kind="sharded", layout=model.layout())
-    except BaseException:
-        model.close()
-        raise
-
-
-__all__ = ["ShardedModel", "ShardCache", "ShardFailure", "ShardTimeouts", "RoutingRecorder", "build_sharded_engine"]
+__all__ = ["ShardedModel", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "STORE_ENV"]

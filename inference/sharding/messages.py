@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from inference.model.config import ModelConfig
+from inference.model import ModelConfig
 
 # ------------------------------------------------------------------ step header
 META_LEN = 8

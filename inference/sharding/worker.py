@@ -1,6 +1,7 @@
 """One shard process of the sharded Kimi K3 runtime (docs/engine.md section 2).
 
-A shard is one device of a placement plan (`inference.planning.plan.Plan`): it loads only the tensors that plan gives
+A shard is one device of a placement plan (`inference.planning.plan.Plan`): it loads, through the one checkpoint
+loader (`inference.model.checkpoint.load_checkpoint` with `shard_selection`), only the tensors that plan gives
 its rank (its home layers' attention, norms, router, latent projections and shared experts, its routed
 experts, the embedding or the LM head when they are its), keeps the decode caches of its home layers, and
 runs every step on the same deterministic schedule as every other rank (`ShardRank.run_step`): the residual
@@ -49,10 +50,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from inference.model.checkpoint import CheckpointError, fingerprint, load_tensors, read_config
-from inference.model.config import ModelConfig
-from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
-from inference.planning.plan import LayerRouting, Plan, RoutingStats
+from inference.model import (
+    CheckpointError,
+    KimiK3Model,
+    ModelConfig,
+    ResidualState,
+    SequenceCache,
+    TensorSelection,
+    fingerprint,
+    load_checkpoint,
+    read_config,
+)
+from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
 from inference.sharding.messages import (
     META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
     packed_nbytes, state_sources, unpack,
@@ -63,95 +72,6 @@ log = logging.getLogger(__name__)
 
 class ShardCommError(RuntimeError):
     """A point-to-point transfer failed or timed out: the shard set is broken."""
-
-
-# =================================================================== routing statistics
-class RoutingRecorder:
-    """Counts, per MoE layer, how often each expert is selected and how often pairs are selected together.
-
-    Plug it into any model with `routing_observer` (the single-process KimiK3Model or a shard):
-        recorder = RoutingRecorder.attach(model); ...; recorder.save("routing.json")
-    Co-activation is a dense E x E matrix for small E and a sparse counter above DENSE_MAX_EXPERTS (K3's
-    896 experts over 92 layers would need 590 MB dense).
-    """
-
-    DENSE_MAX_EXPERTS = 256
-
-    def __init__(self, num_experts: int, experts_per_token: int):
-        self.num_experts = num_experts
-        self.experts_per_token = experts_per_token
-        self.reset()
-
-    @classmethod
-    def attach(cls, model) -> "RoutingRecorder":
-        recorder = cls(model.config.num_experts, model.config.experts_per_token)
-        model.routing_observer = recorder.observe
-        return recorder
-
-    def reset(self) -> None:
-        self._tokens: dict[int, int] = {}
-        self._load: dict[int, np.ndarray] = {}
-        self._dense: dict[int, np.ndarray] = {}  # flat [E * E], index i * E + j with i < j
-        self._sparse: dict[int, dict[int, int]] = {}
-
-    def observe(self, layer: int, expert_ids: Tensor) -> None:
-        ids = expert_ids.detach().to("cpu", torch.long).numpy()
-        T, k = ids.shape
-        E = self.num_experts
-        self._tokens[layer] = self._tokens.get(layer, 0) + T
-        load = self._load.setdefault(layer, np.zeros(E, dtype=np.int64))
-        np.add.at(load, ids.ravel(), 1)
-        if k < 2 or T == 0:
-            return
-        s = np.sort(ids, axis=1)
-        a, b = np.triu_indices(k, 1)
-        codes = (s[:, a] * E + s[:, b]).ravel()
-        if E <= self.DENSE_MAX_EXPERTS:
-            np.add.at(self._dense.setdefault(layer, np.zeros(E * E, dtype=np.int64)), codes, 1)
-        else:
-            counter = self._sparse.setdefault(layer, {})
-            uniq, counts = np.unique(codes, return_counts=True)
-            for c, n in zip(uniq.tolist(), counts.tolist()):
-                counter[c] = counter.get(c, 0) + n
-
-    def to_stats(self) -> RoutingStats:
-        E = self.num_experts
-        layers = {}
-        for layer, tokens in self._tokens.items():
-            if layer in self._dense:
-                codes = np.flatnonzero(self._dense[layer])
-                counts = self._dense[layer][codes]
-            else:
-                counter = self._sparse.get(layer, {})
-                codes = np.fromiter(sorted(counter), dtype=np.int64, count=len(counter))
-                counts = np.fromiter((counter[c] for c in codes.tolist()), dtype=np.int64, count=len(counter))
-            layers[layer] = LayerRouting(tokens, self._load[layer].copy(), codes // E, codes % E, counts)
-        return RoutingStats(E, self.experts_per_token, layers)
-
-    def save(self, path) -> RoutingStats:
-        stats = self.to_stats()
-        stats.save(path)
-        return stats
-
-
-def merge_routing_stats(parts: list[RoutingStats]) -> RoutingStats:
-    """Statistics of several ranks as one (ranks record disjoint layers; overlapping layers are summed)."""
-    E, k = parts[0].num_experts, parts[0].experts_per_token
-    merged: dict[int, LayerRouting] = {}
-    for part in parts:
-        for layer, rec in part.layers.items():
-            old = merged.get(layer)
-            if old is None:
-                merged[layer] = rec
-                continue
-            pairs: dict[int, int] = {}
-            for r in (old, rec):
-                for i, j, c in zip(r.pair_i.tolist(), r.pair_j.tolist(), r.pair_count.tolist()):
-                    pairs[i * E + j] = pairs.get(i * E + j, 0) + c
-            codes = np.fromiter(sorted(pairs), dtype=np.int64, count=len(pairs))
-            counts = np.fromiter((pairs[c] for c in codes.tolist()), dtype=np.int64, count=len(pairs))
-            merged[layer] = LayerRouting(old.tokens + rec.tokens, old.load + rec.load, codes // E, codes % E, counts)
-    return RoutingStats(E, k, dict(sorted(merged.items())))
 
 
 # =================================================================== expert dispatch
@@ -200,32 +120,10 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
     return assign
 
 
-def owned_keys(config: ModelConfig, plan: Plan, rank: int, keys) -> list[str]:
-    """The model state_dict keys `rank` holds under `plan`."""
-    homed = {f"model.layers.{i}." for i in plan.layers_homed_on(rank)}
-    experts = {f"model.layers.{layer}.block_sparse_moe.experts.{e}."
-               for layer, ids in plan.experts_on(rank).items() for e in ids}
-    head = {"model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
-            "lm_head.weight"}
-    out = []
-    for key in keys:
-        if key.startswith("model.layers."):
-            layer_prefix = ".".join(key.split(".")[:3]) + "."
-            if ".block_sparse_moe.experts." in key:
-                expert_prefix = ".".join(key.split(".")[:6]) + "."
-                if expert_prefix in experts:
-                    out.append(key)
-            elif layer_prefix in homed:
-                out.append(key)
-        elif key == "model.embed_tokens.weight":
-            if rank == plan.embedding_rank:
-                out.append(key)
-        elif key in head:
-            if rank == plan.lm_head_rank:
-                out.append(key)
-        else:
-            raise CheckpointError(f"the sharded runtime does not know where tensor {key} belongs")
-    return out
+def shard_selection(plan: Plan, rank: int) -> TensorSelection:
+    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head."""
+    return TensorSelection.shard(plan.layers_homed_on(rank), plan.experts_on(rank),
+                                 embedding=rank == plan.embedding_rank, head=rank == plan.lm_head_rank)
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -261,28 +159,7 @@ def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: st
                       skeleton: str | None = None) -> KimiK3Model:
     """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
     model = model_skeleton(config, dtype, skeleton)
-    targets = model.state_dict(keep_vars=True)
-    mine = owned_keys(config, plan, rank, targets)
-    loaded = load_tensors(checkpoint, mine)
-    with torch.no_grad():
-        for key in mine:
-            target, src = targets[key], loaded.pop(key)
-            if key.endswith(".A_log"):  # stored padded to config.a_log_size, the model keeps one per head
-                if src.numel() < target.numel():
-                    raise CheckpointError(f"{key} holds {src.numel()} values, the model needs {target.numel()}")
-                src = src.reshape(-1)[:target.numel()].reshape(target.shape)
-            elif tuple(src.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {key} has shape {list(src.shape)} in the checkpoint but the model "
-                                      f"expects {list(target.shape)}")
-            if (src.dtype == torch.uint8) != (target.dtype == torch.uint8):
-                raise CheckpointError(f"tensor {key} is {src.dtype} in the checkpoint, the model holds {target.dtype}")
-            value = src.to(device=device, dtype=target.dtype).contiguous()
-            module_name, _, name = key.rpartition(".")
-            module = model.get_submodule(module_name)
-            if name in module._parameters:
-                module._parameters[name] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[name] = value
+    load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank), device=device)
     return model
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 
-from inference.serving.engine import Engine, FinalEvent, GenerationRequest, TokenEvent
+from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent
 from neurons.settings import Option, non_negative_float
 from neurons.miner_app.server import MinerSetupError, read_miner_settings, serve
 

@@ -42,11 +42,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from chain.interface import Chain, ChainError, MetagraphSnapshot, NotRegistered, RateLimited, connect
-from inference.serving.engine import Engine, EngineError, GenerationRequest
-from inference.serving.engine import FinalEvent as EngineFinalEvent
-from inference.serving.engine import TokenEvent as EngineTokenEvent
-from inference.serving.sampling import SamplingParams
-from inference.serving.builders import EngineSpec, EngineSpecError, build_engine
+from inference.serving import (
+    Engine,
+    EngineError,
+    EngineSpec,
+    EngineSpecError,
+    FinalEvent as EngineFinalEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent as EngineTokenEvent,
+    build_engine,
+)
 from inference.version import __version__
 from neurons.settings import (
     WalletNotFound,
@@ -989,8 +995,8 @@ def load_tokenizer_for(spec: EngineSpec, engine: Engine):
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None:
         return tokenizer
-    from inference.model.checkpoint import read_config  # noqa: PLC0415
-    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.model import read_config  # noqa: PLC0415
+    from inference.model import load_tokenizer  # noqa: PLC0415
 
     return load_tokenizer(spec.checkpoint, read_config(spec.checkpoint))
 

@@ -53,7 +53,7 @@ from chain.interface import (
     RateLimited,
     connect,
 )
-from inference.serving.builders import EngineSpec
+from inference.serving import EngineSpec
 from inference.version import version_key
 from neurons.settings import (
     WalletNotFound,
@@ -1069,6 +1069,12 @@ class ValidatorLoop:
             try:
                 outcome = await self._chain(self.chain.set_weights(self.wallet, self.netuid, submitted, version_key()))
             except TRANSIENT_CHAIN_ERRORS as error:
+                if getattr(error, "retry_after_blocks", None):  # the chain said how many blocks to wait
+                    self.store.record_weight_attempt(False, f"{type(error).__name__}: {error}", weights=submitted)
+                    log.info("set-weights: the chain asks us to wait %d blocks (%s)", error.retry_after_blocks, error)
+                    if not await self._wait_blocks(error.retry_after_blocks, stop):
+                        return False
+                    continue
                 delay = min(w.retry_s * 2 ** attempt, w.retry_max_s)
                 attempt += 1
                 reason = f"{type(error).__name__}: {error}"
@@ -1092,6 +1098,22 @@ class ValidatorLoop:
             log.info("weights set at block %d for %d uids (version key %d)", outcome.block, len(submitted),
                      version_key())
             return True
+        return False
+
+    async def _wait_blocks(self, blocks: int, stop: Optional[asyncio.Event]) -> bool:
+        """Until the chain is `blocks` blocks on from now, polling every retry_s; False when `stop` is set."""
+        target = None
+        while stop is None or not stop.is_set():
+            with contextlib.suppress(*TRANSIENT_CHAIN_ERRORS):
+                now = await self._chain(self.chain.block())
+                target = now + blocks if target is None else target
+                if now >= target:
+                    return True
+            if stop is None:
+                await asyncio.sleep(self.settings.weights.retry_s)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.settings.weights.retry_s)
         return False
 
     async def _safe_hyperparameters(self) -> Optional[Hyperparameters]:
@@ -1162,9 +1184,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
     problems = settings.problems()
     if problems:
         raise ValidatorSetupError("; ".join(problems))
-    from inference.model.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415
-    from inference.serving.builders import EngineSpecError, build_engine  # noqa: PLC0415
-    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.model import CheckpointError, fingerprint, read_config  # noqa: PLC0415
+    from inference.serving import EngineSpecError, build_engine  # noqa: PLC0415
+    from inference.model import load_tokenizer  # noqa: PLC0415
 
     wallet = wallet or open_wallet(settings.wallet)
     checkpoint = settings.engine.checkpoint
