@@ -1,7 +1,8 @@
 """A swarm stage: a contiguous block of Kimi K3 layers and the per-session state those layers need.
 
 A `Stage` holds layers [start, stop) of the model, plus the embedding when start == 0 and the head (output
-Attention Residuals site, final norm, lm_head) when stop == num_layers. It loads only those tensors. What
+Attention Residuals site, final norm, lm_head) when stop == num_layers. It loads only those tensors (the one
+checkpoint loader with `TensorSelection.stage`). What
 crosses into and out of a stage is the `ResidualState` of the new tokens (the embedding and every completed
 Attention Residuals block sum so far, then the running partial sum), or token ids for the first stage; the
 last stage answers with a sampled token or teacher-forced logprobs instead of a state.
@@ -33,18 +34,15 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from inference.model.checkpoint import CheckpointError, load_tensors, read_config
+from inference.model import CheckpointError, TensorSelection, load_checkpoint, read_config
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
 
-HEAD_KEYS = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
-             "lm_head.weight")
-EMBED_KEY = "model.embed_tokens.weight"
 HEAD_MODES = ("none", "sample", "score")
 
 
@@ -102,21 +100,6 @@ def wire_bytes_per_token(config: ModelConfig, cut: int, dtype_bytes: int = 2) ->
     return (blocks_before(cut, config.attn_res_block_size) + 1) * config.hidden_size * dtype_bytes
 
 
-def stage_keys(config: ModelConfig, layers: LayerRange, keys: Sequence[str]) -> list[str]:
-    """The model state_dict keys a stage holds: its layers, the embedding if it starts at 0, the head if it
-    ends at the last layer."""
-    own = tuple(f"model.layers.{i}." for i in range(layers.start, layers.stop))
-    out = []
-    for key in keys:
-        if key.startswith(own):
-            out.append(key)
-        elif key == EMBED_KEY and layers.has_embedding:
-            out.append(key)
-        elif key in HEAD_KEYS and layers.has_head:
-            out.append(key)
-    return out
-
-
 def tensor_sha256(t: Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -130,45 +113,27 @@ def stage_fingerprint(config_hash: str, layers: LayerRange, tensor_hashes: dict[
     return h.hexdigest()[:16]
 
 
-def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dtype = torch.float32
-                     ) -> tuple[KimiK3Model, str, int]:
-    """The model with only the stage's tensors materialised (the rest stay on the meta device).
+def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dtype = torch.float32,
+                     verify: bool = False) -> tuple[KimiK3Model, str, int]:
+    """The model with only the stage's tensors materialised (the rest stay on the meta device), through the one
+    checkpoint loader filtered to the stage (`TensorSelection.stage`: only the shard files holding the block are
+    opened). Returns (model, stage fingerprint, bytes held).
 
-    Returns (model, stage fingerprint, bytes loaded).
-
-    TEMPORARY: a small loader over checkpoint.load_tensors, to be replaced by the one filtered checkpoint
-    loader (another helper is adding it to inference/model/checkpoint.py), which will also check each tensor
-    against the manifest's per-tensor sha256. Until then the stage fingerprint is computed from the bytes read.
-    """
+    The stage fingerprint is computed from the tensors as held (after the cast to `dtype`). `verify` re-hashes
+    the whole checkpoint against the manifest's per-file sha256 (the manifest has no per-tensor hashes yet)."""
     from inference.sharding.worker import model_skeleton  # noqa: PLC0415 (meta/CPU skeleton builder)
 
     config = read_config(checkpoint)
     if config.num_layers != layers.num_layers:
         raise CheckpointError(f"the checkpoint has {config.num_layers} layers, the range assumes {layers.num_layers}")
     model = model_skeleton(config, dtype)
-    targets = model.state_dict(keep_vars=True)
-    mine = stage_keys(config, layers, list(targets))
-    loaded = load_tensors(checkpoint, mine)
+    select = TensorSelection.stage(layers.start, layers.stop, layers.has_embedding, layers.has_head)
+    load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select)
     hashes, nbytes = {}, 0
-    with torch.no_grad():
-        for key in mine:
-            target, src = targets[key], loaded.pop(key)
-            hashes[key] = tensor_sha256(src)
-            nbytes += src.numel() * src.element_size()
-            if key.endswith(".A_log"):
-                if src.numel() < target.numel():
-                    raise CheckpointError(f"{key} holds {src.numel()} values, the model needs {target.numel()}")
-                src = src.reshape(-1)[:target.numel()].reshape(target.shape)
-            elif tuple(src.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {key} has shape {list(src.shape)} in the checkpoint but the model "
-                                      f"expects {list(target.shape)}")
-            value = src.to(dtype=target.dtype).contiguous()
-            module_name, _, name = key.rpartition(".")
-            module = model.get_submodule(module_name)
-            if name in module._parameters:
-                module._parameters[name] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[name] = value
+    for key, t in model.state_dict().items():
+        if not t.is_meta:
+            hashes[f"{key} {str(t.dtype).replace('torch.', '')}"] = tensor_sha256(t)
+            nbytes += t.numel() * t.element_size()
     for i in range(layers.start, layers.stop):
         layer = model.layers[i]
         if layer.is_moe and config.num_parameters() < (1 << 28):
@@ -566,4 +531,4 @@ def session_cache_bytes(config: ModelConfig, layers: LayerRange, length: int) ->
 
 __all__ = ["LayerRange", "Stage", "StageError", "StageLimits", "StageSession", "HeadOutput", "blocks_before",
            "wire_bytes_per_token",
-           "stage_keys", "stage_fingerprint", "load_stage_model", "session_cache_bytes"]
+           "stage_fingerprint", "load_stage_model", "session_cache_bytes"]

@@ -6,7 +6,9 @@ Every link of the route (driver -> stage 1, stage i -> stage i+1, stage N -> dri
 The table compares the measured time per decoded token with the two models:
   chain:  C + (N + 1) x RTT / 2   (this route's one-way chain)
   law:    C + N x RTT              (g / (N x RTT + C) with g = 1, the request-response form)
-where C is the measured time per token at RTT 0 through the same proxies.
+where C is the measured time per token at RTT 0 through the same proxies. Per token the table gives the
+minimum gap between consecutive tokens over all repeats (the estimate least disturbed by other load on a
+shared machine) and the median.
 """
 from __future__ import annotations
 
@@ -88,29 +90,31 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-async def _one_generation(engine, prompt: list[int], n: int) -> tuple[float, float]:
+async def _one_generation(engine, prompt: list[int], n: int) -> tuple[float, list[float]]:
+    """TTFT (ms) and the gaps between consecutive tokens (s) of one greedy generation."""
     from inference.serving.engine import FinalEvent, GenerationRequest  # noqa: PLC0415
     from inference.serving.sampling import SamplingParams  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    first = last = None
-    count = 0
+    stamps = []
     async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
         if isinstance(ev, FinalEvent):
             break
-        now = time.perf_counter()
-        first = first or now
-        last = now
-        count += 1
-    ttft = (first - t0) * 1000.0
-    per_token = (last - first) / max(count - 1, 1)
-    return ttft, per_token
+        stamps.append(time.perf_counter())
+    return (stamps[0] - t0) * 1000.0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-async def _measure(engine, prompt, n, repeats) -> tuple[float, float]:
+async def _measure(engine, prompt, n, repeats) -> dict:
+    """Best TTFT; per decoded token the minimum gap (the least disturbed by other load on the machine) and the
+    median gap, over every token of every repeat."""
     await _one_generation(engine, prompt, n)  # warm
-    runs = [await _one_generation(engine, prompt, n) for _ in range(repeats)]
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+    ttfts, gaps = [], []
+    for _ in range(repeats):
+        ttft, g = await _one_generation(engine, prompt, n)
+        ttfts.append(ttft)
+        gaps += g
+    gaps.sort()
+    return {"ttft_ms": min(ttfts), "min_ms": gaps[0] * 1000.0, "median_ms": gaps[len(gaps) // 2] * 1000.0}
 
 
 async def run_bench(args) -> list[dict]:
@@ -136,9 +140,8 @@ async def run_bench(args) -> list[dict]:
     model, tok, _ = load_reference_model(ckpt, verify=False)
     local = LocalEngine(model, tok, EngineSettings(max_context=1024, max_concurrent_sequences=1))
     async with local:
-        ttft, per_token = await _measure(local, prompt, args.new_tokens, args.repeats)
-    rows.append({"setup": "single process", "rtt_ms": 0.0, "ttft_ms": ttft, "tok_s": 1.0 / per_token,
-                 "ms_per_token": per_token * 1000.0})
+        rows.append({"setup": "single process", "rtt_ms": 0.0,
+                     **await _measure(local, prompt, args.new_tokens, args.repeats)})
 
     ranges = [f"{a}-{b - 1}" for a, b in block_cuts(config.num_layers, config.attn_res_block_size, args.stages)]
     names = [f"stage{i}" for i in range(len(ranges))] + ["driver"]
@@ -164,16 +167,15 @@ async def run_bench(args) -> list[dict]:
             for rtt in args.rtts_ms:
                 for link in links + [driver_link]:
                     link.delay_s = rtt / 2000.0
-                ttft, per_token = await _measure(engine, prompt, args.new_tokens, args.repeats)
-                rows.append({"setup": f"{len(ranges)}-stage swarm", "rtt_ms": rtt, "ttft_ms": ttft,
-                             "tok_s": 1.0 / per_token, "ms_per_token": per_token * 1000.0})
+                rows.append({"setup": f"{len(ranges)}-stage swarm", "rtt_ms": rtt,
+                             **await _measure(engine, prompt, args.new_tokens, args.repeats)})
     finally:
         stop_processes(procs)
         for link in links + [driver_link]:
             await link.close()
     swarm_rows = [r for r in rows if r["setup"] != "single process"]
     base = next((r for r in swarm_rows if r["rtt_ms"] == 0), swarm_rows[0])
-    C = base["ms_per_token"] - (len(ranges) + 1) * base["rtt_ms"] / 2
+    C = base["min_ms"] - (len(ranges) + 1) * base["rtt_ms"] / 2
     for r in swarm_rows:
         r["chain_model_ms"] = C + (len(ranges) + 1) * r["rtt_ms"] / 2
         r["law_model_ms"] = C + len(ranges) * r["rtt_ms"]
@@ -182,15 +184,16 @@ async def run_bench(args) -> list[dict]:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"# bench_swarm: tiny model, prompt {args.prompt_tokens} tokens, {args.new_tokens} generated, "
-          f"best of {args.repeats}; {os.cpu_count()}-core CPU, torch threads {args.threads} per stage")
-    print("| setup | RTT per link (ms) | TTFT (ms) | tokens/s | ms per token | chain model C+(N+1)RTT/2 | "
-          "law C+N*RTT |")
-    print("|---|---|---|---|---|---|---|")
+          f"{args.repeats} repeats; {os.cpu_count()}-core CPU, torch threads {args.threads} per stage; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| setup | RTT per link (ms) | TTFT (ms) | ms/token min | tokens/s at min | ms/token median | "
+          "chain model C+(N+1)RTT/2 | law C+N*RTT |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         chain = f"{r['chain_model_ms']:.1f}" if "chain_model_ms" in r else "-"
         law = f"{r['law_model_ms']:.1f}" if "law_model_ms" in r else "-"
-        print(f"| {r['setup']} | {r['rtt_ms']:g} | {r['ttft_ms']:.1f} | {r['tok_s']:.1f} | "
-              f"{r['ms_per_token']:.1f} | {chain} | {law} |")
+        print(f"| {r['setup']} | {r['rtt_ms']:g} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f} | "
+              f"{1000.0 / r['min_ms']:.1f} | {r['median_ms']:.1f} | {chain} | {law} |")
 
 
 def main(argv: list[str] | None = None) -> int:
