@@ -161,3 +161,13 @@ def test_delay_link_limits_the_rate():
         return done - t0
 
     assert 0.19 <= asyncio.run(main()) < 2.0
+
+
+def test_the_miner_entry_point_serves_a_stage_when_given_serve_layers(capsys):
+    from neurons.miner import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--serve-layers", "0-5", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--serve-layers" in out and "--rewind-window" in out
