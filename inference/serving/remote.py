@@ -115,6 +115,15 @@ def parse_token_key(key) -> int:
                                         "it must honour return_tokens_as_token_ids")
 
 
+def parse_id_key(key) -> int:
+    """A `prompt_logprobs` key: vLLM keys that map by token id, as a decimal string (JSON keys are strings)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return parse_token_key(key)
+
+
 _STATUS_CODES = {400: "invalid_request", 404: "engine_unavailable", 413: "context_too_long", 422: "invalid_request",
                  429: "over_capacity", 503: "engine_unavailable"}
 _CONTEXT_WORDS = ("context length", "maximum context", "too long", "context_length", "exceeds the max")
@@ -137,6 +146,17 @@ def _error_from_status(status: int, text: str) -> EngineError:
     if code == "invalid_request" and any(w in message.lower() for w in _CONTEXT_WORDS):
         code = "context_too_long"
     return EngineError(code, f"server answered HTTP {status}: {message}")
+
+
+def _stream_error(err) -> EngineError:
+    """An error event inside a 200 stream. vLLM refuses a streamed request this way (with the HTTP
+    code it would have used in the event); SGLang's carries a code too."""
+    message = err.get("message", err) if isinstance(err, dict) else err
+    code = err.get("code") if isinstance(err, dict) else None
+    if isinstance(code, int) and 400 <= code < 500:
+        mapped = _error_from_status(code, json.dumps({"error": err}))
+        return EngineError(mapped.code, f"server error {code} in the stream: {message}")
+    return EngineError("engine_failure", f"server error mid-stream: {message}")
 
 
 class RemoteEngine(Engine):
@@ -227,7 +247,7 @@ class RemoteEngine(Engine):
         return first_token_deadline_s(prompt_tokens, self.settings.first_token_floor_s, self.prefill_rate.tokens_per_s)
 
     # ----------------------------------------------------------------- HTTP
-    async def _send(self, path: str, body: dict, deadline: float, stream: bool) -> httpx.Response:
+    async def _send(self, path: str, body: dict, deadline: float, stream: bool, late: str = "") -> httpx.Response:
         """POST and wait for the answer's headers until `deadline` (loop time); non-200 -> EngineError."""
         if self._client is None:
             raise EngineError("engine_unavailable", "the remote engine is not started")
@@ -248,7 +268,7 @@ class RemoteEngine(Engine):
                     finally:
                         await resp.aclose()
         except TimeoutError:
-            raise EngineError("engine_stalled", f"the server did not answer {path} in time") from None
+            raise EngineError("engine_stalled", late or f"the server did not answer {path} in time") from None
         except httpx.HTTPError as exc:
             raise EngineError("engine_unavailable", f"cannot reach the server: {exc!r}") from None
         return resp
@@ -281,9 +301,7 @@ class RemoteEngine(Engine):
                 if not isinstance(data, dict):
                     raise EngineError("engine_failure", f"unexpected event from the server: {sse.data[:200]!r}")
                 if data.get("error") and not data.get("choices"):
-                    err = data["error"]
-                    message = err.get("message", err) if isinstance(err, dict) else err
-                    raise EngineError("engine_failure", f"server error mid-stream: {message}")
+                    raise _stream_error(data["error"])
                 yield data
         finally:
             await events.aclose()
@@ -307,7 +325,8 @@ class RemoteEngine(Engine):
             path, body, reader = "/generate", self._sglang_generate_body(request), _SGLangStream(self, request)
         else:
             path, body, reader = "/v1/completions", self._vllm_generate_body(request), _VLLMStream(self, request)
-        resp = await self._send(path, body, first_deadline, stream=True)
+        resp = await self._send(path, body, first_deadline, stream=True,
+                                late=f"no first token within {first_deadline - t0:.1f} s (the prefill deadline)")
         clock = _StreamClock(loop, t0, first_deadline, self.settings)
         index = 0
         try:
@@ -432,7 +451,7 @@ class RemoteEngine(Engine):
             if not isinstance(plp, list) or len(plp) < n:
                 raise EngineError("engine_failure", "the server did not return prompt_logprobs for every prompt token")
             for q in range(1, n):
-                table = {parse_token_key(k): float(v["logprob"] if isinstance(v, dict) else v)
+                table = {parse_id_key(k): float(v["logprob"] if isinstance(v, dict) else v)
                          for k, v in (plp[q] or {}).items()}
                 if token_ids[q] in table:
                     result[q] = (table[token_ids[q]], table)
