@@ -587,6 +587,9 @@ class _SGLangStream:
         self.emitted = total
         if meta.get("finish_reason"):
             self.finish = meta["finish_reason"]
+            if self.decoder is not None and out:  # bytes of an unfinished character end as U+FFFD
+                token_id, text, logprob, top = out[-1]
+                out[-1] = (token_id, text + self.decoder.flush(), logprob, top)
         return out
 
     def finish_reason(self, completion: int) -> str:
