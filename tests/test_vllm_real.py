@@ -210,6 +210,91 @@ async def test_vllm_4xx_answers_map_to_our_errors(vllm):
         assert err.value.code == "engine_unavailable" and "HTTP 404" in err.value.message
 
 
+def make_wallet(root, name: str):
+    import bittensor as bt
+
+    wallet = bt.Wallet(name, "default", path=str(root))
+    wallet.create_new_coldkey(use_password=False, suppress=True)
+    wallet.create_new_hotkey(use_password=False, suppress=True)
+    return wallet
+
+
+async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(vllm, tmp_path):
+    """`neurons/miner.py --engine remote` as a process in front of the real server, on a devnet; the
+    validator's tier-0 checks and a tier-1 audit against the same server as the reference."""
+    import subprocess
+    import sys
+
+    from chain.devnet import DevnetChain
+    from protocol.client import MinerClient
+    from protocol.schemas import GenerateRequest
+    from protocol.signature import verify_response
+    from scoring.verify import audit_tier1, check_tier0, validator_prompt_ids
+    from vllm_server import free_port
+
+    server, meta = vllm
+    wallets = {name: make_wallet(tmp_path / "wallets", name) for name in ("owner", "miner", "validator")}
+    devnet = tmp_path / "devnet.sqlite"
+    chain = DevnetChain(devnet, create=True, block_interval=1.0)
+    try:
+        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
+        for name in ("miner", "validator"):
+            await chain.register(wallets[name], netuid)
+        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 100.0)
+    finally:
+        await chain.close()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(repo, "neurons", "miner.py"), "--chain", f"devnet:{devnet}",
+           "--netuid", str(netuid), "--wallet-name", "miner", "--wallet-hotkey", "default",
+           "--wallet-path", str(tmp_path / "wallets"), "--engine", "remote", "--remote-url", server.url,
+           "--remote-model", MODEL_NAME, "--checkpoint", str(meta), "--max-context", str(MAX_MODEL_LEN),
+           "--max-concurrent", "4", "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1",
+           "--metrics-port", str(free_port()), "--nonce-store", str(tmp_path / "nonces.sqlite"),
+           "--min-validator-stake", "5", "--metagraph-refresh-s", "2", "--stall-timeout-s", "45"]
+    miner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        hotkey = wallets["miner"].hotkey.ss58_address
+        chain = DevnetChain(devnet)
+        url = None
+        try:
+            deadline = time.monotonic() + 300
+            while url is None and time.monotonic() < deadline:
+                assert miner.poll() is None, miner.stdout.read().decode(errors="replace")
+                neuron = (await chain.metagraph(netuid)).by_hotkey(hotkey)
+                url = neuron.endpoint.url if neuron.endpoint is not None else None
+                await asyncio.sleep(0.5)
+        finally:
+            await chain.close()
+        assert url, "the miner did not publish its endpoint"
+        async with engine(vllm) as reference:
+            tokenizer = reference.tokenizer
+            async with MinerClient(wallets["validator"].hotkey) as client:
+                caps = await client.capabilities(url, hotkey)
+                assert caps.engine == "remote" and caps.model_fingerprint == reference.model_fingerprint
+                assert caps.vocab_size == 512 and caps.max_context == MAX_MODEL_LEN
+                for k, (text, temperature) in enumerate([("def main(argv=None):", 0.0), ("import json\n", 0.7)]):
+                    request = GenerateRequest(request_id=f"v-{k}", prompt=text, max_tokens=24, temperature=temperature,
+                                              seed=11, logprobs=5)
+                    result = await client.generate(url, hotkey, request)
+                    assert result.final is not None and len(result.token_ids) == result.final.usage.completion_tokens
+                    assert verify_response(result.final.signature, result.body, result.token_ids, hotkey)
+                    failures = check_tier0(None, result, tokenizer, caps, hotkey)
+                    assert failures == [], failures
+                    prompt_ids = validator_prompt_ids(request, tokenizer)
+                    audit = await audit_tier1(prompt_ids, result, reference, stop_ids=tokenizer.stop_ids)
+                    assert audit.passed is True, audit
+                    assert audit.positions == len(result.token_ids)
+    finally:
+        miner.terminate()
+        try:
+            out, _ = miner.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            miner.kill()
+            out, _ = miner.communicate(timeout=30)
+    assert miner.returncode == 0, out.decode(errors="replace")[-3000:]
+
+
 async def test_the_server_dying_mid_stream_fails_the_stream_and_recovery_is_seen(vllm):
     """Last in this module: it kills and restarts the server."""
     server, _ = vllm
