@@ -29,6 +29,9 @@ setup(
         "rich",
         "tiktoken",
         "psutil",
+        "httpx>=0.28",  # the remote engine's HTTP client
+        "httpx-sse>=0.4.3",  # server-sent events as the standard says (CRLF, comments, multi-line data)
+        "tokenizers>=0.20",  # a served model's tokenizer.json (remote engine in front of vLLM/SGLang)
     ],
     extras_require={
         "test": [
@@ -39,6 +42,7 @@ setup(
             "fla-core",
             "triton",
             "openai",
+            "msgspec",  # SGLang's own protocol types (tests/sglang_protocol.py)
         ],
     },
 )

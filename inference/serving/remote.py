@@ -126,7 +126,7 @@ def parse_id_key(key) -> int:
 
 _STATUS_CODES = {400: "invalid_request", 404: "engine_unavailable", 413: "context_too_long", 422: "invalid_request",
                  429: "over_capacity", 503: "engine_unavailable"}
-_CONTEXT_WORDS = ("context length", "maximum context", "too long", "context_length", "exceeds the max")
+_CONTEXT_WORDS = ("context", "too long")  # vLLM: "This model's maximum context length is ..."
 
 
 def _error_from_status(status: int, text: str) -> EngineError:
@@ -665,6 +665,16 @@ def read_served_model(ckpt_dir: str | Path):
                                f"make it with: python -m inference manifest {ckpt_dir}") from None
     tokenizer, vocab_size, eos_id = _served_tokenizer(ckpt_dir, hf_config)
     return vocab_size, eos_id, tuple(getattr(tokenizer, "stop_ids", ())), tokenizer, fp
+
+
+def served_tokenizer(ckpt_dir: str | Path):
+    """The served model's tokenizer from its directory (tiktoken.model of a K3 release, or tokenizer.json)."""
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        hf_config = json.loads((ckpt_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise RemoteSetupError(f"{ckpt_dir}/config.json cannot be read: {exc}") from None
+    return _served_tokenizer(ckpt_dir, hf_config)[0]
 
 
 def _served_tokenizer(ckpt_dir: Path, hf_config: dict):
