@@ -604,7 +604,23 @@ def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> di
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
         "latency_s": summary([s.result.total_s for s in done]),
         "tier0_failed": sum(1 for s in done if s.tier0),
+        # as `vllm bench serve` defines them: TPOT per request = (end - first token) / (tokens - 1);
+        # ITL = every gap between two consecutive tokens of a stream
+        "tpot_ms": summary([time_per_output_token_ms(s.result) for s in done]),
+        "itl_ms": summary([gap for s in done for gap in inter_token_latencies_ms(s.result)]),
     }
+
+
+def time_per_output_token_ms(result: GenerateResult) -> Optional[float]:
+    times = result.token_arrivals_s
+    if len(times) < 2 or result.total_s is None:
+        return None
+    return (result.total_s - times[0]) * 1000 / (len(times) - 1)
+
+
+def inter_token_latencies_ms(result: GenerateResult) -> list[float]:
+    times = result.token_arrivals_s  # tokens of one event share its time: a gap of 0 inside an event
+    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
 # ---------------------------------------------------------------- quality
@@ -844,6 +860,12 @@ def markdown_report(report: dict) -> str:
             f"{_stat(w['prefill_tokens_per_s'], 'p50')} | {_stat(w['decode_tokens_per_s'], 'p50')} | "
             f"{_fmt(w['aggregate_tokens_per_s'])} | {_stat(w['latency_s'], 'p50')} | {_stat(w['latency_s'], 'p90')} | "
             f"{_stat(w['latency_s'], 'p99')} | {w['tier0_failed']} |")
+    lines += ["", "| prompt | output | conc | TPOT mean ms | TPOT p50 | TPOT p90 | TPOT p99 | ITL mean ms | ITL p50 | "
+              "ITL p90 | ITL p99 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for w in report["workloads"]:
+        tpot, itl = w.get("tpot_ms"), w.get("itl_ms")
+        lines.append(f"| {w['prompt_tokens']} | {w['output_tokens']} | {w['concurrency']} | "
+                     + " | ".join(_stat(x, k) for x in (tpot, itl) for k in ("mean", "p50", "p90", "p99")) + " |")
     q = report["quality"]
     t0 = q["tier0"]
     lines += ["", "Quality:",
@@ -895,5 +917,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         json_path, md_path = write_report(report, settings.out_dir)
         print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     print(markdown_report(report))
+    if not report["totals"]["completed"]:
+        print("error: no request succeeded", file=sys.stderr)
+        return 1
     return 0
 
