@@ -679,21 +679,24 @@ def served_tokenizer(ckpt_dir: str | Path):
 
 def _served_tokenizer(ckpt_dir: Path, hf_config: dict):
     from inference.model.hf_tokenizer import HF_TOKENIZER_FILE, HFByteLevelTokenizer  # noqa: PLC0415
-    from inference.model.tokenizer import TIKTOKEN_FILE, TokenizerError, load_tokenizer  # noqa: PLC0415
+    from inference.model.tokenizer import TokenizerError, load_tokenizer  # noqa: PLC0415
+
+    from inference.model.checkpoint import read_config  # noqa: PLC0415
 
     text = hf_config.get("text_config") or hf_config
     try:
-        if (ckpt_dir / TIKTOKEN_FILE).exists():  # a Kimi K3 release
-            from inference.model.checkpoint import read_config  # noqa: PLC0415
-
-            config = read_config(ckpt_dir)
+        config = read_config(ckpt_dir)  # a Kimi K3 config: its tokenizer (tiktoken.model, or the byte tokenizer)
+    except Exception:  # noqa: BLE001 - CheckpointError, and TypeError/KeyError on another model's config
+        config = None
+    try:
+        if config is not None:
             return load_tokenizer(ckpt_dir, config), config.vocab_size, config.eos_token_id
         if (ckpt_dir / HF_TOKENIZER_FILE).exists():
             tok = HFByteLevelTokenizer.from_dir(ckpt_dir, text)
             return tok, tok.vocab_size, tok.eos_id
     except (TokenizerError, Exception) as exc:  # CheckpointError, ConfigError: a file that does not parse
         raise RemoteSetupError(f"the tokenizer in {ckpt_dir} cannot be read: {exc}") from None
-    raise RemoteSetupError(f"{ckpt_dir} has no tokenizer ({TIKTOKEN_FILE} or {HF_TOKENIZER_FILE})")
+    raise RemoteSetupError(f"{ckpt_dir} is not a Kimi K3 config and has no {HF_TOKENIZER_FILE}")
 
 
 def build_remote_engine(settings: RemoteSettings, ckpt_dir: str | Path) -> RemoteEngine:
