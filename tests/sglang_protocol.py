@@ -9,12 +9,13 @@ loaded by path. Nothing in it is retyped here.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TARGET = REPO / ".sglang-protocol"
+TARGET = Path(os.environ.get("K3_SGLANG_PROTOCOL_DIR", REPO / ".sglang-protocol"))
 SGLANG_VERSION = "0.5.23"
 MODULE_FILE = TARGET / "sglang" / "api" / "v1" / "api_types.py"
 
