@@ -5,6 +5,11 @@
     python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate suffix --json
     python -m inference score --checkpoint DIR --token-ids 1,2,3,4 --top-k 5 --json
     python -m inference info --checkpoint DIR
+    python -m inference manifest RELEASE_DIR [--sha256 SHA256SUMS] [--out DIR]
+
+`manifest` writes the metadata checkpoint a miner in front of vLLM or SGLang needs (config.json,
+tokenizer files and k3_manifest.json with the model fingerprint), from a release's files; the weights
+may be absent when the release's sha256 list is given (inference/model/manifest.py).
 
 Generation runs through the same engine a miner serves with, so its tokens (and, with a seed,
 its samples) are exactly what a miner on this checkpoint would stream.
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from inference.model import CheckpointError, ConfigError
 from inference.serving import (
@@ -73,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     i = sub.add_parser("info", help="print the checkpoint's config summary and fingerprint")
     i.add_argument("--checkpoint", required=True)
+    m = sub.add_parser("manifest", help="write k3_manifest.json (the fingerprint) for a release, weights optional")
+    m.add_argument("release", help="directory with config.json, tokenizer files, model.safetensors.index.json")
+    m.add_argument("--sha256", help="the release's published sha256 list (sha256sum format) for absent shards")
+    m.add_argument("--out", help="write the metadata checkpoint here (copies the metadata files, not the weights)")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -137,6 +148,14 @@ def main(argv=None) -> int:
 
             config = read_config(args.checkpoint)
             print(json.dumps({**config.summary(), "fingerprint": fingerprint(args.checkpoint)}, indent=2))
+            return 0
+        if args.command == "manifest":
+            from inference.model.manifest import make_manifest  # noqa: PLC0415
+
+            manifest = make_manifest(args.release, args.sha256, args.out, progress=not args.quiet)
+            print(json.dumps({"fingerprint": manifest["fingerprint"], "shards": manifest["num_shards"],
+                              "weights_present": manifest["weights_present"],
+                              "written": str(Path(args.out or args.release) / "k3_manifest.json")}))
             return 0
         if args.command == "generate":
             out = asyncio.run(_generate(args))

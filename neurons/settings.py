@@ -432,6 +432,16 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
         Option("engine.remote_score_mode", "--remote-score-mode", f"{p}REMOTE_SCORE_MODE", str,
                "remote: how the server scores prompts (prompt_logprobs for vLLM, echo for others)", group="engine",
                choices=("prompt_logprobs", "echo")),
+        Option("engine.remote_protocol", "--remote-protocol", f"{p}REMOTE_PROTOCOL", str,
+               "remote: vllm (OpenAI completions with token ids and prompt_logprobs) or sglang (SGLang's native "
+               "/generate; give --remote-url without /v1)", group="engine", choices=("vllm", "sglang")),
+        Option("engine.remote_prefill_tokens_per_s", "--remote-prefill-rate", f"{p}REMOTE_PREFILL_RATE", positive_float,
+               "remote: prompt tokens per second the server prefills at least; the first token is due "
+               "--remote-first-token-floor-s + prompt/this after the request starts", group="engine",
+               metavar="TOKENS_PER_S"),
+        Option("engine.remote_first_token_floor_s", "--remote-first-token-floor-s", f"{p}REMOTE_FIRST_TOKEN_FLOOR_S",
+               positive_float, "remote: the first-token deadline's floor (queueing, short prompts)",
+               group="engine"),
         Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "weights dtype of the in-process model", group="engine",
                choices=("float32", "bfloat16")),
         Option("engine.speculate", "--speculate", f"{p}SPECULATE", str,

@@ -50,7 +50,7 @@ class EngineError(Exception):
 
 # Every code an EngineError carries (protocol.errors.ErrorCode holds each; a test checks).
 ERROR_CODES = ("invalid_request", "context_too_long", "over_capacity", "queue_full", "engine_unavailable",
-               "engine_failure", "cancelled")
+               "engine_failure", "engine_stalled", "cancelled")
 
 
 @dataclass(frozen=True)
