@@ -190,3 +190,20 @@ async def test_a_stalled_scheduler_is_reported_within_5_s_and_recovers(model, to
             assert len(await asyncio.wait_for(served(engine), 30.0)) == 2
         finally:
             stalling.release.set()
+
+
+async def test_a_bug_outside_the_model_fails_that_step_and_the_scheduler_goes_on(model, tokenizer):
+    async with engine_for(model, tokenizer) as engine:
+        plan = engine._plan_step
+        calls = {"n": 0}
+
+        def broken_once():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("a scheduling bug")
+            return plan()
+        engine._plan_step = broken_once
+        failed = await served(engine)
+        assert isinstance(failed, EngineError) and failed.code == "engine_failure"
+        assert len(await served(engine)) == 2
+        assert engine.health().ok and engine.scheduler_restarts == 0

@@ -545,13 +545,13 @@ class LocalEngine(Engine):
         self._health = EngineHealth("ok", f"scheduler restarted after: {problem}")
 
     async def _run(self) -> None:
+        """The scheduler. A bug anywhere in a step fails that step's sequences and the loop goes on."""
         while True:
-            self._beat = time.monotonic()
             try:
-                await self._run_once()
+                await self._schedule()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a bug anywhere in a step fails that step's sequences, never the scheduler
+            except Exception as exc:
                 log.exception("engine step failed outside the model")
                 err = EngineError("engine_failure", f"the engine failed during this request: {exc}")
                 for seq in list(self._running):
@@ -559,49 +559,51 @@ class LocalEngine(Engine):
                     self._release(seq)
                 await asyncio.sleep(0)
 
-    async def _run_once(self) -> None:
+    async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
-        for seq in [q for q in self._running if q.cancelled]:
-            self._finish(seq, "cancelled")
-        self._admit()
-        self._update_gauges()
-        if not self._running:
-            # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
-            self._wake.clear()
+        while True:
+            self._beat = time.monotonic()
+            for seq in [q for q in self._running if q.cancelled]:
+                self._finish(seq, "cancelled")
+            self._admit()
+            self._update_gauges()
+            if not self._running:
+                # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    await self._recover_if_broken()
+                continue
+            cycle_start = time.perf_counter()
+            batch = self._plan_step()
+            all_logits = any(seq.kind == "score" for seq, _ in batch)
+            ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
+            caches = [seq.cache for seq, _ in batch]
+            t0 = time.perf_counter()
+            self._in_forward_since = time.monotonic()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                await self._recover_if_broken()
-            return
-        cycle_start = time.perf_counter()
-        batch = self._plan_step()
-        all_logits = any(seq.kind == "score" for seq, _ in batch)
-        ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
-        caches = [seq.cache for seq, _ in batch]
-        t0 = time.perf_counter()
-        self._in_forward_since = time.monotonic()
-        try:
-            logits = await loop.run_in_executor(
-                self._executor, self._forward, ids, caches, all_logits
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a model or shard failure: fail this step's sequences, recover
+                logits = await loop.run_in_executor(
+                    self._executor, self._forward, ids, caches, all_logits
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a model or shard failure: fail this step's sequences, recover
+                self._in_forward_since = None
+                await self._on_step_failure(exc)
+                continue
             self._in_forward_since = None
-            await self._on_step_failure(exc)
-            return
-        self._in_forward_since = None
-        self._beat = time.monotonic()
-        self._after_step(batch, logits, all_logits)
-        self.steps += 1
-        await asyncio.sleep(0)  # let consumers read and new requests arrive
-        t2 = time.perf_counter()
-        self.metrics.step_seconds.observe(t2 - t0)
-        # per batch size: [steps, whole cycle seconds, seconds inside the model's forward]
-        stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
-        stat[0] += 1
-        stat[1] += t2 - cycle_start
-        stat[2] += self._last_forward_s
+            self._beat = time.monotonic()
+            self._after_step(batch, logits, all_logits)
+            self.steps += 1
+            await asyncio.sleep(0)  # let consumers read and new requests arrive
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - t0)
+            # per batch size: [steps, whole cycle seconds, seconds inside the model's forward]
+            stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
+            stat[0] += 1
+            stat[1] += t2 - cycle_start
+            stat[2] += self._last_forward_s
 
     def _forward(self, ids, caches, all_logits):
         t0 = time.perf_counter()
