@@ -28,3 +28,12 @@ class TokenBuckets:
             return (1.0 - tokens) / rate
         self._buckets[key] = (tokens - 1.0, now)
         return None
+
+    def peek(self, key: str, size: float, now: Optional[float] = None) -> Optional[float]:
+        """What `take` would answer, taking nothing."""
+        now = time.monotonic() if now is None else now
+        size = float(size)
+        rate = size / self.window_s
+        tokens, updated = self._buckets.get(key, (size, now))
+        tokens = min(size, tokens + (now - updated) * rate)
+        return None if tokens >= 1.0 else (1.0 - tokens) / rate

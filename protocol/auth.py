@@ -88,6 +88,60 @@ def sign_request(
     )
 
 
+def _header_values(headers: Mapping[str, str], name: str) -> list[str]:
+    getall = getattr(headers, "getall", None)
+    if getall is not None:  # a multidict (aiohttp): every copy of the header
+        return list(getall(name, []))
+    return [value for key, value in headers.items() if key.lower() == name.lower()]
+
+
+def check_auth_headers(
+    headers: Mapping[str, str],
+    own_hotkey_ss58: str,
+    max_age_s: float = AUTH_MAX_AGE_S,
+    allowed_skew_s: float = AUTH_ALLOWED_SKEW_S,
+    now_ns: Optional[int] = None,
+) -> str:
+    """Everything btauth/1 headers can decide without the body: present once each, printable ASCII,
+    well-formed, bound to this receiver, fresh. Returns the hotkey the caller claims (not yet proven:
+    the signature covers the body). Raises AuthFailure (401; 403 for another receiver)."""
+    values: dict[str, str] = {}
+    for name in _REQUIRED_HEADERS + (http_auth.HEADER_CRYPTO,):
+        found = _header_values(headers, name)
+        if len(found) > 1:
+            raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"{name} is given {len(found)} times; send it once")
+        if found:
+            value = found[0]
+            if not (value.isascii() and value.isprintable()) or len(value) > 256:
+                raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"{name} must be printable ASCII of at most 256 characters")
+            values[name] = value
+    missing = [name for name in _REQUIRED_HEADERS if name not in values]
+    if missing:
+        raise AuthFailure(
+            ErrorCode.MISSING_AUTH,
+            f"missing btauth/1 headers: {', '.join(missing)}; sign the request with "
+            "bittensor.http_auth.sign(..., receiver_ss58=<this server's hotkey>)",
+        )
+    if values[http_auth.HEADER_VERSION] != http_auth.VERSION:
+        raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"unsupported {http_auth.HEADER_VERSION} "
+                                                    f"(expected {http_auth.VERSION!r})")
+    nonce_text = values[http_auth.HEADER_NONCE]
+    if not (nonce_text.isdigit() and len(nonce_text) <= 24):
+        raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"{http_auth.HEADER_NONCE} is not a decimal integer")
+    signature = values[http_auth.HEADER_SIGNATURE].removeprefix("0x")
+    if len(signature) != 128 or any(c not in "0123456789abcdefABCDEF" for c in signature):
+        raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"{http_auth.HEADER_SIGNATURE} is not 64 bytes of hex")
+    if values[http_auth.HEADER_RECEIVER] != own_hotkey_ss58:
+        raise AuthFailure(ErrorCode.WRONG_RECEIVER, "request was signed for a different receiving hotkey")
+    now = time.time_ns() if now_ns is None else now_ns
+    nonce = int(nonce_text)
+    if now - nonce > max_age_s * 1e9:
+        raise AuthFailure(ErrorCode.STALE_REQUEST, f"nonce is older than the {max_age_s:g}s freshness window")
+    if nonce - now > allowed_skew_s * 1e9:
+        raise AuthFailure(ErrorCode.STALE_REQUEST, f"nonce is more than {allowed_skew_s:g}s in the future")
+    return values[http_auth.HEADER_HOTKEY]
+
+
 def verify_request(
     headers: Mapping[str, str],
     body: bytes,
@@ -106,14 +160,7 @@ def verify_request(
     anything else (missing headers, stale, bad signature, replay), 503 when
     the replay store cannot be reached.
     """
-    present = {key.lower() for key in headers.keys()}
-    missing = [name for name in _REQUIRED_HEADERS if name.lower() not in present]
-    if missing:
-        raise AuthFailure(
-            ErrorCode.MISSING_AUTH,
-            f"missing btauth/1 headers: {', '.join(missing)}; sign the request with "
-            "bittensor.http_auth.sign(..., receiver_ss58=<this server's hotkey>)",
-        )
+    check_auth_headers(headers, own_hotkey_ss58, max_age_s, allowed_skew_s)
     try:
         caller = http_auth.verify(
             headers,
@@ -131,6 +178,8 @@ def verify_request(
             if isinstance(error, kind):
                 raise AuthFailure(code, str(error)) from None
         raise AuthFailure(ErrorCode.UNAUTHORIZED, str(error)) from None
+    except (UnicodeError, ValueError):  # an address or value the SDK cannot even encode
+        raise AuthFailure(ErrorCode.MALFORMED_AUTH, "malformed btauth/1 headers") from None
     except sqlite3.Error:
         raise AuthFailure(ErrorCode.REPLAY_STORE_UNAVAILABLE, "the replay store is unavailable; retry") from None
     return caller.hotkey_ss58

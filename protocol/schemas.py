@@ -20,6 +20,7 @@ with `/v1/score` on a reference engine.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
@@ -56,6 +57,12 @@ MAX_TOKENS_PER_EVENT = 64
 # The chosen token's logprob may round slightly above 0 in float arithmetic.
 LOGPROB_CEILING = 1e-3
 LOGPROB_FLOOR = -1e6
+# Sampling bounds, the same on the miner and on the gateway (inference.serving.sampling states the same
+# numbers; a test checks): temperature is 0 (greedy) or in [TEMPERATURE_MIN, TEMPERATURE_MAX]; top_p in
+# [TOP_P_MIN, 1]. Smaller positive values would be greedy in all but name and only invite overflow.
+TEMPERATURE_MIN = 1e-3
+TEMPERATURE_MAX = 2.0
+TOP_P_MIN = 1e-6
 
 _ID_PATTERN = r"^[A-Za-z0-9._:\-]+$"
 _SS58_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{40,60}$"
@@ -171,12 +178,22 @@ class GenerateRequest(_WireModel):
     # Text prompts only: wrap the prompt as one user turn in the model's chat template.
     chat: bool = False
     max_tokens: int = Field(ge=1, le=2**31 - 1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
+    top_p: float = Field(1.0, ge=TOP_P_MIN, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID)  # 0 = no top-k truncation
     seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
     stop: list[str] = Field(default_factory=list, max_length=64)
     logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)  # top-k alternatives per token
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0.0 < value < TEMPERATURE_MIN:
+            raise PydanticCustomError(
+                "temperature_range", "temperature must be 0 (greedy) or at least {low} (got {got})",
+                {"low": TEMPERATURE_MIN, "got": value},
+            )
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -493,11 +510,36 @@ def describe_validation_error(error: ValidationError, max_items: int = 5) -> tup
     return "; ".join(parts), {item["type"] for item in items}
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> None:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return None  # the parsed value is not kept: pydantic parses the body again, strictly
+
+
+def check_unique_keys(raw: bytes) -> None:
+    """ProtocolError (400) when any JSON object in `raw` repeats a key: a lenient reader (a proxy, a log)
+    and this server would otherwise read different requests from the same bytes."""
+    try:
+        json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as duplicate:
+        raise ProtocolError("invalid_json", f"duplicate key {str(duplicate)[:64]!r} in a JSON object") from None
+    except (ValueError, RecursionError):
+        return  # not JSON at all: pydantic's parse says so, with its own message
+
+
 def _parse(model: type[BaseModel], raw: bytes, limits: Limits) -> Any:
     if len(raw) > limits.max_body_bytes:
         raise ProtocolError(
             "too_large", f"request body is {len(raw)} bytes, above the limit of {limits.max_body_bytes}"
         )
+    check_unique_keys(raw)
     try:
         return model.model_validate_json(raw, context={"limits": limits})
     except ValidationError as error:

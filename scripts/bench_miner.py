@@ -185,7 +185,8 @@ def flood_client(url: str, miner_hotkey: str, wallet_path: str, flood: int, go, 
 
             async def one(i):
                 started = time.perf_counter()
-                async with session.post(url + GENERATE_PATH, data=bodies[i], headers=headers[i]) as response:
+                async with session.post(url + GENERATE_PATH, data=bodies[i],
+                                        headers={**headers[i], "Content-Type": "application/json"}) as response:
                     await response.read()
                     return response.status, time.perf_counter() - started
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
@@ -187,6 +188,11 @@ class EngineSettings:
     min_prefill_chunk: int = 32  # prefill progresses at least this much per step even under heavy decode
     attention_cost_tokens: int = 4096  # context length at which a token's attention costs as much as the rest
     cache_dtype_bytes: int = 4  # fp32 caches on CPU
+    # The scheduler's watchdog: the loop must come round within scheduler_stall_s (a model forward within
+    # forward_stall_s), else health() says "down" and the scheduler is restarted; checked every watchdog_s.
+    scheduler_stall_s: float = 5.0
+    forward_stall_s: float = 120.0
+    watchdog_s: float = 0.5
 
 
 class _Sequence:
@@ -278,6 +284,10 @@ class LocalEngine(Engine):
                                 "(the sharded runtime does not support it yet)")
             if problems:
                 raise ValueError("; ".join(problems))
+        self._watchdog: asyncio.Task | None = None
+        self._beat = time.monotonic()  # the scheduler loop's last round
+        self._in_forward_since: float | None = None
+        self.scheduler_restarts = 0
 
     # ------------------------------------------------------------ memory
     def sequence_bytes(self, length: int) -> int:
@@ -302,10 +312,17 @@ class LocalEngine(Engine):
     async def start(self) -> None:
         if self._task is None:
             self._loop = asyncio.get_running_loop()
+            self._beat = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="k3-scheduler")
+            self._watchdog = asyncio.create_task(self._watch(), name="k3-scheduler-watchdog")
             self._health = EngineHealth("ok")
 
     async def stop(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watchdog
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -325,6 +342,9 @@ class LocalEngine(Engine):
             await asyncio.get_running_loop().run_in_executor(None, close)
 
     def health(self) -> EngineHealth:
+        problem = self._scheduler_problem()
+        if problem is not None:
+            return EngineHealth("down", problem)
         # a sharded model knows when a shard died while the engine was idle
         model_health = getattr(self.model, "health", None)
         if self._health.ok and callable(model_health):
@@ -502,9 +522,78 @@ class LocalEngine(Engine):
             seq.cache.mark(self.speculation.rewind_mode)
         return tokens + seq.draft.tokens
 
+    # ------------------------------------------------------------ watchdog
+    def _scheduler_problem(self) -> str | None:
+        """Why the scheduler is not serving (it ended, or it has not come round in time), or None."""
+        task = self._task
+        if task is None:
+            return None
+        if task.done():
+            if task.cancelled():
+                return "the scheduler was cancelled"
+            exc = task.exception()
+            return f"the scheduler ended: {exc!r}" if exc is not None else "the scheduler ended"
+        now = time.monotonic()
+        if self._in_forward_since is not None:
+            if now - self._in_forward_since > self.settings.forward_stall_s:
+                return f"a model step has run for {now - self._in_forward_since:.1f} s"
+        elif now - self._beat > self.settings.scheduler_stall_s:
+            return f"the scheduler has not come round for {now - self._beat:.1f} s"
+        return None
+
+    async def _watch(self) -> None:
+        """Restarts a scheduler that ended or stalled: its sequences fail with a clear error, new ones are served."""
+        while True:
+            await asyncio.sleep(self.settings.watchdog_s)
+            problem = self._scheduler_problem()
+            if problem is not None:
+                await self._restart_scheduler(problem)
+
+    async def _restart_scheduler(self, problem: str) -> None:
+        log.error("restarting the engine's scheduler: %s", problem)
+        self._health = EngineHealth("down", problem)
+        old, self._task = self._task, None
+        if old is not None and not old.done():
+            old.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(old, 1.0)
+        if self._in_forward_since is not None:  # a model step that hangs keeps its thread; take a fresh one
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="k3-step", initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),))
+            self._in_forward_since = None
+        err = EngineError("engine_failure", f"the engine's scheduler failed ({problem}); retry")
+        for seq in list(self._running) + list(self._waiting):
+            self._fail(seq, err)
+            self._release(seq)
+        self._waiting.clear()
+        self._running.clear()
+        self._reserved_bytes = 0
+        self.scheduler_restarts += 1
+        self._beat = time.monotonic()
+        self._task = asyncio.create_task(self._run(), name="k3-scheduler")
+        self._health = EngineHealth("ok", f"scheduler restarted after: {problem}")
+
     async def _run(self) -> None:
+        """The scheduler. A bug anywhere in a step fails that step's sequences and the loop goes on."""
+        while True:
+            try:
+                await self._schedule()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("engine step failed outside the model")
+                err = EngineError("engine_failure", f"the engine failed during this request: {exc}")
+                for seq in list(self._running):
+                    self._fail(seq, err)
+                    self._release(seq)
+                await asyncio.sleep(0)
+
+    async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            self._beat = time.monotonic()
             for seq in [q for q in self._running if q.cancelled]:
                 self._finish(seq, "cancelled")
             self._admit()
@@ -523,6 +612,7 @@ class LocalEngine(Engine):
             ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
             caches = [seq.cache for seq, _ in batch]
             t0 = time.perf_counter()
+            self._in_forward_since = time.monotonic()
             try:
                 logits = await loop.run_in_executor(
                     self._executor, self._forward, ids, caches, all_logits
@@ -530,8 +620,11 @@ class LocalEngine(Engine):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a model or shard failure: fail this step's sequences, recover
+                self._in_forward_since = None
                 await self._on_step_failure(exc)
                 continue
+            self._in_forward_since = None
+            self._beat = time.monotonic()
             self._after_step(batch, logits, all_logits)
             self.steps += 1
             await asyncio.sleep(0)  # let consumers read and new requests arrive
@@ -560,10 +653,13 @@ class LocalEngine(Engine):
         log.warning("model unhealthy while idle (%s): recovering", detail)
         self._health = EngineHealth("degraded", f"recovering: {detail}")
         try:
+            self._in_forward_since = time.monotonic()  # a recovery is watched like a model step
             await asyncio.get_running_loop().run_in_executor(self._executor, recover)
             self._health = EngineHealth("ok", f"recovered after: {detail}")
         except Exception as exc:
             self._health = EngineHealth("down", f"recovery failed: {exc}")
+        finally:
+            self._in_forward_since = None
 
     async def _on_step_failure(self, exc: Exception) -> None:
         log.error("model step failed: %s", exc)
@@ -575,7 +671,11 @@ class LocalEngine(Engine):
         recover = getattr(self.model, "recover", None)
         if recover is not None:
             try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, recover)
+                self._in_forward_since = time.monotonic()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self._executor, recover)
+                finally:
+                    self._in_forward_since = None
                 self._health = EngineHealth("ok", f"recovered after: {exc}")
             except Exception as rexc:  # still broken: refuse new work until recovered
                 self._health = EngineHealth("down", f"recovery failed: {rexc}")
@@ -594,18 +694,20 @@ class LocalEngine(Engine):
             if seq.cancelled:
                 continue
             if seq.kind == "score":
-                self._collect_scores(seq, start, out)
-                if not seq.in_prefill:
-                    if not seq.future.done():
-                        seq.future.set_result(sorted(seq.scores, key=lambda s: s.position))
-                    self._release(seq)
+                with self._failing_alone(seq, "scoring"):
+                    self._collect_scores(seq, start, out)
+                    if not seq.in_prefill:
+                        if not seq.future.done():
+                            seq.future.set_result(sorted(seq.scores, key=lambda s: s.position))
+                        self._release(seq)
                 continue
             if seq.in_prefill:
                 continue
             if seq.prefill_done_at is None:
                 seq.prefill_done_at = now
             if seq.draft is not None and seq.draft.tokens:
-                self._emit_verified(seq, start, out, now)
+                with self._failing_alone(seq, "speculative verification"):
+                    self._emit_verified(seq, start, out, now)
                 continue
             sample_rows.append(out[-1] if all_logits else out)
             sample_seqs.append(seq)
@@ -613,7 +715,8 @@ class LocalEngine(Engine):
             rows = torch.stack(sample_rows).float()
             logprobs = torch.log_softmax(rows, dim=-1)
             for seq, row, lp in zip(sample_seqs, rows, logprobs):
-                self._emit_token(seq, seq.sampler.choose(row, lp), now)
+                with self._failing_alone(seq, "sampling"):
+                    self._emit_token(seq, seq.sampler.choose(row, lp), now)
         for seq in sample_seqs:  # speculation: judge the drafter's unused guess against the chosen token
             if seq.speculation is not None and seq.generated:
                 seq.speculation.observe_plain(seq.generated[-1])
@@ -629,6 +732,17 @@ class LocalEngine(Engine):
             self._emit_token(seq, sampled, now)
             if seq.finished:
                 break
+
+    @contextlib.contextmanager
+    def _failing_alone(self, seq: _Sequence, stage: str):
+        """A failure while finishing one sequence's step (sampling, detokenising, stop matching, logprobs,
+        scoring) ends that sequence with an engine_failure event; the batch and the scheduler go on."""
+        try:
+            yield
+        except Exception as exc:
+            log.error("request %s failed in %s: %r", seq.request_id or "-", stage, exc)
+            self._fail(seq, EngineError("engine_failure", f"the engine failed in {stage} for this request: {exc}"))
+            self._release(seq)
 
     def _collect_scores(self, seq: _Sequence, start: int, out: torch.Tensor) -> None:
         # row r of `out` holds logits after token start + r, i.e. it predicts token start + r + 1

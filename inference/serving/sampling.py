@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20
+# Bounds of the sampling parameters (protocol/schemas.py states the same numbers on the wire; a test
+# checks they agree). A temperature is 0 (greedy) or at least MIN_TEMPERATURE: below that, sampling is
+# greedy in all but name, and tinier values only invite overflow. top_p below MIN_TOP_P keeps one token.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 2.0
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,12 @@ class SamplingParams:
         out = []
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             out.append(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
-        if not (0.0 <= float(self.temperature) <= 100.0) or self.temperature != self.temperature:
-            out.append(f"temperature must lie in [0, 100] (got {self.temperature!r})")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            out.append(f"top_p must lie in (0, 1] (got {self.top_p!r})")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            out.append(f"temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                       f"(got {t!r})")
+        if not isinstance(self.top_p, (int, float)) or not (MIN_TOP_P <= self.top_p <= 1.0):
+            out.append(f"top_p must lie in [{MIN_TOP_P:g}, 1] (got {self.top_p!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             out.append(f"top_k must be an integer >= 0 (got {self.top_k!r})")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -43,6 +51,10 @@ class SamplingParams:
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             out.append("stop strings must be non-empty strings")
         return out
+
+
+class SamplingFailure(ValueError):
+    """The logits of one sequence cannot be sampled from (NaN or +inf): that sequence fails, not the batch."""
 
 
 @dataclass
@@ -65,6 +77,8 @@ class TokenSampler:
         if logprobs is None:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
         p = self.params
+        if torch.isnan(logits).any() or torch.isposinf(logits).any():
+            raise SamplingFailure("the model produced NaN or infinite logits")
         if p.temperature == 0.0:
             token = int(torch.argmax(logits))
         else:
@@ -77,8 +91,14 @@ class TokenSampler:
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (nucleus) filtering."""
-    scaled = logits.float() / p.temperature
+    """Probabilities after temperature, top-k and top-p (nucleus) filtering.
+
+    Safe for any temperature > 0 and top_p > 0 (subnormals included): the logits are shifted so the best
+    is 0 and divided in float64, so every scaled value is 0 or negative (never an overflow to +inf, never
+    NaN); the best token always keeps its mass, so the result is a distribution with at least one token."""
+    logits = logits.double()
+    best = logits.max()
+    scaled = (logits - best) / float(p.temperature)  # <= 0 everywhere, exactly 0 at the best token
     if p.top_k and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -87,7 +107,8 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-        drop_sorted = (cumulative - sorted_probs) >= p.top_p
+        drop_sorted = (cumulative - sorted_probs) >= float(p.top_p)
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum()

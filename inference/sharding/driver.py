@@ -33,6 +33,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -143,8 +144,13 @@ class ShardedModel:
             self._store_port = int(port)
         else:
             self._store_port = 0  # any free port
-        self._store = dist.TCPStore("127.0.0.1" if not self.external else (host or "0.0.0.0"), self._store_port,
-                                    is_master=True, wait_for_workers=False,
+        store_host = "127.0.0.1" if not self.external else (host or "0.0.0.0")
+        # TCPStore listens on every interface whatever host it is given; a socket bound here keeps a local
+        # store on loopback (and an external one on the address the plan names).
+        self._store_socket = socket.create_server((store_host, self._store_port), backlog=512)
+        self._store_port = self._store_socket.getsockname()[1]
+        self._store = dist.TCPStore(store_host, self._store_port, is_master=True, wait_for_workers=False,
+                                    master_listen_fd=self._store_socket.fileno(),
                                     timeout=timedelta(seconds=timeouts.startup))
         self._store_port = self._store.port
         self._store_lock = threading.Lock()

@@ -5,10 +5,12 @@ import math
 from typing import Any, Literal, Optional, Union
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from protocol.errors import ErrorCode, http_status
-from protocol.schemas import U64_MAX, describe_validation_error
+from protocol.schemas import (MAX_TOKEN_ID, TEMPERATURE_MAX, TEMPERATURE_MIN, TOP_P_MIN, U64_MAX,
+                              ProtocolError, check_unique_keys, describe_validation_error)
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound; the wire allows more
 MAX_STOP_CHARS = 64
@@ -53,10 +55,19 @@ class RequestBody(BaseModel):
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # an extension (vLLM, SGLang): 0 = off
+    # the miner's bounds (protocol/schemas.py): what a miner would refuse is refused here first
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
+    top_p: float = Field(1.0, ge=TOP_P_MIN, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID)  # an extension (vLLM, SGLang): 0 = off
     n: int = Field(1, ge=1, le=1)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0.0 < value < TEMPERATURE_MIN:
+            raise PydanticCustomError("temperature_range",
+                                      "temperature must be 0 (greedy) or at least {low}", {"low": TEMPERATURE_MIN})
+        return value
     seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
@@ -159,6 +170,10 @@ class CompletionBody(RequestBody):
 
 
 def parse_body(model: type[RequestBody], raw: bytes) -> Any:
+    try:
+        check_unique_keys(raw)
+    except ProtocolError as error:
+        raise ApiError(ErrorCode.INVALID_JSON, error.message) from None
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:

@@ -39,6 +39,8 @@ from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
 from protocol.errors import ErrorCode
+from protocol.http_server import (BodyRefusal, ConnectionGuard, GuardedSite, GuardSettings, defer_continue,
+                                  read_body, runner_options)
 from protocol.client import (
     ClientTimeouts,
     GenerateResult,
@@ -60,6 +62,12 @@ from scoring.verify import Failure, check_tier0
 
 log = logging.getLogger("k3.gateway")
 
+# Miner error codes that say the request is at fault: answered 400, never retried elsewhere.
+REQUEST_FAULTS = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_JSON, ErrorCode.UNSUPPORTED_VERSION,
+                            ErrorCode.TOKEN_OUT_OF_VOCAB, ErrorCode.CONTEXT_TOO_LONG, ErrorCode.CONTEXT_EXCEEDED,
+                            ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_MEDIA_TYPE, ErrorCode.INVALID_BODY})
+# Codes of an engine that failed on this very request: the request may be the cause, so no failover.
+SUSPECT_FAULTS = frozenset({ErrorCode.ENGINE_FAILURE, ErrorCode.ENGINE_STALLED})
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
 MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
@@ -162,12 +170,15 @@ class OrganicGateway:
         self.timeouts = settings.miner_timeouts
         self._capabilities: dict[tuple[str, str], tuple[Capabilities, float]] = {}
         self._cooldown_until: dict[str, float] = {}
+        self._last_fault: dict[str, MinerError] = {}  # per hotkey: the last failure, until routing looks at it
         self._last_error: dict[str, str] = {}  # per hotkey, for the log line of a request that failed everywhere
         self._hook_tasks: set[asyncio.Task] = set()
-        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[self._errors])
+        self.guard = ConnectionGuard(GuardSettings(), "gateway")
+        self.app = web.Application(client_max_size=settings.max_body_bytes,
+                                   middlewares=[self.guard.middleware, self._errors])
         self.app.add_routes([
-            web.post("/v1/chat/completions", self.handle_chat),
-            web.post("/v1/completions", self.handle_completions),
+            web.post("/v1/chat/completions", self.handle_chat, expect_handler=defer_continue),
+            web.post("/v1/completions", self.handle_completions, expect_handler=defer_continue),
             web.get("/v1/models", self.handle_models),
             web.get("/v1/models/{model}", self.handle_model),
             web.get("/health", self.handle_health),
@@ -180,7 +191,10 @@ class OrganicGateway:
         try:
             return await handler(request)
         except ApiError as error:
-            return error.response()
+            response = error.response()
+            if getattr(error, "close", False):
+                response.force_close()
+            return response
         except web.HTTPException as error:  # aiohttp's own (unknown path, wrong method, body too large)
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status)
             return ApiError(code, error.reason or "error", status=error.status).response()
@@ -189,6 +203,18 @@ class OrganicGateway:
         except Exception:
             log.exception("unexpected failure answering %s %s", request.method, request.path)
             return ApiError(ErrorCode.INTERNAL_ERROR, "the gateway failed on this request").response()
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, after the key and rate checks: uncompressed JSON, capped, within the body deadline."""
+        try:
+            # Content-Type is not insisted on here: curl -d and many SDKs label JSON otherwise
+            return await read_body(request, self.settings.max_body_bytes, self.guard.settings.body_timeout_s,
+                                   json_body=False)
+        except BodyRefusal as refusal:
+            code = ErrorCode.REQUEST_TOO_LARGE if refusal.code == ErrorCode.TOO_LARGE else refusal.code
+            error = ApiError(code, refusal.message)
+            error.close = True
+            raise error from None
 
     def _authenticate(self, request: web.Request) -> str:
         header = request.headers.get("Authorization", "")
@@ -234,7 +260,7 @@ class OrganicGateway:
     # ------------------------------------------------------------ generation endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: ChatCompletionBody = parse_body(ChatCompletionBody, await request.read())
+        body: ChatCompletionBody = parse_body(ChatCompletionBody, await self._read(request))
         self._check_model(body.model)
         try:
             ids = self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
@@ -247,7 +273,7 @@ class OrganicGateway:
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        body: CompletionBody = parse_body(CompletionBody, await request.read())
+        body: CompletionBody = parse_body(CompletionBody, await self._read(request))
         self._check_model(body.model)
         plan = _Plan("completion", body, self._completion_prompt(body.prompt), body.requested_max_tokens,
                      body.user_logprobs, "cmpl-" + secrets.token_hex(12), int(time.time()))
@@ -366,6 +392,7 @@ class OrganicGateway:
                 response = await self._attempt_whole(target, caps, wire, plan)
             if response is not None:
                 return response
+            self._stop_if_the_request_is_at_fault(target)
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
         if attempts == 0 and too_small:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -376,7 +403,27 @@ class OrganicGateway:
         raise ApiError(ErrorCode.MINERS_FAILED,
                        f"{attempts} miners were tried and none gave a verified answer; retry later")
 
+    def _stop_if_the_request_is_at_fault(self, target: MinerTarget) -> None:
+        """No failover for a failure the request may have caused: a refusal of the request itself is the
+        user's 400; an engine that failed or stalled on it may have been felled by it (a poison request),
+        so it is not handed to the next miner (502). Anything else (unreachable, busy, unavailable, a
+        tier-0 failure) is the miner's problem and the next miner is tried."""
+        error = self._last_fault.pop(target.hotkey, None)
+        if error is None:
+            return
+        code = error.error_code
+        status = getattr(error, "status", None)
+        if code in REQUEST_FAULTS or (code is None and status in (400, 413)):
+            raise ApiError(ErrorCode.INVALID_VALUE, f"the request was refused by the miner: {error}"[:500])
+        if code in SUSPECT_FAULTS:
+            raise ApiError(ErrorCode.MINER_FAILED, "the miner failed on this request; it is not retried elsewhere "
+                                                   "because the request itself may be the cause")
+
     def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
+        if isinstance(error, MinerError) and hasattr(error, "error_code"):
+            self._last_fault[target.hotkey] = error
+        else:
+            self._last_fault.pop(target.hotkey, None)
         log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
         self._last_error[target.hotkey] = str(error)[:300]
         unreachable = isinstance(error, MinerUnreachable) or (isinstance(error, MinerTimeout)
@@ -653,9 +700,11 @@ class GatewayServer:
 
     async def start(self) -> None:
         # handler_cancellation: a user who disconnects cancels the handler, which closes the miner stream.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        guard = self.gateway.guard
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                                     **runner_options(guard.settings))
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True).start()
+        await GuardedSite(self._runner, guard, self.settings.host, self.settings.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         if len(self.api_keys) == 0:
             log.warning("the API key file %s holds no keys: every request gets 401", self.api_keys.path)

@@ -141,6 +141,19 @@ class CallerBudgets:
                           f"this hotkey may send {budget.requests_per_window} requests per {self.window_s:g} s "
                           f"(its stake share); retry in {wait:.1f} s", wait)
 
+    def check_request(self, hotkey: str, budget: CallerBudget, now: float | None = None) -> None:
+        """take_request's refusal, without taking: for a caller whose signature is not checked yet."""
+        wait = self._buckets.peek(hotkey, budget.requests_per_window, now)
+        if wait is not None:
+            raise Refusal(ErrorCode.RATE_LIMITED,
+                          f"this hotkey may send {budget.requests_per_window} requests per {self.window_s:g} s "
+                          f"(its stake share); retry in {wait:.1f} s", wait)
+
+    def check_stream(self, hotkey: str, budget: CallerBudget) -> None:
+        """open_stream's refusal, without opening."""
+        self.open_stream(hotkey, budget)
+        self.close_stream(hotkey)
+
     def open_stream(self, hotkey: str, budget: CallerBudget) -> None:
         mine = self._streams.get(hotkey, 0)
         if mine >= budget.max_streams:

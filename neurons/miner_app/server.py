@@ -1,17 +1,25 @@
 """The miner: serves Kimi K3 generations to the subnet's validators over signed HTTP.
 
-Every authenticated request passes, in this order and before any parsing:
-1. the body size limit (413);
-2. btauth/1 verification on the raw body: shape, receiver, freshness,
-   signature, replay (401, or 403 for a request signed for another miner);
-3. the validator gate, from the latest metagraph snapshot: registered on the
-   subnet (403 not_registered), holding a validator permit (403
-   no_validator_permit), with at least the configured stake (403
-   insufficient_stake); no snapshot yet is 503;
-4. the caller's budget, proportional to its share of validator stake with a
-   floor: requests per window (429 rate_limited), and for generate and score
-   streams at once (429 caller_streams), under the global cap of the engine's
-   capacity (429 over_capacity). A 429 carries Retry-After and never waits.
+Every authenticated request passes, in this order, and the first four on its
+headers alone, before a byte of the body is read:
+1. btauth/1 headers: present once each, printable ASCII, well formed, bound
+   to this receiver, fresh (401, or 403 for a request signed for another miner);
+2. the validator gate for the hotkey the headers claim, from the latest
+   metagraph snapshot: registered on the subnet (403 not_registered), holding
+   a validator permit (403 no_validator_permit), with at least the configured
+   stake (403 insufficient_stake); no snapshot yet is 503;
+3. the caller's budget, proportional to its share of validator stake with a
+   floor: requests per window (429 rate_limited; looked at, not yet taken), and
+   for generate and score streams at once (429 caller_streams), under the
+   global cap of the engine's capacity (429 over_capacity). A 429 carries
+   Retry-After and never waits;
+4. the body's headers: uncompressed (415), application/json (415), declared
+   length within the endpoint's cap (413);
+5. the body, read capped per endpoint and within a deadline (413, 408), then
+   the signature over it and the replay store (written only for callers that
+   passed the gate), and only then a request is taken from the budget.
+Connections are capped in total and per source address, and closed when their
+headers or body come too slowly (protocol/http_server.py).
 Only then is the body parsed (400/413 with a message naming the field) and
 handed to the engine. A generation is streamed as NDJSON: the engine's first
 event is awaited before the headers go out, so that a refusal by the engine
@@ -66,7 +74,8 @@ from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupEr
 from neurons.settings import WalletNotFound, WalletSettings
 from neurons.settings import open_wallet as open_cli_wallet
 from protocol.errors import ErrorCode
-from protocol.auth import AuthFailure, SQLiteNonceStore, hotkey_signer, verify_request
+from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
+from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
 from protocol.schemas import (
     CAPABILITIES_PATH,
     DEFAULT_LIMITS,
@@ -194,6 +203,10 @@ class MinerServer:
         self.metagraph = MetagraphWatch(chain, settings.chain.netuid, settings.chain.timeout_s)
         self.access = ValidatorAccess(None, settings.access, self.capacity)
         self.budgets = CallerBudgets(settings.access.window_s, self.capacity)
+        s = settings.server
+        self.guard = ConnectionGuard(s.guard(), "miner API")
+        self.metrics_guard = ConnectionGuard(s.guard(max_connections=32, max_connections_per_address=16),
+                                             "miner metrics")
         self.app = self._build_app()
         self.draining = False
         self.port: int | None = None
@@ -208,10 +221,11 @@ class MinerServer:
 
     # ------------------------------------------------------------ lifecycle
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[self._answer_errors])
+        app = web.Application(client_max_size=self.settings.server.max_body_bytes,
+                              middlewares=[self.guard.middleware, self._answer_errors])
         app.add_routes([
-            web.post(GENERATE_PATH, self.handle_generate),
-            web.post(SCORE_PATH, self.handle_score),
+            web.post(GENERATE_PATH, self.handle_generate, expect_handler=defer_continue),
+            web.post(SCORE_PATH, self.handle_score, expect_handler=defer_continue),
             web.get(CAPABILITIES_PATH, self.handle_capabilities),
             web.get(HEALTH_PATH, self.handle_health),
         ])
@@ -225,16 +239,19 @@ class MinerServer:
                       self.settings.chain.netuid)
         # handler_cancellation: a client that disconnects cancels its handler at once, which closes the
         # engine stream and frees the sequence even while the engine is still prefilling.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                                     **runner_options(self.guard.settings))
         await self._runner.setup()
-        await web.TCPSite(self._runner, s.host, s.port, reuse_address=True).start()
+        await GuardedSite(self._runner, self.guard, s.host, s.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         if s.metrics:
-            metrics_app = web.Application()
+            metrics_app = web.Application(client_max_size=1024, middlewares=[self.metrics_guard.middleware])
             metrics_app.add_routes([web.get("/metrics", self.handle_metrics)])
-            self._metrics_runner = web.AppRunner(metrics_app, access_log=None, shutdown_timeout=1.0)
+            self._metrics_runner = web.AppRunner(metrics_app, access_log=None, shutdown_timeout=1.0,
+                                                 **runner_options(self.metrics_guard.settings))
             await self._metrics_runner.setup()
-            await web.TCPSite(self._metrics_runner, METRICS_HOST, s.metrics_port, reuse_address=True).start()
+            await GuardedSite(self._metrics_runner, self.metrics_guard, METRICS_HOST, s.metrics_port,
+                              reuse_address=True).start()
             self.metrics_port = self._metrics_runner.addresses[0][1]
         log.info("miner %s serving %s on %s:%d (capacity %d streams)%s", self.hotkey,
                  self.engine_capabilities.model_fingerprint, s.host, self.port, self.capacity,
@@ -367,7 +384,8 @@ class MinerServer:
             if refusal.status == 429:
                 self.metrics.rejections.labels(refusal.code).inc()
         except ProtocolError as error:
-            response = Refusal(error.code, error.message, status=error.status).response()
+            response = Refusal(error.code, error.message, status=error.status,
+                               close=getattr(error, "close", False)).response()
         except web.HTTPException as error:  # aiohttp's own answers (unknown path, wrong method): JSON too
             code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(error.status, "http_error")
             response = Refusal(code, error.reason or code, status=error.status).response()
@@ -380,18 +398,31 @@ class MinerServer:
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         return response
 
-    async def _admit(self, request: web.Request) -> Admission:
-        """Size, btauth/1, validator gate and request budget, in this order, before any parsing."""
+    async def _admit(self, request: web.Request, body_limit: int | None = None, streams: bool = False) -> Admission:
+        """Headers first (btauth/1 shape, receiver and freshness; validator gate; budget; body headers), then
+        the body capped at `body_limit` (the limits' max_body_bytes when None), then the signature and the
+        replay store. `streams`: the caller also needs a free stream slot (looked at here, taken later)."""
         if self.draining:
             raise Refusal(ErrorCode.SHUTTING_DOWN, "this miner is shutting down; retry later")
-        limit = self.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise Refusal(ErrorCode.TOO_LARGE, f"request body is {request.content_length} bytes, above the limit of "
-                                            f"{limit}", close=True)
+        limit = self.limits.max_body_bytes if body_limit is None else body_limit
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise Refusal(ErrorCode.TOO_LARGE, f"request body is above the limit of {limit} bytes", close=True) from None
+            claimed = check_auth_headers(request.headers, self.hotkey)
+        except AuthFailure as failure:
+            self.metrics.auth_failures.labels(failure.code).inc()
+            raise Refusal(failure.code, failure.message, status=failure.status, close=True) from None
+        try:
+            try:
+                budget = self.access.check(claimed)
+            except Refusal as refusal:
+                self.metrics.auth_failures.labels(refusal.code).inc()
+                raise
+            self.budgets.check_request(claimed, budget)
+            if streams:
+                self.budgets.check_stream(claimed, budget)
+        except Refusal as refusal:
+            refusal.close = True  # the unread body is not worth draining
+            raise
+        body = await read_body(request, limit, self.settings.server.body_timeout_s, json_body=request.method == "POST")
         args = (request.headers, body, request.method, request.raw_path, self.hotkey, self.nonce_store)
         try:
             if len(body) > OFF_LOOP_BYTES:
@@ -401,11 +432,6 @@ class MinerServer:
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
             raise Refusal(failure.code, failure.message, status=failure.status) from None
-        try:
-            budget = self.access.check(hotkey)
-        except Refusal as refusal:
-            self.metrics.auth_failures.labels(refusal.code).inc()
-            raise
         self.budgets.take_request(hotkey, budget)
         return Admission(hotkey, budget, body)
 
@@ -462,11 +488,11 @@ class MinerServer:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def handle_capabilities(self, request: web.Request) -> web.Response:
-        await self._admit(request)
+        await self._admit(request, body_limit=0)
         return _json(self._capabilities_body)
 
     async def handle_score(self, request: web.Request) -> web.Response:
-        admission = await self._admit(request)
+        admission = await self._admit(request, streams=True)
         with self.budgets.stream_slot(admission.hotkey, admission.budget):
             parsed = await self._off_loop_if_large(len(admission.body), self._parse_score, admission.body)
             positions = parsed.resolved_positions()
@@ -496,7 +522,7 @@ class MinerServer:
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
-        admission = await self._admit(request)
+        admission = await self._admit(request, streams=True)
         with self.budgets.stream_slot(admission.hotkey, admission.budget):
             parsed, prompt_ids = await self._off_loop_if_large(len(admission.body), self._parse_generate,
                                                                admission.body)

@@ -29,6 +29,7 @@ from neurons.settings import (
     read_options,
     wallet_options,
 )
+from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 
 METRICS_HOST = "127.0.0.1"  # Prometheus metrics are for the operator, never for the world
@@ -54,6 +55,20 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     first_event_timeout_s: float = 600.0
     stall_timeout_s: float = 120.0
+    # connection guard (protocol/http_server.py)
+    max_connections: int = 512
+    max_connections_per_address: int = 64
+    header_timeout_s: float = 5.0
+    body_timeout_s: float = 10.0
+    idle_timeout_s: float = 15.0
+
+    def guard(self, **overrides) -> GuardSettings:
+        values = dict(max_connections=self.max_connections,
+                      max_connections_per_address=self.max_connections_per_address,
+                      header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                      idle_timeout_s=self.idle_timeout_s)
+        values.update(overrides)
+        return GuardSettings(**values)
 
 
 @dataclass(frozen=True)
@@ -137,6 +152,14 @@ def server_options() -> tuple[Option, ...]:
                "longest wait for a generation's first token (covers the prefill)", group=g),
         Option("server.stall_timeout_s", "--stall-timeout-s", f"{p}STALL_TIMEOUT_S", positive_float,
                "longest wait between two tokens before the stream is ended with an error event", group=g),
+        Option("server.max_connections", "--max-connections", f"{p}MAX_CONNECTIONS", int,
+               "open connections at most (also kept below the free file descriptors)", group=g),
+        Option("server.max_connections_per_address", "--max-connections-per-address",
+               f"{p}MAX_CONNECTIONS_PER_ADDRESS", int, "open connections at most per source address", group=g),
+        Option("server.header_timeout_s", "--header-timeout-s", f"{p}HEADER_TIMEOUT_S", positive_float,
+               "a connection's request headers must arrive within this, or it is closed", group=g),
+        Option("server.body_timeout_s", "--body-timeout-s", f"{p}BODY_TIMEOUT_S", positive_float,
+               "a request body must arrive within this (408)", group=g),
     )
 
 
