@@ -88,15 +88,15 @@ def test_honest_stages_are_never_blamed(tiny_checkpoint, validator_model, precis
         else:
             stage = WireRounding(Stage.from_checkpoint(tiny_checkpoint, layers, dtype=torch.bfloat16))
         seen: dict = {}
-        for _ in range(4):
+        for _ in range(2):
             r = challenge(stage, validator_model, layers, rng, seen)
             results.append(r)
             assert r.ok, f"honest {precision} stage {a}-{b - 1} blamed: {r.reason}"
     if precision == "fp32":  # same weights, same code: bit-identical
         assert all(max(r.stats.rel_l2) == 0.0 for r in results)
     else:  # bf16 drifts, but the median token by < 1% (state) or < 0.05 nats (head)
-        assert max(r.median_rel_l2 for r in results[:-4]) < 0.01
-        assert max(r.median_rel_l2 for r in results[-4:]) < 0.05
+        assert max(r.median_rel_l2 for r in results[:-2]) < 0.01
+        assert max(r.median_rel_l2 for r in results[-2:]) < 0.05
         assert any(max(r.stats.rel_l2) > 0 for r in results)
 
 
@@ -153,7 +153,7 @@ def relay(stages, route_id, session, token_ids, chunks, wire_dtype="float32", sc
         for (stage, key) in stages:
             x = decode_wire_state(specs, body)
             head = stage.layers.has_head
-            targets = [int(t) for t in token_ids[pos + 1:pos + n + 1]] if head and score else None
+            targets = ([int(t) for t in token_ids[pos + 1:pos + n + 1]] + [-1] * n)[:n] if head and score else None
             out = stage.forward(session, pos, x, "score" if head else "none", targets, 2 if head else 0)
             if isinstance(out, HeadOutput):
                 out_specs, out_body = [], encode_head_output(out)
@@ -282,3 +282,44 @@ def test_a_stage_claiming_other_layers_is_blamed(honest_stages):
     a = audit_route(records, "route-c", "claims", registered, 13, inputs)
     assert not a.ok and a.blame == KEYS[2].ss58_address
     assert isinstance(records[0].receipt, Receipt)
+
+
+def test_a_route_over_the_wire_records_steps_that_audit(tiny_checkpoint):
+    """Stage servers on loopback (in this process), the route driver with `record_steps`: every recorded step's
+    receipts pass the audit against the stages' registered layers; a receipt the driver forges does not."""
+    import asyncio
+
+    from inference.model.config import ModelConfig
+    from inference.model.tokenizer import load_tokenizer
+    from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
+    from neurons.swarm.stage_server import StageServer
+
+    async def main():
+        servers = [StageServer(Stage.from_checkpoint(tiny_checkpoint, LayerRange(a, b, 13)), k)
+                   for (a, b), k in zip(BLOCKS, KEYS)]
+        for s in servers:
+            await s.start()
+        driver = RouteDriver(StaticDirectory([s.url for s in servers]), DRIVER, ModelConfig.tiny(), record_steps=8)
+        engine = RouteEngine(driver, load_tokenizer(tiny_checkpoint, ModelConfig.tiny()), prefill_chunk=8)
+        try:
+            await engine.start()
+            scored = await engine.score(list(TEXT[:20]))
+            return scored, list(driver.records)
+        finally:
+            await engine.stop()
+            for s in servers:
+                await s.close()
+
+    scored, records = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(scored) == 19 and len(records) == 3  # 20 tokens in chunks of 8
+    for rec in records:
+        a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
+                           state_sha256(list(rec.input_specs), rec.input_body), REGISTERED, 13)
+        assert a.ok, a.problem
+        assert rec.receipts[-1].output_sha256 == state_sha256([], rec.result_body)
+    rec = records[0]
+    forged = sign_receipt(DRIVER, **rec.receipts[2].model_dump(exclude={"stage", "signature"}))
+    forged = forged.model_copy(update={"stage": KEYS[2].ss58_address})
+    a = audit_receipts([*rec.receipts[:2], forged, rec.receipts[3]], rec.route_id, rec.session, rec.step,
+                       state_sha256(list(rec.input_specs), rec.input_body), REGISTERED, 13)
+    assert not a.ok and a.blame == "driver"
