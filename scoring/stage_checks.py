@@ -11,15 +11,16 @@ output on the same input:
 - the new part of the state (block sums completed inside the block and the running partial) is projected per
   token on `projections` random Gaussian directions whose seed the validator committed to before the
   challenge (sha256 over a domain, the seed and a nonce) and reveals after; the statistics are the cosine and
-  the relative L2 distance of the projected vectors, worst token counted;
+  the relative L2 distance of the projected vectors per token, and a token far off is *bad*;
 - the block sums the stage only passes through must come back as they went in (relative L2 within wire
   rounding);
-- a head stage is challenged in teacher-forced `score` mode; its answer is compared by the largest absolute
-  difference of the target logprobs and of the top-k logprobs.
+- a head stage is challenged in teacher-forced `score` mode; a row is bad when its target logprob or a top-k
+  logprob differs by too much.
 
-The thresholds (`Thresholds`) sit far outside the honest drift measured for one block in fp32 and bf16
-(scripts/bench_stage_checks.py; numbers in docs-snippets/stage-verify.md) and far inside what a stage that
-skips a layer or serves other weights produces, so an honest stage in either precision is never blamed.
+A challenge fails when a window of consecutive tokens holds too many bad ones (`judge_tokens`): honest bf16
+stages have isolated far-off tokens (router near-ties flipping an expert), cheaters have runs of them. The
+thresholds (`Thresholds`) come from the honest drift measured for one block in fp32 and bf16
+(scripts/bench_stage_checks.py; numbers in docs-snippets/stage-verify.md).
 
 **Route audit.** `audit_route` checks the receipts of one route answer: signed by the hotkeys registered for
 the layers they claim, for this (fresh: validator-chosen) route id, session and step, chained from the hash of
