@@ -95,16 +95,16 @@ class Thresholds:
     state), and 1-3% of tokens move by up to 60% where bf16 flips a top-k expert choice of a near-tied router.
     So a single token can never condemn a stage. A token is *bad* when its cosine < `token_min_cosine` or its
     relative L2 > `token_max_rel_l2` (20x the honest median); a challenge fails when some window of
-    `window` consecutive challenge tokens holds at least `window_bad` bad ones (honest: a binomial tail of
-    ~1e-8 per window at a 3% flip rate; a stage that skips a layer or serves other weights makes 80-100% of its
-    tokens bad). Head stages: a row is bad when a target or top-k logprob differs by > `row_max_logprob_diff`.
+    `window` consecutive challenge tokens holds at least `window_bad` bad ones. Honest flips are rare (1.5-3%)
+    but cluster on runs of repeated tokens (indentation): the worst honest window measured held 9 of 16, so the
+    limit is 12 of 16; a stage that skips a layer or serves other weights makes 80-100% of its tokens bad. Head stages: a row is bad when a target or top-k logprob differs by > `row_max_logprob_diff`.
     Pass-through block sums must come back within bf16 rounding."""
 
     token_min_cosine: float = 0.995
     token_max_rel_l2: float = 0.1
     row_max_logprob_diff: float = 0.15
     window: int = 16
-    window_bad: int = 8
+    window_bad: int = 12
     max_passthrough_rel_l2: float = 0.02
     projections: int = 64
 
