@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import hashlib
 import json
 import logging
@@ -196,6 +197,24 @@ class _Pending:
     future: asyncio.Future
     input_sha: str
     hotkeys: list[str]
+    position: int = 0
+    input: tuple = ()  # (specs, body) of what the driver sent, kept only when the driver records steps
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One completed step as the driver saw it (opt-in, `record_steps`): what it sent the first stage, the
+    stages' receipts, and the head's result bytes; for the route audit (scoring.stage_checks.audit_receipts).
+    The states between stages go stage to stage and are not seen here."""
+
+    route_id: str
+    session: str
+    step: int
+    position: int
+    receipts: tuple[Receipt, ...]
+    input_specs: tuple
+    input_body: bytes
+    result_body: bytes
 
 
 class RouteDriver:
@@ -203,7 +222,7 @@ class RouteDriver:
 
     def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
                  port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
-                 public_url: str = ""):
+                 public_url: str = "", record_steps: int = 0):
         self.directory = directory
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
@@ -223,6 +242,8 @@ class RouteDriver:
         self.failed: dict[str, float] = {}  # hotkey -> when it failed (kept out of routes for refresh_s)
         self.recoveries = 0
         self.last_receipts: list[Receipt] = []
+        self.record_steps = record_steps  # keep the last this many StepRecords (0: none)
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=max(1, record_steps))
 
     @property
     def url(self) -> str:
@@ -360,7 +381,8 @@ class RouteDriver:
                 header = ForwardHeader(route_id=rs.route_id, session=rs.session, step=step, position=rs.position,
                                        mode=mode, targets=targets, top_k=top_k, tensors=specs)
                 pending = _Pending(asyncio.get_running_loop().create_future(), state_sha256(specs, body),
-                                   [s.hotkey for s in rs.route])
+                                   [s.hotkey for s in rs.route], rs.position,
+                                   (tuple(specs), body) if self.record_steps else ())
                 self._pending[(rs.session, step)] = pending
                 waits.append((step, pending))
                 try:
@@ -409,6 +431,9 @@ class RouteDriver:
             raise RouteFailure(f"receipts do not chain: {problem}", {bad})
         rs.receipts = list(header.receipts)
         self.last_receipts = rs.receipts
+        if self.record_steps:
+            self.records.append(StepRecord(rs.route_id, rs.session, step, pending.position, tuple(header.receipts),
+                                           pending.input[0], bytes(pending.input[1]), bytes(body)))
         return decode_head_output(body)
 
     async def handle_result(self, request: web.Request) -> web.Response:
@@ -631,5 +656,6 @@ class RouteEngine(Engine):
 
 
 __all__ = ["RouteDriver", "RouteEngine", "RouteFailure", "RouteSession", "StageDirectory", "StaticDirectory",
+           "StepRecord",
            "MetagraphDirectory",
            "StageInfo", "plan_route"]
