@@ -50,14 +50,17 @@ REQUESTS = [
 
 @pytest.mark.parametrize("kind", ["ngram", "suffix"])
 async def test_greedy_batched_speculation_equals_the_plain_engine(model, tokenizer, kind):
-    async with engine(model, tokenizer) as plain:
-        want = await asyncio.gather(*(collect(plain.generate(r)) for r in REQUESTS))
     # always draft 3 tokens when the drafter has a guess: many verify steps, rejections and rewinds, in
     # batches that mix verify steps, plain steps and the prefill of the longer prompts
     # (min_match 1: a random model's bytes rarely repeat longer n-grams)
+    # A prompt holding every byte: whatever byte the random model emits has been seen, so the drafters
+    # always have a guess (acceptance itself is tested with drafts of known quality below).
+    requests = REQUESTS + [GenerationRequest(list(range(256)) + list(b"abc"), SamplingParams(max_tokens=8))]
+    async with engine(model, tokenizer) as plain:
+        want = await asyncio.gather(*(collect(plain.generate(r)) for r in requests))
     spec = SpeculationConfig(drafter=kind, max_draft_tokens=3, fixed_draft_tokens=3, min_match=1)
     async with engine(model, tokenizer, spec) as fast:
-        got = await asyncio.gather(*(collect(fast.generate(r)) for r in REQUESTS))
+        got = await asyncio.gather(*(collect(fast.generate(r)) for r in requests))
     proposed = accepted = 0
     for (want_tokens, want_final), (tokens, final) in zip(want, got):
         assert [t.token_id for t in tokens] == [t.token_id for t in want_tokens]
@@ -68,7 +71,7 @@ async def test_greedy_batched_speculation_equals_the_plain_engine(model, tokeniz
         assert want_final.draft_proposed == 0
         proposed += final.draft_proposed
         accepted += final.draft_accepted
-    assert proposed > accepted > 0 and proposed >= 10  # drafts were verified, some accepted, some rejected
+    assert proposed > accepted and proposed >= 10  # drafts were verified and rejected ones rewound
 
 
 async def test_batched_speculation_with_drafts_that_mostly_accept(model, tokenizer):
