@@ -100,6 +100,7 @@ class ValidatorSettings:
     weights: WeightSettings = field(default_factory=WeightSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     log_level: str = "INFO"
+    log_format: str = "text"
 
     def scoring_config(self) -> ScoringConfig:
         """The profile, then --scoring-overrides, then the explicit round and audit flags."""
