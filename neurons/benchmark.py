@@ -61,6 +61,7 @@ from inference.serving import (
     TokenEvent as EngineToken,
 )
 from inference.model.tokenizer import IM_END, load_tokenizer
+from neurons.observability import setup_logging
 from neurons.settings import (
     Option,
     WalletNotFound,
@@ -873,7 +874,7 @@ def write_report(report: dict, out_dir: str) -> tuple[Path, Path]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     settings = read_benchmark_settings(argv)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level, settings.log_format)
     try:
         report = asyncio.run(run_benchmark(settings, argv))
     except BenchmarkSetupError as error:

@@ -18,15 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neurons.observability import setup_logging  # noqa: E402
 from neurons.settings import describe_values  # noqa: E402
 from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     settings, _ = read_miner_settings(argv, prog="neurons/miner.py", description=__doc__)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("k3.miner").info("settings:\n%s",
-                                       describe_values(miner_options(), dataclasses.asdict(settings)))
+    setup_logging(settings.log_level, settings.log_format)
+    logging.getLogger("k3.miner").debug("settings: %s", describe_values(miner_options(), dataclasses.asdict(settings)))
     try:
         return asyncio.run(serve(settings))
     except MinerSetupError as error:

@@ -26,6 +26,7 @@ from inference.serving.engine import (
     ScoredPosition,
     TokenEvent,
 )
+from inference.serving.metrics import EngineMetrics
 from inference.serving.sampling import MAX_LOGPROBS
 
 
@@ -61,8 +62,9 @@ _STATUS_CODES = {400: "invalid_request", 413: "context_too_long", 429: "over_cap
 
 class RemoteEngine(Engine):
     def __init__(self, settings: RemoteSettings, *, vocab_size: int, eos_id: int | None = None,
-                 model_fingerprint: str = "", stop_ids=()):
+                 model_fingerprint: str = "", stop_ids=(), metrics: EngineMetrics | None = None):
         self.settings = settings
+        self.metrics = metrics or EngineMetrics(model_name=settings.model_name)  # as measured from here
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
@@ -199,10 +201,11 @@ class RemoteEngine(Engine):
             body["ignore_eos"] = True
         t0 = time.perf_counter()
         resp = await self._post("/completions", body)
-        first_at = None
+        first_at = last_at = None
         last_token = None
         index = 0
         finish_reason, usage = None, None
+        self.metrics.active_sequences.inc()
         try:
             async for data in self._sse_events(resp, t0):
                 if data.get("usage"):
@@ -217,14 +220,21 @@ class RemoteEngine(Engine):
                         top_map = (lp.get("top_logprobs") or [None] * len(tokens))[j] or {}
                         top = sorted(((parse_token_key(k), float(v)) for k, v in top_map.items()),
                                      key=lambda kv: -kv[1])[: p.logprobs]
+                        now = time.perf_counter()
                         if first_at is None:
-                            first_at = time.perf_counter()
+                            first_at = now
+                            self.metrics.ttft_seconds.observe(now - t0)
+                        else:
+                            self.metrics.inter_token_seconds.observe(now - last_at)
+                        last_at = now
+                        self.metrics.generation_tokens.inc()
                         last_token = parse_token_key(tok)
                         yield TokenEvent(index, last_token, texts[j], float(lp["token_logprobs"][j]), top)
                         index += 1
                     if choice.get("finish_reason"):
                         finish_reason = choice["finish_reason"]
         finally:
+            self.metrics.active_sequences.dec()
             resp.release()
         if finish_reason is None:
             raise EngineError("engine_failure", "the server closed the stream without a finish reason")
@@ -239,6 +249,7 @@ class RemoteEngine(Engine):
             reason = "eos"  # OpenAI servers say "stop" for both; the last token tells them apart
         else:
             reason = "stop"
+        self.metrics.record_finished(reason, len(request.prompt_token_ids), completion, t0, None, first_at, end)
         yield FinalEvent(
             finish_reason=reason,
             prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion, queue_ms=0.0,

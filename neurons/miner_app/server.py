@@ -63,6 +63,7 @@ from neurons.miner_app.access import (
 )
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
+from neurons.observability import request_middleware
 from neurons.settings import WalletNotFound, WalletSettings
 from neurons.settings import open_wallet as open_cli_wallet
 from protocol.errors import ErrorCode
@@ -208,7 +209,8 @@ class MinerServer:
 
     # ------------------------------------------------------------ lifecycle
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[self._answer_errors])
+        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[
+            request_middleware("miner", self.metrics.observe_request), self._answer_errors])
         app.add_routes([
             web.post(GENERATE_PATH, self.handle_generate),
             web.post(SCORE_PATH, self.handle_score),
@@ -401,6 +403,7 @@ class MinerServer:
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
             raise Refusal(failure.code, failure.message, status=failure.status) from None
+        request["caller"] = hotkey
         try:
             budget = self.access.check(hotkey)
         except Refusal as refusal:
