@@ -23,7 +23,7 @@ setup(
         "pydantic>=2",
         "numpy",
         "safetensors",
-        "tqdm",
+        "jinja2>=3.1",
         "pyyaml",
         "prometheus-client",
         "rich",
