@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from inference.model import mxfp4
 from inference.model.config import MXFP4_BLOCK, ConfigError, ModelConfig
 from inference.model.progress import byte_progress
+from inference.model.tokenizer import TOKENIZER_CONFIG_FILE, tokenizer_config_for
 
 PREFIX = "language_model."
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -345,6 +346,8 @@ def _write_sharded(
     index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
     (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_config(), indent=2))
+    if not (out_dir / TOKENIZER_CONFIG_FILE).exists():  # the chat template (Kimi format) and special tokens
+        (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config_for(config), indent=2))
     return write_manifest(out_dir, config, progress=progress)
 
 
