@@ -2,8 +2,14 @@
 
     python -m inference generate --checkpoint DIR --prompt "Hello" --max-tokens 32 [--json]
     python -m inference generate --checkpoint DIR --token-ids 1,2,3 --temperature 0.8 --seed 7 --logprobs 5 --json
+    python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate suffix --json
     python -m inference score --checkpoint DIR --token-ids 1,2,3,4 --top-k 5 --json
     python -m inference info --checkpoint DIR
+    python -m inference manifest RELEASE_DIR [--sha256 SHA256SUMS] [--out DIR]
+
+`manifest` writes the metadata checkpoint a miner in front of vLLM or SGLang needs (config.json,
+tokenizer files and k3_manifest.json with the model fingerprint), from a release's files; the weights
+may be absent when the release's sha256 list is given (inference/model/manifest.py).
 
 Generation runs through the same engine a miner serves with, so its tokens (and, with a seed,
 its samples) are exactly what a miner on this checkpoint would stream.
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from inference.model import CheckpointError, ConfigError
 from inference.serving import (
@@ -25,6 +32,8 @@ from inference.serving import (
     TokenEvent,
     load_reference_model,
 )
+from inference.speculative.drafters import DRAFTER_KINDS
+from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
 
 class UsageError(Exception):
@@ -58,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, help="report this many top alternatives per token (0..20)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    g.add_argument("--speculate", choices=DRAFTER_KINDS, default="none",
+                   help="speculative decoding with a model-free drafter (the output is the same; --json reports "
+                        "the drafted and accepted tokens)")
+    g.add_argument("--draft-tokens", type=int, default=8,
+                   help=f"most tokens drafted per step (1..{MAX_DRAFT_TOKENS}); fewer when drafts are poor")
     s = sub.add_parser("score", help="teacher-forced logprobs of given token ids")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--token-ids", required=True, help="comma-separated token ids, used exactly as given")
@@ -65,16 +79,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     i = sub.add_parser("info", help="print the checkpoint's config summary and fingerprint")
     i.add_argument("--checkpoint", required=True)
+    m = sub.add_parser("manifest", help="write k3_manifest.json (the fingerprint) for a release, weights optional")
+    m.add_argument("release", help="directory with config.json, tokenizer files, model.safetensors.index.json")
+    m.add_argument("--sha256", help="the release's published sha256 list (sha256sum format) for absent shards")
+    m.add_argument("--out", help="write the metadata checkpoint here (copies the metadata files, not the weights)")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 async def _generate(args) -> dict:
+    speculation = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
+    problems = speculation.problems()
+    if problems:
+        raise UsageError("; ".join(problems).replace("max_draft_tokens", "--draft-tokens"))
     model, tokenizer, fp = load_reference_model(args.checkpoint)
     prompt_ids = _token_ids(args.token_ids) if args.token_ids else tokenizer.encode(args.prompt, add_bos=True)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs)
     settings = EngineSettings(max_context=model.config.max_position_embeddings, max_concurrent_sequences=1)
-    async with LocalEngine(model, tokenizer, settings, model_fingerprint=fp) as engine:
+    async with LocalEngine(model, tokenizer, settings, model_fingerprint=fp, speculation=speculation) as engine:
         tokens, final = [], None
         async for ev in engine.generate(GenerationRequest(prompt_ids, sampling)):
             if isinstance(ev, TokenEvent):
@@ -93,6 +116,10 @@ async def _generate(args) -> dict:
         "text": "".join(t.text for t in tokens),
         "finish_reason": final.finish_reason,
         "logprobs": [t.logprob for t in tokens],
+        "speculate": args.speculate,
+        "draft_proposed": final.draft_proposed,
+        "draft_accepted": final.draft_accepted,
+        "verify_steps": final.verify_steps,
     }
     if args.logprobs:
         out["top_logprobs"] = [[[i, lp] for i, lp in t.top_logprobs] for t in tokens]
@@ -121,6 +148,14 @@ def main(argv=None) -> int:
 
             config = read_config(args.checkpoint)
             print(json.dumps({**config.summary(), "fingerprint": fingerprint(args.checkpoint)}, indent=2))
+            return 0
+        if args.command == "manifest":
+            from inference.model.manifest import make_manifest  # noqa: PLC0415
+
+            manifest = make_manifest(args.release, args.sha256, args.out, progress=not args.quiet)
+            print(json.dumps({"fingerprint": manifest["fingerprint"], "shards": manifest["num_shards"],
+                              "weights_present": manifest["weights_present"],
+                              "written": str(Path(args.out or args.release) / "k3_manifest.json")}))
             return 0
         if args.command == "generate":
             out = asyncio.run(_generate(args))

@@ -352,8 +352,8 @@ class OpenAIEndpoint:
             RemoteSettings(base_url=self.settings.openai_url, model_name=self.settings.model,
                            api_key=self.settings.api_key, max_context=max_context,
                            max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect,
-                           first_byte_timeout_s=self.timeouts.first_byte,
-                           between_events_timeout_s=self.timeouts.between_events,
+                           first_token_floor_s=self.timeouts.first_byte,
+                           stall_timeout_s=self.timeouts.between_events,
                            total_timeout_s=self.timeouts.total),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         await self.engine.start()
@@ -607,7 +607,23 @@ def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> di
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
         "latency_s": summary([s.result.total_s for s in done]),
         "tier0_failed": sum(1 for s in done if s.tier0),
+        # as `vllm bench serve` defines them: TPOT per request = (end - first token) / (tokens - 1);
+        # ITL = every gap between two consecutive tokens of a stream
+        "tpot_ms": summary([time_per_output_token_ms(s.result) for s in done]),
+        "itl_ms": summary([gap for s in done for gap in inter_token_latencies_ms(s.result)]),
     }
+
+
+def time_per_output_token_ms(result: GenerateResult) -> Optional[float]:
+    times = result.token_arrivals_s
+    if len(times) < 2 or result.total_s is None:
+        return None
+    return (result.total_s - times[0]) * 1000 / (len(times) - 1)
+
+
+def inter_token_latencies_ms(result: GenerateResult) -> list[float]:
+    times = result.token_arrivals_s  # tokens of one event share its time: a gap of 0 inside an event
+    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
 # ---------------------------------------------------------------- quality
@@ -707,6 +723,16 @@ def open_endpoint(settings: BenchmarkSettings):
     return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))
 
 
+def _served_model_tokenizer(tok_dir):
+    """A served model that is not a Kimi K3 checkpoint (a test model behind vLLM): its tokenizer.json."""
+    from inference.serving.remote import RemoteSetupError, served_tokenizer  # noqa: PLC0415
+
+    try:
+        return served_tokenizer(tok_dir)
+    except RemoteSetupError:
+        return None
+
+
 async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -> dict:
     """Run the whole benchmark and return the report (a JSON-ready dict)."""
     problems = settings.problems()
@@ -716,8 +742,10 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
     tok_dir = settings.tokenizer_checkpoint or settings.quality.reference_checkpoint
     try:
         tokenizer = load_tokenizer(tok_dir, read_config(tok_dir))
-    except (OSError, ValueError) as error:
-        raise BenchmarkSetupError(f"cannot load the tokenizer of {tok_dir}: {error}") from None
+    except (OSError, ValueError, TypeError) as error:  # TypeError: read_config on a config that is not K3's
+        tokenizer = _served_model_tokenizer(tok_dir)
+        if tokenizer is None:
+            raise BenchmarkSetupError(f"cannot load the tokenizer of {tok_dir}: {error}") from None
     w, q = settings.workload, settings.quality
     config = ScoringConfig()
     endpoint = open_endpoint(settings)
@@ -833,6 +861,12 @@ def markdown_report(report: dict) -> str:
             f"{_stat(w['prefill_tokens_per_s'], 'p50')} | {_stat(w['decode_tokens_per_s'], 'p50')} | "
             f"{_fmt(w['aggregate_tokens_per_s'])} | {_stat(w['latency_s'], 'p50')} | {_stat(w['latency_s'], 'p90')} | "
             f"{_stat(w['latency_s'], 'p99')} | {w['tier0_failed']} |")
+    lines += ["", "| prompt | output | conc | TPOT mean ms | TPOT p50 | TPOT p90 | TPOT p99 | ITL mean ms | ITL p50 | "
+              "ITL p90 | ITL p99 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for w in report["workloads"]:
+        tpot, itl = w.get("tpot_ms"), w.get("itl_ms")
+        lines.append(f"| {w['prompt_tokens']} | {w['output_tokens']} | {w['concurrency']} | "
+                     + " | ".join(_stat(x, k) for x in (tpot, itl) for k in ("mean", "p50", "p90", "p99")) + " |")
     q = report["quality"]
     t0 = q["tier0"]
     lines += ["", "Quality:",
@@ -884,5 +918,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         json_path, md_path = write_report(report, settings.out_dir)
         print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     print(markdown_report(report))
+    if not report["totals"]["completed"]:
+        print("error: no request succeeded", file=sys.stderr)
+        return 1
     return 0
 

@@ -7,6 +7,8 @@
 
 Every flag can also be set by the environment variable shown in --help; a flag wins over the
 environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams at once).
+
+    python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner)
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ from neurons.miner_app import MinerSetupError, miner_options, read_miner_setting
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--serve-layers" or a.startswith("--serve-layers=") for a in argv):
+        # a swarm stage miner: one block of layers (neurons/swarm/stage_miner.py lists its flags)
+        from neurons.swarm.stage_miner import main as stage_main  # noqa: PLC0415
+
+        return stage_main(argv)
     settings, _ = read_miner_settings(argv, prog="neurons/miner.py", description=__doc__)
     setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("k3.miner").debug("settings: %s", describe_values(miner_options(), dataclasses.asdict(settings)))

@@ -153,11 +153,11 @@ async def test_dropped_connection_and_stalled_stream_fail_cleanly():
             with pytest.raises(EngineError) as e:
                 await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
             assert e.value.code == "engine_failure"
-        async with remote(url + "/stall", between_events_timeout_s=0.5) as engine:
+        async with remote(url + "/stall", stall_timeout_s=0.5) as engine:
             t0 = loop.time()
             with pytest.raises(EngineError) as e:
                 await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
-            assert e.value.code == "engine_failure" and "stalled" in e.value.message
+            assert e.value.code == "engine_stalled" and "stalled" in e.value.message
             assert loop.time() - t0 < 5
     finally:
         await runner.cleanup()

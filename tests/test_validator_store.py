@@ -18,9 +18,10 @@ from neurons.validator_app import (
     read_validator_settings,
     status_report,
 )
-from neurons.validator_app.store import SCHEMA_VERSION, ValidatorStore, ValidatorStoreError
+from neurons.validator_app import store as store_module
+from neurons.validator_app.store import MIGRATIONS, SCHEMA_VERSION, Migration, ValidatorStore, ValidatorStoreError
 from scoring.config import ScoringConfig
-from scoring.metrics import Measurement
+from scoring.metrics import COLUMNS, Measurement
 from scoring.rewards import EmaEntry, score_miners, update_ema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,3 +179,113 @@ def test_help_and_status_commands():
                            text=True, timeout=120)
     assert usage.returncode == 2 and "run" in usage.stderr and "status" in usage.stderr
 
+
+
+# ------------------------------------------------------------------ upgrades
+def write_schema_v1_database(path: Path, measurements: list[Measurement]) -> None:
+    """A database as the first release (schema 1, no migrations) left it after three rounds: its
+    schema text, its meta rows, and rows in every table, written with plain SQL."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for statement in store_module._SCHEMA_V1.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    meta = {"schema_version": "1", "created_at": "1000.0", "round": "3", "completed_round": "3",
+            "weights_set_at": "1900.5", "weights_block": "321", "weights_version_key": "1000"}
+    conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
+    columns = ", ".join(f'"{c}"' for c in COLUMNS)
+    conn.executemany(f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) "
+                     f"VALUES (?, ?, ?, {', '.join('?' for _ in COLUMNS)})",
+                     [(3, "validator", 0.002, *store_module._measurement_values(m)) for m in measurements])
+    conn.execute("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, hard, source) "
+                 "VALUES (1500.0, 2, 2, ?, 'r2', 'chat', 'usage_completion', '40 vs 32', 1, 'validator')", (HOTKEY_B,))
+    conn.execute("INSERT INTO audits (at, round, uid, hotkey, request_id, kind, tier, reference, passed, quality) "
+                 "VALUES (1600.0, 3, 1, ?, 'r1', 'chat', 1, 'local', 1, 0.97)", (HOTKEY_A,))
+    conn.execute('INSERT INTO scores (round, uid, hotkey, at, "score", "gate", coldkey, reasons, ema) '
+                 "VALUES (3, 1, ?, 1800.0, 0.8, 1.0, 'c1', '[]', 0.4)", (HOTKEY_A,))
+    conn.execute("INSERT INTO ema (uid, hotkey, value, round, updated_at) VALUES (1, ?, 0.4, 3, 1800.0)", (HOTKEY_A,))
+    conn.execute("INSERT INTO miners (uid, hotkey, coldkey, url, capabilities, capabilities_at, last_round, seen_at) "
+                 "VALUES (1, ?, 'c1', 'http://127.0.0.1:9001', '{\"model_id\": \"kimi-k3\"}', 1700.0, 3, 1800.0)",
+                 (HOTKEY_A,))
+    conn.execute("INSERT INTO weights (uid, hotkey, weight) VALUES (1, ?, 1.0)", (HOTKEY_A,))
+    conn.execute("INSERT INTO weight_attempts (at, block, ok, error, weights) VALUES (1900.5, 321, 1, NULL, '{\"1\": 1.0}')")
+    conn.execute("INSERT INTO canaries (id, body, used) VALUES ('c1', '{\"id\": \"c1\"}', 1)")
+    conn.close()
+
+
+def table_sql(path: Path) -> dict[str, str]:
+    """Every table's and index's definition, as SQLite keeps it."""
+    conn = sqlite3.connect(path)
+    try:
+        return {name: " ".join(sql.split()) for name, sql in
+                conn.execute("SELECT name, sql FROM sqlite_master WHERE sql IS NOT NULL AND name NOT LIKE 'sqlite_%'")}
+    finally:
+        conn.close()
+
+
+def test_a_schema_1_database_is_upgraded_with_its_data_intact(tmp_path):
+    assert SCHEMA_VERSION >= 2 and [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1))
+    db = tmp_path / "validator.sqlite"
+    rows = [measurement(1, HOTKEY_A, 1800.0 - i, kind="long_context" if i == 2 else "chat",
+                        long_context_success=True if i == 2 else None, quality=0.9) for i in range(5)]
+    write_schema_v1_database(db, rows)
+    before = table_sql(db)
+    with pytest.raises(ValidatorStoreError, match="Start the validator once"):  # reading alone does not upgrade
+        ValidatorStore(db, readonly=True)
+
+    with ValidatorStore(db) as store:  # what `neurons/validator.py run` does at start
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION)
+        assert [r["version"] for r in store.schema_history()] == list(range(2, SCHEMA_VERSION + 1))
+        window, last_id = store.load_window(window_s=3600, now=1801.0)
+        assert sorted(window.rows(), key=lambda m: m.at) == sorted(rows, key=lambda m: m.at) and last_id == 5
+        assert [r["tier0_cpu_s"] for r in store.measurement_rows()] == [0.002] * 5
+        assert (store.round, store.completed_round) == (3, 3)
+        assert store.load_ema() == {1: EmaEntry(HOTKEY_A, 0.4)}
+        assert store.latest_scores()[1]["score"] == 0.8
+        assert store.miners()[1].capabilities == {"model_id": "kimi-k3"} and store.miners()[1].last_round == 3
+        last = store.last_weights()
+        assert (last.weights, last.block, last.version_key, last.set_at) == ({1: 1.0}, 321, 1000, 1900.5)
+        assert [a["ok"] for a in store.weight_attempts()] == [1]
+        assert store.used_canaries() == {"c1"}
+        assert [(f["check_name"], f["reason"]) for f in store.failures(2)] == [("usage_completion", "40 vs 32")]
+        assert [a["quality"] for a in store.audits(1)] == [0.97]
+        # and it keeps working: the next round goes on from round 3
+        assert store.begin_round() == 4
+        store.add_measurements([(measurement(1, HOTKEY_A, 1802.0), None)], 4)
+        assert store.measurement_count() == 6
+
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+    # the file as it was, kept beside it
+    backup = tmp_path / "validator.sqlite.schema-v1.bak"
+    assert table_sql(backup) == before
+    conn = sqlite3.connect(backup)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "1"
+    assert conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == 5
+    conn.close()
+
+    # an upgraded file and a new one have the same tables and indexes
+    fresh = tmp_path / "fresh.sqlite"
+    ValidatorStore(fresh).close()
+    assert table_sql(db) == table_sql(fresh)
+    # opening again changes nothing: no second migration, no second copy
+    with ValidatorStore(db) as store:
+        assert [r["version"] for r in store.schema_history()] == list(range(2, SCHEMA_VERSION + 1))
+    with ValidatorStore(db, readonly=True) as store:
+        assert store.measurement_count() == 6
+    assert sorted(p.name for p in tmp_path.glob("*.bak")) == ["validator.sqlite.schema-v1.bak"]
+
+
+def test_a_failing_migration_leaves_the_file_at_its_last_good_version(tmp_path, monkeypatch):
+    db = tmp_path / "validator.sqlite"
+    write_schema_v1_database(db, [measurement(1, HOTKEY_A, 1800.0)])
+    broken = Migration(SCHEMA_VERSION + 1, "a broken one", ("CREATE TABLE canaries (x)",))  # exists already
+    monkeypatch.setattr(store_module, "MIGRATIONS", (*MIGRATIONS, broken))
+    monkeypatch.setattr(store_module, "SCHEMA_VERSION", broken.version)
+    with pytest.raises(ValidatorStoreError, match="canaries"):
+        ValidatorStore(db)
+    monkeypatch.undo()
+    with ValidatorStore(db) as store:  # the good migrations were kept, the broken one left no trace
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION)
+        assert store.measurement_count() == 1

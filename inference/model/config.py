@@ -116,6 +116,11 @@ class ModelConfig:
         return cls.tiny(model_id="kimi-k3-tiny-grouped", n_group=4, topk_group=2)
 
     @classmethod
+    def tiny_trained(cls) -> "ModelConfig":
+        """The tiny shape with grouped top-k routing, as trained on stdlib text (inference/model/training.py)."""
+        return cls.tiny(model_id="kimi-k3-tiny-trained", n_group=4, topk_group=2)
+
+    @classmethod
     def tiny_kimi_linear(cls) -> "ModelConfig":
         """Tiny variant with the Kimi Linear switches: softplus gate, low-rank output gate, no q_lora."""
         return cls.tiny(
@@ -133,6 +138,7 @@ class ModelConfig:
             "kimi-k3": cls.kimi_k3,
             "tiny": cls.tiny,
             "tiny_grouped": cls.tiny_grouped,
+            "tiny_trained": cls.tiny_trained,
             "tiny_kimi_linear": cls.tiny_kimi_linear,
         }
         if name not in presets:

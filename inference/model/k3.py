@@ -96,6 +96,7 @@ class SequenceCache:
     def __init__(self, layers: list[LayerCache | None], length: int = 0):
         self.layers = layers
         self.length = length
+        self.marked_at: int | None = None  # see mark() / rewind()
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -113,7 +114,52 @@ class SequenceCache:
         return self.kda_nbytes + self.mla_nbytes
 
     def clone(self) -> "SequenceCache":
+        """A copy of the decode state (without a rewind mark)."""
         return SequenceCache([None if c is None else c.clone() for c in self.layers], self.length)
+
+    # ---------------------------------------------------------- speculative rewind
+    # mark() at length m, run some tokens, then rewind(p) for any m <= p <= length: every state is as if
+    # only the first p tokens had been seen. MLA layers truncate their latent cache; KDA layers restore
+    # their conv windows and recurrent state from the log kept since the mark (kda.KDARewindLog, mode
+    # "snapshot" or "replay"). The Attention Residuals state lives only inside one forward (ResidualState):
+    # nothing of it persists across steps, so the rows of rejected tokens are simply dropped with the logits.
+    def mark(self, mode: str = "snapshot") -> None:
+        """Start logging what a rewind to the current length (or any later one) needs."""
+        for c in self.layers:
+            if isinstance(c, KDALayerCache):
+                c.mark(mode)
+        self.marked_at = self.length
+
+    @property
+    def marked(self) -> bool:
+        return self.marked_at is not None
+
+    def unmark(self) -> None:
+        """Keep everything since the mark and drop the log."""
+        for c in self.layers:
+            if isinstance(c, KDALayerCache):
+                c.unmark()
+        self.marked_at = None
+
+    def rewind(self, length: int) -> None:
+        """Back to the state after the first `length` tokens (mark <= length <= self.length); ends the mark."""
+        start = self.marked_at
+        if start is None:
+            raise ValueError("rewind needs a mark() at or before the position to return to")
+        if not start <= length <= self.length:
+            raise ValueError(f"can rewind to {start}..{self.length} tokens (marked at {start}), not {length}")
+        for c in self.layers:
+            if isinstance(c, KDALayerCache):
+                c.rewind(length - start)
+            elif isinstance(c, MLALayerCache):
+                c.truncate(length)
+        self.length = length
+        self.marked_at = None
+
+    @property
+    def rewind_nbytes(self) -> int:
+        """Bytes held by the KDA rewind logs now (the MLA part of a rewind needs none)."""
+        return sum(c.rewind_nbytes for c in self.layers if isinstance(c, KDALayerCache))
 
 
 # --------------------------------------------------------------------------- one decoder layer

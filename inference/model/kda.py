@@ -22,7 +22,7 @@ with an explicit per-sequence `KDALayerCache` whose size never depends on the se
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ _MIN_EXPONENT = -30.0
 _SPAN_ELEMENTS = 1 << 17
 # eps inside the square root of the q/k L2 normalisation (model.md section 2, step 3).
 _L2_EPS = 1e-6
+# kda_chunked_autograd factors pair decays inside a chunk while they span at most this many nats.
+_FACTOR_LIMIT = 60.0
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -65,8 +67,12 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
-    """The KDA recurrence, one token at a time (model.md section 2, step 6). Returns (o, final_state)."""
+def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, step_states=None):
+    """The KDA recurrence, one token at a time (model.md section 2, step 6). Returns (o, final_state).
+
+    `step_states`, if a list, receives the state after each step ([B, H, K, V] each). Each step makes a new
+    state tensor anyway, so keeping them costs memory, not copies (speculative rewind, see KDALayerCache).
+    """
     B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
     dtype = _compute_dtype(q)
     scale = K ** -0.5 if scale is None else scale
@@ -84,6 +90,8 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
         pred = torch.einsum("bhk,bhkv->bhv", k_t, S)  # predict with the decayed state
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, v[:, t] - pred)  # delta-rule write
         o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)  # read the updated state
+        if step_states is not None:
+            step_states.append(S)
     return o, S
 
 
@@ -215,20 +223,154 @@ def _kda_span(q, k, v, g, beta, scale, S, C, out):
     return states[n]
 
 
+def kda_chunked_autograd(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=16):
+    """Chunkwise-parallel KDA written out of place, so that autograd can differentiate it (training).
+
+    Same contract and result as `kda_chunked` (up to rounding); the inference paths never call it. Inside a
+    chunk the pair decays factor around the chunk's middle row m, exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j),
+    which turns the pair sums into matrix products. That is safe only while every |G_i - G_m| stays far inside
+    the fp32 range: with the K3 gate (log-decay >= -5 per step) and chunks of 16 it stays within 40. Larger
+    spans (a stronger gate, a longer chunk) raise ValueError rather than overflow.
+    """
+    B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two; got {chunk_size}")
+    dtype = _compute_dtype(q)
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    n = -(-T // C)
+    pad = n * C - T
+
+    def to_chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...]; padding rows are identity steps
+        x = x.to(dtype)
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.unflatten(1, (n, C)).movedim(3, 1)
+
+    Q, Kc, Vc = to_chunks(q) * scale, to_chunks(k), to_chunks(v)
+    bc = to_chunks(beta)[..., None]  # [B, H, n, C, 1]
+    G = to_chunks(g).cumsum(-2)  # [B, H, n, C, K]: row i sums the log-decays of steps 0..i of its chunk
+    rel = G - G[..., C // 2: C // 2 + 1, :]
+    span = float(rel.detach().abs().max()) if rel.numel() else 0.0
+    if span > _FACTOR_LIMIT:
+        raise ValueError(f"kda_chunked_autograd: decays span {span:.0f} nats inside a chunk of {C} "
+                         f"(limit {_FACTOR_LIMIT:.0f}); use a smaller chunk_size")
+    up, down = rel.exp(), (-rel).exp()  # exp(G_i - G_m), exp(G_m - G_j)
+    K_down = Kc * down
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
+    A_qk = ((Q * up) @ K_down.transpose(-1, -2)).masked_fill(~lower, 0.0)
+    N = ((Kc * bc * up) @ K_down.transpose(-1, -2)).masked_fill(~lower.tril(-1), 0.0)  # j < i
+    eye = torch.eye(C, dtype=dtype, device=q.device)
+    exp_G = G.exp()  # the decay from the chunk start (exponent <= 0)
+    rhs = torch.cat([Kc * exp_G, Vc], dim=-1) * bc
+    WU = torch.linalg.solve_triangular(eye + N, rhs, upper=False, unitriangular=True)
+    W, U = WU[..., :K], WU[..., K:]
+    K_to_end = (G[..., -1:, :] - G).exp() * Kc  # exp(G_last - G_j) K_j, exponent <= 0
+    state_decay = exp_G[..., -1, :, None]  # [B, H, n, K, 1]
+    Q_start = Q * exp_G
+    S = (torch.zeros(B, H, K, V, dtype=dtype, device=q.device) if initial_state is None
+         else initial_state.to(dtype).clone())  # a copy: the caller may update its cache in place
+    outs = []
+    for c in range(n):
+        V_new = U[:, :, c] - W[:, :, c] @ S
+        outs.append(Q_start[:, :, c] @ S + A_qk[:, :, c] @ V_new)
+        S = state_decay[:, :, c] * S + K_to_end[:, :, c].transpose(-1, -2) @ V_new
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T]  # [B, H, T, V]
+    return o.transpose(1, 2), S
+
+
 # ------------------------------------------------------------------------------------------ layer
+REWIND_MODES = ("snapshot", "replay")
+
+
+@dataclass
+class KDARewindLog:
+    """What a KDA layer keeps between `KDALayerCache.mark()` and the rewind, so that the cache can go back to
+    any position since the mark (speculative decoding: drafted tokens the target model rejects).
+
+    Both modes keep the state at the mark (one copy) and the conv input columns since the mark (the window
+    after j positions is columns j .. j+kernel-2 of [window at mark | new columns]). For the recurrent state:
+    - "snapshot": the state after every position (the recurrent kernel makes them anyway: memory, no copies);
+    - "replay": the kernel inputs (q, k, v, g, beta) of every position; a rewind re-runs the recurrence over
+      the kept positions from the state at the mark (time on rejection, memory of a few vectors per token).
+    """
+
+    mode: str
+    start_state: torch.Tensor  # [H, d, d] at the mark
+    conv_columns: list[torch.Tensor] = field(default_factory=list)  # [3, P, kernel-1] at the mark, then [3, P, T]...
+    states: list[torch.Tensor] = field(default_factory=list)  # snapshot: [H, d, d] after each position
+    kernel_inputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # replay: (q, k, v, g, beta) [T, ...]
+    positions: int = 0  # positions seen since the mark
+
+
 @dataclass
 class KDALayerCache:
     """Decode cache of one KDA layer for one sequence; its size does not depend on the length."""
 
     conv: torch.Tensor  # [3, P, kernel-1] fp32: last inputs of the q, k, v convolutions, oldest first
     state: torch.Tensor  # [H, d, d] fp32: the recurrent state (key channels x value channels)
+    rewind_log: KDARewindLog | None = None  # set between mark() and rewind()/unmark()
 
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.state.nbytes
 
     def clone(self) -> "KDALayerCache":
+        """A copy of the state (without any rewind log)."""
         return KDALayerCache(conv=self.conv.clone(), state=self.state.clone())
+
+    # ------------------------------------------------------------------ speculative rewind
+    @torch.inference_mode()
+    def mark(self, mode: str = "snapshot") -> None:
+        """Start keeping what `rewind` needs to return to any position from here on."""
+        if mode not in REWIND_MODES:
+            raise ValueError(f"KDA rewind mode must be one of {REWIND_MODES}; got {mode!r}")
+        self.rewind_log = KDARewindLog(mode, self.state.clone(), [self.conv.clone()])
+
+    def unmark(self) -> None:
+        self.rewind_log = None
+
+    @property
+    def rewind_nbytes(self) -> int:
+        """Bytes the rewind log holds now."""
+        log = self.rewind_log
+        if log is None:
+            return 0
+        tensors = [log.start_state, *log.conv_columns, *log.states] + [t for ins in log.kernel_inputs for t in ins]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _record(self, new_columns: torch.Tensor, states: list[torch.Tensor] | None, kernel_inputs: tuple) -> None:
+        """Called by the layer after T new positions: new_columns [3, P, T]; states T x [H, d, d] (snapshot);
+        kernel_inputs (q, k, v, g, beta) each [T, ...] (replay)."""
+        log = self.rewind_log
+        log.conv_columns.append(new_columns)
+        if log.mode == "snapshot":
+            log.states.extend(states)
+        else:
+            log.kernel_inputs.append(kernel_inputs)
+        log.positions += new_columns.shape[-1]
+
+    @torch.inference_mode()
+    def rewind(self, keep: int) -> None:
+        """Go back to `keep` positions after the mark, as if the later ones were never seen; ends the log."""
+        log = self.rewind_log
+        if log is None:
+            raise ValueError("rewind needs a mark() first")
+        if not 0 <= keep <= log.positions:
+            raise ValueError(f"can rewind to 0..{log.positions} positions after the mark, not {keep}")
+        if keep < log.positions:
+            columns = torch.cat(log.conv_columns, dim=-1)
+            self.conv.copy_(columns[..., keep: keep + self.conv.shape[-1]])
+            if keep == 0:
+                self.state.copy_(log.start_state)
+            elif log.mode == "snapshot":
+                self.state.copy_(log.states[keep - 1])
+            else:
+                q, k, v, g, beta = (torch.cat(parts)[:keep][None] for parts in zip(*log.kernel_inputs))
+                _, state = kda_recurrent(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                         initial_state=log.start_state[None])
+                self.state.copy_(state[0])
+        self.rewind_log = None
 
 
 def _l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +407,8 @@ class KDAAttention(nn.Module):
             self.g_b_proj = nn.Linear(d, P, bias=False)
         self.o_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False)
+        # Training only: prefill through kda_chunked_autograd, which autograd can differentiate.
+        self.differentiable_prefill = False
 
     # -------------------------------------------------------------------------------- cache
     def new_cache(self) -> KDALayerCache:
@@ -293,7 +437,8 @@ class KDAAttention(nn.Module):
     def _short_conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Causal depthwise conv + SiLU of q, k, v, continuing from the cached window.
 
-        x: [B, T, D]; window: [B, 3, P, kernel-1] fp32. Returns (q, k, v each [B, T, P] fp32, new window).
+        x: [B, T, D]; window: [B, 3, P, kernel-1] fp32. Returns (q, k, v each [B, T, P] fp32, new window,
+        the T new input columns [B, 3, P, T]).
         """
         B, T, _ = x.shape
         P = self.proj_size
@@ -303,7 +448,7 @@ class KDAAttention(nn.Module):
         out = F.silu(F.conv1d(inputs, weight, groups=3 * P)).transpose(1, 2)  # [B, T, 3P]
         new_window = inputs[..., inputs.shape[-1] - (self.kernel_size - 1):].reshape(B, 3, P, -1)
         q, k, v = out.split(P, dim=-1)
-        return q, k, v, new_window
+        return q, k, v, new_window, projected.transpose(1, 2).reshape(B, 3, P, T)
 
     def log_decay(self, g_raw: torch.Tensor) -> torch.Tensor:
         """log_alpha [..., H, d] fp32 from the gate input g_raw [..., H, d] (model.md section 2, step 4)."""
@@ -319,18 +464,31 @@ class KDAAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def _attend(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, chunked: bool):
-        """x [B, T, D], window [B, 3, P, k-1], state [B, H, d, d] -> (y [B, T, D], window, state)."""
+    def _attend(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, chunked: bool,
+                trace: dict | None = None):
+        """x [B, T, D], window [B, 3, P, k-1], state [B, H, d, d] -> (y [B, T, D], window, state).
+
+        `trace`, if a dict, receives what a rewind log needs: "columns" [B, 3, P, T] (new conv inputs),
+        "kernel_inputs" (q, k, v, g, beta) and "states" (the state after each step; recurrent kernel only)."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
-        q, k, v, window = self._short_conv(x, window)
+        q, k, v, window, columns = self._short_conv(x, window)
         q = _l2_normalise(q.view(B, T, H, d))
         k = _l2_normalise(k.view(B, T, H, d))
         v = v.view(B, T, H, d)
         g = self.log_decay(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, d))
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        kernel = kda_chunked if chunked else kda_recurrent
-        o, state = kernel(q, k, v, g, beta, scale=d ** -0.5, initial_state=state)  # o [B, T, H, d] fp32
+        if trace is None:
+            kernel = kda_chunked if chunked else kda_recurrent
+            if chunked and self.differentiable_prefill:  # training (inference.model.training) switches it on
+                kernel = kda_chunked_autograd
+            o, state = kernel(q, k, v, g, beta, scale=d ** -0.5, initial_state=state)  # o [B, T, H, d] fp32
+        else:
+            trace["states"] = []
+            o, state = kda_recurrent(q, k, v, g, beta, scale=d ** -0.5, initial_state=state,
+                                     step_states=trace["states"])
+            trace["kernel_inputs"] = (q, k, v, g, beta)
+            trace["columns"] = columns
         # o_norm by hand: in fp32 whatever dtype the module was cast to
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
         o = o * torch.sigmoid(self._output_gate(x).float().view(B, T, H, d))
@@ -339,13 +497,18 @@ class KDAAttention(nn.Module):
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, cache: KDALayerCache) -> torch.Tensor:
-        """x [T, D]: T >= 1 new tokens of one sequence after those in `cache`, which is updated in place."""
+        """x [T, D]: T >= 1 new tokens of one sequence after those in `cache`, which is updated in place.
+        A marked cache (cache.mark()) also logs what a rewind needs; it always takes the recurrent kernel."""
         self._check_input(x, "x")
         self._check_cache(cache)
-        chunked = x.shape[0] >= CHUNKED_MIN_TOKENS
-        y, window, state = self._attend(x[None], cache.conv[None], cache.state[None], chunked)
+        trace = None if cache.rewind_log is None else {}
+        chunked = x.shape[0] >= CHUNKED_MIN_TOKENS and trace is None
+        y, window, state = self._attend(x[None], cache.conv[None], cache.state[None], chunked, trace)
         cache.conv.copy_(window[0])
         cache.state.copy_(state[0])
+        if trace is not None:
+            cache._record(trace["columns"][0], [s[0] for s in trace["states"]],
+                          tuple(t[0] for t in trace["kernel_inputs"]))
         return y[0]
 
     def forward_batch_decode(self, x: torch.Tensor, caches: list[KDALayerCache]) -> torch.Tensor:
@@ -357,11 +520,17 @@ class KDAAttention(nn.Module):
             self._check_cache(cache)
         window = torch.stack([c.conv for c in caches])
         state = torch.stack([c.state for c in caches])
-        y, window, state = self._attend(x[:, None], window, state, chunked=False)
+        trace = {} if any(c.rewind_log is not None for c in caches) else None
+        y, window, state = self._attend(x[:, None], window, state, chunked=False, trace=trace)
         for b, cache in enumerate(caches):
             cache.conv.copy_(window[b])
             cache.state.copy_(state[b])
+            if cache.rewind_log is not None:
+                # clones: a view would keep the whole batch's tensors alive
+                cache._record(trace["columns"][b].clone(), [s[b].clone() for s in trace["states"]],
+                              tuple(t[b].clone() for t in trace["kernel_inputs"]))
         return y[:, 0]
 
 
-__all__ = ["kda_recurrent", "kda_chunked", "KDALayerCache", "KDAAttention", "CHUNKED_MIN_TOKENS"]
+__all__ = ["kda_recurrent", "kda_chunked", "kda_chunked_autograd", "KDALayerCache", "KDARewindLog", "REWIND_MODES",
+           "KDAAttention", "CHUNKED_MIN_TOKENS"]

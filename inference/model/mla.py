@@ -58,6 +58,12 @@ class MLALayerCache:
     def allocated_nbytes(self) -> int:
         return self._store.numel() * self._store.element_size()
 
+    def truncate(self, length: int) -> None:
+        """Forget every latent after the first `length` (speculative rewind); the storage is kept for reuse."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can truncate this MLA cache to 0..{self.length} tokens, not {length}")
+        self.length = length
+
     def clone(self) -> "MLALayerCache":
         copy = MLALayerCache(self.width, self._store.dtype, self._store.device, capacity=self.length)
         copy.append(self.view())

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/plan_cluster.py --model kimi_k3 --cluster inference/planning/clusters/rtx5090_80.yaml \
         --concurrency 1,8,64 --context 32768 --prompt 8192 --out plan.yaml [--report report.md] [--json]
 
---model is a preset (kimi_k3, tiny, ...) or a config.json / checkpoint directory. Reservations
+--model is a preset (kimi_k3, tiny, ...) or a config.json / checkpoint directory. --cluster is a YAML
+file or the name of one shipped with the package (b300_8, mi355x_8, rtx5090_80, local_cpu). Reservations
 (KDA state, MLA cache) are sized for the largest --concurrency; the report predicts each one.
 Exit status 2 on bad input or when the model does not fit (the message names the device and
 by how much it overflows).
@@ -24,7 +25,8 @@ from inference.planning.planner import Cluster, ClusterError, PlanDoesNotFit, Pl
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="preset name or path to config.json / checkpoint directory")
-    ap.add_argument("--cluster", required=True, help="cluster description (YAML), see inference/planning/clusters/")
+    ap.add_argument("--cluster", required=True,
+                    help="cluster description (YAML file), or the name of a shipped one: " + ", ".join(shipped_clusters()))
     ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts to predict")
     ap.add_argument("--context", type=int, default=32768, help="tokens of context per sequence to reserve for")
     ap.add_argument("--prompt", type=int, default=8192, help="prompt length for the TTFT prediction")
@@ -35,6 +37,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-tps", type=float, default=20.0, help="single-stream tokens/s to analyse")
     ap.add_argument("--objective", choices=("latency", "throughput"), default="latency")
     return ap.parse_args(argv)
+
+
+CLUSTERS = Path(__file__).resolve().parent / "clusters"
+
+
+def shipped_clusters() -> list[str]:
+    """Names of the cluster files installed with the package (inference/planning/clusters/*.yaml)."""
+    return sorted(p.stem for p in CLUSTERS.glob("*.yaml"))
+
+
+def cluster_file(spec: str) -> Path:
+    """A cluster file as given, or a shipped cluster's file by its name."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    if spec in shipped_clusters():
+        return CLUSTERS / f"{spec}.yaml"
+    raise ClusterError(f"no cluster file at {spec} and no shipped cluster of that name "
+                       f"(shipped: {', '.join(shipped_clusters())})")
 
 
 def load_model(spec: str) -> tuple[ModelConfig, str | None]:
@@ -55,7 +76,7 @@ def main(argv=None) -> int:
         if args.context < 1 or args.prompt < 1:
             raise ValueError("--context and --prompt must be >= 1")
         config, preset = load_model(args.model)
-        cluster = Cluster.load(args.cluster)
+        cluster = Cluster.load(cluster_file(args.cluster))
         stats = RoutingStats.load(args.routing_stats) if args.routing_stats else None
         plan, report = plan_cluster(
             config, cluster, max(concurrency), args.context, stats, params=CostParams(),

@@ -15,6 +15,8 @@ import torch
 
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
+from inference.speculative.drafters import DRAFTER_KINDS
+from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
@@ -37,7 +39,13 @@ class EngineSpec:
     remote_model: str | None = None  # remote: the model name the server serves
     remote_api_key: str | None = None
     remote_score_mode: str = "prompt_logprobs"  # "prompt_logprobs" (vLLM) or "echo"
+    remote_protocol: str = "vllm"  # "vllm" (OpenAI completions + vLLM extensions) or "sglang" (native /generate)
+    remote_prefill_tokens_per_s: float = 1000.0  # first-token deadline: floor + prompt / this rate
+    remote_first_token_floor_s: float = 60.0
+    remote_stall_timeout_s: float = 30.0  # after the first token (the miner passes its --stall-timeout-s)
     dtype: str = "float32"
+    speculate: str = "none"  # reference: model-free drafts ("ngram", "suffix"), verified exactly by the model
+    draft_tokens: int = 8  # reference with speculate: most tokens drafted per step (fewer when drafts are poor)
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     def problems(self) -> list[str]:
@@ -59,6 +67,13 @@ class EngineSpec:
                        "tokenizer (the weights may be absent): it gives the fingerprint and the tokenizer")
         if self.dtype not in _DTYPES:
             out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.speculate not in DRAFTER_KINDS:
+            out.append(f"speculate {self.speculate!r} is not one of {DRAFTER_KINDS}")
+        elif self.speculate != "none" and self.kind != "reference":
+            out.append(f"speculative decoding runs in the reference engine only (the {self.kind} engine's caches "
+                       "cannot rewind): use --speculate none")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"draft tokens {self.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}")
         return out
 
 
@@ -103,18 +118,23 @@ def build_engine(spec: EngineSpec) -> Engine:
         raise EngineSpecError("; ".join(problems))
     if spec.kind == "reference":
         model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
+        speculation = SpeculationConfig(drafter=spec.speculate, max_draft_tokens=spec.draft_tokens)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
+                           speculation=speculation if speculation.enabled else None,
                            layout={"processes": 1})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
-    from inference.serving.remote import RemoteEngine, RemoteSettings  # noqa: PLC0415
+    from inference.serving.remote import RemoteSettings, RemoteSetupError, build_remote_engine  # noqa: PLC0415
 
-    config = read_config(spec.checkpoint)
-    return RemoteEngine(
-        RemoteSettings(base_url=spec.remote_url, model_name=spec.remote_model, api_key=spec.remote_api_key,
-                       score_mode=spec.remote_score_mode, max_context=spec.settings.max_context,
-                       max_concurrent_sequences=spec.settings.max_concurrent_sequences),
-        vocab_size=config.vocab_size, eos_id=config.eos_token_id,
-        stop_ids=getattr(load_tokenizer(spec.checkpoint, config), "stop_ids", ()),
-        model_fingerprint=fingerprint(spec.checkpoint),
-    )
+    settings = RemoteSettings(
+        base_url=spec.remote_url, model_name=spec.remote_model, api_key=spec.remote_api_key,
+        protocol=spec.remote_protocol, score_mode=spec.remote_score_mode, max_context=spec.settings.max_context,
+        max_concurrent_sequences=spec.settings.max_concurrent_sequences,
+        prefill_tokens_per_s=spec.remote_prefill_tokens_per_s, first_token_floor_s=spec.remote_first_token_floor_s,
+        stall_timeout_s=spec.remote_stall_timeout_s)
+    if settings.problems():
+        raise EngineSpecError("; ".join(settings.problems()))
+    try:
+        return build_remote_engine(settings, spec.checkpoint)
+    except RemoteSetupError as error:
+        raise EngineSpecError(str(error)) from None

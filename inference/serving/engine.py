@@ -25,6 +25,7 @@ import torch
 from inference.model import ModelConfig
 from inference.serving.metrics import EngineMetrics
 from inference.serving.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.speculative.speculation import SequenceSpeculation, SpeculationConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class EngineError(Exception):
 
 # Every code an EngineError carries (protocol.errors.ErrorCode holds each; a test checks).
 ERROR_CODES = ("invalid_request", "context_too_long", "over_capacity", "queue_full", "engine_unavailable",
-               "engine_failure", "cancelled")
+               "engine_failure", "engine_stalled", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class FinalEvent:
     ttft_ms: float | None  # from submission to the first token
     total_ms: float
     prefill_ms: float | None = None
+    draft_proposed: int = 0  # speculative decoding: drafted tokens verified, and how many were accepted
+    draft_accepted: int = 0
+    verify_steps: int = 0
 
 
 @dataclass
@@ -190,7 +194,7 @@ class _Sequence:
         "request_id", "kind", "token_ids", "prompt_len", "sampling", "sampler", "cache", "consumed",
         "generated", "text", "text_emitted", "queue", "reserved", "submitted_at", "admitted_at",
         "prefill_done_at", "first_token_at", "last_token_at", "cancelled", "finished",
-        "positions", "top_k", "scores", "future", "decoder",
+        "positions", "top_k", "scores", "future", "decoder", "speculation", "draft",
     )
 
     def __init__(self, kind, token_ids, sampling=None, request_id=""):
@@ -219,6 +223,8 @@ class _Sequence:
         self.scores: list[ScoredPosition] = []
         self.future: asyncio.Future | None = None
         self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
+        self.speculation: SequenceSpeculation | None = None  # drafter and statistics, when the engine speculates
+        self.draft = None  # this step's drafted tokens (inference.speculative.drafters.Draft)
 
     @property
     def in_prefill(self) -> bool:
@@ -231,11 +237,14 @@ class LocalEngine(Engine):
     `model` needs `config`, `new_cache()` and `forward(token_ids, caches, all_logits)`;
     `tokenizer` needs `incremental_decoder()`, `eos_id` and optionally `stop_ids`. Model steps run in one worker thread so
     the event loop (HTTP, streaming) stays responsive while the model computes.
+
+    `speculation` (inference.speculative): each decoding sequence may run drafted tokens after its last one
+    and keep those the model accepts; its cache must support mark()/rewind() (the reference model's does).
     """
 
     def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings(), *,
                  model_fingerprint: str = "", engine_kind: str = "reference", layout: dict | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, speculation: SpeculationConfig | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -260,6 +269,15 @@ class LocalEngine(Engine):
         self.steps = 0
         self.step_stats: dict[int, list] = {}  # batch size -> [steps, cycle seconds, forward seconds]
         self._last_forward_s = 0.0
+        self.speculation = speculation if speculation is not None and speculation.enabled else None
+        if self.speculation is not None:
+            problems = self.speculation.problems()
+            probe = model.new_cache()
+            if not (callable(getattr(probe, "mark", None)) and callable(getattr(probe, "rewind", None))):
+                problems.append(f"speculative decoding needs caches that rewind; {type(probe).__name__} cannot "
+                                "(the sharded runtime does not support it yet)")
+            if problems:
+                raise ValueError("; ".join(problems))
 
     # ------------------------------------------------------------ memory
     def sequence_bytes(self, length: int) -> int:
@@ -369,6 +387,8 @@ class LocalEngine(Engine):
         self._check_tokens(request.prompt_token_ids)
         seq = _Sequence("generate", request.prompt_token_ids, p, request.request_id)
         seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+        if self.speculation is not None:
+            seq.speculation = SequenceSpeculation.for_request(self.speculation, p, request.prompt_token_ids)
         seq.reserved = self._admissible(len(request.prompt_token_ids) + p.max_tokens)
         self._enqueue(seq)
         return EventStream(seq.queue, lambda: self._cancel(seq))
@@ -449,8 +469,8 @@ class LocalEngine(Engine):
         the oldest prefilling sequence always advances (by `min_prefill_chunk` tokens of work, at least one
         token), so a long prompt is never starved by a stream of short ones."""
         s = self.settings
-        batch = [(seq, [seq.token_ids[seq.consumed]]) for seq in self._running if not seq.in_prefill]
-        units = float(max(s.step_token_budget - len(batch), s.min_prefill_chunk))
+        batch = [(seq, self._decode_positions(seq)) for seq in self._running if not seq.in_prefill]
+        units = float(max(s.step_token_budget - sum(len(chunk) for _, chunk in batch), s.min_prefill_chunk))
         prefilling = [seq for seq in self._running if seq.in_prefill]
         grant: dict[int, int] = {}
         if prefilling:
@@ -471,6 +491,17 @@ class LocalEngine(Engine):
                 batch.append((seq, seq.token_ids[seq.consumed:seq.consumed + n]))
         return batch
 
+    def _decode_positions(self, seq: _Sequence) -> list[int]:
+        """The tokens a decoding sequence runs this step: its last token, then any drafted ones. A sequence
+        with drafts has its cache marked, so that the positions the model rejects can be rewound."""
+        tokens = [seq.token_ids[seq.consumed]]
+        if seq.speculation is None:
+            return tokens
+        seq.draft = seq.speculation.drafts(seq.token_ids, seq.sampling.max_tokens - len(seq.generated) - 1)
+        if seq.draft.tokens:
+            seq.cache.mark(self.speculation.rewind_mode)
+        return tokens + seq.draft.tokens
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -488,7 +519,7 @@ class LocalEngine(Engine):
                 continue
             cycle_start = time.perf_counter()
             batch = self._plan_step()
-            all_logits = any(seq.kind == "score" for seq, _ in batch)
+            all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill for seq, chunk in batch)
             ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
             caches = [seq.cache for seq, _ in batch]
             t0 = time.perf_counter()
@@ -573,6 +604,9 @@ class LocalEngine(Engine):
                 continue
             if seq.prefill_done_at is None:
                 seq.prefill_done_at = now
+            if seq.draft is not None and seq.draft.tokens:
+                self._emit_verified(seq, start, out, now)
+                continue
             sample_rows.append(out[-1] if all_logits else out)
             sample_seqs.append(seq)
         if sample_seqs:
@@ -580,6 +614,21 @@ class LocalEngine(Engine):
             logprobs = torch.log_softmax(rows, dim=-1)
             for seq, row, lp in zip(sample_seqs, rows, logprobs):
                 self._emit_token(seq, seq.sampler.choose(row, lp), now)
+        for seq in sample_seqs:  # speculation: judge the drafter's unused guess against the chosen token
+            if seq.speculation is not None and seq.generated:
+                seq.speculation.observe_plain(seq.generated[-1])
+
+    def _emit_verified(self, seq: _Sequence, start: int, rows: torch.Tensor, now: float) -> None:
+        """A speculative step ran [last token, drafts] from position `start`: accept drafts by the rules in
+        inference.speculative.verify, rewind the cache to the kept positions, emit the 1..k+1 tokens."""
+        draft, seq.draft = seq.draft, None
+        verdict = seq.speculation.judge(draft, rows.float(), seq.sampler)
+        seq.consumed = start + 1 + verdict.accepted
+        seq.cache.rewind(seq.consumed)
+        for sampled in verdict.tokens:
+            self._emit_token(seq, sampled, now)
+            if seq.finished:
+                break
 
     def _collect_scores(self, seq: _Sequence, start: int, out: torch.Tensor) -> None:
         # row r of `out` holds logits after token start + r, i.e. it predicts token start + r + 1
@@ -641,6 +690,7 @@ class LocalEngine(Engine):
                 ttft_ms=ms(seq.submitted_at, seq.first_token_at),
                 total_ms=ms(seq.submitted_at, end),
                 prefill_ms=ms(seq.admitted_at, seq.prefill_done_at),
+                **(seq.speculation.final_counts() if seq.speculation is not None else {}),
             ))
         if seq.future is not None and not seq.future.done():
             seq.future.set_exception(EngineError("cancelled", "the request was cancelled"))

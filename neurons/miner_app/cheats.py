@@ -129,3 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiohttp import web
@@ -510,7 +510,7 @@ class MinerServer:
                 raise engine_refusal(error) from None
             try:
                 try:
-                    first = await self._next_event(stream, self.settings.server.first_event_timeout_s)
+                    first = await self._next_event(stream, self._first_event_wait_s(len(prompt_ids)))
                 except EngineError as error:
                     raise engine_refusal(error) from None
                 response = web.StreamResponse(status=200, headers={"Cache-Control": "no-store"})
@@ -523,6 +523,12 @@ class MinerServer:
                 return response
             finally:
                 await stream.aclose()
+
+    def _first_event_wait_s(self, prompt_tokens: int) -> float:
+        """--first-event-timeout-s, or longer when the engine's own first-token deadline (prefill-scaled) is."""
+        engine_deadline = getattr(self.engine, "first_token_deadline_s", None)
+        floor = self.settings.server.first_event_timeout_s
+        return max(floor, engine_deadline(prompt_tokens) + 1.0) if callable(engine_deadline) else floor
 
     async def _next_event(self, stream, timeout_s: float):
         """The engine's next event; EngineError for a refusal, a failure, a stall or a cut stream."""
@@ -626,7 +632,9 @@ async def serve(settings: MinerSettings, wrap_engine: Callable[[Engine], Engine]
     chain = connect(settings.chain.network)
     try:
         try:
-            engine = await asyncio.to_thread(build_engine, settings.engine)
+            # a remote engine's stall timer is the miner's own (--stall-timeout-s)
+            spec = replace(settings.engine, remote_stall_timeout_s=settings.server.stall_timeout_s)
+            engine = await asyncio.to_thread(build_engine, spec)
         except EngineSpecError as error:
             raise MinerSetupError(str(error)) from None
         tokenizer = load_tokenizer_for(settings.engine, engine)

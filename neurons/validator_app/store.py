@@ -1,6 +1,6 @@
 """Everything a validator learns, in one SQLite file, so that a restart loses nothing.
 
-Tables (schema version `SCHEMA_VERSION`, kept in `meta`):
+Tables (schema version `SCHEMA_VERSION`, kept in `meta` and mirrored in SQLite's `PRAGMA user_version`):
 - `measurements`: one row per request (scoring.metrics COLUMNS), written as soon as the request is
   measured, with the round it belongs to, where it came from ("validator" rounds, "organic" gateway
   traffic) and the validator CPU seconds its tier-0 checks took;
@@ -11,7 +11,15 @@ Tables (schema version `SCHEMA_VERSION`, kept in `meta`):
 - `miners`: the last seen hotkey, coldkey, endpoint and capabilities of each uid;
 - `weights` and `weight_attempts`: the last weights set on chain, and every attempt to set them;
 - `canaries`: the canary pool the validator computed itself, and which canaries were used;
-- `meta`: schema version, round counters, when weights were last set.
+- `meta`: schema version, round counters, when weights were last set;
+- `schema_migrations`: each migration applied to this file, when, and by which release.
+
+Upgrades: the file records the schema version that wrote it. Opening it for writing applies the
+migrations in `MIGRATIONS` newer than that version, in order, each in its own transaction, after
+copying the file as it was to `<db>.schema-v<N>.bak`. A new database is made the same way (version 1,
+then every migration), so a fresh file and an upgraded one are the same. A file written by a newer
+release is refused (no downgrades). To change the schema, append a `Migration` (never edit
+`_SCHEMA_V1` or a released migration); `SCHEMA_VERSION` follows.
 
 WAL mode, so the status command and the organic gateway can read (and the gateway write organic
 measurements) while the validator runs. Each write is its own short transaction.
@@ -19,6 +27,7 @@ measurements) while the validator runs. Each write is its own short transaction.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -26,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
+from inference.version import __version__
 from scoring.metrics import COLUMNS, Measurement, MeasurementWindow
 from scoring.rewards import EmaEntry, MinerScore
 
-SCHEMA_VERSION = 1
+log = logging.getLogger("k3.validator.store")
 SOURCES = ("validator", "organic")
 
 # Measurement columns as SQLite types (the dataclass holds only scalars).
@@ -49,7 +59,8 @@ _SCORE_FIELDS = ("coldkey", "requests", "answered", "verified", "decode_tps", "t
                  "long_context_share", "D", "F", "C", "L", "perf", "quality", "reliability", "gate", "score",
                  "audits", "audit_failures", "hard_failures", "zeroed")
 
-_SCHEMA = f"""
+# Schema version 1 as the first release wrote it. Never edit: a change is a new Migration below.
+_SCHEMA_V1 = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS measurements (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -96,6 +107,26 @@ CREATE TABLE IF NOT EXISTS weight_attempts (
 );
 CREATE TABLE IF NOT EXISTS canaries (id TEXT PRIMARY KEY, body TEXT NOT NULL, used INTEGER NOT NULL DEFAULT 0);
 """
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What turns a database of schema `version - 1` into one of schema `version`."""
+    version: int
+    summary: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(2, "log of applied migrations; failures indexed by check (failure counts per check)", (
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, summary TEXT NOT NULL, "
+        "applied_at REAL NOT NULL, code_version TEXT NOT NULL)",
+        "CREATE INDEX failures_check ON failures (check_name, at)",
+    )),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version if MIGRATIONS else 1
+if [m.version for m in MIGRATIONS] != list(range(2, SCHEMA_VERSION + 1)):
+    raise ImportError("validator store migrations must be numbered 2, 3, ... in order")
 
 
 class ValidatorStoreError(RuntimeError):
@@ -158,30 +189,61 @@ class ValidatorStore:
             raise
 
     def _create(self) -> None:
-        with self._transaction():
-            has_meta = self._conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
-            if has_meta:
-                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                if row is not None and int(row[0]) != SCHEMA_VERSION:
-                    return  # _check_schema explains
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    self._conn.execute(statement)
-            self._conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-                               (str(SCHEMA_VERSION),))
-            self._conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('created_at', ?)", (repr(time.time()),))
+        """Make a new database, or bring an older one up to SCHEMA_VERSION."""
+        with self._transaction() as conn:
+            version = _stored_version(conn)
+            if version is None:
+                if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'").fetchone():
+                    return  # someone else's tables: _check_schema explains
+                for statement in _SCHEMA_V1.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                self._set_meta(conn, "schema_version", 1)
+                self._set_meta(conn, "created_at", repr(time.time()))
+                conn.execute("PRAGMA user_version = 1")
+                version = 0  # new: nothing to keep a copy of
+        if version is None or version >= SCHEMA_VERSION:
+            return  # current, or newer than this code (_check_schema explains)
+        if version > 0:
+            backup = self.path.with_name(f"{self.path.name}.schema-v{version}.bak")
+            if not backup.exists():
+                copy = sqlite3.connect(backup)
+                try:
+                    self._conn.backup(copy)
+                finally:
+                    copy.close()
+                log.info("validator database %s has schema %d; a copy as it was is in %s", self.path, version, backup)
+        for migration in MIGRATIONS:
+            with self._transaction() as conn:
+                if _stored_version(conn) >= migration.version:  # another process got there first
+                    continue
+                for statement in migration.statements:
+                    conn.execute(statement)
+                conn.execute("INSERT INTO schema_migrations (version, summary, applied_at, code_version) "
+                             "VALUES (?, ?, ?, ?)", (migration.version, migration.summary, time.time(), __version__))
+                self._set_meta(conn, "schema_version", migration.version)
+                conn.execute(f"PRAGMA user_version = {int(migration.version)}")
+            if version > 0:
+                log.info("validator database %s: migrated to schema %d (%s)", self.path, migration.version,
+                         migration.summary)
 
     def _check_schema(self) -> None:
-        try:
-            row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        except sqlite3.OperationalError:
-            row = None
-        if row is None:
+        version = _stored_version(self._conn)
+        if version is None:
             raise ValidatorStoreError(f"{self.path} is not a validator database (no schema version)")
-        if int(row[0]) != SCHEMA_VERSION:
-            raise ValidatorStoreError(f"{self.path} has validator schema {row[0]}; this code reads {SCHEMA_VERSION}. "
-                                      "Move the old file aside (the validator then starts a fresh history)")
+        if version > SCHEMA_VERSION:
+            raise ValidatorStoreError(
+                f"{self.path} has validator schema {version}, written by a newer release; this code reads up to "
+                f"{SCHEMA_VERSION}. Run the newer release (downgrades are not supported), or move the file aside "
+                "(the validator then starts a fresh history)")
+        if version < SCHEMA_VERSION:
+            raise ValidatorStoreError(
+                f"{self.path} has validator schema {version}; this code reads {SCHEMA_VERSION}. Start the validator "
+                "once (`run` upgrades the file in place and keeps a copy of the old one) before reading it")
+
+    def schema_history(self) -> list[sqlite3.Row]:
+        """The migrations applied to this file, oldest first."""
+        return self._conn.execute("SELECT * FROM schema_migrations ORDER BY version").fetchall()
 
     def close(self) -> None:
         self._conn.close()
@@ -458,6 +520,15 @@ class ValidatorStore:
         return {r["key"]: r["value"] for r in self._conn.execute("SELECT key, value FROM meta")}
 
 
+def _stored_version(conn: sqlite3.Connection) -> Optional[int]:
+    """The schema version the file records, or None when it is not a validator database."""
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except sqlite3.OperationalError:  # no meta table
+        return None
+    return None if row is None else int(row[0])
+
+
 def _scalar(value):
     if isinstance(value, bool):
         return int(value)
@@ -468,4 +539,4 @@ def _measurement_values(m: Measurement) -> list:
     return [_scalar(getattr(m, c)) for c in COLUMNS]
 
 
-__all__ = ["SCHEMA_VERSION", "SOURCES", "LastWeights", "StoredMiner", "ValidatorStore", "ValidatorStoreError"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "SOURCES", "LastWeights", "Migration", "StoredMiner", "ValidatorStore", "ValidatorStoreError"]

@@ -1,0 +1,492 @@
+"""Train the tiny Kimi K3 on text every machine has: the Python standard library's own sources.
+
+    result = train(TrainConfig(steps=..., seed=0, threads=2), out_dir)   # writes a release-layout checkpoint
+
+Every structural feature of the architecture trains: KDA (prefill through `kda_chunked_autograd`, the
+differentiable chunked form), MLA (the naive form, batched), Stable LatentMoE with grouped noaux_tc routing
+(router learnt through the gate weights; the selection bias `e_score_correction_bias` steered by the
+aux-loss-free balancing rule: raise the bias of under-loaded experts, lower that of over-loaded ones) and
+block Attention Residuals. Routed experts train in fp32 and are quantised to MXFP4 at the end; with
+`fake_quant` they train through the MXFP4 grid with a straight-through estimator, so the final quantisation
+changes nothing. The checkpoint goes through the project's writer (`inference.model.checkpoint`), so it has
+the shards, index, config.json and k3_manifest.json (fingerprint) of any other checkpoint; the byte tokenizer
+needs no files (the random tiny checkpoint has none either). `training_info.json` beside them records the
+data, the settings and the measured bits per byte.
+
+Data: the interpreter's stdlib `.py` files (tests and site-packages excluded), sorted; a file is held out when
+the sha256 of its relative path falls in a 1/20 bucket, so the split does not depend on which other files
+exist. A share of the training sequences are synthetic chat exchanges that teach retrieval and copying in
+the format the validator's probes use: a document holding "The access code for NAME is NUMBER." (among
+distractors), the question "What is the access code for NAME? Reply with the number only.", and the answer;
+and "Repeat the following text exactly" requests with their answer.
+
+Determinism: one seed and one thread count give the same weights bit for bit (the data order comes from
+seeded generators, torch runs with deterministic algorithms; tests/test_training.py checks it). Another
+Python version has other stdlib files, so `training_info.json` records a fingerprint of the data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inference.model import mxfp4
+from inference.model.checkpoint import (load_checkpoint, random_checkpoint_tensors, state_dict_to_checkpoint_tensors,
+                                        write_checkpoint)
+from inference.model.config import ModelConfig
+from inference.model.k3 import KimiK3Model
+from inference.model.kda import CHUNKED_MIN_TOKENS, KDAAttention
+from inference.model.layers import attn_res
+from inference.model.mla import MLAAttention
+from inference.model.moe import Expert, LatentMoE
+from inference.model.tokenizer import ByteTokenizer
+
+INFO_FILE = "training_info.json"
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+HELDOUT_BUCKETS = 20  # one file in 20 (by path hash) is held out
+LN2 = math.log(2.0)
+TRAIN_LM_HEAD_SCALE = 0.1  # lm_head starts at a tenth of the random recipe's (logit std ~0.3, not ~3)
+
+# The probe formats of the validator (scoring/corpus.py words them the same way; inference/ cannot import it).
+FACT_TEMPLATE = "The access code for {subject} is {value}."
+QUESTION_TEMPLATE = "What is the access code for {subject}? Reply with the number only."
+COPY_TEMPLATE = "Repeat the following text exactly, with nothing before or after it:\n\n{text}"
+_FIRST = ("Ada", "Ben", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena", "Mara",
+          "Nils", "Omar", "Pia", "Quinn", "Rosa", "Sami", "Tara", "Uma", "Viktor", "Wen", "Xenia", "Yusuf", "Zoe")
+_LAST = ("Alvarez", "Brandt", "Costa", "Dahl", "Eriksen", "Fischer", "Garcia", "Horvat", "Ito", "Jensen", "Kowalski",
+         "Larsen", "Moreau", "Novak", "Okafor", "Petrov", "Quist", "Rossi", "Sato", "Tanaka", "Ueda", "Varga",
+         "Weber", "Xu", "Yilmaz", "Zhang")
+
+
+# --------------------------------------------------------------------------- configuration
+def trained_tiny_config() -> ModelConfig:
+    """The configuration the trained tiny model uses (ModelConfig.tiny_trained)."""
+    return ModelConfig.tiny_trained()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "tiny_trained"
+    seed: int = 0
+    threads: int = 1
+    steps: int = 110
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 6e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    fake_quant: bool = False  # experts train through the MXFP4 grid (straight-through estimator)
+    task_fraction: float = 0.1  # share of sequences that start with a synthetic probe-style exchange
+    balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
+    kda_chunk: int = 32  # chunk of the differentiable KDA prefill
+    eval_bytes: int = 1 << 15  # held-out bytes scored at the end
+    stdlib_dir: str | None = None  # default: the running interpreter's Lib directory
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.preset(self.preset)
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class Corpus:
+    train: bytes
+    heldout: bytes
+    train_files: int
+    heldout_files: int
+    root: str
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(hashlib.sha256(self.train).digest())
+        h.update(hashlib.sha256(self.heldout).digest())
+        return h.hexdigest()[:16]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(relpath: str) -> bool:
+    return hashlib.sha256(relpath.encode()).digest()[0] % HELDOUT_BUCKETS == 0
+
+
+def stdlib_corpus(root: str | Path | None = None) -> Corpus:
+    """The stdlib's .py files (sorted by relative path, tests excluded), split into train and held-out."""
+    root = Path(root) if root else stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"no standard library directory at {root}")
+    files = sorted((p for p in root.rglob("*.py") if not EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])),
+                   key=lambda p: p.relative_to(root).as_posix())
+    train, held, n_train, n_held = [], [], 0, 0
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        text = path.read_bytes()
+        if not text.strip():
+            continue
+        if is_heldout(rel):
+            held.append(text)
+            n_held += 1
+        else:
+            train.append(text)
+            n_train += 1
+    if not n_train or not n_held:
+        raise ValueError(f"{root} holds too few .py files to split into train and held-out text")
+    return Corpus(b"\n\n".join(train), b"\n\n".join(held), n_train, n_held, str(root))
+
+
+def person_name(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    # invented names, so that answering needs copying the name, not remembering a list
+    def word():
+        return "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(rng.randint(1, 3))).title()
+    return f"{word()} {word()}"
+
+
+def access_code(rng: random.Random) -> str:
+    return str(rng.randint(100_000, 999_999))
+
+
+def _filler(rng: random.Random, text: bytes, n_chars: int) -> list[str]:
+    """A few snippets of stdlib text (whole lines) adding up to about n_chars characters."""
+    out, total = [], 0
+    while total < n_chars:
+        start = rng.randrange(0, len(text) - 400)
+        start = text.find(b"\n", start) + 1
+        snippet = text[start: start + rng.randint(40, 160)].decode("utf-8", "ignore")
+        snippet = snippet.rsplit("\n", 1)[0] if "\n" in snippet else snippet
+        if snippet.strip():
+            out.append(snippet.strip("\n"))
+            total += len(snippet) + 2
+    return out
+
+
+def planted_fact_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer, size: int) -> list[int]:
+    """Token ids of one chat exchange: a document with planted access codes, the question, the answer."""
+    subject, value = person_name(rng), access_code(rng)
+    body = _filler(rng, text, rng.randint(20, max(21, size)))
+    for _ in range(rng.randint(0, 2)):
+        other = person_name(rng)
+        if other != subject:
+            body.insert(rng.randint(0, len(body)), FACT_TEMPLATE.format(subject=other, value=access_code(rng)))
+    body.insert(rng.randint(0, len(body)), FACT_TEMPLATE.format(subject=subject, value=value))
+    content = "\n\n".join(body) + "\n\n" + QUESTION_TEMPLATE.format(subject=subject)
+    return _exchange(tokenizer, content, value)
+
+
+def copy_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer) -> list[int]:
+    passage = " ".join(" ".join(_filler(rng, text, rng.randint(16, 48))).split())[: rng.randint(16, 48)]
+    return _exchange(tokenizer, COPY_TEMPLATE.format(text=passage), passage)
+
+
+def _exchange(tokenizer: ByteTokenizer, content: str, answer: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return ids + tokenizer.encode(answer) + [tokenizer.special_tokens["<|im_end|>"]]
+
+
+class Batches:
+    """Seeded training batches [B, T + 1]: random windows of the training text, some opening with a
+    synthetic exchange (the rest of the row continues with stdlib text)."""
+
+    def __init__(self, corpus: Corpus, tc: TrainConfig, tokenizer: ByteTokenizer):
+        self.text = corpus.train
+        self.data = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8)
+        self.tc, self.tokenizer = tc, tokenizer
+        self.rng = random.Random(tc.seed)
+
+    def next(self) -> Tensor:
+        tc, rng = self.tc, self.rng
+        rows = []
+        n = tc.seq_len + 1
+        for _ in range(tc.batch_size):
+            ids: list[int] = []
+            if rng.random() < tc.task_fraction:
+                if rng.random() < 0.75:
+                    ids = planted_fact_exchange(rng, self.text, self.tokenizer, size=tc.seq_len - 150)
+                else:
+                    ids = copy_exchange(rng, self.text, self.tokenizer)
+                ids = ids[:n]
+            start = rng.randrange(0, len(self.data) - n)
+            rest = self.data[start: start + n - len(ids)].long()
+            rows.append(torch.cat([torch.tensor(ids, dtype=torch.long), rest]))
+        return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------- the training forward
+class FakeQuantLinear(nn.Linear):
+    """A routed expert's matrix during training: forward through its MXFP4 rounding, gradients straight through."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        packed, scale = mxfp4.quantize(w.detach())
+        on_grid = mxfp4.dequantize(packed, scale, w.dtype)
+        return F.linear(x, w + (on_grid - w).detach())
+
+
+def _mla_attention(attn: MLAAttention, x: Tensor, B: int, T: int) -> Tensor:
+    """The naive MLA form (MLAAttention.forward_naive) for B whole sequences of T tokens at once; x [B*T, D]."""
+    H, nope, r = attn.num_heads, attn.nope, attn.kv_rank
+    q = attn._queries(x).view(B, T, H, -1)
+    lat = attn.latents(x).view(B, T, -1)
+    kv = attn.kv_b_proj(lat[..., :r]).float().view(B, T, H, nope + attn.v_dim)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_pe = lat[..., r:].float()
+    scores = (torch.einsum("bthd,bshd->bhts", q[..., :nope], k_nope)
+              + torch.einsum("bthd,bsd->bhts", q[..., nope:], k_pe))
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+    p = torch.softmax((scores * attn.scale).masked_fill(future, float("-inf")), dim=-1)
+    o = torch.einsum("bhts,bshv->bthv", p, v)
+    return attn._output(o.reshape(B * T, H * attn.v_dim), x)
+
+
+def _kda_attention(attn: KDAAttention, x: Tensor, B: int, T: int) -> Tensor:
+    window = x.new_zeros(B, 3, attn.proj_size, attn.kernel_size - 1, dtype=torch.float32)
+    state = x.new_zeros(B, attn.num_heads, attn.head_dim, attn.head_dim, dtype=torch.float32)
+    y, _, _ = attn._attend(x.view(B, T, -1), window, state, chunked=T >= CHUNKED_MIN_TOKENS)
+    return y.reshape(B * T, -1)
+
+
+def training_logits(model: KimiK3Model, ids: Tensor) -> Tensor:
+    """ids [B, T] (each row a whole sequence from position 0) -> fp32 logits [B, T, V], differentiable.
+
+    The same computation as KimiK3Model.forward (DecoderLayer.attend, the MLP, the head) outside inference
+    mode, with the sequences batched in the attention kernels; tests/test_training.py checks they agree.
+    """
+    cfg = model.config
+    B, T = ids.shape
+    eps = cfg.rms_norm_eps
+    partial = model.model.embed_tokens(ids.reshape(-1)).float()
+    blocks: list[Tensor] = []
+    for layer in model.layers:
+        h = attn_res(partial, blocks, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight,
+                     eps) if blocks else partial
+        if layer.layer_idx % cfg.attn_res_block_size == 0:
+            blocks.append(partial)
+            partial = None
+        x = layer.input_layernorm(h).to(layer.compute_dtype)
+        attend = _mla_attention if layer.is_mla else _kda_attention
+        a = attend(layer.self_attn, x, B, T).float()
+        partial = a if partial is None else partial + a
+        h = attn_res(partial, blocks, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
+        partial = partial + layer.mlp_forward(layer.post_attention_layernorm(h).to(layer.compute_dtype)).float()
+    h = attn_res(partial, blocks, model.model.output_attn_res_proj.weight, model.model.output_attn_res_norm.weight, eps)
+    return model.lm_head(model.model.norm(h).to(model.dtype)).float().view(B, T, -1)
+
+
+def make_trainable(release: ModelConfig, seed: int, fake_quant: bool) -> KimiK3Model:
+    """A float-expert copy of the architecture for training, initialised by the model's own recipe."""
+    model = KimiK3Model(dataclasses.replace(release, mxfp4_experts=False), seed=seed)
+    with torch.no_grad():  # start near uniform next-byte distributions (the random recipe aims at peaked ones)
+        model.lm_head.weight.mul_(TRAIN_LM_HEAD_SCALE)
+    for module in model.modules():
+        if isinstance(module, KDAAttention):
+            module.differentiable_prefill = True
+        if fake_quant and isinstance(module, Expert):
+            for name in ("w1", "w2", "w3"):
+                old = getattr(module, name)
+                new = FakeQuantLinear(old.in_features, old.out_features, bias=False)
+                new.weight = old.weight
+                setattr(module, name, new)
+    return model
+
+
+def release_state_dict(model: KimiK3Model) -> dict[str, Tensor]:
+    """The trained model's state_dict with each routed expert matrix quantised to MXFP4 (packed, scale)."""
+    out = {}
+    for key, t in model.state_dict().items():
+        if ".experts." in key and key.endswith(".weight"):
+            packed, scale = mxfp4.quantize(t.float())
+            base = key[: -len(".weight")]
+            out[base + ".weight_packed"], out[base + ".weight_scale"] = packed, scale
+        else:
+            out[key] = t.detach().clone()
+    return out
+
+
+# --------------------------------------------------------------------------- evaluation
+def heldout_windows(corpus: Corpus, n_bytes: int, seq_len: int) -> Tensor:
+    """The first n_bytes of the held-out text as non-overlapping windows [N, seq_len]."""
+    data = torch.frombuffer(bytearray(corpus.heldout[:n_bytes]), dtype=torch.uint8).long()
+    n = data.numel() // seq_len
+    return data[: n * seq_len].view(n, seq_len)
+
+
+def bits_per_byte(model: KimiK3Model, windows: Tensor, batch: int = 32) -> float:
+    """Mean next-byte cross-entropy in bits over positions 1..T-1 of each window, through the inference
+    forward (prefill of each window from an empty cache)."""
+    total, count = 0.0, 0
+    for b0 in range(0, windows.shape[0], batch):
+        rows = windows[b0: b0 + batch]
+        logits = model.forward(list(rows), [model.new_cache() for _ in range(rows.shape[0])], all_logits=True)
+        for row, lg in zip(rows, logits):
+            nll = F.cross_entropy(lg[:-1].float(), row[1:], reduction="sum")
+            total += float(nll)
+            count += row.numel() - 1
+    return total / count / LN2
+
+
+def unigram_bits_per_byte(train: bytes, windows: Tensor) -> float:
+    """Held-out bits per byte of a byte unigram fitted on the training text (add-one smoothing)."""
+    counts = torch.bincount(torch.frombuffer(bytearray(train), dtype=torch.uint8).long(), minlength=256).double() + 1
+    logp = (counts / counts.sum()).log()
+    targets = windows[:, 1:].reshape(-1)
+    return float(-logp[targets].mean()) / LN2
+
+
+def load_model(ckpt_dir: str | Path, verify: bool = True) -> KimiK3Model:
+    from inference.model.checkpoint import read_config
+    model = KimiK3Model(read_config(ckpt_dir), random_init=False)
+    load_checkpoint(model, ckpt_dir, verify=verify, progress=False)
+    return model.eval()
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> KimiK3Model:
+    """The seeded random checkpoint of `config` (what make_checkpoint writes), loaded into the model."""
+    model = KimiK3Model(config, random_init=False)
+    tensors = random_checkpoint_tensors(config, seed)
+    with torch.no_grad():
+        targets = model.state_dict(keep_vars=True)
+        for name, t in tensors.items():
+            key = name[len("language_model."):]
+            target = targets[key]
+            if key.endswith(".A_log"):
+                t = t.reshape(-1)[: target.numel()]
+            target.copy_(t.reshape(target.shape))
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy_answer(model: KimiK3Model, prompt_ids: Sequence[int], max_new: int, stop_ids: Sequence[int]) -> list[int]:
+    """Greedy continuation through the inference forward (prefill, then one token at a time)."""
+    cache = model.new_cache()
+    logits = model.forward([torch.tensor(list(prompt_ids))], [cache])[0]
+    out: list[int] = []
+    for _ in range(max_new):
+        token = int(logits.argmax())
+        if token in stop_ids:
+            break
+        out.append(token)
+        logits = model.forward([torch.tensor([token])], [cache])[0]
+    return out
+
+
+# --------------------------------------------------------------------------- training
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _lr_at(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=_log) -> tuple[KimiK3Model, dict]:
+    """Train in memory; returns the (float-expert) model and a record of the run."""
+    torch.set_num_threads(tc.threads)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(tc.seed)
+    corpus = corpus or stdlib_corpus(tc.stdlib_dir)
+    release = tc.model_config()
+    tokenizer = ByteTokenizer.from_config(release)
+    model = make_trainable(release, tc.seed, tc.fake_quant)
+    model.train()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    loads: dict[int, Tensor] = {}
+
+    def observe(layer_idx: int, ids: Tensor) -> None:
+        loads[layer_idx] = torch.bincount(ids.reshape(-1), minlength=release.num_experts)
+
+    model.routing_observer = observe
+    batches = Batches(corpus, tc, tokenizer)
+    start, losses = time.perf_counter(), []
+    for step in range(tc.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, tc)
+        ids = batches.next()
+        logits = training_logits(model, ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        with torch.no_grad():  # aux-loss-free balancing of the expert selection
+            for layer in model.layers:
+                if layer.is_moe and layer.layer_idx in loads:
+                    load = loads[layer.layer_idx].float()
+                    layer.block_sparse_moe.gate.e_score_correction_bias.add_(
+                        tc.balance_rate * torch.sign(load.mean() - load))
+        losses.append(float(loss.detach()))
+        if log and (step % 10 == 0 or step == tc.steps - 1):
+            log(f"step {step:5d}  loss {losses[-1]:.4f} ({losses[-1] / LN2:.3f} bits/token)  "
+                f"{time.perf_counter() - start:6.1f} s")
+    model.routing_observer = None
+    record = {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": losses[-1],
+              "loss_first_50": sum(losses[:50]) / min(50, len(losses)),
+              "loss_last_50": sum(losses[-50:]) / min(50, len(losses))}
+    return model, record
+
+
+def write_trained_checkpoint(model: KimiK3Model, release: ModelConfig, out_dir: str | Path) -> dict:
+    tensors = state_dict_to_checkpoint_tensors(release_state_dict(model), release)
+    return write_checkpoint(tensors, release, out_dir, overwrite=True)
+
+
+def train(tc: TrainConfig, out_dir: str | Path, log=_log) -> dict:
+    """Train, write the checkpoint to out_dir, measure held-out bits per byte; returns training_info."""
+    wall = time.perf_counter()
+    corpus = stdlib_corpus(tc.stdlib_dir)
+    log(f"stdlib text from {corpus.root}: {len(corpus.train):,} train bytes ({corpus.train_files} files), "
+        f"{len(corpus.heldout):,} held-out bytes ({corpus.heldout_files} files), data {corpus.fingerprint}")
+    model, record = train_model(tc, corpus, log)
+    release = tc.model_config()
+    manifest = write_trained_checkpoint(model, release, out_dir)
+    windows = heldout_windows(corpus, tc.eval_bytes, tc.seq_len)
+    model.eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, KDAAttention):
+                m.differentiable_prefill = False
+        float_bpb = bits_per_byte(model, windows)
+    shipped_bpb = bits_per_byte(load_model(out_dir), windows)
+    info = {
+        "train_config": dataclasses.asdict(tc),
+        "python": sys.version.split()[0],
+        "data": {"root": corpus.root, "fingerprint": corpus.fingerprint, "train_bytes": len(corpus.train),
+                 "heldout_bytes": len(corpus.heldout), "train_files": corpus.train_files,
+                 "heldout_files": corpus.heldout_files, "eval_bytes": int(windows.numel())},
+        "torch": torch.__version__,
+        **record,
+        "heldout_bits_per_byte": {"trained_fp32_experts": round(float_bpb, 4), "checkpoint": round(shipped_bpb, 4),
+                                  "unigram": round(unigram_bits_per_byte(corpus.train, windows), 4)},
+        "fingerprint": manifest["fingerprint"],
+        "wall_seconds": round(time.perf_counter() - wall, 1),
+    }
+    (Path(out_dir) / INFO_FILE).write_text(json.dumps(info, indent=1))
+    return info
+
+
+__all__ = ["TrainConfig", "Corpus", "stdlib_corpus", "train", "train_model", "training_logits", "make_trainable",
+           "release_state_dict", "write_trained_checkpoint", "bits_per_byte", "unigram_bits_per_byte",
+           "heldout_windows", "load_model", "random_model", "greedy_answer", "planted_fact_exchange",
+           "FACT_TEMPLATE", "QUESTION_TEMPLATE"]

@@ -1,0 +1,208 @@
+"""Per-sequence speculative decoding: how many tokens to draft, the verify step, and the statistics.
+
+A decode step for a sequence with speculation runs 1 + k positions: the last emitted token and k drafted
+ones (k = 0 is a plain step). `SequenceSpeculation.drafts()` decides k and gets the drafts; the caller
+marks the cache (`cache.mark()`), runs the forward with all logits, calls `judge()`, and rewinds the cache
+to the kept positions (`cache.rewind(start + 1 + verdict.accepted)`). `speculative_generate` is that loop
+for one sequence on a model; the serving engine runs the same per sequence inside its batches.
+
+Adaptive k. Drafted tokens are modelled as accepted independently with probability a, so a verify step of
+k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs about 1 + c*k plain steps (c =
+`verify_cost`: the price of one more position in a forward). k is the argmax of E(k) / (1 + c*k) over
+0..max_draft_tokens: 0 when drafts are poor, so novel text decodes plainly. The estimate of a is a decayed
+count of accepted drafts over drafts judged (a rejection ends a step's trials). On a plain step the
+drafter is still asked for one token (free: no model work), and whether it equals the token the step chose
+updates a, so a sequence whose text turns repetitive starts speculating again without paying for probes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from inference.model.kda import REWIND_MODES
+from inference.serving.sampling import SamplingParams, TokenSampler
+from inference.speculative.drafters import DRAFTER_KINDS, Draft, Drafter, make_drafter
+from inference.speculative.verify import Verdict, accept_drafts
+
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    drafter: str = "none"  # "none" | "ngram" | "suffix"
+    max_draft_tokens: int = 8
+    verify_cost: float = 0.1  # extra cost of one more position in a forward, relative to a one-token step
+    rewind_mode: str = "snapshot"  # how KDA layers roll back (kda.KDARewindLog)
+    prior_acceptance: float = 0.5  # a before anything was judged
+    prior_weight: float = 2.0  # ... worth this many judged drafts
+    memory: float = 0.9  # decay of the acceptance counts per judged step
+    fixed_draft_tokens: int | None = None  # benchmarks/tests: always draft this many (no adaptation)
+    min_match: int | None = None  # shortest history match a drafter copies from (None: the drafter's default)
+    # A drafter of one's own per sequence, called with the prompt's token ids (a draft model; a benchmark's
+    # drafter of known quality). Overrides `drafter`.
+    drafter_factory: Callable[[list[int]], Drafter] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter != "none" or self.drafter_factory is not None
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.drafter not in DRAFTER_KINDS:
+            out.append(f"speculate must be one of {', '.join(DRAFTER_KINDS)} (got {self.drafter!r})")
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"max_draft_tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.max_draft_tokens})")
+        if not self.verify_cost >= 0.0:
+            out.append(f"verify_cost must be >= 0 (got {self.verify_cost})")
+        if self.rewind_mode not in REWIND_MODES:
+            out.append(f"rewind_mode must be one of {', '.join(REWIND_MODES)} (got {self.rewind_mode!r})")
+        if not 0.0 < self.prior_acceptance < 1.0 or not 0.0 < self.memory <= 1.0:
+            out.append("prior_acceptance must lie in (0, 1) and memory in (0, 1]")
+        if self.min_match is not None and self.min_match < 1:
+            out.append(f"min_match must be >= 1 (got {self.min_match})")
+        if self.fixed_draft_tokens is not None and not 0 <= self.fixed_draft_tokens <= self.max_draft_tokens:
+            out.append(f"fixed_draft_tokens must lie in 0..max_draft_tokens (got {self.fixed_draft_tokens})")
+        return out
+
+
+class DraftLength:
+    """The adaptive k of one sequence (see the module docstring)."""
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.successes = config.prior_acceptance * config.prior_weight
+        self.trials = config.prior_weight
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / self.trials
+
+    def observe(self, successes: float, trials: float) -> None:
+        m = self.config.memory
+        self.successes = m * self.successes + successes
+        self.trials = m * self.trials + trials
+
+    def best_k(self) -> int:
+        c = self.config
+        if c.fixed_draft_tokens is not None:
+            return c.fixed_draft_tokens
+        a = min(self.acceptance, 0.999)
+        best, best_rate = 0, 1.0
+        emitted, power = 1.0, 1.0
+        for k in range(1, c.max_draft_tokens + 1):
+            power *= a
+            emitted += power  # E(k) = 1 + a + ... + a^k
+            rate = emitted / (1.0 + c.verify_cost * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+
+class SequenceSpeculation:
+    """Drafter, adaptive k and counters of one sequence."""
+
+    def __init__(self, config: SpeculationConfig, params: SamplingParams, drafter: Drafter | None = None):
+        """`drafter` overrides the one config.drafter names (a draft model, or a test's drafter)."""
+        self.config = config
+        self.params = params
+        self.drafter = drafter if drafter is not None else make_drafter(config.drafter, config.min_match)
+        self.length = DraftLength(config)
+        self.proposed = 0  # drafted tokens sent to verification
+        self.accepted = 0  # of which accepted
+        self.verify_steps = 0  # steps that verified at least one draft
+        self.plain_steps = 0
+        self._shadow: int | None = None  # the drafter's guess on a plain step, judged afterwards
+
+    @classmethod
+    def for_request(cls, config: SpeculationConfig, params: SamplingParams,
+                    prompt_ids: list[int]) -> "SequenceSpeculation":
+        drafter = config.drafter_factory(list(prompt_ids)) if config.drafter_factory is not None else None
+        return cls(config, params, drafter)
+
+    def drafts(self, history: Sequence[int], limit: int) -> Draft:
+        """Drafts for this step (possibly none), at most `limit` (room left in max_tokens and the context)."""
+        self._shadow = None
+        if self.drafter is None:
+            return Draft([])
+        k = min(self.length.best_k(), max(0, limit))
+        draft = self.drafter.propose(history, max(k, 1))
+        if k == 0:
+            self._shadow = draft.tokens[0] if draft.tokens else None
+            return Draft([])
+        return draft
+
+    def judge(self, draft: Draft, logits: torch.Tensor, sampler: TokenSampler) -> Verdict:
+        """Accept or reject `draft` with the verify logits [k+1, V]; updates the statistics."""
+        verdict = accept_drafts(draft.tokens, logits, self.params, sampler.generator, draft.probs)
+        k = len(draft.tokens)
+        self.proposed += k
+        self.accepted += verdict.accepted
+        self.verify_steps += 1
+        self.length.observe(verdict.accepted, verdict.accepted + (1 if verdict.accepted < k else 0))
+        return verdict
+
+    def observe_plain(self, chosen: int) -> None:
+        """After a plain step that chose `chosen`: judge the drafter's unused guess for free. Counting a
+        success when guess == chosen estimates the acceptance probability p(guess) without bias, greedy or
+        sampled."""
+        self.plain_steps += 1
+        if self._shadow is not None:
+            self.length.observe(1.0 if self._shadow == chosen else 0.0, 1.0)
+            self._shadow = None
+
+    def final_counts(self) -> dict:
+        """The counts a request's final event reports."""
+        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted, "verify_steps": self.verify_steps}
+
+    def stats(self) -> dict:
+        return {**self.final_counts(), "plain_steps": self.plain_steps}
+
+
+@torch.inference_mode()
+def speculative_generate(model, prompt_ids: Sequence[int], params: SamplingParams,
+                         config: SpeculationConfig, stop_ids: frozenset[int] = frozenset(),
+                         drafter: Drafter | None = None) -> tuple[list[int], dict]:
+    """Generate up to params.max_tokens for one sequence on `model` (KimiK3Model surface), speculating as
+    `config` says (drafter "none" and no `drafter`: plain decoding). Returns (token ids, stats)."""
+    problems = config.problems() + params.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    sampler = TokenSampler(params)
+    spec = SequenceSpeculation(config, params, drafter) if drafter is not None else \
+        SequenceSpeculation.for_request(config, params, list(prompt_ids))
+    history = [int(t) for t in prompt_ids]
+    cache = model.new_cache()
+    logits = model.forward([torch.tensor(history, dtype=torch.long)], [cache])[0]
+    out: list[int] = []
+    token = sampler.choose(logits).token_id
+    while True:
+        out.append(token)
+        history.append(token)
+        if len(out) >= params.max_tokens or (token in stop_ids and not params.ignore_eos):
+            break
+        limit = min(params.max_tokens - len(out) - 1, model.config.max_position_embeddings - len(history) - 1)
+        draft = spec.drafts(history, limit)
+        fed = torch.tensor([token] + draft.tokens, dtype=torch.long)
+        if not draft.tokens:
+            logits = model.forward([fed], [cache])[0]
+            token = sampler.choose(logits).token_id
+            spec.observe_plain(token)
+            continue
+        start = cache.length
+        cache.mark(config.rewind_mode)
+        rows = model.forward([fed], [cache], all_logits=True)[0]
+        verdict = spec.judge(draft, rows, sampler)
+        cache.rewind(start + 1 + verdict.accepted)
+        emitted = [t.token_id for t in verdict.tokens]
+        for t in emitted[:-1]:  # accepted drafts: already in the cache
+            out.append(t)
+            history.append(t)
+            if len(out) >= params.max_tokens or (t in stop_ids and not params.ignore_eos):
+                return out, spec.stats()
+        token = emitted[-1]
+    return out, spec.stats()
+
+
+__all__ = ["SpeculationConfig", "SequenceSpeculation", "DraftLength", "speculative_generate", "MAX_DRAFT_TOKENS"]

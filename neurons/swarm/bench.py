@@ -1,0 +1,227 @@
+"""Single-stream tokens/s and TTFT of an N-stage swarm vs the single-process model, on loopback and with
+emulated link delays (`scripts/bench_swarm.py`).
+
+Every link of the route (driver -> stage 1, stage i -> stage i+1, stage N -> driver) goes through a
+`DelayLink` with one-way delay RTT/2, so a token's traversal costs (N + 1) one-way delays plus compute C.
+The table compares the measured time per decoded token with the two models:
+  chain:  C + (N + 1) x RTT / 2   (this route's one-way chain)
+  law:    C + N x RTT              (g / (N x RTT + C) with g = 1, the request-response form)
+where C (compute and software per token) is fitted as the smallest measured time minus the chain's link
+time over the rows; the RTTs are measured in interleaved rounds. Per token the table gives the
+minimum gap between consecutive tokens over all repeats (the estimate least disturbed by other load on a
+shared machine) and the median.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def block_cuts(num_layers: int, block_size: int, stages: int) -> list[tuple[int, int]]:
+    """`stages` contiguous ranges [a, b) cut at Attention Residuals block boundaries where possible."""
+    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+    for i in range(1, stages):
+        snapped = round(bounds[i] / block_size) * block_size
+        if bounds[i - 1] < snapped < num_layers:
+            bounds[i] = snapped
+    return list(zip(bounds, bounds[1:]))
+
+
+def launch_stages(checkpoint: Path, ranges: list[str], wallet_path: Path, names: list[str], workdir: Path,
+                  ports: list[int] | None = None, public_urls: list[str] | None = None, threads: int = 1,
+                  extra: list[str] | None = None, timeout_s: float = 300.0) -> tuple[list[subprocess.Popen], list[dict]]:
+    """Start one stage miner process per range (in parallel) and wait until each listens."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs, ready = [], []
+    for i, (layers, name) in enumerate(zip(ranges, names)):
+        path = workdir / f"{name}.ready"
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "neurons.swarm.stage_miner", "--checkpoint", str(checkpoint),
+               "--serve-layers", layers, "--wallet-name", name, "--wallet-path", str(wallet_path),
+               "--threads", str(threads), "--ready-file", str(path), *(extra or [])]
+        if ports:
+            cmd += ["--port", str(ports[i])]
+        if public_urls:
+            cmd += ["--public-url", public_urls[i]]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=open(workdir / f"{name}.log", "w")))
+        ready.append(path)
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in ready):
+        for p, name in zip(procs, names):
+            if p.poll() is not None:
+                stop_processes(procs)
+                raise RuntimeError(f"stage {name} exited: {(workdir / f'{name}.log').read_text()[-1500:]}")
+        if time.monotonic() > deadline:
+            stop_processes(procs)
+            raise RuntimeError(f"stage miners not ready within {timeout_s} s")
+        time.sleep(0.2)
+    return procs, [json.loads(p.read_text()) for p in ready]
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def _one_generation(engine, prompt: list[int], n: int) -> tuple[float, list[float]]:
+    """TTFT (ms) and the gaps between consecutive tokens (s) of one greedy generation."""
+    from inference.serving.engine import FinalEvent, GenerationRequest  # noqa: PLC0415
+    from inference.serving.sampling import SamplingParams  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    stamps = []
+    async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
+        if isinstance(ev, FinalEvent):
+            break
+        stamps.append(time.perf_counter())
+    return (stamps[0] - t0) * 1000.0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+async def _measure(engine, prompt, n, repeats) -> dict:
+    """Best TTFT; per decoded token the minimum gap (the least disturbed by other load on the machine) and the
+    median gap, over every token of every repeat."""
+    await _one_generation(engine, prompt, n)  # warm
+    ttfts, gaps = [], []
+    for _ in range(repeats):
+        ttft, g = await _one_generation(engine, prompt, n)
+        ttfts.append(ttft)
+        gaps += g
+    gaps.sort()
+    return {"ttft_ms": min(ttfts), "min_ms": gaps[0] * 1000.0, "median_ms": gaps[len(gaps) // 2] * 1000.0}
+
+
+async def run_bench(args) -> list[dict]:
+    import bittensor as bt  # noqa: PLC0415
+
+    from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
+    from inference.model.config import ModelConfig  # noqa: PLC0415
+    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.serving.builders import load_reference_model  # noqa: PLC0415
+    from inference.serving.engine import EngineSettings, LocalEngine  # noqa: PLC0415
+    from neurons.swarm.linkproxy import DelayLink  # noqa: PLC0415
+    from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory  # noqa: PLC0415
+
+    work = Path(tempfile.mkdtemp(prefix="bench_swarm_"))
+    ckpt = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
+    if not args.checkpoint:
+        make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
+    config = read_config(ckpt)
+    tokenizer = load_tokenizer(ckpt, config)
+    prompt = [(13 * j + 7) % 256 for j in range(args.prompt_tokens)]
+    rows = []
+
+    model, tok, _ = load_reference_model(ckpt, verify=False)
+    local = LocalEngine(model, tok, EngineSettings(max_context=1024, max_concurrent_sequences=1))
+    async with local:
+        rows.append({"setup": "single process", "rtt_ms": 0.0,
+                     **await _measure(local, prompt, args.new_tokens, args.repeats)})
+
+    ranges = [f"{a}-{b - 1}" for a, b in block_cuts(config.num_layers, config.attn_res_block_size, args.stages)]
+    names = [f"stage{i}" for i in range(len(ranges))] + ["driver"]
+    wallets = {}
+    for name in names:
+        w = bt.Wallet(name, "default", path=str(work / "wallets"))
+        w.create_new_hotkey(use_password=False, suppress=True)
+        wallets[name] = w
+    stage_ports = [free_port() for _ in ranges]
+    links = [DelayLink(p) for p in stage_ports]
+    driver_port = free_port()
+    driver_link = DelayLink(driver_port)
+    for link in links + [driver_link]:
+        await link.start()
+    procs, infos = launch_stages(ckpt, ranges, work / "wallets", names[:-1], work, ports=stage_ports,
+                                 public_urls=[link.url for link in links], threads=args.threads,
+                                 extra=["--hop-timeout-s", "30"])
+    try:
+        driver = RouteDriver(StaticDirectory([i["url"] for i in infos], timeout_s=30.0), wallets["driver"].hotkey,
+                             config, port=driver_port, public_url=driver_link.url, hop_timeout_s=30.0)
+        engine = RouteEngine(driver, tokenizer, prefill_chunk=args.prefill_chunk)
+        async with engine:
+            await _one_generation(engine, prompt, args.new_tokens)  # warm
+            # rounds over every RTT, so that changes in the machine's load spread over all of them
+            ttfts = {rtt: [] for rtt in args.rtts_ms}
+            gaps = {rtt: [] for rtt in args.rtts_ms}
+            for _ in range(args.repeats):
+                for rtt in args.rtts_ms:
+                    for link in links + [driver_link]:
+                        link.delay_s = rtt / 2000.0
+                    ttft, g = await _one_generation(engine, prompt, args.new_tokens)
+                    ttfts[rtt].append(ttft)
+                    gaps[rtt] += g
+            for rtt in args.rtts_ms:
+                g = sorted(gaps[rtt])
+                rows.append({"setup": f"{len(ranges)}-stage swarm", "rtt_ms": rtt, "ttft_ms": min(ttfts[rtt]),
+                             "min_ms": g[0] * 1000.0, "median_ms": g[len(g) // 2] * 1000.0})
+    finally:
+        stop_processes(procs)
+        for link in links + [driver_link]:
+            await link.close()
+    swarm_rows = [r for r in rows if r["setup"] != "single process"]
+    # C: compute and software per token, from the least disturbed row
+    C = min(r["min_ms"] - (len(ranges) + 1) * r["rtt_ms"] / 2 for r in swarm_rows)
+    for r in swarm_rows:
+        r["chain_model_ms"] = C + (len(ranges) + 1) * r["rtt_ms"] / 2
+        r["law_model_ms"] = C + len(ranges) * r["rtt_ms"]
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"# bench_swarm: tiny model, prompt {args.prompt_tokens} tokens, {args.new_tokens} generated, "
+          f"{args.repeats} repeats; {os.cpu_count()}-core CPU, torch threads {args.threads} per stage; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| setup | RTT per link (ms) | TTFT (ms) | ms/token min | tokens/s at min | ms/token median | "
+          "chain model C+(N+1)RTT/2 | law C+N*RTT |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        chain = f"{r['chain_model_ms']:.1f}" if "chain_model_ms" in r else "-"
+        law = f"{r['law_model_ms']:.1f}" if "law_model_ms" in r else "-"
+        print(f"| {r['setup']} | {r['rtt_ms']:g} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f} | "
+              f"{1000.0 / r['min_ms']:.1f} | {r['median_ms']:.1f} | {chain} | {law} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default="", help="checkpoint dir (default: a fresh tiny one)")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--rtts-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0, 10.0, 30.0])
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default="", help="also write the rows here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = asyncio.run(run_bench(args))
+    print_table(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0

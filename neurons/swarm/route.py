@@ -1,0 +1,635 @@
+"""The route driver: one Kimi K3 over a route of stage miners, behind the same `Engine` interface as a
+whole-model engine (generate / score), so the miner protocol, the gateway and the benchmark run on it as is.
+
+A route is an ordered list of stages covering layers 0..L-1, embedding to head, planned from a
+`StageDirectory` (a static list of stage URLs here; the metagraph in production): stages are chosen by fewest
+hops, then measured step time, keeping the current stages when they are still alive. Tokens travel
+driver -> stage 1 -> ... -> stage N -> driver: each stage sends its output straight to the next, and the last
+one sends the head's result (a sampled token, or teacher-forced logprobs) to this driver's own small HTTP
+server. Prefill goes in chunks sent back to back, so the stages work on different chunks at once.
+
+Every result carries the stages' signed receipts; the driver checks that they chain (the output hash of each
+stage is the input hash of the next, starting from the hash of what the driver sent) and keeps the last ones.
+
+Churn: a hop that cannot be reached, answers an error, or a step that does not come back within
+hop_timeout_s x (N + 1) marks the stage at fault (the one a stage names as its unreachable next hop, or the
+ones that fail a health probe); the driver plans a new route without it (a spare for its block, or another
+cut), opens a fresh session on every stage of the new route and re-prefills the committed tokens (prompt
+plus every token already streamed), then continues. The caller sees a pause. When no route exists without
+the failed stages, the request ends with EngineError("engine_unavailable") naming the uncovered layers.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from bittensor.http_auth import InMemoryNonceStore
+
+from inference.model.config import ModelConfig
+from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream,
+                                      FinalEvent, GenerationRequest, ScoredPosition, TokenEvent)
+from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, find_stop
+from inference.swarm.stage import HeadOutput
+from neurons.swarm.codec import decode_head_output, encode_ids
+from neurons.swarm.stage_server import post_signed
+from protocol.auth import AuthFailure, verify_request
+from protocol.schemas import error_body
+from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
+                            REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
+                            RewindRequest, StageCapabilities, StageWireError, WireSampling, encode_frame,
+                            parse_model, split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
+
+log = logging.getLogger("k3.route")
+
+
+class RouteFailure(Exception):
+    """A step that did not complete on the route; `blame` holds the hotkeys of the stages at fault."""
+
+    def __init__(self, message: str, blame: set[str] | None = None, lost_session: bool = False):
+        super().__init__(message)
+        self.blame = set(blame or ())
+        self.lost_session = lost_session
+
+
+# ------------------------------------------------------------------ the directory of stages
+@dataclass(frozen=True)
+class StageInfo:
+    caps: StageCapabilities
+
+    @property
+    def url(self) -> str:
+        return self.caps.url
+
+    @property
+    def hotkey(self) -> str:
+        return self.caps.hotkey
+
+    @property
+    def start(self) -> int:
+        return self.caps.layers[0]
+
+    @property
+    def stop(self) -> int:
+        return self.caps.layers[1]
+
+    @property
+    def hop(self) -> Hop:
+        return Hop(url=self.url, hotkey=self.hotkey)
+
+    def describe(self) -> dict:
+        return {"url": self.url, "hotkey": self.hotkey, "layers": f"{self.start}-{self.stop - 1}",
+                "fingerprint": self.caps.fingerprint, "step_ms": self.caps.step_ms}
+
+
+class StageDirectory(abc.ABC):
+    """Where the route driver finds stage miners (the metagraph's axons in production)."""
+
+    @abc.abstractmethod
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]: ...
+
+
+class StaticDirectory(StageDirectory):
+    """A fixed list of stage URLs; each is asked for its signed capabilities (unreachable ones are left out)."""
+
+    def __init__(self, urls: list[str], timeout_s: float = 3.0, config_hash: str | None = None):
+        self.urls = list(urls)
+        self.timeout_s = timeout_s
+        self.config_hash = config_hash
+
+    async def _one(self, http: aiohttp.ClientSession, url: str) -> StageInfo | None:
+        try:
+            async with http.get(url.rstrip("/") + CAPABILITIES_PATH,
+                                timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                caps = StageCapabilities.model_validate_json(await resp.read())
+        except Exception:  # noqa: BLE001 (unreachable, slow or malformed: not a stage for now)
+            return None
+        if not verify_capabilities(caps) or (self.config_hash and caps.config_hash != self.config_hash):
+            log.warning("stage at %s: capabilities unsigned or for another model; ignored", url)
+            return None
+        return StageInfo(caps)
+
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
+        found = await asyncio.gather(*(self._one(http, u) for u in self.urls))
+        return [s for s in found if s is not None]
+
+
+class MetagraphDirectory(StageDirectory):
+    """The stage miners of a subnet: every neuron with a published endpoint that answers /stage/capabilities
+    signed by its own registered hotkey (whole-model miners answer 404 and are left out)."""
+
+    def __init__(self, chain, netuid: int, timeout_s: float = 3.0, config_hash: str | None = None):
+        self.chain = chain
+        self.netuid = netuid
+        self.fetch = StaticDirectory([], timeout_s, config_hash)
+
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
+        snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.fetch.timeout_s * 4)
+        neurons = [n for n in snapshot.neurons if n.endpoint is not None]
+        found = await asyncio.gather(*(self.fetch._one(http, n.endpoint.url) for n in neurons))
+        return [s for s, n in zip(found, neurons) if s is not None and s.hotkey == n.hotkey]
+
+
+def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = frozenset(),
+               prefer: set[str] = frozenset()) -> list[StageInfo] | None:
+    """Stages covering [0, num_layers) in order, or None: current stages first, then fewest hops, then the
+    measured step time."""
+    by_start: dict[int, list[StageInfo]] = {}
+    for s in stages:
+        if s.hotkey not in exclude and s.caps.num_layers == num_layers:
+            by_start.setdefault(s.start, []).append(s)
+    dead_ends: set[int] = set()
+
+    def search(pos: int, used: frozenset) -> list[StageInfo] | None:
+        if pos == num_layers:
+            return []
+        if pos in dead_ends:
+            return None
+        options = sorted((s for s in by_start.get(pos, []) if s.hotkey not in used),
+                         key=lambda s: (s.hotkey not in prefer, -s.stop, s.caps.step_ms or math.inf))
+        for s in options:
+            rest = search(s.stop, used | {s.hotkey})
+            if rest is not None:
+                return [s] + rest
+        dead_ends.add(pos)
+        return None
+
+    return search(0, frozenset())
+
+
+def uncovered(stages: list[StageInfo], num_layers: int, exclude: set[str]) -> str:
+    """The first layer no usable stage reaches (for error messages)."""
+    reach, frontier = {0}, [0]
+    while frontier:
+        pos = frontier.pop()
+        for s in stages:
+            if s.hotkey not in exclude and s.start == pos and s.stop not in reach:
+                reach.add(s.stop)
+                frontier.append(s.stop)
+    return f"layer {max(reach)}" if num_layers not in reach else ""
+
+
+# ------------------------------------------------------------------ the driver
+@dataclass
+class RouteSession:
+    route: list[StageInfo]
+    route_id: str
+    session: str
+    step: int = 0
+    position: int = 0
+    receipts: list[Receipt] = field(default_factory=list)  # of the last step
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    input_sha: str
+    hotkeys: list[str]
+
+
+class RouteDriver:
+    """Opens sessions on a route, runs forwards across it and collects the head's results."""
+
+    def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
+                 port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
+                 public_url: str = ""):
+        self.directory = directory
+        self.keypair = keypair
+        self.hotkey = keypair.ss58_address
+        self.config = config
+        self.host, self.port = host, port
+        self.public_url = public_url  # what the last stage reaches this driver at (default http://host:port)
+        self.hop_timeout_s = hop_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.refresh_s = refresh_s
+        self.nonce_store = InMemoryNonceStore()
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._stages: list[StageInfo] = []
+        self._stages_at = 0.0
+        self.current: list[StageInfo] = []  # the route last planned
+        self.failed: dict[str, float] = {}  # hotkey -> when it failed (kept out of routes for refresh_s)
+        self.recoveries = 0
+        self.last_receipts: list[Receipt] = []
+
+    @property
+    def url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._http = aiohttp.ClientSession()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post(RESULT_PATH, self.handle_result)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        for p in self._pending.values():
+            if not p.future.done():
+                p.future.cancel()
+        if self._runner:
+            await self._runner.cleanup()
+        if self._http:
+            await self._http.close()
+
+    # ------------------------------------------------------------ routes
+    async def stages(self, refresh: bool = False) -> list[StageInfo]:
+        if refresh or not self._stages or time.monotonic() - self._stages_at > self.refresh_s:
+            self._stages = await self.directory.stages(self._http)
+            self._stages_at = time.monotonic()
+        return self._stages
+
+    def _excluded(self) -> set[str]:
+        now = time.monotonic()
+        return {h for h, t in self.failed.items() if now - t < self.refresh_s}
+
+    async def plan(self, refresh: bool = False) -> list[StageInfo]:
+        stages = await self.stages(refresh)
+        exclude = self._excluded()
+        route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current})
+        if route is None:
+            where = uncovered(stages, self.config.num_layers, exclude) or "the model"
+            raise EngineError("engine_unavailable",
+                              f"no route: no live stage miner continues at {where} (layers 0-"
+                              f"{self.config.num_layers - 1}; {len(stages)} stages known, {len(exclude)} failed)")
+        self.current = route
+        return route
+
+    async def open(self, sampling: SamplingParams, seed: int) -> RouteSession:
+        route = await self.plan()
+        rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12))
+        me = Hop(url=self.url, hotkey=self.hotkey)
+        wire = WireSampling(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                            top_k=int(sampling.top_k), logprobs=int(sampling.logprobs))
+
+        async def open_one(i: int, s: StageInfo) -> None:
+            req = OpenRequest(route_id=rs.route_id, session=rs.session,
+                              upstream=self.hotkey if i == 0 else route[i - 1].hotkey,
+                              downstream=route[i + 1].hop if i + 1 < len(route) else None,
+                              reply_to=me, sampling=wire, seed=seed % (2**63))
+            await self._control(s, OPEN_PATH, req.model_dump_json().encode())
+
+        results = await asyncio.gather(*(open_one(i, s) for i, s in enumerate(route)), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self.close(rs)
+            if any(isinstance(f, RouteFailure) for f in failures):
+                blame = set().union(*(f.blame for f in failures if isinstance(f, RouteFailure)))
+                raise RouteFailure(f"opening the session failed: {failures[0]}", blame)
+            raise failures[0]
+        return rs
+
+    async def _control(self, stage: StageInfo, path: str, body: bytes, timeout_s: float | None = None) -> dict:
+        try:
+            status, answer = await post_signed(self._http, self.keypair, stage.hop, path, body,
+                                               timeout_s or self.hop_timeout_s, "application/json")
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise RouteFailure(f"stage {stage.url} ({stage.start}-{stage.stop - 1}) is unreachable: "
+                               f"{type(e).__name__}", {stage.hotkey}) from None
+        if status == 404:
+            raise RouteFailure(f"stage {stage.url} lost the session", set(), lost_session=True)
+        if status >= 500:
+            raise RouteFailure(f"stage {stage.url} failed: {status}", {stage.hotkey})
+        if status >= 400:
+            raise EngineError("engine_failure", f"stage {stage.url} refused {path}: {status} "
+                                                f"{answer[:300].decode(errors='replace')}")
+        return json.loads(answer or b"{}")
+
+    async def close(self, rs: RouteSession) -> None:
+        body = CloseRequest(session=rs.session).model_dump_json().encode()
+        await asyncio.gather(*(self._control(s, CLOSE_PATH, body, self.probe_timeout_s) for s in rs.route),
+                             return_exceptions=True)
+
+    async def rewind(self, rs: RouteSession, position: int) -> None:
+        """Every stage of the route back to `position` (the head's next draw then is the token at it)."""
+        body = RewindRequest(session=rs.session, position=position).model_dump_json().encode()
+        results = await asyncio.gather(*(self._control(s, REWIND_PATH, body) for s in rs.route),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        rs.position = position
+
+    async def fork(self, rs: RouteSession) -> RouteSession:
+        """A copy of the session on every stage of its route (same position and state), under a new id."""
+        copy = RouteSession(rs.route, rs.route_id, secrets.token_hex(12), step=rs.step, position=rs.position)
+        body = json.dumps({"session": rs.session, "new_session": copy.session}).encode()
+        results = await asyncio.gather(*(self._control(s, FORK_PATH, body) for s in rs.route), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                await self.close(copy)
+                raise r
+        return copy
+
+    async def probe(self, route: list[StageInfo]) -> set[str]:
+        """Hotkeys of the stages that do not answer a health probe in time."""
+        async def one(s: StageInfo) -> str | None:
+            try:
+                async with self._http.get(s.url + HEALTH_PATH,
+                                          timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                    return None if resp.status == 200 else s.hotkey
+            except Exception:  # noqa: BLE001
+                return s.hotkey
+        return {h for h in await asyncio.gather(*(one(s) for s in route)) if h}
+
+    # ------------------------------------------------------------ forwards
+    async def run(self, rs: RouteSession, chunks: list[tuple[list[int], str, list[int] | None]],
+                  top_k: int = 0) -> list[HeadOutput]:
+        """Send chunks (token ids, mode, targets) one after another from rs.position; await every result."""
+        first = rs.route[0]
+        waits: list[tuple[int, _Pending]] = []
+        try:
+            for ids, mode, targets in chunks:
+                specs, body = encode_ids(ids)
+                step = rs.step
+                header = ForwardHeader(route_id=rs.route_id, session=rs.session, step=step, position=rs.position,
+                                       mode=mode, targets=targets, top_k=top_k, tensors=specs)
+                pending = _Pending(asyncio.get_running_loop().create_future(), state_sha256(specs, body),
+                                   [s.hotkey for s in rs.route])
+                self._pending[(rs.session, step)] = pending
+                waits.append((step, pending))
+                try:
+                    status, answer = await post_signed(self._http, self.keypair, first.hop, FORWARD_PATH,
+                                                       encode_frame(header, body), self.hop_timeout_s)
+                except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+                    raise RouteFailure(f"the first stage {first.url} did not accept the forward: "
+                                       f"{type(e).__name__}", {first.hotkey}) from None
+                if status == 404:
+                    raise RouteFailure(f"stage {first.url} lost the session", set(), lost_session=True)
+                if status >= 500:
+                    raise RouteFailure(f"the first stage {first.url} failed: {status}", {first.hotkey})
+                if status != 202:
+                    raise EngineError("engine_failure", f"the first stage refused the forward: {status} "
+                                                        f"{answer[:300].decode(errors='replace')}")
+                rs.step += 1
+                rs.position += len(ids)
+            outputs = []
+            for step, pending in waits:
+                outputs.append(await self._await_result(rs, step, pending))
+            return outputs
+        finally:
+            for step, _ in waits:
+                self._pending.pop((rs.session, step), None)
+
+    async def _await_result(self, rs: RouteSession, step: int, pending: _Pending) -> HeadOutput:
+        limit = self.hop_timeout_s * (len(rs.route) + 1)
+        try:
+            header, body = await asyncio.wait_for(asyncio.shield(pending.future), limit)
+        except asyncio.TimeoutError:
+            blame = await self.probe(rs.route)
+            raise RouteFailure(f"step {step} did not come back within {limit:.1f} s"
+                               + (f"; not answering: {sorted(blame)}" if blame else ""), blame) from None
+        if header.error is not None:
+            e = header.error
+            blame = {e.blame} if e.blame else {e.stage}
+            if e.code == "stage_refused" and "no session" in e.message:
+                raise RouteFailure(f"a stage lost the session: {e.message}", set(), lost_session=True)
+            raise RouteFailure(f"stage {e.stage} reports {e.code}: {e.message}", blame)
+        problem = verify_receipt_chain(header.receipts, rs.route_id, rs.session, step, pending.input_sha,
+                                       pending.hotkeys)
+        if problem is None and header.receipts[-1].output_sha256 != state_sha256([], body):
+            problem = "the last receipt does not match the result"
+        if problem is not None:
+            bad = next((r.stage for r in header.receipts if r.stage in pending.hotkeys), pending.hotkeys[-1])
+            raise RouteFailure(f"receipts do not chain: {problem}", {bad})
+        rs.receipts = list(header.receipts)
+        self.last_receipts = rs.receipts
+        return decode_head_output(body)
+
+    async def handle_result(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            caller = verify_request(request.headers, body, "POST", request.raw_path, self.hotkey, self.nonce_store)
+            raw, payload = split_frame(body)
+            header: ResultHeader = parse_model(ResultHeader, raw, "result header")
+        except AuthFailure as e:
+            return web.Response(status=e.status, body=e.to_json(), content_type="application/json")
+        except StageWireError as e:
+            return web.Response(status=e.status, body=error_body(e.code, e.message), content_type="application/json")
+        pending = self._pending.get((header.session, header.step))
+        if pending is None:
+            return web.Response(status=404, body=error_body("unknown_step", "no step awaits this result"),
+                                content_type="application/json")
+        if caller not in pending.hotkeys:
+            return web.Response(status=403, body=error_body("not_on_route", "the sender is not on this route"),
+                                content_type="application/json")
+        if not pending.future.done():
+            pending.future.set_result((header, bytes(payload)))
+        return web.json_response({"ok": True})
+
+
+# ------------------------------------------------------------------ the engine
+class RouteEngine(Engine):
+    """generate / score over routes of stage miners."""
+
+    def __init__(self, driver: RouteDriver, tokenizer, *, model_fingerprint: str = "", max_context: int = 4096,
+                 max_concurrent: int = 8, prefill_chunk: int = 128, max_recoveries: int = 3):
+        self.driver = driver
+        self.config: ModelConfig = driver.config
+        self.tokenizer = tokenizer
+        self.model_fingerprint = model_fingerprint
+        self.max_context = min(max_context, self.config.max_position_embeddings)
+        self.max_concurrent = max_concurrent
+        self.prefill_chunk = prefill_chunk
+        self.max_recoveries = max_recoveries
+        self._stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {tokenizer.eos_id})
+        self._tasks: set[asyncio.Task] = set()
+        self._health = EngineHealth("down", "not started")
+        self.recoveries = 0
+
+    async def start(self) -> None:
+        await self.driver.start()
+        try:
+            await self.driver.plan(refresh=True)
+            self._health = EngineHealth("ok")
+        except EngineError as e:
+            self._health = EngineHealth("degraded", e.message)
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.driver.stop()
+        self._health = EngineHealth("down", "stopped")
+
+    def health(self) -> EngineHealth:
+        return self._health
+
+    def capabilities(self) -> EngineCapabilities:
+        route = self.driver.current
+        context = min([self.max_context] + [s.caps.capacity.get("context", self.max_context) for s in route])
+        sessions = min([self.max_concurrent] + [s.caps.capacity.get("sessions", self.max_concurrent) for s in route])
+        # without the whole checkpoint's fingerprint, name the route by its stages' fingerprints
+        fp = self.model_fingerprint or "route-" + hashlib.sha256(
+            " ".join(s.caps.fingerprint for s in route).encode()).hexdigest()[:16]
+        return EngineCapabilities(
+            model_id=self.config.model_id, model_fingerprint=fp,
+            vocab_size=self.config.vocab_size, max_context=context, max_concurrent_sequences=sessions,
+            engine_kind="sharded",  # the miner protocol's kinds; layout says it is a swarm route
+            layout={"swarm": True, "route": [s.describe() for s in route]}, precision="float32")
+
+    # ------------------------------------------------------------ requests
+    def _check(self, token_ids: list[int], total: int) -> None:
+        V = self.config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < V), None)
+        if bad is not None:
+            raise EngineError("invalid_request", f"token id {bad!r} is outside the vocabulary 0..{V - 1}")
+        if total > self.max_context:
+            raise EngineError("context_too_long", f"{total} tokens exceed this route's context of {self.max_context}")
+        if len(self._tasks) >= self.max_concurrent:
+            raise EngineError("over_capacity", f"this route driver serves at most {self.max_concurrent} requests")
+
+    def generate(self, request: GenerationRequest) -> EventStream:
+        p = request.sampling
+        problems = p.problems()
+        if not request.prompt_token_ids:
+            problems.append("the prompt is empty")
+        if problems:
+            raise EngineError("invalid_request", "; ".join(problems))
+        self._check(request.prompt_token_ids, len(request.prompt_token_ids) + p.max_tokens)
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(request, queue))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return EventStream(queue, task.cancel)
+
+    def _chunks(self, rs: RouteSession, ids: list[int], mode: str, targets: list[int] | None = None):
+        size = min([self.prefill_chunk] + [s.caps.capacity.get("tokens_per_forward", self.prefill_chunk)
+                                           for s in rs.route])
+        out = []
+        for i in range(0, len(ids), size):
+            last = i + size >= len(ids)
+            out.append((ids[i:i + size], mode if last or mode == "score" else "none",
+                        None if targets is None else targets[i:i + size]))
+        return out
+
+    async def _recover(self, failure: RouteFailure, rs: RouteSession | None, attempt: int) -> None:
+        self.recoveries += 1
+        self.driver.recoveries += 1
+        log.warning("route step failed (%s); blaming %s; recovering", failure, sorted(failure.blame))
+        for h in failure.blame:
+            self.driver.failed[h] = time.monotonic()
+        if rs is not None:
+            await self.driver.close(rs)
+        if attempt > self.max_recoveries:
+            raise EngineError("engine_failure", f"the route failed {attempt} times; last: {failure}")
+        await self.driver.stages(refresh=True)
+
+    async def _generate(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
+        p = request.sampling
+        t0 = time.perf_counter()
+        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
+        committed = list(request.prompt_token_ids)
+        decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+        generated: list[int] = []
+        text = ""
+        first_at = prefill_at = None
+        rs: RouteSession | None = None
+        attempt = 0
+        try:
+            out: HeadOutput | None = None
+            while True:
+                try:
+                    if rs is None:
+                        rs = await self.driver.open(p, seed)
+                        out = (await self.driver.run(rs, self._chunks(rs, committed, "sample"), 0))[-1]
+                        prefill_at = prefill_at or time.perf_counter()
+                    while True:
+                        token = out.token_id
+                        index = len(generated)
+                        generated.append(token)
+                        now = time.perf_counter()
+                        first_at = first_at or now
+                        is_eos = token in self._stop_ids and not p.ignore_eos
+                        piece, stop_hit = "", False
+                        if not is_eos:
+                            before = len(text)
+                            text += decoder.push(token)
+                            if len(generated) >= p.max_tokens:
+                                text += decoder.flush()
+                            stop_hit = bool(p.stop) and find_stop(text, p.stop, before) != -1
+                            piece = text[before:]
+                        queue.put_nowait(TokenEvent(index, token, piece, out.logprob, list(out.top)))
+                        reason = "eos" if is_eos else "stop" if stop_hit else \
+                            "length" if len(generated) >= p.max_tokens else None
+                        if reason:
+                            ms = lambda a: None if a is None else (a - t0) * 1000.0  # noqa: E731
+                            queue.put_nowait(FinalEvent(reason, len(request.prompt_token_ids), len(generated), 0.0,
+                                                        ms(first_at), (time.perf_counter() - t0) * 1000.0,
+                                                        ms(prefill_at)))
+                            return
+                        committed.append(token)
+                        out = (await self.driver.run(rs, [([token], "sample", None)], 0))[0]
+                except RouteFailure as failure:
+                    attempt += 1
+                    await self._recover(failure, rs, attempt)
+                    rs = None
+        except EngineError as e:
+            queue.put_nowait(e)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 (anything else ends this request with a clear error)
+            log.exception("route generation failed")
+            queue.put_nowait(EngineError("engine_failure", f"{type(e).__name__}: {e}"))
+        finally:
+            if rs is not None:
+                asyncio.ensure_future(self.driver.close(rs))
+
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+        if len(token_ids) < 2:
+            raise EngineError("invalid_request", "scoring needs at least 2 tokens")
+        if not 0 <= top_k <= MAX_LOGPROBS:
+            raise EngineError("invalid_request", f"top_k must lie in 0..{MAX_LOGPROBS}")
+        self._check(token_ids, len(token_ids))
+        n = len(token_ids)
+        wanted = set(range(1, n)) if positions is None else set(positions)
+        bad = sorted(q for q in wanted if not 1 <= q < n)
+        if bad:
+            raise EngineError("invalid_request", f"positions {bad[:5]} are outside 1..{n - 1}")
+        # row r predicts token r + 1; only rows whose next position is wanted are scored
+        targets = [token_ids[r + 1] if r + 1 in wanted else -1 for r in range(n - 1)] + [-1]
+        feed = token_ids
+        while feed and targets[len(feed) - 1] == -1 and len(feed) > 1:  # no need to feed past the last wanted row
+            feed, targets = feed[:-1], targets[:-1]
+        attempt, rs = 0, None
+        while True:
+            try:
+                rs = await self.driver.open(SamplingParams(), 0)
+                outs = await self.driver.run(rs, self._chunks(rs, feed, "score", targets), top_k)
+                break
+            except RouteFailure as failure:
+                attempt += 1
+                await self._recover(failure, rs, attempt)
+                rs = None
+            finally:
+                if rs is not None:
+                    await self.driver.close(rs)
+                    rs = None
+        scored, row = [], 0
+        for out in outs:
+            for r, lp in enumerate(out.logprobs):
+                pos = row + r + 1
+                if lp is not None and pos in wanted:
+                    scored.append(ScoredPosition(pos, token_ids[pos], float(lp), list(out.row_tops[r])))
+            row += len(out.logprobs)
+        return sorted(scored, key=lambda s: s.position)
+
+
+__all__ = ["RouteDriver", "RouteEngine", "RouteFailure", "RouteSession", "StageDirectory", "StaticDirectory",
+           "MetagraphDirectory",
+           "StageInfo", "plan_route"]

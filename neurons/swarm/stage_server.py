@@ -1,0 +1,321 @@
+"""The stage miner's HTTP server: one `Stage` (a layer block) behind the signed stage wire (protocol/stage.py).
+
+POST /stage/open|forward|rewind|fork|close are btauth/1-signed for this stage's hotkey. Order of checks on
+every request: body size (413), btauth (401/403), parsing and bounds (400/413), the session (404 unknown,
+403 wrong sender, 409 wrong position), the activations (400 wrong shape or non-finite); any refusal leaves
+the session as it was. A forward is answered 202 once accepted; the stage then computes it (in order per
+session, in a worker thread), appends its signed receipt and sends the output on to the next stage, or the
+head's result to the route driver; failures go to the driver as an error result naming the failed hop.
+
+GET /stage/capabilities returns the stage's capabilities signed by its hotkey (layer range, fingerprint of
+exactly its tensors, capacity, measured step time); GET /stage/health is a cheap liveness probe.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import torch
+from aiohttp import web
+from bittensor.http_auth import InMemoryNonceStore
+
+from inference.model.k3 import ResidualState
+from inference.serving.sampling import SamplingParams
+from inference.swarm.stage import HeadOutput, Stage, StageError
+from inference.version import __version__
+from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
+from protocol.auth import AuthFailure, sign_request, verify_request
+from protocol.schemas import error_body
+from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORK_PATH, FORWARD_PATH,
+                            FRAME_CONTENT_TYPE, HEALTH_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH, REWIND_PATH,
+                            CloseRequest, ForkRequest, ForwardHeader, Hop, OpenRequest, ResultError,
+                            ResultHeader, RewindRequest, StageWireError, decode_forward, encode_frame, parse_model,
+                            sign_capabilities, sign_receipt, state_sha256)
+
+log = logging.getLogger("k3.stage")
+
+
+@dataclass(frozen=True)
+class StageServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_url: str = ""  # what others reach this stage at (default http://host:port)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    hop_timeout_s: float = 5.0  # sending to the next hop (connect + its 202)
+    wire_dtype: str = "float32"  # what this stage sends on: float32 or bfloat16
+    expiry_interval_s: float = 5.0
+
+
+async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str, body: bytes, timeout_s: float,
+                      content_type: str = FRAME_CONTENT_TYPE) -> tuple[int, bytes]:
+    """POST `body` to `hop` signed for its hotkey; (status, response bytes). Raises asyncio.TimeoutError or
+    aiohttp.ClientError when the hop cannot be reached in time."""
+    headers = sign_request(keypair, "POST", path, body, hop.hotkey)
+    headers["Content-Type"] = content_type
+    async with http.post(hop.url + path, data=body, headers=headers,
+                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        return resp.status, await resp.read()
+
+
+class StageServer:
+    def __init__(self, stage: Stage, keypair, settings: StageServerSettings = StageServerSettings(),
+                 nonce_store=None):
+        self.stage = stage
+        self.keypair = keypair
+        self.hotkey = keypair.ss58_address
+        self.settings = settings
+        self.nonce_store = nonce_store or InMemoryNonceStore()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="stage", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),))
+        self._queued: dict[str, int] = {}  # session -> position once the accepted forwards have run
+        self._tails: dict[str, asyncio.Future] = {}  # session -> its last accepted forward's task
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._expiry: asyncio.Task | None = None
+        self.port = settings.port
+        self.refused = 0
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return self.settings.public_url or f"http://{self.settings.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=self.settings.max_body_bytes + MAX_HEADER_BYTES + 64)
+        app.router.add_get(HEALTH_PATH, self.handle_health)
+        app.router.add_get(CAPABILITIES_PATH, self.handle_capabilities)
+        app.router.add_post(OPEN_PATH, self._wrap(self.handle_open))
+        app.router.add_post(FORWARD_PATH, self._wrap(self.handle_forward))
+        app.router.add_post(REWIND_PATH, self._wrap(self.handle_rewind))
+        app.router.add_post(FORK_PATH, self._wrap(self.handle_fork))
+        app.router.add_post(CLOSE_PATH, self._wrap(self.handle_close))
+        self._http = aiohttp.ClientSession()
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._expiry = asyncio.create_task(self._expire_loop())
+
+    async def close(self) -> None:
+        if self._expiry:
+            self._expiry.cancel()
+        if self._runner:
+            await self._runner.cleanup()
+        if self._http:
+            await self._http.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_worker(self, fn, *args):
+        """Run a call that takes the stage's lock in the compute thread, so the event loop never waits on a
+        forward in progress (acks and health probes stay prompt)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.expiry_interval_s)
+            for sid in await self._in_worker(self.stage.expire_idle):
+                self._queued.pop(sid, None)
+                self._tails.pop(sid, None)
+
+    def warm_up(self) -> None:
+        """One single-token forward on a throwaway session, so the capabilities carry a measured step time."""
+        cfg, layers = self.stage.config, self.stage.layers
+        sid = "warmup"
+        self.stage.open(sid)
+        try:
+            if layers.has_embedding:
+                x = torch.tensor([1])
+            else:
+                g = torch.Generator().manual_seed(0)
+                x = ResidualState((1,), [torch.randn(1, cfg.hidden_size, generator=g)
+                                         for _ in range(self.stage.input_blocks)],
+                                  torch.randn(1, cfg.hidden_size, generator=g))
+            for p in range(3):
+                self.stage.decode_ms = None  # keep the last (warm) measurement only
+                self.stage.forward(sid, p, x, mode="sample" if layers.has_head else "none")
+        finally:
+            self.stage.close(sid)
+
+    # ------------------------------------------------------------ plumbing
+    def _wrap(self, handler):
+        async def run(request: web.Request) -> web.StreamResponse:
+            try:
+                body = await request.read()
+                caller = verify_request(request.headers, body, request.method, request.raw_path, self.hotkey,
+                                        self.nonce_store)
+                return await handler(caller, body)
+            except web.HTTPRequestEntityTooLarge:
+                self.refused += 1
+                return _error(413, "body_too_large", f"bodies are limited to {self.settings.max_body_bytes} bytes")
+            except AuthFailure as e:
+                self.refused += 1
+                return web.Response(status=e.status, body=e.to_json(), content_type="application/json")
+            except (StageWireError, StageError) as e:
+                self.refused += 1
+                return _error(e.status, e.code, e.message)
+        return run
+
+    def _owned(self, caller: str, session_id: str):
+        session = self.stage.get(session_id)
+        if caller != session.owner:
+            raise StageError(403, "not_owner", "only the party that opened a session may control it")
+        return session
+
+    async def _drain(self, session_id: str, timeout_s: float) -> None:
+        tail = self._tails.get(session_id)
+        if tail is not None and not tail.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(tail), timeout_s)
+            except asyncio.TimeoutError:
+                raise StageError(409, "session_busy", "the session still has forwards in progress") from None
+
+    # ------------------------------------------------------------ handlers
+    async def handle_health(self, request: web.Request) -> web.Response:
+        st = self.stage
+        return web.json_response({"status": "ok", "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
+                                  "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
+                                  "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
+                                  "refused": self.refused})
+
+    def capabilities(self):
+        cfg, st = self.stage.config, self.stage
+        return sign_capabilities(
+            self.keypair, model_id=cfg.model_id, config_hash=cfg.config_hash(), num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, layers=[st.layers.start, st.layers.stop],
+            embedding=st.layers.has_embedding, head=st.layers.has_head, fingerprint=st.fingerprint or "unknown",
+            capacity=st.capacity(), step_ms=st.decode_ms, max_body_bytes=self.settings.max_body_bytes,
+            url=self.url, software_version=__version__, signed_at=time.time())
+
+    async def handle_capabilities(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.capabilities().model_dump_json().encode(), content_type="application/json")
+
+    async def handle_open(self, caller: str, body: bytes) -> web.Response:
+        req: OpenRequest = parse_model(OpenRequest, body, "open")
+        s = req.sampling
+        if not self.stage.layers.has_head and req.downstream is None:
+            raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
+        session = await self._in_worker(lambda: self.stage.open(
+            req.session, route_id=req.route_id, seed=req.seed, owner=caller, upstream=req.upstream,
+            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, logprobs=s.logprobs),
+            downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
+        self._queued[req.session] = session.position
+        return web.json_response({"session": req.session, "position": session.position})
+
+    async def handle_forward(self, caller: str, body: bytes) -> web.Response:
+        header, tensors, raw = decode_forward(body, self.settings.max_body_bytes)
+        session = self.stage.get(header.session)
+        if caller != session.upstream:
+            raise StageError(403, "wrong_sender", "this session takes forwards only from its upstream hop")
+        if header.route_id != session.route_id:
+            raise StageError(400, "wrong_route", "the forward names another route than the session's")
+        inputs = decode_inputs(tensors, self.stage.layers.has_embedding, self.stage.config.hidden_size)
+        queued = self._queued.get(header.session, session.position)
+        n = self.stage.check_forward(session, header.position, inputs, header.mode, header.targets, header.top_k,
+                                     expected_position=queued)
+        self._queued[header.session] = header.position + n
+        input_sha = state_sha256(header.tensors, bytes(raw))
+        previous = self._tails.get(header.session)
+        self._tails[header.session] = asyncio.ensure_future(
+            self._process(header, inputs, input_sha, previous))
+        return web.json_response({"accepted": header.step}, status=202)
+
+    async def handle_rewind(self, caller: str, body: bytes) -> web.Response:
+        req: RewindRequest = parse_model(RewindRequest, body, "rewind")
+        self._owned(caller, req.session)
+        await self._drain(req.session, self.settings.hop_timeout_s)
+        position = await self._in_worker(self.stage.rewind, req.session, req.position)
+        self._queued[req.session] = position
+        return web.json_response({"session": req.session, "position": position})
+
+    async def handle_fork(self, caller: str, body: bytes) -> web.Response:
+        req: ForkRequest = parse_model(ForkRequest, body, "fork")
+        self._owned(caller, req.session)
+        await self._drain(req.session, self.settings.hop_timeout_s)
+        copy = await self._in_worker(self.stage.fork, req.session, req.new_session)
+        self._queued[req.new_session] = copy.position
+        return web.json_response({"session": req.new_session, "position": copy.position})
+
+    async def handle_close(self, caller: str, body: bytes) -> web.Response:
+        req: CloseRequest = parse_model(CloseRequest, body, "close")
+        self._owned(caller, req.session)
+        await self._drain(req.session, self.settings.hop_timeout_s)
+        await self._in_worker(self.stage.close, req.session)
+        self._queued.pop(req.session, None)
+        self._tails.pop(req.session, None)
+        return web.json_response({"session": req.session, "closed": True})
+
+    # ------------------------------------------------------------ compute and send on
+    async def _process(self, header: ForwardHeader, inputs, input_sha: str, previous) -> None:
+        if previous is not None:
+            try:
+                await previous
+            except Exception:  # noqa: BLE001 (its failure was reported already)
+                pass
+        session = self.stage.sessions.get(header.session)
+        if session is None:
+            return
+        reply_to = Hop(**session.reply_to)
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(self._executor, self.stage.forward, header.session, header.position,
+                                             inputs, header.mode, header.targets, header.top_k)
+        except StageError as e:
+            self._queued[header.session] = self.stage.sessions[header.session].position \
+                if header.session in self.stage.sessions else 0
+            await self._report(reply_to, header, "stage_refused", e.message, "")
+            return
+        except Exception as e:  # noqa: BLE001 (a compute failure is the driver's to know)
+            log.exception("forward failed")
+            await self._report(reply_to, header, "stage_failure", f"{type(e).__name__}: {e}", "")
+            return
+        layers = self.stage.layers
+        if isinstance(out, HeadOutput):
+            body = encode_head_output(out)
+            out_sha = state_sha256([], body)
+        else:
+            specs, body = encode_state(out, self.settings.wire_dtype)
+            out_sha = state_sha256(specs, body)
+        receipt = sign_receipt(self.keypair, route_id=header.route_id, session=header.session, step=header.step,
+                               layers=[layers.start, layers.stop], fingerprint=self.stage.fingerprint or "unknown",
+                               input_sha256=input_sha, output_sha256=out_sha)
+        receipts = list(header.receipts) + [receipt]
+        if isinstance(out, HeadOutput):
+            hop, path = reply_to, RESULT_PATH
+            frame = encode_frame(ResultHeader(route_id=header.route_id, session=header.session, step=header.step,
+                                              receipts=receipts), body)
+        else:
+            hop, path = Hop(**session.downstream), FORWARD_PATH
+            frame = encode_frame(header.model_copy(update={"receipts": receipts, "tensors": specs}), body)
+        try:
+            status, answer = await post_signed(self._http, self.keypair, hop, path, frame, self.settings.hop_timeout_s)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            await self._report(reply_to, header, "next_hop_unreachable",
+                               f"{hop.url} did not accept the forward in {self.settings.hop_timeout_s} s: "
+                               f"{type(e).__name__}", hop.hotkey)
+            return
+        if status >= 300:
+            await self._report(reply_to, header, "next_hop_refused",
+                               f"{hop.url} answered {status}: {answer[:300].decode(errors='replace')}", hop.hotkey)
+
+    async def _report(self, reply_to: Hop, header: ForwardHeader, code: str, message: str, blame: str) -> None:
+        frame = encode_frame(ResultHeader(route_id=header.route_id, session=header.session, step=header.step,
+                                          receipts=list(header.receipts),
+                                          error=ResultError(code=code, message=message[:1000], stage=self.hotkey,
+                                                            blame=blame)))
+        try:
+            await post_signed(self._http, self.keypair, reply_to, RESULT_PATH, frame, self.settings.hop_timeout_s)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            log.warning("could not report %s to the route driver at %s: %s", code, reply_to.url, e)
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(status=status, body=error_body(code, message), content_type="application/json")
+
+
+__all__ = ["StageServer", "StageServerSettings", "post_signed"]

@@ -1,0 +1,90 @@
+"""Held-out bits per byte of the trained tiny K3 against the random tiny models and a byte unigram, and
+whether it answers the validator's answer probes (planted fact, exact copy) greedily.
+
+    python scripts/bench_tiny_model.py                       # the shipped inference/model/assets/tiny_trained
+    python scripts/bench_tiny_model.py --checkpoint DIR --eval-bytes 65536 --probes 20
+
+Held-out text: the stdlib files the training split holds out (inference/model/training.py). Each model
+scores windows of --seq-len bytes through the inference forward (positions 1..T-1 of each window).
+Probes use the validator's own wording and names (scoring/corpus.py) at three sizes: the fact right before
+the question, the fact inside ~150 bytes of filler, and a short exact-copy request.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from inference.model.config import ModelConfig
+from inference.model.tokenizer import ByteTokenizer
+from inference.model.training import (bits_per_byte, greedy_answer, heldout_windows, load_model, random_model,
+                                      stdlib_corpus, unigram_bits_per_byte)
+from scoring import corpus as probe_text
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
+
+
+def probe_prompts(rng: random.Random, n: int) -> dict[str, list[tuple[str, str]]]:
+    """(user content, expected answer) per probe kind."""
+    kinds = {"fact_then_question": [], "fact_in_150B_filler": [], "copy_16_48B": []}
+    for _ in range(n):
+        subject, value = probe_text.person_name(rng), probe_text.access_code(rng)
+        fact, question = probe_text.planted_fact(subject, value), probe_text.planted_question(subject)
+        kinds["fact_then_question"].append((f"{fact}\n\n{question}", value))
+        filler = " ".join(probe_text.paragraphs(rng, 150))[:150]
+        kinds["fact_in_150B_filler"].append((f"{filler}\n\n{fact}\n\n{question}", value))
+        passage = probe_text.paragraph(rng, "story")[: rng.randint(16, 48)]
+        kinds["copy_16_48B"].append(
+            (f"Repeat the following text exactly, with nothing before or after it:\n\n{passage}", passage))
+    return kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--eval-bytes", type=int, default=1 << 15)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--probes", type=int, default=10, help="probes of each kind (0: none)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not (args.checkpoint / "config.json").exists():
+        print(f"error: no checkpoint at {args.checkpoint} (make one with scripts/train_tiny.py)", file=sys.stderr)
+        return 1
+    corpus = stdlib_corpus()
+    windows = heldout_windows(corpus, args.eval_bytes, args.seq_len)
+    trained = load_model(args.checkpoint)
+    rows = [("trained tiny (this checkpoint, MXFP4 experts)", lambda: bits_per_byte(trained, windows)),
+            (f"random {trained.config.model_id} (seed 0)", lambda: bits_per_byte(random_model(trained.config), windows)),
+            ("random kimi-k3-tiny (seed 0)", lambda: bits_per_byte(random_model(ModelConfig.tiny()), windows)),
+            ("byte unigram fitted on the training text", lambda: unigram_bits_per_byte(corpus.train, windows)),
+            ("uniform over 256 bytes", lambda: 8.0)]
+    print(f"held-out text: {windows.numel():,} bytes in {windows.shape[0]} windows of {args.seq_len} "
+          f"(stdlib {corpus.root}, data {corpus.fingerprint})")
+    print(f"| model | held-out bits/byte | seconds |\n|---|---|---|")
+    for name, measure in rows:
+        t = time.perf_counter()
+        value = measure()
+        print(f"| {name} | {value:.3f} | {time.perf_counter() - t:.1f} |", flush=True)
+    if args.probes:
+        tok = ByteTokenizer.from_config(trained.config)
+        stops = sorted(tok.stop_ids)
+        print("\n| probe (greedy, chat template) | passed | example answer |\n|---|---|---|")
+        for kind, prompts in probe_prompts(random.Random(0), args.probes).items():
+            passed, example = 0, ""
+            for content, answer in prompts:
+                ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+                text = tok.decode(greedy_answer(trained, ids, max_new=len(answer) + 16, stop_ids=stops),
+                                  skip_special_tokens=True)
+                passed += answer in text
+                example = example or repr(text[:40])
+            print(f"| {kind} | {passed}/{len(prompts)} | {example} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Speculative decoding: drafters, the acceptance rule, and the speculative loop against plain decoding
+(greedy token for token; sampled in distribution)."""
+import random
+
+import pytest
+import torch
+
+from inference.model.config import ModelConfig
+from inference.model.k3 import KimiK3Model
+from inference.serving.sampling import SamplingParams, filtered_probs
+from inference.speculative.drafters import Draft, Drafter, NgramDrafter, ReplayDrafter, SuffixDrafter, make_drafter
+from inference.speculative.speculation import DraftLength, SpeculationConfig, speculative_generate
+from inference.speculative.verify import accept_drafts
+
+_models: dict = {}
+
+
+def model_for(name: str = "tiny") -> KimiK3Model:
+    if name not in _models:
+        # "micro": 4 layers (KDA, MLA, KDA, MLA), for the many-seed statistical test
+        config = ModelConfig.tiny() if name == "tiny" else ModelConfig.tiny(num_layers=4, mla_layers=[1, 3])
+        _models[name] = KimiK3Model(config, seed=3)
+    return _models[name]
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
+    """Pearson chi-square goodness of fit; cells with tiny expectation are pooled."""
+    obs, exp = [], []
+    pool_o, pool_e = 0, 0.0
+    for o, e in zip(observed, expected):
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+        else:
+            obs.append(o)
+            exp.append(e)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# ----------------------------------------------------------------------------------- drafters
+def brute_force_longest_earlier_suffix(h: list[int]) -> int:
+    L = len(h)
+    for m in range(L - 1, 0, -1):
+        suffix = h[L - m:]
+        if any(h[s:s + m] == suffix for s in range(0, L - m)):
+            return m
+    return 0
+
+
+def test_suffix_automaton_finds_the_longest_earlier_suffix_incrementally():
+    rng = random.Random(0)
+    for trial in range(20):
+        drafter = SuffixDrafter(min_match=1)
+        h: list[int] = []
+        for step in range(60):
+            h.extend(rng.choice([0, 1, 2]) for _ in range(rng.randint(1, 3)))  # a few tokens per call
+            draft = drafter.propose(h, 4)
+            m = brute_force_longest_earlier_suffix(h)
+            assert drafter.match_length == m, (trial, step)
+            if m:  # the proposal continues an earlier occurrence of that suffix
+                ext = h + draft.tokens
+                starts = [s for s in range(len(h) - m) if h[s:s + m] == h[len(h) - m:]]
+                assert any(ext[s + m: s + m + 4] == draft.tokens for s in starts)
+            else:
+                assert draft.tokens == []
+
+
+def test_ngram_drafter_prefers_long_recent_matches_and_loops_past_the_end():
+    d = NgramDrafter(min_n=2, max_n=4)
+    h = [5, 6, 1, 2, 3, 9, 9, 1, 2, 3, 4, 7, 1, 2, 3]
+    # "1 2 3" occurred twice before; the most recent one was followed by 4 7
+    assert d.propose(h, 3).tokens == [4, 7, 1]
+    assert d.propose(h + [8, 8], 3).tokens == []  # "3 8 8" / "8 8": never seen before
+    # a loop: "7 8 9 7 8" matches at distance 3, so the copy goes on periodically past the end
+    assert NgramDrafter().propose([7, 8, 9, 7, 8], 6).tokens == [9, 7, 8, 9, 7, 8]
+    assert SuffixDrafter().propose([7, 8, 9, 7, 8, 9, 7], 4).tokens == [8, 9, 7, 8]
+
+
+def test_drafter_errors_and_factory():
+    assert make_drafter("none") is None
+    assert isinstance(make_drafter("ngram"), NgramDrafter) and isinstance(make_drafter("suffix"), SuffixDrafter)
+    with pytest.raises(ValueError, match="ngram, suffix"):
+        make_drafter("medusa")
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(min_n=3, max_n=2)
+    d = SuffixDrafter()
+    d.propose([1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="append-only"):
+        d.propose([1, 2], 2)
+
+
+# ------------------------------------------------------------------------------- acceptance rule
+def test_greedy_acceptance_stops_at_the_first_mismatch():
+    logits = torch.full((4, 6), -5.0)
+    for row, best in enumerate([2, 4, 1, 5]):
+        logits[row, best] = 5.0
+    greedy = SamplingParams(max_tokens=8)
+    v = accept_drafts([2, 4, 1], logits, greedy, None)
+    assert v.accepted == 3 and [t.token_id for t in v.tokens] == [2, 4, 1, 5]  # all accepted, plus the bonus
+    v = accept_drafts([2, 3, 1], logits, greedy, None)
+    assert v.accepted == 1 and [t.token_id for t in v.tokens] == [2, 4]  # correction replaces the mismatch
+    v = accept_drafts([], logits[:1], greedy, None)
+    assert v.accepted == 0 and [t.token_id for t in v.tokens] == [2]
+    assert v.tokens[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+    with pytest.raises(ValueError, match="3 drafts need 4 rows"):
+        accept_drafts([1, 2, 3], logits[:3], greedy, None)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+@pytest.mark.parametrize("with_q", [False, True])
+def test_sampled_acceptance_keeps_the_target_distribution(params, with_q):
+    """The first token a verify step emits is distributed as p, whatever the draft (point mass or q)."""
+    torch.manual_seed(0)
+    V = 8
+    logits = torch.randn(2, V) * 1.5
+    p = filtered_probs(logits[0], params)
+    q = torch.softmax(torch.randn(1, V), -1) if with_q else None
+    g = torch.Generator().manual_seed(1)
+    n, counts = 5000, [0] * V
+    accepted = 0
+    for _ in range(n):
+        draft = int(torch.multinomial(q[0], 1, generator=g)) if with_q else 3  # q's own draws, or a fixed guess
+        v = accept_drafts([draft], logits, params, g, q)
+        counts[v.tokens[0].token_id] += 1
+        accepted += v.accepted
+    assert chi_square_p_value(counts, [n * float(x) for x in p]) > 1e-3
+    if not with_q:  # a point-mass draft is accepted with probability p(draft)
+        assert accepted / n == pytest.approx(float(p[3]), abs=0.03)
+
+
+# ----------------------------------------------------------------------- the loop against plain
+class WrongDrafter(Drafter):
+    """Always proposes tokens the greedy model will not choose (accepts nothing)."""
+
+    def __init__(self, plain: list[int], prompt_len: int):
+        self.plain, self.prompt_len = plain, prompt_len
+
+    def propose(self, history, k):
+        i = len(history) - self.prompt_len
+        return Draft([(self.plain[j] + 1) % 256 for j in range(i, min(i + k, len(self.plain)))])
+
+
+PROMPTS = {
+    "repetitive": list(b"the cat sat on the mat. the cat sat on the mat. the cat sat on the"),
+    "code": list(b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"),
+    "novel": list(b"Quiet lynx wove bright jumpers"),
+}
+
+
+def test_greedy_speculative_equals_greedy_plain_token_for_token():
+    model = model_for()
+    greedy = SamplingParams(max_tokens=16)
+    for name, prompt in PROMPTS.items():
+        plain, stats = speculative_generate(model, prompt, greedy, SpeculationConfig())
+        assert stats["draft_proposed"] == 0 and len(plain) == 16
+        for kind in ("ngram", "suffix"):  # always drafting 3 tokens when the drafter has a guess
+            got, stats = speculative_generate(model, prompt, greedy,
+                                              SpeculationConfig(drafter=kind, fixed_draft_tokens=3))
+            assert got == plain, (name, kind)
+        if name == "code":
+            # drafts that are mostly right (one in 5 altered) accept a lot ...
+            good = ReplayDrafter(len(prompt), plain, 256, wrong_every=5)
+            got, stats = speculative_generate(model, prompt, greedy, SpeculationConfig(fixed_draft_tokens=6),
+                                              drafter=good)
+            assert got == plain
+            assert stats["draft_accepted"] >= 0.6 * stats["draft_proposed"] > 0
+            assert stats["verify_steps"] <= 7  # 16 tokens in far fewer forwards
+            # ... drafts that are always wrong accept nothing, and the output is still the same
+            got, stats = speculative_generate(model, prompt, greedy, SpeculationConfig(fixed_draft_tokens=4),
+                                              drafter=WrongDrafter(plain, len(prompt)))
+            assert got == plain and stats["draft_accepted"] == 0 and stats["draft_proposed"] > 12
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+def test_greedy_equality_with_adaptive_k_and_both_rewind_modes(mode):
+    model = model_for()
+    prompt = PROMPTS["code"]
+    greedy = SamplingParams(max_tokens=20)
+    plain, _ = speculative_generate(model, prompt, greedy, SpeculationConfig())
+    good = ReplayDrafter(len(prompt), plain, 256, wrong_every=7)
+    got, stats = speculative_generate(model, prompt, greedy, SpeculationConfig(rewind_mode=mode), drafter=good)
+    assert got == plain and stats["draft_accepted"] > 0
+
+
+def test_sampled_speculative_matches_plain_sampling_in_distribution():
+    """Three tokens with top_k = 2 (8 outcomes): the speculative loop's outcome frequencies over many
+    seeds against the exact plain-sampling distribution computed from the model."""
+    model = model_for("micro")
+    prompt = [72, 105, 33, 32, 72]
+    params = dict(max_tokens=3, temperature=1.0, top_k=2)
+    # exact plain distribution over the 8 outcomes
+    exact: dict[tuple, float] = {}
+    with torch.inference_mode():
+        c0 = model.new_cache()
+        p1 = filtered_probs(model([torch.tensor(prompt)], [c0])[0], SamplingParams(**params))
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            c1 = c0.clone()
+            p2 = filtered_probs(model([torch.tensor([t1])], [c1])[0], SamplingParams(**params))
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                c2 = c1.clone()
+                p3 = filtered_probs(model([torch.tensor([t2])], [c2])[0], SamplingParams(**params))
+                for t3 in torch.nonzero(p3).flatten().tolist():
+                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert len(exact) == 8
+
+    class FirstChoiceDrafter(Drafter):  # always guesses the outcome (t1, t2, t3) = the first key
+        def propose(self, history, k):
+            i = len(history) - len(prompt)
+            return Draft(list(next(iter(exact)))[i:i + k])
+
+    n = 200
+    counts = dict.fromkeys(exact, 0)
+    accepted = 0
+    for seed in range(n):
+        got, stats = speculative_generate(model, prompt, SamplingParams(seed=seed, **params),
+                                          SpeculationConfig(fixed_draft_tokens=1), drafter=FirstChoiceDrafter())
+        counts[tuple(got)] += 1
+        accepted += stats["draft_accepted"]
+    assert 0 < accepted < n  # drafts were judged both ways
+    outcomes = list(exact)
+    assert chi_square_p_value([counts[o] for o in outcomes], [n * exact[o] for o in outcomes]) > 1e-3
+
+
+def test_adaptive_k_drops_to_plain_on_poor_drafts_and_recovers():
+    config = SpeculationConfig(drafter="suffix", max_draft_tokens=8, verify_cost=0.1)
+    length = DraftLength(config)
+    assert 1 <= length.best_k() <= 8
+    for _ in range(10):
+        length.observe(0, 1)  # every draft rejected
+    assert length.best_k() == 0
+    for _ in range(20):
+        length.observe(4, 4)  # every draft accepted
+    assert length.best_k() == 8
+    assert SpeculationConfig(drafter="x").problems() and SpeculationConfig(max_draft_tokens=0).problems()
+    assert not SpeculationConfig(drafter="ngram").problems()
+
+
+def test_adaptive_k_makes_novel_text_mostly_plain_steps():
+    model = model_for()
+    got, stats = speculative_generate(model, PROMPTS["novel"], SamplingParams(max_tokens=24),
+                                      SpeculationConfig(drafter="ngram"))
+    plain, _ = speculative_generate(model, PROMPTS["novel"], SamplingParams(max_tokens=24), SpeculationConfig())
+    assert got == plain
+    assert stats["plain_steps"] >= 15  # drafts of a random model on novel text are rarely right
