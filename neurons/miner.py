@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kimi K3 subnet miner: serves signed generations to the subnet's validators.
 
-    python neurons/miner.py --chain devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
+    python neurons/miner.py --network devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
         --wallet-name miner --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
         --engine reference --checkpoint ckpt/tiny --host 0.0.0.0 --port 8091 --external-ip 203.0.113.7
 

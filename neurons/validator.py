@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kimi K3 subnet validator: measures and verifies miners, sets weights on chain.
 
-    python neurons/validator.py run --chain devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
+    python neurons/validator.py run --network devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
         --wallet-name validator --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
         --checkpoint ckpt/tiny --reference-engine --db ~/.k3-subnet/validator.sqlite
     python neurons/validator.py status --db ~/.k3-subnet/validator.sqlite [--json]
