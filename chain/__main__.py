@@ -1,15 +1,19 @@
 """`python -m chain`: drive the embedded devnet and make wallets for it.
 
     python -m chain devnet create --db PATH [--block-interval S] [--tempo N ...]   # prints the netuid
-    python -m chain wallet create --wallet-path DIR --name N --hotkey H
-    python -m chain register --db PATH --netuid N --wallet-path DIR --name N --hotkey H
-    python -m chain stake --db PATH --netuid N --wallet-path DIR --name N --hotkey H --amount X
+    python -m chain wallet create --wallet-path DIR --wallet-name N --wallet-hotkey H
+    python -m chain register --db PATH --netuid N --wallet-path DIR -w N -H H
+    python -m chain stake --db PATH --netuid N --wallet-path DIR -w N -H H --amount X
     python -m chain metagraph --db PATH --netuid N [--json]
     python -m chain block --db PATH
     python -m chain hyperparameters --db PATH --netuid N [--json]
     python -m chain set-hyperparameter --db PATH --netuid N NAME VALUE
     python -m chain epochs --db PATH --netuid N [--last K] [--json]
     python -m chain advance --db PATH --blocks N
+
+Wallet flags are btcli's: --wallet-name/-w (also --wallet, --wallet.name; env BT_WALLET),
+--wallet-hotkey/-H (--wallet.hotkey; BT_WALLET_HOTKEY), --wallet-path (--wallet.path;
+BT_WALLET_PATH). --name and --hotkey still work, with a warning.
 
 A mistake the user can fix (a missing database or wallet, an unknown subnet, a bad value, a chain
 refusal such as an already registered hotkey) prints `error: ...` and exits with status 2.
@@ -44,7 +48,7 @@ def _wallet(path: str, name: str, hotkey: str, must_exist: bool = True):
         if missing:
             raise UserError(
                 f"wallet {name}/{hotkey} under {path} has no {' or '.join(missing)}; create it with "
-                f"`python -m chain wallet create --wallet-path {path} --name {name} --hotkey {hotkey}`"
+                f"`python -m chain wallet create --wallet-path {path} --wallet-name {name} --wallet-hotkey {hotkey}`"
             )
     return wallet
 
@@ -112,11 +116,11 @@ async def _with_chain(db: str, action):
 async def run(args) -> str:
     """The text to print for a parsed command line."""
     if args.command == "wallet":
-        info = create_wallet(args.wallet_path, args.name, args.hotkey)
+        info = create_wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
         if args.json:
             return json.dumps(info)
         made = ", ".join(info["created"]) or "nothing (both keys existed)"
-        return f"wallet {args.name}/{args.hotkey}: coldkey {info['coldkey']}  hotkey {info['hotkey']}  created {made}"
+        return f"wallet {args.wallet_name}/{args.wallet_hotkey}: coldkey {info['coldkey']}  hotkey {info['hotkey']}  created {made}"
 
     if args.command == "devnet":
         exists = os.path.exists(args.db)
@@ -129,7 +133,7 @@ async def run(args) -> str:
         }
         owner = args.owner
         if owner is None and args.wallet_path:
-            owner = _wallet(args.wallet_path, args.name, args.hotkey)
+            owner = _wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
         if owner is None:
             from bittensor.sp_core import ss58_encode
 
@@ -142,11 +146,11 @@ async def run(args) -> str:
         return str(netuid)
 
     if args.command == "register":
-        wallet = _wallet(args.wallet_path, args.name, args.hotkey)
+        wallet = _wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
         return str(await _with_chain(args.db, lambda c: c.register(wallet, args.netuid)))
 
     if args.command == "stake":
-        wallet = _wallet(args.wallet_path, args.name, args.hotkey)
+        wallet = _wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
         total = await _with_chain(args.db, lambda c: c.add_stake(wallet, wallet, args.netuid, args.amount))
         return f"{total:g}"
 
@@ -194,6 +198,27 @@ async def run(args) -> str:
     raise UserError(f"unknown command {args.command}")
 
 
+# btcli 11's spellings first, then the subnet template's dotted forms; the old spelling warns.
+WALLET_FLAGS = (
+    (("--wallet-name", "-w", "--wallet", "--wallet.name"), "--name", "BT_WALLET", "wallet_name",
+     "wallet (coldkey) name"),
+    (("--wallet-hotkey", "-H", "--wallet.hotkey"), "--hotkey", "BT_WALLET_HOTKEY", "wallet_hotkey", "hotkey name"),
+    (("--wallet-path", "--wallet.path"), None, "BT_WALLET_PATH", "wallet_path", "wallets directory"),
+)
+
+
+class _Deprecated(argparse.Action):
+    """An old flag spelling: still sets the value, and says once on stderr what to use instead."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m chain", description="The embedded devnet and its wallets.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -204,9 +229,17 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--netuid", type=int, required=True)
 
     def wallet(sp, required=True):
-        sp.add_argument("--wallet-path", required=required, help="wallets directory")
-        sp.add_argument("--name", required=required, help="wallet (coldkey) name")
-        sp.add_argument("--hotkey", required=required, help="hotkey name")
+        for flags, old, env, dest, text in WALLET_FLAGS:
+            default = os.environ.get(env)
+            if dest == "wallet_path" and default is not None:
+                default = os.path.expanduser(default)
+            if default is None and not required and dest != "wallet_path":
+                default = "default"  # btcli's default wallet and hotkey names
+            sp.add_argument(*flags, dest=dest, default=default,
+                            help=f"{text} [env {env}]" + (" (required)" if required else ""))
+            if old:
+                sp.add_argument(old, dest=dest, action=_Deprecated, new=flags[0], help=argparse.SUPPRESS)
+        sp.set_defaults(wallet_required=required)
 
     devnet = sub.add_parser("devnet", help="create a devnet").add_subparsers(dest="action", required=True)
     create = devnet.add_parser("create", help="create the database and one subnet; prints the netuid")
@@ -261,7 +294,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if getattr(args, "wallet_required", False):
+        missing = [flags[0] for flags, _, env, dest, _ in WALLET_FLAGS if getattr(args, dest) is None]
+        if missing:
+            p.error(f"{args.command}: {', '.join(missing)} required (or set "
+                    f"{', '.join(env for flags, _, env, _, _ in WALLET_FLAGS if flags[0] in missing)})")
     try:
         print(asyncio.run(run(args)))
     except (UserError, ChainError, ValueError, TypeError) as e:

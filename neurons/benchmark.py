@@ -61,6 +61,7 @@ from inference.serving import (
     TokenEvent as EngineToken,
 )
 from inference.model.tokenizer import IM_END, load_tokenizer
+from neurons.observability import setup_logging
 from neurons.settings import (
     Option,
     WalletNotFound,
@@ -187,6 +188,7 @@ class BenchmarkSettings:
     tokenizer_checkpoint: Optional[str] = None
     out_dir: Optional[str] = None
     log_level: str = "WARNING"
+    log_format: str = "text"
 
     def problems(self) -> list[str]:
         t, w = self.target, self.workload
@@ -231,7 +233,8 @@ def benchmark_options() -> tuple[Option, ...]:
                metavar="KEY"),
         Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int,
                "with --openai: the server's context when /v1/models does not say (max_model_len)", group="target"),
-    ) + tuple(dataclasses.replace(o, env=o.env.replace("K3_", p)) for o in wallet_options()) + (
+    ) + tuple(dataclasses.replace(o, deprecated_env=o.deprecated_env + (o.deprecated_env[0].replace("K3_", p),))
+              for o in wallet_options()) + (
         Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list,
                "prompt sizes in tokens, chat template included", group="workload", metavar="N,N,..."),
         Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list,
@@ -905,7 +908,7 @@ def write_report(report: dict, out_dir: str) -> tuple[Path, Path]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     settings = read_benchmark_settings(argv)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level, settings.log_format)
     try:
         report = asyncio.run(run_benchmark(settings, argv))
     except BenchmarkSetupError as error:

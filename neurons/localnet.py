@@ -3,7 +3,7 @@
     scripts/localnet.sh                          # devnet, 3 miners, 1 validator, until Ctrl-C
     k3-localnet --run-dir /tmp/k3-run            # the same from an installed package (pip install k3-subnet)
     scripts/localnet.sh --duration 300 --miners 4 --cheat buffer
-    scripts/localnet.sh --chain local --netuid 2 --wallet-path ~/.bittensor/wallets \\
+    scripts/localnet.sh --network local --netuid 2 --wallet-path ~/.bittensor/wallets \\
         --validator-wallet val --miner-wallets m1,m2,m3     # a real subtensor node (wallets registered with btcli)
 
 With the embedded devnet (the default) it creates, in a fresh run directory: the tiny checkpoint (once, in
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,14 @@ from pathlib import Path
 import bittensor as bt
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from chain import connect
@@ -60,6 +69,18 @@ class Neuron:
     log: Path | None = None
 
 
+class _Deprecated(argparse.Action):
+    """An old flag spelling: still sets the value, and says on stderr what to use instead."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,9 +96,13 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--run-dir", type=Path, default=None, help="default: ./runs/localnet-<time>")
     ap.add_argument("--checkpoints", type=Path, default=Path("checkpoints"),
                     help="where the tiny checkpoints are made once and kept (default: ./checkpoints)")
-    ap.add_argument("--chain", default="devnet", help="devnet (embedded), local, or ws://HOST:PORT (a subtensor node)")
+    ap.add_argument("--network", "-n", "--subtensor.network", "--subtensor.chain_endpoint", dest="chain",
+                    default="devnet", help="devnet (embedded), or a subtensor node as btcli names one: local, "
+                                           "test, finney, ws://HOST:PORT")
+    ap.add_argument("--chain", dest="chain", action=_Deprecated, new="--network", help=argparse.SUPPRESS)
     ap.add_argument("--netuid", type=int, default=None, help="subnet on a real node (devnet: created)")
-    ap.add_argument("--wallet-path", type=Path, default=None, help="real node: where the registered wallets are")
+    ap.add_argument("--wallet-path", "--wallet.path", type=Path, default=None,
+                    help="real node: where the registered wallets are")
     ap.add_argument("--validator-wallet", default="validator", help="real node: validator wallet name")
     ap.add_argument("--miner-wallets", default="", help="real node: comma-separated miner wallet names")
     ap.add_argument("--block-interval", type=float, default=0.5, help="devnet seconds per block")
@@ -96,7 +121,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     if args.chain != "devnet" and (args.netuid is None or args.wallet_path is None or not args.miner_wallets):
         ap.error("with a real node, give --netuid, --wallet-path and --miner-wallets (wallets registered with btcli)")
     if args.setup_only and (args.chain != "devnet" or args.run_dir is None):
-        ap.error("--setup-only sets up the embedded devnet: give --run-dir and no --chain")
+        ap.error("--setup-only sets up the embedded devnet: give --run-dir and no --network")
     args.checkpoints = args.checkpoints.expanduser().resolve()
     if args.run_dir is not None:
         args.run_dir = args.run_dir.expanduser().resolve()
@@ -113,10 +138,10 @@ def ensure_checkpoints(args) -> None:
     honest = checkpoint_dir(args)
     if not (honest / "config.json").exists():
         print(f"[localnet] making the tiny checkpoint in {honest}")
-        make_random_checkpoint(ModelConfig.tiny(), honest, seed=0)
+        make_random_checkpoint(ModelConfig.tiny(), honest, seed=0, progress=True)
     cheat = checkpoint_dir(args, cheat_weights=True)
     if args.cheat == "weights" and not (cheat / "config.json").exists():
-        make_random_checkpoint(ModelConfig.tiny(), cheat, seed=1)
+        make_random_checkpoint(ModelConfig.tiny(), cheat, seed=1, progress=True)
 
 
 def make_wallet(path: Path, name: str) -> bt.Wallet:
@@ -128,18 +153,32 @@ def make_wallet(path: Path, name: str) -> bt.Wallet:
     return w
 
 
-async def setup_devnet(run_dir: Path, args, neurons: list[Neuron]) -> tuple[str, int]:
+async def setup_devnet(run_dir: Path, args, neurons: list[Neuron], step=lambda what: None) -> tuple[str, int]:
+    """The devnet, its subnet, registrations and stake; `step(what)` is called as each one is done."""
     db = run_dir / "devnet.sqlite"
     chain = DevnetChain(str(db), block_interval=args.block_interval, create=True)
     owner = make_wallet(run_dir / "wallets", "owner")
     netuid = await chain.create_subnet(owner, tempo=args.tempo, weights_rate_limit=5, immunity_period=5000,
                                        serving_rate_limit=5, min_allowed_weights=1, max_validators=8)
+    step(f"subnet {netuid} created")
     for n in neurons:
         await chain.register(n.wallet, netuid)
+        step(f"{n.name} registered")
     validator = next(n for n in neurons if n.role == "validator")
     await chain.add_stake(validator.wallet, validator.wallet.hotkey.ss58_address, netuid, VALIDATOR_STAKE)
+    step("validator staked")
     await chain.close()
     return f"devnet:{db}", netuid
+
+
+@contextlib.contextmanager
+def setup_progress(total: int):
+    """A rich progress bar over the setup steps (on stderr); yields step(what)."""
+    columns = (SpinnerColumn(), TextColumn("[localnet] {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("setting up", total=total)
+        yield lambda what: progress.update(task, advance=1, description=what)
 
 
 SETUP_FILE = "localnet.json"
@@ -162,7 +201,7 @@ def miner_command(n: Neuron, index: int, args, chain_spec: str, netuid: int, run
     module = "neurons.miner_app.cheats" if cheat else "neurons.miner"
     checkpoint = checkpoint_dir(args, cheat_weights=cheat == "weights")
     cmd = [sys.executable, "-m", module,
-           "--chain", chain_spec, "--netuid", str(netuid),
+           "--network", chain_spec, "--netuid", str(netuid),
            "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
            "--host", "127.0.0.1", "--port", str(n.port),
            "--metrics-port", str(args.metrics_base_port + index),
@@ -181,7 +220,7 @@ def miner_command(n: Neuron, index: int, args, chain_spec: str, netuid: int, run
 
 def validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "neurons.validator", "run",
-            "--chain", chain_spec, "--netuid", str(netuid),
+            "--network", chain_spec, "--netuid", str(netuid),
             "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
             "--checkpoint", str(checkpoint_dir(args)), "--reference-engine",
             "--db", str(run_dir / "validator.sqlite"),
@@ -386,7 +425,8 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
         neurons.append(Neuron(name, "miner", wallet, port=args.base_port + i, kind=kind))
 
     if args.chain == "devnet":
-        chain_spec, netuid = asyncio.run(setup_devnet(run_dir, args, neurons))
+        with setup_progress(len(neurons) + 2) as step:
+            chain_spec, netuid = asyncio.run(setup_devnet(run_dir, args, neurons, step))
     else:
         chain_spec, netuid = args.chain, args.netuid
     print(f"[localnet] chain {chain_spec}, netuid {netuid}")

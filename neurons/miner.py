@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kimi K3 subnet miner: serves signed generations to the subnet's validators.
 
-    python neurons/miner.py --chain devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
+    python neurons/miner.py --network devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
         --wallet-name miner --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
         --engine reference --checkpoint ckpt/tiny --host 0.0.0.0 --port 8091 --external-ip 203.0.113.7
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neurons.observability import setup_logging  # noqa: E402
 from neurons.settings import describe_values  # noqa: E402
 from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 
@@ -32,9 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return stage_main(argv)
     settings, _ = read_miner_settings(argv, prog="neurons/miner.py", description=__doc__)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("k3.miner").info("settings:\n%s",
-                                       describe_values(miner_options(), dataclasses.asdict(settings)))
+    setup_logging(settings.log_level, settings.log_format)
+    logging.getLogger("k3.miner").debug("settings: %s", describe_values(miner_options(), dataclasses.asdict(settings)))
     try:
         return asyncio.run(serve(settings))
     except MinerSetupError as error:

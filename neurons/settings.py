@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -105,11 +106,30 @@ def expanded_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+NETWORKS = ("finney", "test", "local")
+
+
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A value a reader refuses with its own message (argparse prints it as is)."""
+
+
+def network_spec(text: str) -> str:
+    """A chain, as btcli's --network names one (finney, test, local, ws://HOST:PORT, wss://...), or
+    devnet:PATH for the embedded SQLite devnet."""
+    value = text.strip()
+    if value in NETWORKS or value.startswith(("ws://", "wss://")) and len(value) > 6:
+        return value
+    if value.startswith("devnet:") and len(value) > len("devnet:"):
+        return os.path.expanduser(value[:7]) + os.path.expanduser(value[7:])
+    raise BadValue(f"{text!r} is not a network: use finney, test, local, ws://HOST:PORT, wss://... "
+                     "or devnet:PATH")
+
+
 # argparse prints the reader's __name__ in "invalid ... value" messages.
 for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "positive number"),
                        (non_negative_float, "number >= 0"), (non_negative_int, "integer >= 0"),
                        (port_number, "port"), (optional_int, "integer"), (optional_text, "text"),
-                       (expanded_path, "path")):
+                       (expanded_path, "path"), (network_spec, "network")):
     _reader.__name__ = _name
 
 
@@ -140,6 +160,18 @@ class Option:
     secret: bool = False  # never printed back (API keys)
     metavar: str | None = None
     default: Any = FROM_SETTINGS
+    # Other spellings, accepted silently and listed in --help: btcli's short flags (-w, -H, -n) and
+    # the subnet template's dotted forms (--wallet.name, --subtensor.network, --axon.port).
+    aliases: tuple[str, ...] = ()
+    # Old spellings, still accepted with a one-line warning and left out of --help.
+    deprecated: tuple[str, ...] = ()
+    # Old environment variables, read (with a one-line warning) when `env` is not set.
+    deprecated_env: tuple[str, ...] = ()
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every flag that sets this option, the main one first."""
+        return (self.flag,) + self.aliases + self.deprecated
 
     @property
     def is_switch(self) -> bool:
@@ -201,8 +233,26 @@ def build_parser(options: Sequence[Option], prog: str | None = None, description
             if option.choices:
                 kwargs["choices"] = option.choices
                 kwargs["metavar"] = "{" + ",".join(map(str, option.choices)) + "}"
-        group.add_argument(option.flag, **kwargs)
+        group.add_argument(option.flag, *option.aliases, **kwargs)
+        if option.deprecated:
+            group.add_argument(*option.deprecated, **{**kwargs, "help": argparse.SUPPRESS})
     return parser
+
+
+def _warn_deprecated(options: Sequence[Option], argv: Sequence[str], environ: Mapping[str, str],
+                     parser: argparse.ArgumentParser) -> None:
+    """One line on stderr per old spelling used (flag or environment variable)."""
+    for option in options:
+        for old in option.deprecated:
+            if any(token == old or token.startswith(old + "=") for token in argv):
+                print(f"{parser.prog}: warning: {old} is deprecated, use {option.flag}", file=sys.stderr)
+        if option.env and option.env in environ:
+            continue
+        for old in option.deprecated_env:
+            if old in environ:
+                print(f"{parser.prog}: warning: environment variable {old} is deprecated, use {option.env}",
+                      file=sys.stderr)
+                break
 
 
 def read_options(
@@ -216,20 +266,24 @@ def read_options(
     keyed by the parts of `dest`. A bad value or a missing required option exits with status 2
     and a message naming the flag and the variable (argparse's behaviour)."""
     environ = os.environ if environ is None else environ
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(options, prog, description)
     given = vars(parser.parse_args(argv))
+    _warn_deprecated(options, argv, environ, parser)
     values: dict[str, Any] = {}
     for option in options:
+        env = next((name for name in (option.env, *option.deprecated_env)
+                    if name and environ.get(name) is not None), None)
         if option.dest in given:
             value = given[option.dest]
-        elif option.env and environ.get(option.env) is not None:
-            raw = environ[option.env]
+        elif env is not None:
+            raw = environ[env]
             try:
                 value = option.read(raw)
             except (TypeError, ValueError) as error:
-                parser.error(f"environment variable {option.env}={raw!r} (for {option.flag}): {error}")
+                parser.error(f"environment variable {env}={raw!r} (for {option.flag}): {error}")
             if option.choices and value not in option.choices:
-                parser.error(f"environment variable {option.env}={raw!r} (for {option.flag}) must be one of "
+                parser.error(f"environment variable {env}={raw!r} (for {option.flag}) must be one of "
                              f"{', '.join(map(str, option.choices))}")
         elif option.required:
             where = f" or set {option.env}" if option.env else ""
@@ -276,8 +330,9 @@ def _check_table(options: Sequence[Option]) -> None:
         raise ValueError(f"options without a default (bind_defaults was not applied): {', '.join(unbound)}")
     seen_dest, seen_flag, seen_env = set(), set(), set()
     for option in options:
-        for seen, key, what in ((seen_dest, option.dest, "dest"), (seen_flag, option.flag, "flag"),
-                                (seen_env, option.env, "env")):
+        keys = [(seen_dest, option.dest, "dest")] + [(seen_flag, f, "flag") for f in option.spellings] + [
+            (seen_env, e, "env") for e in (option.env, *option.deprecated_env)]
+        for seen, key, what in keys:
             if key is not None and key in seen:
                 raise ValueError(f"two options share the {what} {key!r}")
             seen.add(key)
@@ -322,12 +377,13 @@ def options_table(options: Iterable[Option]) -> str:
     """Markdown: flag, environment variable, default, meaning."""
     lines = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for option in options:
-        lines.append(f"| `{option.flag}` | `{option.env or '-'}` | {_describe_default(option)} | {option.help} |")
+        spelled = ", ".join(f"`{f}`" for f in (option.flag,) + option.aliases)
+        lines.append(f"| {spelled} | `{option.env or '-'}` | {_describe_default(option)} | {option.help} |")
     return "\n".join(lines)
 
 
 def describe_values(options: Iterable[Option], values: Mapping[str, Any]) -> str:
-    """One `flag=value` per line for the log at start-up; secrets are masked."""
+    """Every `flag=value` on one line, for the DEBUG log at start-up; secrets are masked."""
     lines = []
     for option in options:
         node: Any = values
@@ -337,7 +393,7 @@ def describe_values(options: Iterable[Option], values: Mapping[str, Any]) -> str
             continue
         shown = "***" if option.secret and node else node
         lines.append(f"{option.flag}={shown}")
-    return "\n".join(lines)
+    return " ".join(lines)
 
 
 # ---------------------------------------------------------------- shared groups
@@ -374,27 +430,35 @@ class ChainSettings:
 
 
 def wallet_options() -> tuple[Option, ...]:
-    """Options of `WalletSettings` (dest "wallet.*")."""
+    """Options of `WalletSettings` (dest "wallet.*"), spelled as btcli 11 spells them (flags and
+    BT_* variables), with the subnet template's dotted forms as aliases."""
+    g = "wallet"
     return (
-        Option("wallet.name", "--wallet-name", "K3_WALLET_NAME", str, "bittensor wallet (coldkey) name", group="wallet"),
-        Option("wallet.hotkey", "--wallet-hotkey", "K3_WALLET_HOTKEY", str,
-               "hotkey name inside the wallet; it signs answers and is the on-chain identity", group="wallet"),
-        Option("wallet.path", "--wallet-path", "K3_WALLET_PATH", expanded_path, "directory holding the wallets",
-               group="wallet"),
+        Option("wallet.name", "--wallet-name", "BT_WALLET", str, "bittensor wallet (coldkey) name", group=g,
+               aliases=("-w", "--wallet", "--wallet.name"), deprecated_env=("K3_WALLET_NAME",), metavar="NAME"),
+        Option("wallet.hotkey", "--wallet-hotkey", "BT_WALLET_HOTKEY", str,
+               "hotkey name inside the wallet; it signs answers and is the on-chain identity", group=g,
+               aliases=("-H", "--wallet.hotkey"), deprecated_env=("K3_WALLET_HOTKEY",), metavar="NAME"),
+        Option("wallet.path", "--wallet-path", "BT_WALLET_PATH", expanded_path, "directory holding the wallets",
+               group=g, aliases=("--wallet.path",), deprecated_env=("K3_WALLET_PATH",), metavar="DIR"),
     )
 
 
 def chain_options() -> tuple[Option, ...]:
-    """Options of `ChainSettings` (dest "chain.*")."""
+    """Options of `ChainSettings` (dest "chain.*"): btcli's --network/-n and BT_NETWORK, the template's
+    --subtensor.network / --subtensor.chain_endpoint; --chain and K3_CHAIN are the old spellings."""
+    g = "chain"
     return (
-        Option("chain.network", "--chain", "K3_CHAIN", str,
-               "chain to use: devnet:PATH (embedded SQLite devnet), finney, test, local, or a ws:// / wss:// URL",
-               group="chain", metavar="SPEC"),
-        Option("chain.netuid", "--netuid", "K3_NETUID", int, "the subnet's netuid", group="chain", required=True),
+        Option("chain.network", "--network", "BT_NETWORK", network_spec,
+               "chain to use: finney, test, local, a ws:// / wss:// URL, or devnet:PATH (embedded SQLite devnet)",
+               group=g, metavar="NETWORK", aliases=("-n", "--subtensor.network", "--subtensor.chain_endpoint"),
+               deprecated=("--chain",), deprecated_env=("K3_CHAIN",)),
+        Option("chain.netuid", "--netuid", "K3_NETUID", int, "the subnet's netuid (btcli has no variable for it)",
+               group=g, required=True),
         Option("chain.metagraph_refresh_s", "--metagraph-refresh-s", "K3_METAGRAPH_REFRESH_S", positive_float,
-               "seconds between metagraph reads", group="chain"),
+               "seconds between metagraph reads", group=g),
         Option("chain.timeout_s", "--chain-timeout-s", "K3_CHAIN_TIMEOUT_S", positive_float,
-               "deadline of one chain read or write; on expiry the last metagraph is kept", group="chain"),
+               "deadline of one chain read or write; on expiry the last metagraph is kept", group=g),
     )
 
 
@@ -464,6 +528,9 @@ def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
 
 def logging_options() -> tuple[Option, ...]:
     return (
-        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "log level", group="logging",
-               choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "log level (DEBUG also logs the settings)",
+               group="logging", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+        Option("log_format", "--log-format", "K3_LOG_FORMAT", str.lower,
+               "one line per event: text, or json (one JSON object per line, for log collectors)", group="logging",
+               choices=("text", "json")),
     )

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kimi K3 subnet validator: measures and verifies miners, sets weights on chain.
 
-    python neurons/validator.py run --chain devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
+    python neurons/validator.py run --network devnet:/tmp/k3/devnet.sqlite --netuid 1 \\
         --wallet-name validator --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
         --checkpoint ckpt/tiny --reference-engine --db ~/.k3-subnet/validator.sqlite
     python neurons/validator.py status --db ~/.k3-subnet/validator.sqlite [--json]
@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neurons.observability import setup_logging  # noqa: E402
 from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
 from neurons.validator_app import (  # noqa: E402
     ValidatorSetupError,
@@ -80,9 +81,8 @@ def status(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     settings = read_validator_settings(argv, prog="neurons/validator.py run", description=__doc__)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("k3.validator").info("settings:\n%s",
-                                           describe_values(validator_options(), dataclasses.asdict(settings)))
+    setup_logging(settings.log_level, settings.log_format)
+    logging.getLogger("k3.validator").debug("settings: %s", describe_values(validator_options(), dataclasses.asdict(settings)))
     try:
         return asyncio.run(run_validator(settings))
     except ValidatorSetupError as error:

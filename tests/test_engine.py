@@ -177,13 +177,30 @@ async def test_stop_strings_end_generation(model, tokenizer):
 
 async def test_metrics_are_exposed(model, tokenizer):
     async with make_engine(model, tokenizer) as engine:
-        await collect(engine.generate(GenerationRequest(prompt(1), SamplingParams(max_tokens=5))))
+        tokens, final, _ = await collect(engine.generate(GenerationRequest(prompt(1), SamplingParams(max_tokens=5))))
         text = engine.metrics.exposition().decode()
-    assert "k3_engine_ttft_seconds_count 1.0" in text
-    assert "k3_engine_generated_tokens_total 5.0" in text
-    for name in ("k3_engine_queue_length", "k3_engine_active_sequences", "k3_engine_cache_bytes_reserved",
-                 "k3_engine_inter_token_seconds", "k3_engine_tokens_per_second"):
-        assert name in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    model = engine.metrics.model_name
+    assert model == engine.config.model_id
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({"model_name": model, **labels}.items())))]
+
+    assert value("k3:time_to_first_token_seconds_count") == 1
+    assert value("k3:generation_tokens_total") == len(tokens)
+    assert value("k3:prompt_tokens_total") == len(prompt(1))
+    for reason in ("eos", "stop", "length", "cancelled"):
+        assert value("k3:request_success_total", finished_reason=reason) == (reason == final.finish_reason)
+    assert value("k3:e2e_request_latency_seconds_count") == 1
+    assert value("k3:request_time_per_output_token_seconds_count") == (len(tokens) > 1)
+    assert value("k3:time_to_first_token_seconds_bucket", le="1920.0") == 1  # buckets reach long prefills
+    for name in ("k3:num_requests_waiting", "k3:num_requests_running", "k3:kv_cache_usage_perc",
+                 "k3:request_queue_time_seconds_count", "k3:inter_token_latency_seconds_count"):
+        value(name)
+    assert "tokens_per_second" not in text  # a rate of k3:generation_tokens_total, not a precomputed gauge
 
 
 def test_prefill_chunks_shrink_deep_into_a_long_prompt(model, tokenizer):

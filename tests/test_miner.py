@@ -312,7 +312,7 @@ async def test_score_capabilities_health_and_metrics(world, start_miner):
     metrics = await scrape_metrics(miner)
     assert metric_value(metrics, "k3_miner_requests_total", endpoint="score", status="200") == 1
     assert metric_value(metrics, "k3_miner_requests_total", endpoint="capabilities", status="200") == 1
-    assert "k3_engine_ttft_seconds" in metrics and "k3_miner_streams_active" in metrics
+    assert "k3:time_to_first_token_seconds" in metrics and "k3_miner_streams_active" in metrics
 
 
 # ---------------------------------------------------------------- authentication and the gate

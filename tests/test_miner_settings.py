@@ -12,6 +12,7 @@ from neurons.settings import (
     FROM_SETTINGS,
     Option,
     bind_defaults,
+    describe_values,
     build_settings,
     byte_size,
     flag,
@@ -199,3 +200,54 @@ def test_request_bucket_refills_over_the_window_and_streams_are_capped():
         budgets.open_stream("a", budget)
     assert refused.value.code == "caller_streams"
     assert budgets.streams_in_flight == 2
+
+
+# ---------------------------------------------------------------- one flag vocabulary (btcli's, the template's)
+@pytest.mark.parametrize("argv", [
+    ["--wallet-name", "w1", "--wallet-hotkey", "h1", "--wallet-path", "/wallets", "--network", "test"],
+    ["-w", "w1", "-H", "h1", "--wallet-path", "/wallets", "-n", "test"],
+    ["--wallet", "w1", "-H", "h1", "--wallet-path=/wallets", "--network=test"],
+    ["--wallet.name", "w1", "--wallet.hotkey", "h1", "--wallet.path", "/wallets", "--subtensor.network", "test"],
+])
+def test_btcli_and_template_spellings_set_the_same_settings(argv, capsys):
+    settings, _ = read_miner_settings(REQUIRED + argv, {})
+    assert (settings.wallet.name, settings.wallet.hotkey, settings.wallet.path) == ("w1", "h1", "/wallets")
+    assert settings.chain.network == "test"
+    assert "deprecated" not in capsys.readouterr().err
+
+
+def test_btcli_environment_variables_are_read_and_flags_still_win():
+    env = {"BT_WALLET": "env-w", "BT_WALLET_HOTKEY": "env-h", "BT_WALLET_PATH": "/env", "BT_NETWORK": "ws://n:9944"}
+    settings, _ = read_miner_settings(REQUIRED, env)
+    assert (settings.wallet.name, settings.wallet.hotkey, settings.wallet.path) == ("env-w", "env-h", "/env")
+    assert settings.chain.network == "ws://n:9944"
+    settings, _ = read_miner_settings(REQUIRED + ["-w", "flag-w", "--subtensor.chain_endpoint", "wss://x:443"], env)
+    assert settings.wallet.name == "flag-w" and settings.chain.network == "wss://x:443"
+
+
+def test_old_spellings_still_work_with_one_warning_line(capsys):
+    settings, _ = read_miner_settings(REQUIRED + ["--chain", "local"], {"K3_WALLET_NAME": "old", "K3_CHAIN": "x"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert settings.chain.network == "local" and settings.wallet.name == "old"
+    assert any("--chain is deprecated, use --network" in line for line in err)
+    assert any("K3_WALLET_NAME is deprecated, use BT_WALLET" in line for line in err)
+    # the new variable wins over the old one, silently
+    settings, _ = read_miner_settings(REQUIRED, {"K3_WALLET_NAME": "old", "BT_WALLET": "new"})
+    assert settings.wallet.name == "new" and "deprecated" not in capsys.readouterr().err
+
+
+def test_the_axon_port_alias_and_a_bad_network_are_handled(capsys):
+    settings, _ = read_miner_settings(REQUIRED + ["--axon.port", "8123"], {})
+    assert settings.server.port == 8123
+    with pytest.raises(SystemExit) as exit_:
+        read_miner_settings(REQUIRED + ["--network", "mainnet"], {})
+    assert exit_.value.code == 2 and "not a network" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        read_miner_settings(REQUIRED, {"BT_NETWORK": "ftp://x"})
+    assert "BT_NETWORK='ftp://x'" in capsys.readouterr().err
+
+
+def test_the_settings_dump_is_one_line():
+    settings, _ = read_miner_settings(REQUIRED + ["--remote-api-key", "sekrit"], {})
+    dump = describe_values(miner_options(), dataclasses.asdict(settings))
+    assert "\n" not in dump and "--netuid=7" in dump and "sekrit" not in dump and "--remote-api-key=***" in dump

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from inference.model import mxfp4
 from inference.model.config import MXFP4_BLOCK, ConfigError, ModelConfig
+from inference.model.progress import byte_progress
+from inference.model.tokenizer import TOKENIZER_CONFIG_FILE, tokenizer_config_for
 
 PREFIX = "language_model."
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -280,11 +280,12 @@ def state_dict_to_checkpoint_tensors(state_dict: Mapping[str, torch.Tensor], con
 
 
 # ------------------------------------------------------------------ writing
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
             h.update(chunk)
+            advance(len(chunk))
     return h.hexdigest()
 
 
@@ -331,23 +332,23 @@ def _write_sharded(
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = _plan_shards(names, nbytes, max_shard_bytes)
     weight_map = {}
-    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc="writing", file=sys.stderr,
-               disable=not progress)
-    for k, group in enumerate(plan, start=1):
-        fname = shard_name(k, len(plan))
-        tensors = {name: produce(name).contiguous() for name in group}
-        tmp = out_dir / (fname + ".partial")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        tmp.replace(out_dir / fname)
-        for name in group:
-            weight_map[name] = fname
-        bar.update(sum(nbytes[n] for n in group))
-        del tensors
-    bar.close()
+    with byte_progress("writing", sum(nbytes.values()), progress) as advance:
+        for k, group in enumerate(plan, start=1):
+            fname = shard_name(k, len(plan))
+            tensors = {name: produce(name).contiguous() for name in group}
+            tmp = out_dir / (fname + ".partial")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            tmp.replace(out_dir / fname)
+            for name in group:
+                weight_map[name] = fname
+            advance(sum(nbytes[n] for n in group))
+            del tensors
     index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
     (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_config(), indent=2))
-    return write_manifest(out_dir, config)
+    if not (out_dir / TOKENIZER_CONFIG_FILE).exists():  # the chat template (Kimi format) and special tokens
+        (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config_for(config), indent=2))
+    return write_manifest(out_dir, config, progress=progress)
 
 
 def _check_against_spec(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
@@ -409,17 +410,19 @@ def read_weight_map(ckpt_dir: str | Path) -> dict[str, str]:
     return weight_map
 
 
-def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None) -> dict:
+def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None, progress: bool = False) -> dict:
     """Hash every shard and write `k3_manifest.json` (also for a downloaded release that lacks one)."""
     ckpt_dir = Path(ckpt_dir)
     config = config or read_config(ckpt_dir)
     files = sorted(set(read_weight_map(ckpt_dir).values()))
-    shards = {}
     for fname in files:
-        path = ckpt_dir / fname
-        if not path.exists():
+        if not (ckpt_dir / fname).exists():
             raise CheckpointError(f"shard {fname} named by the index is missing from {ckpt_dir}")
-        shards[fname] = {"sha256": _sha256_file(path), "bytes": path.stat().st_size}
+    shards = {}
+    with byte_progress("hashing", sum((ckpt_dir / f).stat().st_size for f in files), progress) as advance:
+        for fname in files:
+            path = ckpt_dir / fname
+            shards[fname] = {"sha256": _sha256_file(path, advance), "bytes": path.stat().st_size}
     config_hash = config.config_hash()
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -475,15 +478,17 @@ def verify_manifest(ckpt_dir: str | Path, progress: bool = False) -> dict:
     config_hash = read_config(ckpt_dir).config_hash()
     if config_hash != manifest["config_hash"]:
         raise CheckpointError(f"{CONFIG_FILE} does not match the config hash in the manifest")
-    for fname, entry in tqdm(sorted(manifest["shards"].items()), desc="verifying", file=sys.stderr,
-                             disable=not progress):
+    for fname, entry in sorted(manifest["shards"].items()):
         path = ckpt_dir / fname
         if not path.exists():
             raise CheckpointError(f"shard {fname} is missing from {ckpt_dir}")
         if path.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"shard {fname} has {path.stat().st_size} bytes; the manifest says {entry['bytes']}")
-        if _sha256_file(path) != entry["sha256"]:
-            raise CheckpointError(f"shard {fname} is corrupt: its sha256 differs from the manifest")
+    total = sum(int(entry["bytes"]) for entry in manifest["shards"].values())
+    with byte_progress("verifying", total, progress) as advance:
+        for fname, entry in sorted(manifest["shards"].items()):
+            if _sha256_file(ckpt_dir / fname, advance) != entry["sha256"]:
+                raise CheckpointError(f"shard {fname} is corrupt: its sha256 differs from the manifest")
     if manifest.get("fingerprint") not in (None, fingerprint(ckpt_dir)):
         raise CheckpointError(f"{MANIFEST_FILE}: the recorded fingerprint does not follow from its shard hashes")
     return manifest
@@ -620,8 +625,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     for key in targets:
         by_shard.setdefault(weight_map[text[key]], []).append(key)
     total = sum(math.prod(header[text[k]][0]) * header[text[k]][1].itemsize for k in targets)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, disable=not progress)
-    with torch.no_grad():
+    with torch.no_grad(), byte_progress("loading", total, progress) as advance:
         for fname, keys in sorted(by_shard.items()):
             with safe_open(ckpt_dir / fname, framework="pt") as f:
                 for key in keys:
@@ -633,8 +637,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                         _materialise(model, key, t.to(device=device or "cpu", dtype=target.dtype).contiguous())
                     else:
                         target.copy_(t)
-                    bar.update(t.numel() * t.element_size())
-    bar.close()
+                    advance(t.numel() * t.element_size())
     return {"tensors": len(targets), "bytes": total, "skipped": len(skipped)}
 
 

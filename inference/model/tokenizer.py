@@ -14,17 +14,28 @@ Text given to `encode` is always plain text: a special token's name inside it en
 user content can never forge a role or end-of-turn token. Special ids only come from `apply_chat_template`
 (or `add_bos`).
 
-Chat format (Kimi style): each message is `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>`, where the
-role token is im_system, im_user or im_assistant; the generation prompt is
-`<|im_assistant|>assistant<|im_middle|>`. Generation stops at eos or `<|im_end|>` (`stop_ids`).
+Chat format: the release's `chat_template` (a Jinja template in `tokenizer_config.json`), rendered as
+transformers renders it: a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the
+`raise_exception`, `strftime_now` and `tojson` helpers, and the variables messages, add_generation_prompt,
+bos_token, eos_token and tools. A checkpoint without one gets `KIMI_CHAT_TEMPLATE` (the Kimi format:
+`<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message, `<|im_assistant|>assistant<|im_middle|>`
+as the generation prompt). Unlike a plain render-then-tokenize, message contents are kept apart from the
+template's text: the template's text may name special tokens, the contents stay plain text. Generation
+stops at eos or `<|im_end|>` (`stop_ids`).
 """
 from __future__ import annotations
 
 import base64
 import codecs
 import json
+import re
+import secrets
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from inference.model.config import ModelConfig
 
@@ -56,8 +67,74 @@ KIMI_PATTERN = "|".join(
 )
 
 
+# The Kimi chat format as a Jinja chat template, written into tokenizer_config.json of checkpoints made here
+# and used for checkpoints that ship no template.
+KIMI_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+    {%- if message['role'] not in ['assistant', 'system', 'user'] -%}
+        {{- raise_exception('message ' ~ loop.index0 ~ ' has role ' ~ message['role'] | tojson ~
+                            "; use one of ['assistant', 'system', 'user']") -}}
+    {%- endif -%}
+    {%- if message['content'] is not string -%}
+        {{- raise_exception('message ' ~ loop.index0 ~ ' content must be a string') -}}
+    {%- endif -%}
+    <|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|im_assistant|>assistant<|im_middle|>
+{%- endif -%}
+"""
+
+
 class TokenizerError(ValueError):
     """Bad tokenizer files, ids outside the vocabulary, or malformed chat messages."""
+
+
+class ChatTemplate:
+    """A Jinja chat template compiled as transformers compiles one (sandboxed, trim_blocks, lstrip_blocks,
+    raise_exception); `render` returns the text with every message content replaced by a marker, and the
+    contents, so that the caller encodes the template's text and the contents differently."""
+
+    def __init__(self, source: str):
+        if not isinstance(source, str) or not source:
+            raise TokenizerError("chat_template must be a non-empty string")
+
+        def raise_exception(message):
+            raise TokenizerError(f"chat template: {message}")
+
+        def tojson(value, indent=None):  # transformers' tojson: no HTML escaping, unicode kept
+            return json.dumps(value, ensure_ascii=False, indent=indent)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as error:
+            raise TokenizerError(f"chat_template does not compile: {error}") from None
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
+               tools=None) -> tuple[str, str, list[str]]:
+        """(text, marker pattern, contents): marker k in the text stands for contents[k]."""
+        nonce = secrets.token_hex(8)
+        contents: list[str] = []
+        masked = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                message = {**message, "content": f"\x00{nonce}:{len(contents)}\x00"}
+                contents.append(content)
+            masked.append(message)
+        try:
+            text = self._template.render(messages=masked, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token, tools=tools)
+        except TokenizerError:
+            raise
+        except jinja2.TemplateError as error:  # SecurityError included: the sandbox refused something
+            raise TokenizerError(f"chat template failed: {error}") from None
+        return text, f"\x00{nonce}:(\\d+)\x00", contents
 
 
 class Tokenizer:
@@ -68,9 +145,13 @@ class Tokenizer:
     eos_id: int
     pad_id: int
 
-    def __init__(self, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, special_tokens: dict[str, int]):
+    def __init__(self, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, special_tokens: dict[str, int],
+                 chat_template: str = KIMI_CHAT_TEMPLATE):
         self.vocab_size, self.bos_id, self.eos_id, self.pad_id = vocab_size, bos_id, eos_id, pad_id
         self.special_tokens = dict(special_tokens)  # name -> id
+        self.chat_template = ChatTemplate(chat_template)
+        self._special_pattern = re.compile("|".join(re.escape(name) for name in
+                                                    sorted(self.special_tokens, key=len, reverse=True)))
         self._special_names = {i: name for name, i in special_tokens.items()}
         if len(self._special_names) != len(self.special_tokens):
             raise TokenizerError("two special token names share one id")
@@ -115,23 +196,36 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True, add_bos: bool = False
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, add_bos: bool = False, tools=None
     ) -> list[int]:
-        """Token ids of a conversation: role token, role name, im_middle, content, im_end per message."""
-        s = self.special_tokens
-        ids = [self.bos_id] if add_bos else []
+        """Token ids of a conversation, from the chat template: special-token names in the template's own
+        text become special ids; message contents are encoded as plain text wherever the template puts them."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TokenizerError("messages must be a list of dicts with 'role' and 'content'")
         for k, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise TokenizerError(f"message {k} is not a dict with 'role' and 'content'")
-            role, content = message.get("role"), message.get("content")
-            if role not in ROLE_TOKENS:
-                raise TokenizerError(f"message {k} has role {role!r}; use one of {sorted(ROLE_TOKENS)}")
-            if not isinstance(content, str):
-                raise TokenizerError(f"message {k} content must be a string, got {type(content).__name__}")
-            ids += [s[ROLE_TOKENS[role]], *self._encode_text(role), s[IM_MIDDLE], *self._encode_text(content),
-                    s[IM_END]]
-        if add_generation_prompt:
-            ids += [s[IM_ASSISTANT], *self._encode_text("assistant"), s[IM_MIDDLE]]
+        text, marker, contents = self.chat_template.render(
+            messages, add_generation_prompt, self._special_names[self.bos_id], self._special_names[self.eos_id],
+            tools)
+        ids = [self.bos_id] if add_bos else []
+        parts = re.split(marker, text)  # template text, content index, template text, ...
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids += self._encode_text(contents[int(part)])
+            else:
+                ids += self._encode_template_text(part)
+        return ids
+
+    def _encode_template_text(self, text: str) -> list[int]:
+        """The chat template's own text: special-token names are special ids, the rest plain text."""
+        ids, start = [], 0
+        for match in self._special_pattern.finditer(text):
+            ids += self._encode_text(text[start:match.start()]) if match.start() > start else []
+            ids.append(self.special_tokens[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids += self._encode_text(text[start:])
         return ids
 
     def _check_id(self, token_id: int) -> None:
@@ -201,15 +295,16 @@ def _assign_specials(
 class ByteTokenizer(Tokenizer):
     """ids 0..255 = bytes; the ids above are special tokens."""
 
-    def __init__(self, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
+    def __init__(self, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
+                 chat_template: str = KIMI_CHAT_TEMPLATE):
         if vocab_size < 256 + 3 + len(CHAT_TOKENS):
             raise TokenizerError(f"a byte tokenizer needs at least {256 + 3 + len(CHAT_TOKENS)} ids, got {vocab_size}")
         specials = _assign_specials(256, vocab_size, bos_id, eos_id, pad_id, {})
-        super().__init__(vocab_size, bos_id, eos_id, pad_id, specials)
+        super().__init__(vocab_size, bos_id, eos_id, pad_id, specials, chat_template)
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> "ByteTokenizer":
-        return cls(config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    def from_config(cls, config: ModelConfig, chat_template: str = KIMI_CHAT_TEMPLATE) -> "ByteTokenizer":
+        return cls(config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id, chat_template)
 
     def _encode_text(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -257,12 +352,11 @@ class TiktokenTokenizer(Tokenizer):
             raise TokenizerError(f"{ckpt_dir / TIKTOKEN_FILE} must hold all 256 single bytes")
         if len(ranks) >= config.vocab_size:
             raise TokenizerError(f"{len(ranks)} BPE ranks leave no room for specials in a vocab of {config.vocab_size}")
-        tok_config = {}
-        if (ckpt_dir / TOKENIZER_CONFIG_FILE).exists():
-            tok_config = json.loads((ckpt_dir / TOKENIZER_CONFIG_FILE).read_text())
+        tok_config = read_tokenizer_config(ckpt_dir)
         specials = _assign_specials(len(ranks), config.vocab_size, config.bos_token_id, config.eos_token_id,
                                     config.pad_token_id, _named_specials(tok_config))
-        super().__init__(config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id, specials)
+        super().__init__(config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id, specials,
+                         chat_template_of(tok_config))
         self._encoding = tiktoken.Encoding(
             name=f"{config.model_id}-bpe",
             pat_str=tok_config.get("pat_str", KIMI_PATTERN),
@@ -278,16 +372,58 @@ class TiktokenTokenizer(Tokenizer):
         return self._encoding.decode_bytes(list(ids))
 
 
+def read_tokenizer_config(ckpt_dir: str | Path | None) -> dict:
+    """`tokenizer_config.json` of a checkpoint directory ({} when there is none)."""
+    path = Path(ckpt_dir) / TOKENIZER_CONFIG_FILE if ckpt_dir is not None else None
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return data
+
+
+def chat_template_of(tokenizer_config: dict) -> str:
+    """The template a tokenizer_config.json names: a string, or HF's list of {"name", "template"} (the
+    "default" one); KIMI_CHAT_TEMPLATE when it names none."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None:
+        return KIMI_CHAT_TEMPLATE
+    if not isinstance(template, str):
+        raise TokenizerError("tokenizer_config.json: chat_template must be a string")
+    return template
+
+
+def tokenizer_config_for(config: ModelConfig) -> dict:
+    """What a checkpoint made here ships as tokenizer_config.json: the chat template and the special tokens."""
+    tokenizer = ByteTokenizer.from_config(config)
+    return {"chat_template": KIMI_CHAT_TEMPLATE, "bos_token": tokenizer._special_names[tokenizer.bos_id],
+            "eos_token": tokenizer._special_names[tokenizer.eos_id],
+            "pad_token": tokenizer._special_names[tokenizer.pad_id]}
+
+
 def load_tokenizer(ckpt_dir: str | Path | None, config: ModelConfig) -> Tokenizer:
-    """The checkpoint's BPE when it ships `tiktoken.model`, else the byte tokenizer."""
+    """The checkpoint's BPE when it ships `tiktoken.model`, else the byte tokenizer; the chat template of its
+    tokenizer_config.json either way."""
     if ckpt_dir is not None and (Path(ckpt_dir) / TIKTOKEN_FILE).exists():
         return TiktokenTokenizer(ckpt_dir, config)
-    return ByteTokenizer.from_config(config)
+    return ByteTokenizer.from_config(config, chat_template_of(read_tokenizer_config(ckpt_dir)))
 
 
 __all__ = [
     "Tokenizer",
     "TokenizerError",
+    "ChatTemplate",
+    "KIMI_CHAT_TEMPLATE",
+    "chat_template_of",
+    "read_tokenizer_config",
+    "tokenizer_config_for",
     "ByteTokenizer",
     "TiktokenTokenizer",
     "IncrementalDecoder",

@@ -62,6 +62,8 @@ def load_model(spec: str) -> tuple[ModelConfig, str | None]:
     path = Path(spec)
     if path.exists():
         return ModelConfig.from_file(path), None
+    if path.suffix == ".json" or "/" in spec or "\\" in spec:  # a path, not a preset name
+        raise ConfigError(f"no config file at {spec}: give a config.json, a checkpoint directory or a preset")
     return ModelConfig.preset(spec), spec
 
 

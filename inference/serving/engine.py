@@ -258,7 +258,7 @@ class LocalEngine(Engine):
         self.model_fingerprint = model_fingerprint
         self.engine_kind = engine_kind
         self.layout = layout or {}
-        self.metrics = metrics or EngineMetrics()
+        self.metrics = metrics or EngineMetrics(model_name=getattr(model.config, "model_id", "") or "k3")
         self.max_context = min(settings.max_context, self.config.max_position_embeddings)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -768,8 +768,7 @@ class LocalEngine(Engine):
         else:
             self.metrics.inter_token_seconds.observe(now - seq.last_token_at)
         seq.last_token_at = now
-        self.metrics.generated_tokens.inc()
-        self.metrics.record_token(now)
+        self.metrics.generation_tokens.inc()
 
         is_eos = sampled.token_id in self._stop_ids and not p.ignore_eos
         piece, stop_hit = "", False
@@ -792,6 +791,9 @@ class LocalEngine(Engine):
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         end = time.perf_counter()
+        if not seq.finished:
+            self.metrics.record_finished(reason, seq.prompt_len, len(seq.generated), seq.submitted_at,
+                                         seq.admitted_at, seq.first_token_at, end, seq.prefill_done_at)
         if seq.queue is not None and not seq.finished:
             ms = lambda a, b: None if a is None or b is None else (b - a) * 1000.0  # noqa: E731
             seq.queue.put_nowait(FinalEvent(
@@ -820,4 +822,5 @@ class LocalEngine(Engine):
     def _update_gauges(self) -> None:
         self.metrics.active_sequences.set(len(self._running))
         self.metrics.cache_bytes_reserved.set(self._reserved_bytes)
+        self.metrics.cache_usage.set(self._reserved_bytes / max(1, self.settings.cache_memory_budget_bytes))
         self.metrics.queue_length.set(len(self._waiting))

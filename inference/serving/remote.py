@@ -41,6 +41,7 @@ from inference.serving.engine import (
     ScoredPosition,
     TokenEvent,
 )
+from inference.serving.metrics import EngineMetrics
 from inference.serving.sampling import MAX_LOGPROBS
 
 PROTOCOLS = ("vllm", "sglang")
@@ -161,11 +162,12 @@ def _stream_error(err) -> EngineError:
 
 class RemoteEngine(Engine):
     def __init__(self, settings: RemoteSettings, *, vocab_size: int, eos_id: int | None = None,
-                 model_fingerprint: str = "", stop_ids=(), tokenizer=None):
+                 model_fingerprint: str = "", stop_ids=(), tokenizer=None, metrics: EngineMetrics | None = None):
         problems = settings.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.settings = settings
+        self.metrics = metrics or EngineMetrics(model_name=settings.model_name)  # as measured from here
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
@@ -330,23 +332,33 @@ class RemoteEngine(Engine):
                                 late=f"no first token within {first_deadline - t0:.1f} s (the prefill deadline)")
         clock = _StreamClock(loop, t0, first_deadline, self.settings)
         index = 0
+        last_at = t0
+        self.metrics.active_sequences.inc()
         try:
             events = self._events(resp, clock)
             try:
                 async for data in events:
                     for token_id, text, logprob, top in reader.tokens(data):
+                        now = loop.time()
                         if clock.first_token_at is None:
                             clock.token()
                             self.prefill_rate.record(n_prompt, clock.first_token_at - t0)
+                            self.metrics.ttft_seconds.observe(now - t0)
+                        else:
+                            self.metrics.inter_token_seconds.observe(now - last_at)
+                        last_at = now
+                        self.metrics.generation_tokens.inc()
                         yield TokenEvent(index, token_id, text, logprob, top)
                         index += 1
             finally:
                 await events.aclose()
         finally:
+            self.metrics.active_sequences.dec()
             await resp.aclose()
         first_at = clock.first_token_at
         reason = reader.finish_reason(index)
         end = loop.time()
+        self.metrics.record_finished(reason, n_prompt, index, t0, None, first_at, end)
         yield FinalEvent(
             finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=index, queue_ms=0.0,
             ttft_ms=None if first_at is None else (first_at - t0) * 1000, total_ms=(end - t0) * 1000,

@@ -35,6 +35,8 @@ from typing import Optional, Protocol, Sequence, Union
 
 from aiohttp import web
 
+from neurons.observability import request_middleware
+from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
@@ -174,8 +176,9 @@ class OrganicGateway:
         self._last_error: dict[str, str] = {}  # per hotkey, for the log line of a request that failed everywhere
         self._hook_tasks: set[asyncio.Task] = set()
         self.guard = ConnectionGuard(GuardSettings(), "gateway")
-        self.app = web.Application(client_max_size=settings.max_body_bytes,
-                                   middlewares=[self.guard.middleware, self._errors])
+        self.metrics = GatewayMetrics(settings.model_name)
+        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[
+            self.guard.middleware, request_middleware("gateway", self.metrics.observe_request), self._errors])
         self.app.add_routes([
             web.post("/v1/chat/completions", self.handle_chat, expect_handler=defer_continue),
             web.post("/v1/completions", self.handle_completions, expect_handler=defer_continue),
@@ -228,9 +231,10 @@ class OrganicGateway:
         return who
 
     def _admit(self, request: web.Request) -> str:
-        who = self._authenticate(request)
+        who = request["caller"] = self._authenticate(request)
         wait = self.limiter.take(who)
         if wait is not None:
+            self.metrics.rate_limited.labels(who).inc()
             raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
                            f"rate limit of {self.settings.rate_limit_requests} requests per "
                            f"{self.settings.rate_limit_window_s:g} s reached; retry in {wait:.1f} s", retry_after_s=wait)
@@ -380,6 +384,7 @@ class OrganicGateway:
                 attempts += 1
                 self._note_failure(target, error)
                 errors.append(f"uid {target.uid}: {error}")
+                self.metrics.failovers.inc()
                 continue
             wire = self._wire_request(plan, caps)
             if wire is None:
@@ -394,6 +399,7 @@ class OrganicGateway:
                 return response
             self._stop_if_the_request_is_at_fault(target)
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
+            self.metrics.failovers.inc()
         if attempts == 0 and too_small:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                            f"the prompt ({len(plan.prompt_ids)} tokens) plus max_tokens does not fit the "
@@ -495,6 +501,7 @@ class OrganicGateway:
     # ------------------------------------------------------------ the validator's hook
     def _report(self, target: MinerTarget, outcome: Outcome, wire: GenerateRequest,
                 tier0: Optional[list[Failure]] = None, tier0_cpu_s: Optional[float] = None) -> None:
+        self.metrics.observe_attempt(outcome, tier0)
         hook = getattr(self.directory, "record_organic", None)
         if hook is None:
             return

@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent
+from neurons.observability import setup_logging
 from neurons.settings import Option, non_negative_float
 from neurons.miner_app.server import serve
 from neurons.miner_app.settings import MinerSetupError, read_miner_settings
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, extras = read_miner_settings(argv, extra=CHEAT_OPTIONS, prog="scripts/cheating_miner.py",
                                            description=__doc__)
     cheat = extras["cheat"]
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("k3.miner").warning("CHEATING MINER: cheat=%s token_delay_ms=%g", cheat["kind"],
                                           cheat["token_delay_ms"])
     try:

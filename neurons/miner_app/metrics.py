@@ -1,8 +1,9 @@
 """The miner's Prometheus counters, in their own registry (the engine has its own)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from inference.serving.metrics import REQUEST_BUCKETS
 from protocol.schemas import CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH
 
 
@@ -28,6 +29,12 @@ class MinerMetrics:
                                    registry=r)
         self.metagraph_failures = Counter("k3_miner_metagraph_read_failures", "Failed metagraph reads",
                                           registry=r)
+        self.request_seconds = Histogram("k3_miner_request_duration_seconds",
+                                         "Time to answer a request (a stream: until its last event), by endpoint",
+                                         ["endpoint"], buckets=REQUEST_BUCKETS, registry=r)
+
+    def observe_request(self, request, status: int, seconds: float) -> None:
+        self.request_seconds.labels(ENDPOINTS.get(request.path, "other")).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

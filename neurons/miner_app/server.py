@@ -71,6 +71,7 @@ from neurons.miner_app.access import (
 )
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
+from neurons.observability import request_middleware
 from neurons.settings import WalletNotFound, WalletSettings
 from neurons.settings import open_wallet as open_cli_wallet
 from protocol.errors import ErrorCode
@@ -221,8 +222,8 @@ class MinerServer:
 
     # ------------------------------------------------------------ lifecycle
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.server.max_body_bytes,
-                              middlewares=[self.guard.middleware, self._answer_errors])
+        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[
+            self.guard.middleware, request_middleware("miner", self.metrics.observe_request), self._answer_errors])
         app.add_routes([
             web.post(GENERATE_PATH, self.handle_generate, expect_handler=defer_continue),
             web.post(SCORE_PATH, self.handle_score, expect_handler=defer_continue),
@@ -432,6 +433,7 @@ class MinerServer:
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
             raise Refusal(failure.code, failure.message, status=failure.status) from None
+        request["caller"] = hotkey
         self.budgets.take_request(hotkey, budget)
         return Admission(hotkey, budget, body)
 

@@ -92,6 +92,7 @@ class MinerSettings:
     access: AccessSettings = field(default_factory=AccessSettings)
     engine: EngineSpec = field(default_factory=EngineSpec)
     log_level: str = "INFO"
+    log_format: str = "text"
 
     def problems(self) -> list[str]:
         """Everything wrong with these settings, each with what to do about it."""
@@ -124,7 +125,8 @@ def server_options() -> tuple[Option, ...]:
     p, g = "K3_MINER_", "server"
     return (
         Option("server.host", "--host", f"{p}HOST", str, "address to bind the API to", group=g),
-        Option("server.port", "--port", f"{p}PORT", port_number, "API port (0 picks a free one)", group=g),
+        Option("server.port", "--port", f"{p}PORT", port_number, "API port (0 picks a free one)", group=g,
+               aliases=("--axon.port",)),
         Option("server.external_ip", "--external-ip", f"{p}EXTERNAL_IP", optional_text,
                "address published on chain, when validators reach you at another address than --host "
                "(NAT, proxy); default: --host", group=g, metavar="IP"),

@@ -57,6 +57,7 @@ from neurons.gateway.server import GatewayServer
 from neurons.gateway.settings import GatewaySetupError
 from neurons.settings import WalletNotFound, WalletSettings
 from neurons.settings import open_wallet as open_cli_wallet
+from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
 from neurons.validator_app.weights import submitted_weights
 from neurons.validator_app.store import ValidatorStore
@@ -938,7 +939,7 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    gateway = None
+    gateway = metrics = None
     try:
         if settings.gateway.enabled:
             # organic traffic: routed to the best miners by this validator's own scores, checked by tier 0
@@ -949,8 +950,11 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
                 raise ValidatorSetupError(f"gateway: {error}") from None
             await gateway.start()
             log.info("organic gateway on http://%s:%s/v1", settings.gateway.host, gateway.port)
+        metrics = await serve_validator_metrics(settings, validator, gateway)
         await validator.loop.run(stop)
     finally:
+        if metrics is not None:
+            await metrics.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if gateway is not None:

@@ -24,6 +24,7 @@ from neurons.settings import (
     non_negative_int,
     optional_int,
     optional_text,
+    port_number,
     positive_float,
     read_options,
     wallet_options,
@@ -99,7 +100,10 @@ class ValidatorSettings:
     scoring: ScoringSettings = field(default_factory=ScoringSettings)
     weights: WeightSettings = field(default_factory=WeightSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    metrics: bool = True
+    metrics_port: int = 9092
     log_level: str = "INFO"
+    log_format: str = "text"
 
     def scoring_config(self) -> ScoringConfig:
         """The profile, then --scoring-overrides, then the explicit round and audit flags."""
@@ -242,6 +246,10 @@ def validator_options() -> tuple[Option, ...]:
                "first backoff after a transient chain error at set-weights (doubles each time)", group=g_weights),
         Option("weights.retry_max_s", "--weights-retry-max-s", f"{p}WEIGHTS_RETRY_MAX_S", positive_float,
                "longest backoff between set-weights attempts", group=g_weights),
+        Option("metrics", "--metrics", f"{p}METRICS", flag,
+               "serve Prometheus /metrics on 127.0.0.1 (validator, gateway and reference engine)", group="metrics"),
+        Option("metrics_port", "--metrics-port", f"{p}METRICS_PORT", port_number,
+               "Prometheus port, bound to 127.0.0.1 only (0 picks a free one)", group="metrics"),
     ) + logging_options())
 
 

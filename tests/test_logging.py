@@ -1,0 +1,75 @@
+"""Logs: one line per event, as text or JSON; the access log of a real aiohttp server."""
+import io
+import json
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from neurons.observability import request_middleware, setup_logging
+
+
+@pytest.fixture
+def log_stream():
+    stream = io.StringIO()
+    yield stream
+    setup_logging("WARNING", "text")  # leave the root logger as a test run expects
+
+
+def test_json_logs_are_one_object_per_line_with_the_event_fields(log_stream):
+    setup_logging("INFO", "json", stream=log_stream)
+    logging.getLogger("k3.test").info("round %d done", 7, extra={"uid": 3, "duration_ms": 12.5})
+    try:
+        raise ValueError("bad\nvalue")
+    except ValueError:
+        logging.getLogger("k3.test").exception("failed")
+    logging.getLogger("k3.test").debug("not shown at INFO")
+    lines = log_stream.getvalue().splitlines()
+    assert len(lines) == 2
+    first, second = map(json.loads, lines)
+    assert first["message"] == "round 7 done" and first["uid"] == 3 and first["level"] == "INFO"
+    assert first["logger"] == "k3.test" and first["ts"].endswith("+00:00")
+    assert second["level"] == "ERROR" and "ValueError: bad\nvalue" in second["exc"]
+
+
+def test_text_logs_keep_a_traceback_on_one_line(log_stream):
+    setup_logging("DEBUG", "text", stream=log_stream)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logging.getLogger("k3.test").exception("multi\nline")
+    lines = log_stream.getvalue().splitlines()
+    assert len(lines) == 1 and "multi\\nline" in lines[0] and "RuntimeError: boom" in lines[0]
+    with pytest.raises(ValueError):
+        setup_logging("INFO", "yaml")
+
+
+async def test_the_access_log_has_request_id_caller_status_and_duration(log_stream):
+    setup_logging("INFO", "json", stream=log_stream)
+    seen = []
+
+    async def hello(request):
+        request["caller"] = "5Caller"
+        return web.json_response({"ok": True}, status=201)
+
+    app = web.Application(middlewares=[request_middleware("test", lambda r, s, t: seen.append((r.path, s, t)))])
+    app.add_routes([web.get("/hello", hello)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/hello", headers={"X-Request-Id": "req-1"}) as r:
+                assert r.status == 201
+            async with session.get(f"http://127.0.0.1:{port}/missing") as r:
+                assert r.status == 404
+    finally:
+        await runner.cleanup()
+    events = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    access = [e for e in events if e["logger"] == "k3.access"]
+    assert [(e["path"], e["status"], e["caller"]) for e in access] == [("/hello", 201, "5Caller"), ("/missing", 404, "-")]
+    assert access[0]["request_id"] == "req-1" and len(access[1]["request_id"]) == 16
+    assert all(e["duration_ms"] >= 0 and e["component"] == "test" for e in access)
+    assert [(p, s) for p, s, _ in seen] == [("/hello", 201), ("/missing", 404)]
