@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
+
 LOG_FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "X-Request-Id"
 access_log = logging.getLogger("k3.access")
@@ -131,11 +133,13 @@ class MetricsServer:
                             headers={"Cache-Control": "no-store"})
 
     async def start(self) -> int:
-        app = web.Application()
+        # the same connection caps and header/body deadlines as every other listener (protocol.http_server)
+        guard = ConnectionGuard(GuardSettings(max_connections=32, max_connections_per_address=16), "metrics")
+        app = web.Application(client_max_size=1024, middlewares=[guard.middleware])
         app.add_routes([web.get("/metrics", self.handle)])
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, **runner_options(guard.settings))
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+        await GuardedSite(self._runner, guard, self.host, self.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         return self.port
 
