@@ -79,9 +79,20 @@ def choose_auditors(audited_uid: int, audited_coldkey: str, candidates: Iterable
 
 async def check_auditor(reference, canary: Canary, config: ScoringConfig) -> Optional[Failure]:
     """Ask an auditor to score a canary's text (its prompt and known greedy continuation), which
-    it cannot tell from an audit: a truthful auditor ranks each canary token first up to the honest
-    flip margin. None when it passes; a Failure (against the auditor) when it does not or errs."""
-    token_ids = list(canary.prompt_ids) + list(canary.tokens)
+    it cannot tell from an audit. The last clear position (reference margin over `greedy_gap_soft`)
+    carries a decoy: the reference's runner-up instead of its greedy token, and the text ends there.
+    A truthful auditor ranks each canary token first up to the honest flip margin and puts the decoy
+    well behind its top-1; a framing auditor (false low scores) fails the first test, a shielding one
+    (everything agrees) the second. None when it passes; a Failure (against the auditor) otherwise."""
+    tokens = list(canary.tokens)
+    decoy = None
+    if canary.runner_up_ids is not None:
+        clear = [i for i, m in enumerate(canary.margins) if m > 2 * config.greedy_gap_soft
+                 and canary.runner_up_ids[i] != tokens[i]]
+        if clear:
+            decoy = clear[-1]
+            tokens = tokens[:decoy] + [canary.runner_up_ids[decoy]]
+    token_ids = list(canary.prompt_ids) + tokens
     positions = list(range(len(canary.prompt_ids), len(token_ids)))
     try:
         scores = await reference.score(token_ids, positions, 2)
@@ -90,10 +101,18 @@ async def check_auditor(reference, canary: Canary, config: ScoringConfig) -> Opt
     if [int(s.position) for s in scores] != positions:
         return Failure("auditor_canary", "the auditor did not score exactly the asked positions")
     wrong = 0
-    for margin, token, scored in zip(canary.margins, canary.tokens, scores):
+    for i, (margin, scored) in enumerate(zip(canary.margins, scores)):
         top = sorted(((int(e[0]), float(e[1])) if isinstance(e, (tuple, list)) else (int(e.token_id), float(e.logprob))
                       for e in scored.top), key=lambda pair: -pair[1])
-        if margin > config.greedy_gap_soft and top and float(scored.logprob) < top[0][1] - config.greedy_gap_soft:
+        if not top:
+            continue
+        behind = top[0][1] - float(scored.logprob)
+        if i == decoy:
+            if behind < config.greedy_gap_soft:
+                return Failure("auditor_canary", f"scoring canary {canary.canary_id}, the auditor ranks a token the "
+                                                 f"reference puts {margin:.2f} nats behind its greedy one as (nearly) "
+                                                 f"its top-1 ({behind:.2f} behind)")
+        elif margin > config.greedy_gap_soft and behind > config.greedy_gap_soft:
             wrong += 1
     if wrong > config.max_greedy_mismatches:
         return Failure("auditor_canary", f"scoring canary {canary.canary_id}, the auditor ranks {wrong} of its "
