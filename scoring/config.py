@@ -104,20 +104,20 @@ class ScoringConfig:
     (a lower bound from the reference's top list: the stated false-positive rate is at most this)."""
     eos_no_stop_p_hard: float = 1e-12
     """(not in the spec) ...and hard under this (on a trusted reference)."""
-    logprob_gap_soft: float = 0.5
+    logprob_gap_soft: float = 0.75
     """(not in the spec) Tier 1 fails (soft) when the miner's reported logprobs of its own tokens differ
     from the reference's by more than this many nats on average. Honest numerics (bf16, fp16, other
     kernels, batching, chunking, sharding) stay far below (scripts/bench_verification.py); another model,
     re-quantised experts or a truncated context are far above."""
-    logprob_gap_hard: float = 1.0
+    logprob_gap_hard: float = 1.5
     """(not in the spec) ...and hard above this on a trusted reference, at any temperature."""
-    greedy_gap_soft: float = 1.0
+    greedy_gap_soft: float = 2.0
     """(not in the spec) At temperature 0 a token counts as a mismatch when it trails the reference's top-1
     by more than this many nats (honest bf16 flips at near-ties trail by far less)."""
-    greedy_gap_hard: float = 3.0
+    greedy_gap_hard: float = 6.0
     """(not in the spec) A token trailing the reference's top-1 by more than this is far outside the
     envelope of honest numerics..."""
-    greedy_hard_count: int = 2
+    greedy_hard_count: int = 3
     """...and this many such tokens in one answer make a hard failure (on a trusted reference)."""
     surprisal_z_soft: float = 5.0
     """(not in the spec) At temperature > 0 the sampled tokens' surprisal under the reference (among its
