@@ -470,7 +470,7 @@ def test_cli_create_register_metagraph_and_user_errors(tmp_path, capsys):
     assert created.returncode == 0, created.stderr
     netuid = created.stdout.strip()
     assert netuid == "1"
-    wallet = ["--wallet-path", str(tmp_path / "wallets"), "--name", "cli", "--hotkey", "hk"]
+    wallet = ["--wallet-path", str(tmp_path / "wallets"), "--wallet-name", "cli", "--wallet-hotkey", "hk"]
     made = cli("wallet", "create", *wallet, "--json")
     assert made.returncode == 0, made.stderr
     keys = json.loads(made.stdout)
@@ -494,8 +494,8 @@ def test_cli_create_register_metagraph_and_user_errors(tmp_path, capsys):
     for argv, message in (
         (["register", "--db", db, "--netuid", netuid, *wallet], "HotKeyAlreadyRegisteredInSubNet"),
         (["metagraph", "--db", db, "--netuid", "9"], "subnet 9 does not exist"),
-        (["register", "--db", db, "--netuid", netuid, "--wallet-path", str(tmp_path), "--name", "ghost",
-          "--hotkey", "default"], "wallet create"),
+        (["register", "--db", db, "--netuid", netuid, "--wallet-path", str(tmp_path), "--wallet-name", "ghost",
+          "--wallet-hotkey", "default"], "wallet create"),
         (["devnet", "create", "--db", db], "already exists"),
         (["devnet", "create", "--db", str(tmp_path / "x.sqlite"), "--tempo", "zero"], "tempo must be"),
     ):
