@@ -41,7 +41,7 @@ def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            # An environment variable sets what no flag gives: the request-budget window.
-           "K3_MINER_BUDGET_WINDOW_S": "30"}
+           "K3_MINER_BUDGET_WINDOW_S": "30", "K3_LOG_LEVEL": "DEBUG"}
     ports = {"miner": free_port(), "cheater": free_port()}
     processes = {
         "miner": subprocess.Popen(command("neurons/miner.py", "miner", ports["miner"]), env=env, cwd=root,
