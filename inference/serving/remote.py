@@ -578,7 +578,7 @@ class _SGLangStream:
         self.engine, self.k = engine, request.sampling.logprobs
         self.emitted = 0
         self.finish = None
-        self.decoder = engine.tokenizer.incremental_decoder() if engine.tokenizer is not None else None
+        self.decoder = engine.tokenizer.incremental_decoder(skip_special_tokens=True) if engine.tokenizer is not None else None
 
     def tokens(self, data: dict) -> list:
         meta = data.get("meta_info")
