@@ -396,10 +396,14 @@ def canary_prompts(rng: random.Random, n: int, capabilities: Capabilities, confi
     """Prompt ids for canaries computed by the validator's reference engine (local testnet):
     ordinary chat tasks, so that a canary reads like chat."""
     planner = _Planner(rng, capabilities, config, tokenizer)
-    prompts = []
-    for _ in range(n):
+    prompts, seen = [], set()
+    for _ in range(10 * n):  # distinct prompts (a canary is named by its prompt); short ones can repeat
+        if len(prompts) == n:
+            break
         _, ids, _ = planner.task(rng.choice(TASKS))
-        prompts.append(list(ids))
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            prompts.append(list(ids))
     return prompts
 
 

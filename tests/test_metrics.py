@@ -94,6 +94,7 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
         chain=chain_settings,
         wallet=WalletSettings(name="validator", hotkey="default", path=str(tmp_path / "wallets")),
         engine=EngineSpec(checkpoint=str(tiny_checkpoint)),
+        reference_engine=True,  # a validator needs a trusted reference or a canary pool
         db=str(tmp_path / "validator.sqlite"),
         rounds=RoundSettings(interval_s=1.0, deadline_s=120.0, seed=3),
         scoring=ScoringSettings(profile="local_testnet", overrides=json.dumps(PROFILE)),
