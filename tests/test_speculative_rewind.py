@@ -74,10 +74,11 @@ def test_rewind_equals_a_cache_that_never_saw_the_rejected_tokens(mode, name):
         if keep:
             model([extra[:keep]], [reference])
         assert_same_state(cache, reference, tol=0.0 if keep == len(extra) else SHAPE_TOL)
-        # and the model continues exactly as the reference does
+        # and the model continues as the reference does (logits are O(10): the state's 1e-5 becomes ~1e-5..5e-5)
         nxt = tokens(3, seed=100 + keep)
         torch.testing.assert_close(model([nxt], [cache], all_logits=True)[0],
-                                   model([nxt], [reference], all_logits=True)[0], atol=1e-5, rtol=0)
+                                   model([nxt], [reference], all_logits=True)[0],
+                                   atol=0.0 if keep == len(extra) else 5 * SHAPE_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("mode", REWIND_MODES)
