@@ -453,7 +453,10 @@ def write_trained_checkpoint(model: KimiK3Model, release: ModelConfig, out_dir: 
 
 
 def train(tc: TrainConfig, out_dir: str | Path, log=_log) -> dict:
-    """Train, write the checkpoint to out_dir, measure held-out bits per byte; returns training_info."""
+    """Train, write the checkpoint to out_dir, measure held-out bits per byte; returns training_info.
+    `log`: where progress lines go (None: nowhere)."""
+    if log is None:
+        log = lambda *_: None  # noqa: E731
     wall = time.perf_counter()
     corpus = stdlib_corpus(tc.stdlib_dir)
     log(f"stdlib text from {corpus.root}: {len(corpus.train):,} train bytes ({corpus.train_files} files), "
