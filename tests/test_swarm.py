@@ -323,7 +323,7 @@ def test_miner_protocol_serves_a_route_unchanged(swarm):
     """The miner server (signed generate/score for validators) over a RouteEngine instead of a whole model."""
     from chain.devnet import DevnetChain
     from chain.interface import connect
-    from neurons.miner_app.server import AccessSettings, MinerServer, MinerSettings, ServerSettings
+    from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
     from neurons.settings import ChainSettings
     from protocol.auth import SQLiteNonceStore
     from protocol.client import MinerClient
