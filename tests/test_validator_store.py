@@ -153,7 +153,7 @@ def test_settings_from_flags_and_environment(tmp_path):
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     argv = ["--netuid", "3", "--checkpoint", str(ckpt), "--requests-per-miner", "12", "--scoring-profile",
-            "local_testnet", "--scoring-overrides", '{"chat_max_tokens": [64, 96]}', "--uids", "1,2"]
+            "local_testnet", "--scoring-overrides", '{"chat_max_tokens": [64, 96]}', "--uids", "1,2", "--reference-engine"]
     settings = read_validator_settings(argv, environ={"K3_VALIDATOR_AUDIT_RATE": "0.5", "K3_VALIDATOR_DB": "/x.db",
                                                       "K3_VALIDATOR_ROUND_DEADLINE_S": "30"})
     assert isinstance(settings, ValidatorSettings) and settings.chain.netuid == 3 and settings.db == "/x.db"
@@ -165,6 +165,7 @@ def test_settings_from_flags_and_environment(tmp_path):
     bad = read_validator_settings(["--netuid", "3", "--scoring-overrides", '{"no_such_field": 1}', "--uids", "x"])
     problems = " ".join(bad.problems())
     assert "--checkpoint is required" in problems and "no_such_field" in problems and "--uids" in problems
+    assert "neither --reference-engine nor --canary-pool" in problems  # nothing trusted to settle audits
     with pytest.raises(ValidatorSetupError, match="chat_max_tokens"):
         read_validator_settings(["--netuid", "1", "--scoring-overrides", '{"chat_max_tokens": [8, 4]}']).scoring_config()
 
