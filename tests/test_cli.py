@@ -1,4 +1,4 @@
-"""`python -m inference` and `scripts/make_checkpoint.py` as an operator runs them."""
+"""`python -m inference` (also with --speculate) and `scripts/make_checkpoint.py` as an operator runs them."""
 import json
 import subprocess
 import sys
@@ -57,3 +57,25 @@ def test_cli_errors_are_clear(checkpoint, tmp_path):
     assert bad.returncode == 2 and "outside the vocabulary" in bad.stderr
     bad = run("-m", "inference", "info", "--checkpoint", str(tmp_path), check=False)
     assert bad.returncode == 2 and "error:" in bad.stderr
+
+
+# ------------------------------------------------------------ --speculate
+def test_generate_with_speculation_reports_drafts_and_matches_plain(checkpoint):
+    base = ("-m", "inference", "generate", "--checkpoint", str(checkpoint), "--prompt", "ab ab ab ab ab ab ab",
+            "--max-tokens", "16", "--json")
+    plain = json.loads(run(*base).stdout)
+    assert plain["speculate"] == "none" and plain["draft_proposed"] == 0
+    for kind in ("ngram", "suffix"):
+        spec = json.loads(run(*base, "--speculate", kind, "--draft-tokens", "4").stdout)
+        assert spec["token_ids"] == plain["token_ids"]
+        assert spec["speculate"] == kind
+        assert 0 <= spec["draft_accepted"] <= spec["draft_proposed"]
+        assert spec["verify_steps"] <= len(spec["token_ids"])
+
+
+def test_speculation_flags_are_checked(checkpoint):
+    base = ("-m", "inference", "generate", "--checkpoint", str(checkpoint), "--token-ids", "1,2")
+    bad = run(*base, "--speculate", "medusa", check=False)
+    assert bad.returncode == 2 and "invalid choice: 'medusa'" in bad.stderr
+    bad = run(*base, "--speculate", "ngram", "--draft-tokens", "0", check=False)
+    assert bad.returncode == 2 and "--draft-tokens must lie in 1..16" in bad.stderr
