@@ -66,36 +66,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from chain.interface import (
-    AlreadyRegistered,
-    Chain,
-    ChainConnectionError,
-    ChainError,
-    Endpoint,
-    Hyperparameters,
-    InvalidWeights,
-    MetagraphSnapshot,
-    NeuronInfo,
-    NotEnoughStake,
-    NotRegistered,
-    NoValidatorPermit,
-    RateLimited,
-    RegistrationFailed,
-    SetWeightsOutcome,
-    SubnetNotFound,
-)
+from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Endpoint, Hyperparameters,
+                             InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake, NotRegistered,
+                             NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome, SubnetNotFound)
 from chain.weights import WeightsError, conform, exceeds_max_weight, too_few_weights, validated_pairs
-from chain.yuma import (
-    NO_COMMIT,
-    YUMA_VERSIONS,
-    EpochInputs,
-    YumaParams,
-    prune_candidate,
-    run_epoch,
-    stake_weights,
-    top_k_permits,
-    with_owner_permit,
-)
+from chain.yuma import (NO_COMMIT, YUMA_VERSIONS, EpochInputs, YumaParams, prune_candidate, run_epoch, stake_weights,
+                        top_k_permits, with_owner_permit)
 
 log = logging.getLogger(__name__)
 

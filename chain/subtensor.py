@@ -28,24 +28,9 @@ from typing import Any, Awaitable, Callable, TypeVar
 import bittensor as bt
 from bittensor.result import ErrorCode
 
-from chain.interface import (
-    AlreadyRegistered,
-    Chain,
-    ChainConnectionError,
-    ChainError,
-    Endpoint,
-    Hyperparameters,
-    InvalidWeights,
-    MetagraphSnapshot,
-    NeuronInfo,
-    NotEnoughStake,
-    NoValidatorPermit,
-    NotRegistered,
-    RateLimited,
-    RegistrationFailed,
-    SetWeightsOutcome,
-    SubnetNotFound,
-)
+from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Endpoint, Hyperparameters,
+                             InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake, NotRegistered,
+                             NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome, SubnetNotFound)
 from chain.weights import conform
 
 log = logging.getLogger(__name__)

@@ -23,15 +23,8 @@ import sys
 from pathlib import Path
 
 from inference.model import CheckpointError, ConfigError
-from inference.serving import (
-    EngineError,
-    EngineSettings,
-    GenerationRequest,
-    LocalEngine,
-    SamplingParams,
-    TokenEvent,
-    load_reference_model,
-)
+from inference.serving import (EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent,
+                               load_reference_model)
 from inference.speculative.drafters import DRAFTER_KINDS
 from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 

@@ -47,63 +47,19 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
-
 from inference.model import read_config
-from inference.serving import (
-    EngineError,
-    EngineSettings,
-    FinalEvent as EngineFinal,
-    GenerationRequest,
-    LocalEngine,
-    RemoteEngine,
-    RemoteSettings,
-    SamplingParams,
-    TokenEvent as EngineToken,
-)
 from inference.model.tokenizer import IM_END, load_tokenizer
+from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
+                               RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
 from neurons.observability import setup_logging
-from neurons.settings import (
-    Option,
-    WalletNotFound,
-    bind_defaults,
-    WalletSettings,
-    build_parser,
-    build_settings,
-    logging_options,
-    non_negative_float,
-    non_negative_int,
-    optional_int,
-    optional_text,
-    positive_float,
-    open_wallet,
-    read_options,
-    wallet_options,
-)
+from neurons.settings import (Option, WalletNotFound, WalletSettings, bind_defaults, build_parser, build_settings,
+                              logging_options, non_negative_float, non_negative_int, open_wallet, optional_int,
+                              optional_text, positive_float, read_options, wallet_options)
+from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
+                             MinerProtocolError, MinerStreamError, MinerTimeout, MinerUnreachable, TimedEvent)
 from protocol.errors import ErrorCode
-from protocol.client import (
-    ClientTimeouts,
-    GenerateResult,
-    MinerClient,
-    MinerError,
-    MinerHTTPError,
-    MinerProtocolError,
-    MinerStreamError,
-    MinerTimeout,
-    MinerUnreachable,
-    TimedEvent,
-)
-from protocol.schemas import (
-    LOGPROB_FLOOR,
-    Capabilities,
-    FinalEvent,
-    GenerateRequest,
-    ResponseSignature,
-    Timings,
-    TokenEvent,
-    TopLogprob,
-    Usage,
-    encode_model,
-)
+from protocol.schemas import (LOGPROB_FLOOR, Capabilities, FinalEvent, GenerateRequest, ResponseSignature, Timings,
+                              TokenEvent, TopLogprob, Usage, encode_model)
 from scoring import corpus
 from scoring.config import ScoringConfig
 from scoring.metrics import decode_tokens_per_s

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 from neurons.observability import setup_logging  # noqa: E402
 from neurons.settings import describe_values  # noqa: E402
-from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

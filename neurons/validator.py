@@ -24,13 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.observability import setup_logging  # noqa: E402
 from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
-from neurons.validator_app import (  # noqa: E402
-    ValidatorSetupError,
-    read_validator_settings,
-    run_validator,
-    status_report,
-    validator_options,
-)
+from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
+                                   status_report, validator_options)
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
 
 STATUS_OPTIONS = (

@@ -31,26 +31,9 @@ from pydantic import BaseModel, ValidationError
 
 from .auth import hotkey_signer, sign_request
 from .errors import ErrorCode
-from .schemas import (
-    CAPABILITIES_PATH,
-    GENERATE_PATH,
-    HEALTH_PATH,
-    JSON_CONTENT_TYPE,
-    NDJSON_CONTENT_TYPE,
-    SCORE_PATH,
-    Capabilities,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    Health,
-    ScoreRequest,
-    ScoreResponse,
-    TokenEvent,
-    decode_event,
-    describe_validation_error,
-    encode_model,
-    parse_error_body,
-)
+from .schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, SCORE_PATH,
+                      Capabilities, ErrorEvent, FinalEvent, GenerateRequest, Health, ScoreRequest, ScoreResponse,
+                      TokenEvent, decode_event, describe_validation_error, encode_model, parse_error_body)
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Error bodies are small; past this the body is not read further.

@@ -19,8 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from bittensor.sp_core import CRYPTO_SR25519
-from bittensor.sp_core import verify as sp_core_verify
+from bittensor.sp_core import CRYPTO_SR25519, verify as sp_core_verify
 
 from .schemas import ResponseSignature
 

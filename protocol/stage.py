@@ -27,8 +27,7 @@ import struct
 from typing import Any, Literal, Optional
 
 import numpy as np
-from bittensor.sp_core import CRYPTO_SR25519
-from bittensor.sp_core import verify as sp_core_verify
+from bittensor.sp_core import CRYPTO_SR25519, verify as sp_core_verify
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .schemas import describe_validation_error

@@ -20,48 +20,11 @@ weights but never sets them. One round for one miner, as the neuron drives it:
 Persist `window.to_rows()` (COLUMNS), the EMA entries, the canary pool's `used` set.
 """
 from .config import ScoringConfig, ScoringConfigError
-from .metrics import (
-    BURST_AGGREGATE,
-    COLUMNS,
-    OUTCOMES,
-    Measurement,
-    MeasurementWindow,
-    classify_error,
-    decode_tokens_per_s,
-    measure_burst,
-    measure_request,
-    ttft_per_1k,
-)
+from .metrics import (BURST_AGGREGATE, COLUMNS, OUTCOMES, Measurement, MeasurementWindow, classify_error,
+                      decode_tokens_per_s, measure_burst, measure_request, ttft_per_1k)
 from .rewards import EmaEntry, MinerScore, score_miners, update_ema, weights_from_ema
-from .verify import (
-    AuditResult,
-    Canary,
-    CanaryPool,
-    CanaryPoolError,
-    ConsensusReference,
-    Failure,
-    MinerScoreReference,
-    Reference,
-    ReferenceDisagreement,
-    Tier2Result,
-    Verification,
-    audit_probability,
-    audit_tier1,
-    check_answer,
-    check_tier0,
-    check_tier2,
-    outside_top_k_bound,
-    validator_prompt_ids,
-    verify_item,
-)
-from .workloads import (
-    KINDS,
-    PROBE_KINDS,
-    Expectation,
-    WorkItem,
-    WorkloadError,
-    canary_item,
-    canary_prompts,
-    group_bursts,
-    plan_round,
-)
+from .verify import (AuditResult, Canary, CanaryPool, CanaryPoolError, ConsensusReference, Failure, MinerScoreReference,
+                     Reference, ReferenceDisagreement, Tier2Result, Verification, audit_probability, audit_tier1,
+                     check_answer, check_tier0, check_tier2, outside_top_k_bound, validator_prompt_ids, verify_item)
+from .workloads import (KINDS, PROBE_KINDS, Expectation, WorkItem, WorkloadError, canary_item, canary_prompts,
+                        group_bursts, plan_round)

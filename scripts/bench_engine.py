@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.model import ModelConfig  # noqa: E402
-from inference.serving import EngineSettings, GenerationRequest, LocalEngine, TokenEvent  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import SamplingParams  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
+from inference.serving import EngineSettings, GenerationRequest, LocalEngine, TokenEvent  # noqa: E402
 
 
 def percentile(values, q):

@@ -31,19 +31,13 @@ import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
 from chain.interface import connect  # noqa: E402
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.model import ModelConfig  # noqa: E402
-from inference.serving import Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine  # noqa: E402
-from inference.serving import TokenEvent as EngineTokenEvent  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import SamplingParams  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
-from neurons.miner_app import (  # noqa: E402
-    AccessSettings,
-    MinerServer,
-    MinerSettings,
-    ServerSettings,
-    wire_token_event,
-)
+from inference.serving import (Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine,  # noqa: E402
+                               TokenEvent as EngineTokenEvent)
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings, wire_token_event  # noqa: E402
 from neurons.settings import ChainSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request  # noqa: E402
 from protocol.client import MinerClient  # noqa: E402
@@ -63,8 +57,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_auth(validator, miner_hotkey: str, store_path: Path, n: int) -> list[tuple[str, str]]:
-    from bittensor.sp_core import CRYPTO_SR25519
-    from bittensor.sp_core import verify as sr25519_verify
+    from bittensor.sp_core import CRYPTO_SR25519, verify as sr25519_verify
 
     body = encode_model(GenerateRequest(request_id="bench", prompt_token_ids=list(range(64)), max_tokens=64))
     base = time.time_ns()

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference import mxfp4  # noqa: E402
+from inference.model import KimiK3Model  # noqa: E402
 from inference.model import ModelConfig  # noqa: E402
 from inference.model.kda import kda_chunked, kda_recurrent  # noqa: E402
-from inference.model import KimiK3Model  # noqa: E402
 
 
 def timed(fn, repeat: int = 3, warmup: int = 1) -> float:

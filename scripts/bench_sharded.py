@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.model import ModelConfig  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
 from inference.planning import CostModel, CostParams  # noqa: E402
 from inference.planning.plan import Link, Links, Plan  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
-from inference.sharding import ShardTimeouts, ShardedModel  # noqa: E402
+from inference.sharding import ShardedModel, ShardTimeouts  # noqa: E402
 
 LAYOUTS = [("pipeline", 2, 0), ("expert", 2, 0), ("both", 3, 0), ("expert", 3, 16)]
 

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.model import ModelConfig  # noqa: E402
-from inference.serving import EngineSettings, LocalEngine  # noqa: E402
+from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
+from inference.serving import EngineSettings, LocalEngine  # noqa: E402
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings  # noqa: E402
 from neurons.settings import ChainSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore  # noqa: E402

@@ -19,7 +19,6 @@ from inference.model import ModelConfig, make_random_checkpoint
 from inference.serving import load_reference_model
 
 
-
 def unused_port() -> int:
     """A loopback port that was free a moment ago (for a server started next, or one nobody serves)."""
     with socket.socket() as s:

@@ -6,17 +6,8 @@ import json
 import pytest
 
 from inference.model import ModelConfig, make_random_checkpoint
-from inference.model.tokenizer import (
-    IM_ASSISTANT,
-    IM_END,
-    IM_MIDDLE,
-    IM_SYSTEM,
-    IM_USER,
-    KIMI_CHAT_TEMPLATE,
-    ByteTokenizer,
-    TokenizerError,
-    load_tokenizer,
-)
+from inference.model.tokenizer import (IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, KIMI_CHAT_TEMPLATE,
+                                       ByteTokenizer, TokenizerError, load_tokenizer)
 
 CONFIG = ModelConfig.tiny()
 TOK = ByteTokenizer.from_config(CONFIG)

@@ -8,32 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference.model.checkpoint import (
-    INDEX_FILE,
-    MANIFEST_FILE,
-    PREFIX,
-    CheckpointError,
-    TensorSelection,
-    TensorSite,
-    TensorSpec,
-    expected_tensors,
-    fingerprint,
-    load_checkpoint,
-    load_tensors,
-    make_random_checkpoint,
-    model_key,
-    num_parameters,
-    random_checkpoint_tensors,
-    read_config,
-    read_manifest,
-    read_weight_map,
-    state_dict_to_checkpoint_tensors,
-    tensor_site,
-    verify_manifest,
-    write_checkpoint,
-    write_manifest,
-)
 from inference.model import KimiK3Model, ModelConfig
+from inference.model.checkpoint import (INDEX_FILE, MANIFEST_FILE, PREFIX, CheckpointError, TensorSelection, TensorSite,
+                                        TensorSpec, expected_tensors, fingerprint, load_checkpoint, load_tensors,
+                                        make_random_checkpoint, model_key, num_parameters, random_checkpoint_tensors,
+                                        read_config, read_manifest, read_weight_map, state_dict_to_checkpoint_tensors,
+                                        tensor_site, verify_manifest, write_checkpoint, write_manifest)
 
 SMALL_SHARD = 256 * 1024  # forces the tiny checkpoint (1.46 MB) into several shards
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,16 +19,8 @@ import pytest
 
 from chain.__main__ import main as cli_main
 from chain.devnet import DevnetChain, epoch_blocks
-from chain.interface import (
-    AlreadyRegistered,
-    ChainConnectionError,
-    InvalidWeights,
-    NotRegistered,
-    NoValidatorPermit,
-    RateLimited,
-    RegistrationFailed,
-    SubnetNotFound,
-)
+from chain.interface import (AlreadyRegistered, ChainConnectionError, InvalidWeights, NotRegistered, NoValidatorPermit,
+                             RateLimited, RegistrationFailed, SubnetNotFound)
 from chain.yuma import EpochInputs, YumaParams, run_epoch, weights_to_u16
 
 REPO = Path(__file__).resolve().parents[1]

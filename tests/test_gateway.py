@@ -9,28 +9,15 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from hypothesis import given, settings as hypothesis_settings
-from hypothesis import strategies as st
+from hypothesis import given, settings as hypothesis_settings, strategies as st
 
 from chain.interface import connect
 from inference.model import ModelConfig
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
-from neurons.gateway import (
-    ApiKeyFileError,
-    ApiKeys,
-    GatewayServer,
-    GatewaySettings,
-    GatewaySetupError,
-    KeyRateLimiter,
-    MinerTarget,
-    StopTrimmer,
-    gateway_options,
-    read_api_keys,
-)
-from neurons.miner_app import cheats
-from neurons.settings import build_settings, read_options
-from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-from neurons.settings import ChainSettings
+from neurons.gateway import (ApiKeyFileError, ApiKeys, GatewayServer, GatewaySettings, GatewaySetupError,
+                             KeyRateLimiter, MinerTarget, StopTrimmer, gateway_options, read_api_keys)
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings, cheats
+from neurons.settings import ChainSettings, build_settings, read_options
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities

@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
 from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
-from inference.serving.sampling import (MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, TokenSampler,
-                                        filtered_probs)
+from inference.serving.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, TokenSampler, filtered_probs
 
 CONFIG = ModelConfig.tiny()
 V = CONFIG.vocab_size

@@ -3,10 +3,10 @@ naming the field), and a request that a miner refuses, or that fells a miner's e
 only: a request fault is the user's 400, an engine failure on the request is not handed to the next miner."""
 import openai
 import pytest
+from test_gateway import KEY, MESSAGES, MODEL, Directory, openai_client, subnet, world  # noqa: F401 (fixtures)
 
 from inference.serving import EngineError
 from neurons.gateway import MinerTarget
-from test_gateway import KEY, MESSAGES, MODEL, Directory, openai_client, subnet, world  # noqa: F401 (fixtures)
 
 
 class PoisonedEngine:

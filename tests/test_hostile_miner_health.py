@@ -4,11 +4,11 @@ import asyncio
 import time
 
 import aiohttp
+from test_miner import body_of, local_engine, signed_call, start_miner, world  # noqa: F401 (fixtures)
 
 from protocol.client import MinerClient
 from protocol.schemas import GenerateRequest
 from protocol.signature import verify_response
-from test_miner import body_of, local_engine, signed_call, start_miner, world  # noqa: F401 (fixtures)
 
 
 async def health_of(miner) -> str:

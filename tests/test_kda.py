@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.model import kda
-from inference.model import ModelConfig
+from inference.model import ModelConfig, kda
 from inference.model.kda import KDAAttention, KDALayerCache, kda_chunked, kda_recurrent
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from conftest import unused_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from chain.interface import connect
@@ -20,7 +21,6 @@ from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, Server
 from neurons.settings import ChainSettings, WalletSettings
 from neurons.validator_app import RoundSettings, ScoringSettings, ValidatorSettings, WeightSettings, run_validator
 from protocol.auth import SQLiteNonceStore
-from conftest import unused_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "k3-subnet.json"

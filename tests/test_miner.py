@@ -12,50 +12,22 @@ from pathlib import Path
 
 import aiohttp
 import hypothesis
-from bittensor import http_auth
 import pytest
 from aiohttp import web
+from bittensor import http_auth
 from hypothesis import strategies as st
 
 from chain.interface import connect
 from inference.model import ModelConfig
-from inference.serving import (
-    Engine,
-    EngineSettings,
-    GenerationRequest,
-    LocalEngine,
-    OpenAICompatibleServer,
-    RemoteEngine,
-    SamplingParams,
-    TokenEvent as EngineTokenEvent,
-    build_engine,
-)
-from neurons.miner_app import cheats
-from neurons.miner_app import (
-    AccessSettings,
-    MinerServer,
-    MinerSettings,
-    ServerSettings,
-    load_tokenizer_for,
-    prompt_token_ids,
-    read_miner_settings,
-)
+from inference.serving import (Engine, EngineSettings, GenerationRequest, LocalEngine, OpenAICompatibleServer,
+                               RemoteEngine, SamplingParams, TokenEvent as EngineTokenEvent, build_engine)
+from neurons.miner_app import (AccessSettings, MinerServer, MinerSettings, ServerSettings, cheats, load_tokenizer_for,
+                               prompt_token_ids, read_miner_settings)
 from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore, sign_request
 from protocol.client import MinerClient, MinerHTTPError
-from protocol.schemas import (
-    CAPABILITIES_PATH,
-    GENERATE_PATH,
-    HEALTH_PATH,
-    SCORE_PATH,
-    ErrorBody,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    ScoreRequest,
-    TokenEvent,
-    decode_event,
-)
+from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH, ErrorBody, ErrorEvent,
+                              FinalEvent, GenerateRequest, ScoreRequest, TokenEvent, decode_event)
 from protocol.signature import verify_response
 
 CONFIG = ModelConfig.tiny()

@@ -8,27 +8,10 @@ import pytest
 from chain.interface import MetagraphSnapshot, NeuronInfo
 from inference.serving import EngineSpec
 from neurons import miner as miner_entry
-from neurons.settings import (
-    FROM_SETTINGS,
-    Option,
-    bind_defaults,
-    describe_values,
-    build_settings,
-    byte_size,
-    flag,
-    options_table,
-    read_options,
-)
-from neurons.miner_app import (
-    AccessSettings,
-    CallerBudget,
-    CallerBudgets,
-    MinerSettings,
-    Refusal,
-    ValidatorAccess,
-    miner_options,
-    read_miner_settings,
-)
+from neurons.miner_app import (AccessSettings, CallerBudget, CallerBudgets, MinerSettings, Refusal, ValidatorAccess,
+                               miner_options, read_miner_settings)
+from neurons.settings import (FROM_SETTINGS, Option, bind_defaults, build_settings, byte_size, describe_values, flag,
+                              options_table, read_options)
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["--netuid", "7"]

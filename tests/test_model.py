@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from inference.model import checkpoint
-from inference.model import KimiK3Model, ModelConfig, ResidualState, SequenceCache
+from inference.model import KimiK3Model, ModelConfig, ResidualState, SequenceCache, checkpoint
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
 

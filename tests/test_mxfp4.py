@@ -4,13 +4,7 @@ import math
 import pytest
 import torch
 
-from inference.model.mxfp4 import (
-    DequantizedCache,
-    dequantize,
-    mxfp4_matmul,
-    quantize,
-    random_on_grid,
-)
+from inference.model.mxfp4 import DequantizedCache, dequantize, mxfp4_matmul, quantize, random_on_grid
 
 
 def e2m1_reference(code: int) -> float:

@@ -8,31 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from inference.model import ModelConfig
-from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max, selection_count_pmf
-from inference.planning.plan import (
-    Link,
-    Links,
-    Plan,
-    PlanError,
-    RoutingStats,
-    attn_res_sources,
-    embedding_bytes,
-    layer_weights,
-    lm_head_bytes,
-)
-from inference.planning.planner import (
-    Cluster,
-    ClusterError,
-    PlanDoesNotFit,
-    PlannerOptions,
-    eplb_layer,
-    parse_quantity,
-    plan_cluster,
-)
+from inference.planning.cost_model import (BREAKDOWN_KEYS, CostModel, CostParams, RoutedLayer, expected_max,
+                                           selection_count_pmf)
+from inference.planning.plan import (Link, Links, Plan, PlanError, RoutingStats, attn_res_sources, embedding_bytes,
+                                     layer_weights, lm_head_bytes)
+from inference.planning.planner import (Cluster, ClusterError, PlanDoesNotFit, PlannerOptions, eplb_layer,
+                                        parse_quantity, plan_cluster)
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "inference" / "planning" / "clusters"

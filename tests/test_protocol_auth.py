@@ -8,14 +8,8 @@ import pytest
 from aiohttp import web
 from bittensor import http_auth
 
-from protocol.auth import (
-    AUTH_ALLOWED_SKEW_S,
-    AUTH_MAX_AGE_S,
-    AuthFailure,
-    SQLiteNonceStore,
-    sign_request,
-    verify_request,
-)
+from protocol.auth import (AUTH_ALLOWED_SKEW_S, AUTH_MAX_AGE_S, AuthFailure, SQLiteNonceStore, sign_request,
+                           verify_request)
 
 PATH = "/v1/generate"
 BODY = b'{"request_id":"r-1","prompt":"hello","max_tokens":4}'

@@ -14,46 +14,13 @@ import pytest
 from aiohttp import web
 
 from protocol.auth import AuthFailure, SQLiteNonceStore, verify_request
-from protocol.client import (
-    ClientTimeouts,
-    MinerClient,
-    MinerHTTPError,
-    MinerProtocolError,
-    MinerStreamError,
-    MinerTimeout,
-    MinerUnreachable,
-)
-from protocol.schemas import (
-    CAPABILITIES_PATH,
-    GENERATE_PATH,
-    HEALTH_PATH,
-    NDJSON_CONTENT_TYPE,
-    SCORE_PATH,
-    Capabilities,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    Health,
-    ProtocolError,
-    ScoredPosition,
-    ScoreRequest,
-    ScoreResponse,
-    Timings,
-    TokenEvent,
-    TopLogprob,
-    Usage,
-    encode_event,
-    encode_model,
-    error_body,
-    parse_generate,
-    parse_score,
-)
-from protocol.signature import (
-    encode_token_ids,
-    response_digest,
-    sign_response,
-    verify_response,
-)
+from protocol.client import (ClientTimeouts, MinerClient, MinerHTTPError, MinerProtocolError, MinerStreamError,
+                             MinerTimeout, MinerUnreachable)
+from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH,
+                              Capabilities, ErrorEvent, FinalEvent, GenerateRequest, Health, ProtocolError,
+                              ScoredPosition, ScoreRequest, ScoreResponse, Timings, TokenEvent, TopLogprob, Usage,
+                              encode_event, encode_model, error_body, parse_generate, parse_score)
+from protocol.signature import encode_token_ids, response_digest, sign_response, verify_response
 
 FAST = ClientTimeouts(connect=1.0, first_byte=2.0, between_events=2.0, total=10.0)
 # A timeout must fire no earlier than its bound and no later than this after it (2 busy cores).

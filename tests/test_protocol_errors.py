@@ -4,8 +4,7 @@ import re
 
 import pytest
 
-from inference.serving import engine as engine_module
-from inference.serving import openai_server
+from inference.serving import engine as engine_module, openai_server
 from inference.serving.engine import ERROR_CODES, EngineError
 from neurons.gateway import ApiError
 from neurons.miner_app import Refusal, engine_refusal
@@ -81,6 +80,7 @@ def test_the_code_travels_as_its_wire_value():
 ])
 def test_the_benchmark_reads_the_error_fields_not_the_message(kind, fields):
     from neurons.benchmark import _miner_error, error_kind
+
     # the message says something else on purpose: only the fields count
     error = EngineError("over_capacity" if kind == "http" else "engine_failure", "HTTP 500 stalled cannot reach",
                         **fields)

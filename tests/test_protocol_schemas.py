@@ -2,34 +2,13 @@
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from protocol.schemas import (
-    DEFAULT_LIMITS,
-    Capabilities,
-    ErrorBody,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    Health,
-    Limits,
-    ProtocolError,
-    ResponseSignature,
-    ScoreResponse,
-    Timings,
-    TokenEvent,
-    TopLogprob,
-    Usage,
-    decode_event,
-    encode_event,
-    encode_model,
-    error_body,
-    parse_error_body,
-    parse_generate,
-    parse_score,
-)
+from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
+
+from protocol.schemas import (DEFAULT_LIMITS, Capabilities, ErrorBody, ErrorEvent, FinalEvent, GenerateRequest, Health,
+                              Limits, ProtocolError, ResponseSignature, ScoreResponse, Timings, TokenEvent, TopLogprob,
+                              Usage, decode_event, encode_event, encode_model, error_body, parse_error_body,
+                              parse_generate, parse_score)
 
 SIGNATURE = ResponseSignature(
     hotkey="5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY",

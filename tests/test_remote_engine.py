@@ -7,18 +7,8 @@ import torch
 from aiohttp import web
 
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
-from inference.serving import (
-    EngineError,
-    EngineSettings,
-    FinalEvent,
-    GenerationRequest,
-    LocalEngine,
-    OpenAICompatibleServer,
-    RemoteEngine,
-    RemoteSettings,
-    SamplingParams,
-    TokenEvent,
-)
+from inference.serving import (EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine,
+                               OpenAICompatibleServer, RemoteEngine, RemoteSettings, SamplingParams, TokenEvent)
 
 CONFIG = ModelConfig.tiny()
 MODEL_NAME = "kimi-k3-tiny"

@@ -8,16 +8,8 @@ from protocol.client import GenerateResult, MinerHTTPError, MinerTimeout, MinerU
 from protocol.schemas import FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
 from protocol.signature import sign_response
 from scoring.config import ScoringConfig
-from scoring.metrics import (
-    COLUMNS,
-    Measurement,
-    MeasurementWindow,
-    classify_error,
-    decode_tokens_per_s,
-    measure_burst,
-    measure_request,
-    ttft_per_1k,
-)
+from scoring.metrics import (COLUMNS, Measurement, MeasurementWindow, classify_error, decode_tokens_per_s,
+                             measure_burst, measure_request, ttft_per_1k)
 from scoring.verify import AuditResult, Failure, Tier2Result, Verification
 from scoring.workloads import Expectation, WorkItem
 

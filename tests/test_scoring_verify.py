@@ -12,41 +12,15 @@ from bittensor.sp_core import Keypair
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
 from inference.serving import EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine, SamplingParams
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, TimedEvent
-from protocol.schemas import (
-    GENERATE_PATH,
-    NDJSON_CONTENT_TYPE,
-    SCORE_PATH,
-    Capabilities,
-    FinalEvent,
-    GenerateRequest,
-    ScoredPosition,
-    ScoreResponse,
-    Timings,
-    TokenEvent,
-    TopLogprob,
-    Usage,
-    encode_event,
-    encode_model,
-    parse_generate,
-    parse_score,
-)
+from protocol.schemas import (GENERATE_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, FinalEvent, GenerateRequest,
+                              ScoredPosition, ScoreResponse, Timings, TokenEvent, TopLogprob, Usage, encode_event,
+                              encode_model, parse_generate, parse_score)
 from protocol.signature import sign_response
 from scoring import corpus
 from scoring.config import ScoringConfig
-from scoring.verify import (
-    Canary,
-    CanaryPool,
-    CanaryPoolError,
-    ConsensusReference,
-    MinerScoreReference,
-    ReferenceDisagreement,
-    audit_tier1,
-    check_answer,
-    check_tier0,
-    check_tier2,
-    outside_top_k_bound,
-    verify_item,
-)
+from scoring.verify import (Canary, CanaryPool, CanaryPoolError, ConsensusReference, MinerScoreReference,
+                            ReferenceDisagreement, audit_tier1, check_answer, check_tier0, check_tier2,
+                            outside_top_k_bound, verify_item)
 from scoring.workloads import Expectation, WorkItem, canary_item
 
 MODEL = ModelConfig.tiny()

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from aiohttp import web
+from sglang_protocol import load_api_types
 
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
@@ -23,7 +24,6 @@ from inference.model.tokenizer import ByteTokenizer
 from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.remote import RemoteEngine, RemoteSettings
 from inference.serving.sampling import SamplingParams
-from sglang_protocol import load_api_types
 
 pytestmark = pytest.mark.timeout(1200)
 CONFIG = ModelConfig.tiny()

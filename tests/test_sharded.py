@@ -17,21 +17,12 @@ import pytest
 import torch
 
 from inference.model import ModelConfig, make_random_checkpoint
-from inference.serving import (
-    EngineError,
-    EngineSettings,
-    EngineSpec,
-    GenerationRequest,
-    LocalEngine,
-    SamplingParams,
-    TokenEvent,
-    build_engine,
-    load_reference_model,
-)
 from inference.planning import Plan, RoutingRecorder, RoutingStats
+from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine, SamplingParams,
+                               TokenEvent, build_engine, load_reference_model)
+from inference.sharding import ShardedModel, ShardFailure, ShardTimeouts
 from inference.sharding.messages import STEP, StepHeader, dispatch_specs, pack, packed_nbytes, unpack
 from inference.sharding.worker import ExpertTable, build_shard_model, choose_expert_holders
-from inference.sharding import ShardFailure, ShardTimeouts, ShardedModel
 
 CONFIG = ModelConfig.tiny()
 ROOT = Path(__file__).resolve().parents[1]

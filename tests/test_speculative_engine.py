@@ -121,8 +121,8 @@ def test_engine_refuses_bad_speculation_settings(model, tokenizer):
 
 
 async def test_the_miner_flag_builds_a_speculating_engine_with_the_plain_output(tiny_checkpoint):
-    from neurons.miner_app import read_miner_settings
     from inference.serving import build_engine
+    from neurons.miner_app import read_miner_settings
 
     base = ["--netuid", "1", "--chain", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
     plain_settings, _ = read_miner_settings(base, {})

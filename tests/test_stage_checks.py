@@ -10,13 +10,13 @@ from bittensor.sp_core import Keypair
 
 from inference.serving.builders import load_reference_model
 from inference.swarm.stage import HeadOutput, LayerRange, Stage
-from neurons.swarm.cheats import (EchoStage, LongPositionLiarStage, OtherWeightsStage, ReplayStage,
-                                  SessionLiarStage, SkipLayerStage, WireRounding)
+from neurons.swarm.cheats import (EchoStage, LongPositionLiarStage, OtherWeightsStage, ReplayStage, SessionLiarStage,
+                                  SkipLayerStage, WireRounding)
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_ids, encode_state
 from protocol.stage import Receipt, sign_receipt, state_sha256
-from scoring.stage_checks import (HopRecord, SeedCommitment, Thresholds, audit_receipts, audit_route,
-                                  bisect_route, challenge_steps, decode_wire_state, judge_tokens, plan_steps,
-                                  projection, reference_stage, run_challenge, verify_reveal)
+from scoring.stage_checks import (HopRecord, SeedCommitment, Thresholds, audit_receipts, audit_route, bisect_route,
+                                  challenge_steps, decode_wire_state, judge_tokens, plan_steps, projection,
+                                  reference_stage, run_challenge, verify_reveal)
 
 BLOCKS = [(0, 3), (3, 6), (6, 9), (9, 13)]
 TEXT = (b"The validator sends a stage a residual state and compares the output with its own computation of "

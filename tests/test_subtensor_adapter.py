@@ -16,23 +16,13 @@ import time
 import bittensor as bt
 import numpy as np
 import pytest
+from fake_substrate import ConnectionDrop, DispatchError, FakeSubstrate, PoolRejection, block_hash_of
 
 from chain import interface
-from chain.interface import (
-    AlreadyRegistered,
-    ChainConnectionError,
-    ChainError,
-    Endpoint,
-    InvalidWeights,
-    NotEnoughStake,
-    NoValidatorPermit,
-    NotRegistered,
-    RateLimited,
-    RegistrationFailed,
-    SubnetNotFound,
-)
+from chain.interface import (AlreadyRegistered, ChainConnectionError, ChainError, Endpoint, InvalidWeights,
+                             NotEnoughStake, NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed,
+                             SubnetNotFound)
 from chain.subtensor import SubtensorChain, failure_error, typed_error
-from fake_substrate import ConnectionDrop, DispatchError, FakeSubstrate, PoolRejection, block_hash_of
 
 NETUID = 7
 U16_MAX = 65535

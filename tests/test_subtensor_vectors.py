@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bittensor.sp_core import ss58_encode
 
 from chain.devnet import DevnetChain

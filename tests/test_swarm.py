@@ -26,6 +26,7 @@ import torch
 
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
+from inference.model.k3 import ResidualState
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest
@@ -33,8 +34,7 @@ from inference.serving.sampling import SamplingParams
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine, StaticDirectory
 from protocol.auth import sign_request
-from protocol.stage import (CLOSE_PATH, FORWARD_PATH, ForwardHeader, TensorSpec, encode_frame, verify_receipt)
-from inference.model.k3 import ResidualState
+from protocol.stage import CLOSE_PATH, FORWARD_PATH, ForwardHeader, TensorSpec, encode_frame, verify_receipt
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 240.0

@@ -7,9 +7,9 @@ import torch
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.serving.builders import load_reference_model
+from inference.serving.sampling import SamplingParams
 from inference.swarm.stage import (HeadOutput, LayerRange, Stage, StageError, StageLimits, blocks_before,
                                    load_stage_model, wire_bytes_per_token)
-from inference.serving.sampling import SamplingParams
 
 PROMPT = [(7 * j + 3) % 256 for j in range(20)]
 

@@ -14,7 +14,8 @@ from neurons.swarm.codec import decode_inputs, encode_ids, encode_state
 from neurons.swarm.linkproxy import DelayLink
 from neurons.swarm.route import StageInfo, plan_route, uncovered
 from protocol.stage import (ForwardHeader, StageWireError, decode_forward, encode_frame, sign_capabilities,
-                            sign_receipt, split_frame, state_sha256, verify_capabilities, verify_receipt, verify_receipt_chain)
+                            sign_receipt, split_frame, state_sha256, verify_capabilities, verify_receipt,
+                            verify_receipt_chain)
 
 K1, K2, K3 = (Keypair.create_from_uri(f"//swarm{i}") for i in range(3))
 

@@ -3,21 +3,11 @@ import base64
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from inference.model import ModelConfig
-from inference.model.tokenizer import (
-    IM_ASSISTANT,
-    IM_END,
-    IM_MIDDLE,
-    IM_USER,
-    TIKTOKEN_FILE,
-    ByteTokenizer,
-    TiktokenTokenizer,
-    TokenizerError,
-    load_tokenizer,
-)
+from inference.model.tokenizer import (IM_ASSISTANT, IM_END, IM_MIDDLE, IM_USER, TIKTOKEN_FILE, ByteTokenizer,
+                                       TiktokenTokenizer, TokenizerError, load_tokenizer)
 
 TINY = ModelConfig.tiny()
 BYTES = ByteTokenizer.from_config(TINY)

@@ -6,19 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kda import kernel_inputs
 
-from inference.model import mxfp4
+from inference.model import mxfp4, training
 from inference.model.checkpoint import fingerprint, read_manifest, verify_manifest
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
 from inference.model.kda import KDAAttention, kda_chunked_autograd, kda_recurrent
 from inference.model.tokenizer import ByteTokenizer
-from inference.model import training
 from inference.model.training import (TrainConfig, bits_per_byte, heldout_windows, load_model, make_trainable,
                                       random_model, release_state_dict, stdlib_corpus, train, train_model,
                                       training_logits, unigram_bits_per_byte)
-
-from test_kda import kernel_inputs
 
 ASSET = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 

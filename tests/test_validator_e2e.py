@@ -29,18 +29,10 @@ from chain.interface import ChainConnectionError, RateLimited
 from inference.model import ModelConfig, make_random_checkpoint
 from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_reference_model
 from inference.version import version_key
-from neurons.settings import ChainSettings, WalletSettings
-from neurons.validator_app import (
-    AuditSettings,
-    RoundSettings,
-    ScoringSettings,
-    ValidatorLoop,
-    ValidatorSettings,
-    ValidatorState,
-    WeightSettings,
-    run_validator,
-)
 from neurons.gateway import GatewaySettings
+from neurons.settings import ChainSettings, WalletSettings
+from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorLoop, ValidatorSettings,
+                                   ValidatorState, WeightSettings, run_validator)
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest

@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neurons.validator_app import (
-    ValidatorSettings,
-    ValidatorSetupError,
-    ValidatorState,
-    submitted_weights,
-    read_validator_settings,
-    status_report,
-)
-from neurons.validator_app import store as store_module
+from neurons.validator_app import (ValidatorSettings, ValidatorSetupError, ValidatorState, read_validator_settings,
+                                   status_report, store as store_module, submitted_weights)
 from neurons.validator_app.store import MIGRATIONS, SCHEMA_VERSION, Migration, ValidatorStore, ValidatorStoreError
 from scoring.config import ScoringConfig
 from scoring.metrics import COLUMNS, Measurement

@@ -16,12 +16,12 @@ import os
 import time
 
 import pytest
+from vllm_server import MAX_MODEL_LEN, MODEL_NAME, VLLMServer, ensure_venv, make_tiny_llama, metric_value
 
 from inference.model.manifest import make_manifest
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest, TokenEvent
 from inference.serving.remote import RemoteSettings, build_remote_engine
 from inference.serving.sampling import SamplingParams
-from vllm_server import MAX_MODEL_LEN, MODEL_NAME, VLLMServer, ensure_venv, make_tiny_llama, metric_value
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -225,12 +225,13 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
     import subprocess
     import sys
 
+    from vllm_server import free_port
+
     from chain.devnet import DevnetChain
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest
     from protocol.signature import verify_response
     from scoring.verify import audit_tier1, check_tier0, validator_prompt_ids
-    from vllm_server import free_port
 
     server, meta = vllm
     wallets = {name: make_wallet(tmp_path / "wallets", name) for name in ("owner", "miner", "validator")}

@@ -4,15 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from chain.yuma import (
-    EpochInputs,
-    YumaParams,
-    prune_candidate,
-    run_epoch,
-    stake_weighted_consensus,
-    top_k_permits,
-    weights_to_u16,
-)
+from chain.yuma import (EpochInputs, YumaParams, prune_candidate, run_epoch, stake_weighted_consensus, top_k_permits,
+                        weights_to_u16)
 
 LEGACY = YumaParams(version="legacy")
 

@@ -4,27 +4,11 @@ Callers import from here; the modules below are the model's own rooms (config, l
 k3, checkpoint, tokenizer). This package imports nothing else of ours.
 """
 from inference.model import mxfp4
-from inference.model.checkpoint import (
-    EVERY_TENSOR,
-    CheckpointError,
-    TensorSelection,
-    TensorSite,
-    TensorSpec,
-    expected_tensors,
-    fingerprint,
-    load_checkpoint,
-    load_tensors,
-    make_random_checkpoint,
-    random_checkpoint_tensors,
-    read_config,
-    read_manifest,
-    read_weight_map,
-    state_dict_to_checkpoint_tensors,
-    tensor_site,
-    verify_manifest,
-    write_checkpoint,
-    write_manifest,
-)
+from inference.model.checkpoint import (EVERY_TENSOR, CheckpointError, TensorSelection, TensorSite, TensorSpec,
+                                        expected_tensors, fingerprint, load_checkpoint, load_tensors,
+                                        make_random_checkpoint, random_checkpoint_tensors, read_config, read_manifest,
+                                        read_weight_map, state_dict_to_checkpoint_tensors, tensor_site, verify_manifest,
+                                        write_checkpoint, write_manifest)
 from inference.model.config import ConfigError, ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache, check_forward_batch
 from inference.model.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer

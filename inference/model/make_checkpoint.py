@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 from inference.model.checkpoint import CheckpointError, make_random_checkpoint
 from inference.model.config import ConfigError, ModelConfig
 

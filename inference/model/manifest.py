@@ -25,14 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from inference.model.checkpoint import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    MANIFEST_FILE,
-    MANIFEST_FORMAT,
-    CheckpointError,
-    _fingerprint_of,
-)
+from inference.model.checkpoint import (CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError,
+                                        _fingerprint_of)
 from inference.model.config import ConfigError, ModelConfig
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -10,9 +10,8 @@ experts and add up the partial sums they return (the sum over disjoint expert su
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import math
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn

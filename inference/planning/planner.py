@@ -31,23 +31,9 @@ import yaml
 
 from inference.model import ModelConfig
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
-from inference.planning.plan import (
-    Device,
-    Link,
-    Links,
-    MemoryPolicy,
-    Plan,
-    PlanError,
-    RoutingStats,
-    Stage,
-    buffer_bytes,
-    compute_memory,
-    embedding_bytes,
-    kda_reserve_per_layer,
-    layer_weights,
-    lm_head_bytes,
-    mla_reserve_per_layer,
-)
+from inference.planning.plan import (Device, Link, Links, MemoryPolicy, Plan, PlanError, RoutingStats, Stage,
+                                     buffer_bytes, compute_memory, embedding_bytes, kda_reserve_per_layer,
+                                     layer_weights, lm_head_bytes, mla_reserve_per_layer)
 
 
 class ClusterError(ValueError):

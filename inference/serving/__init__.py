@@ -4,27 +4,11 @@
 Callers import from here. Serving sits on top of the model (inference.model) and of the sharded runtime
 (inference.sharding, loaded by the builders only when a sharded engine is asked for); nothing below imports it.
 """
-from inference.serving.builders import (
-    ENGINE_KINDS,
-    EngineSpec,
-    EngineSpecError,
-    build_engine,
-    build_sharded_engine,
-    load_reference_model,
-)
-from inference.serving.engine import (
-    Engine,
-    EngineCapabilities,
-    EngineError,
-    EngineHealth,
-    EngineSettings,
-    EventStream,
-    FinalEvent,
-    GenerationRequest,
-    LocalEngine,
-    ScoredPosition,
-    TokenEvent,
-)
+from inference.serving.builders import (ENGINE_KINDS, EngineSpec, EngineSpecError, build_engine, build_sharded_engine,
+                                        load_reference_model)
+from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EngineSettings,
+                                      EventStream, FinalEvent, GenerationRequest, LocalEngine, ScoredPosition,
+                                      TokenEvent)
 from inference.serving.metrics import EngineMetrics
 from inference.serving.openai_server import OpenAICompatibleServer
 from inference.serving.remote import RemoteEngine, RemoteSettings

@@ -96,7 +96,7 @@ def build_sharded_engine(spec: EngineSpec, timeouts=None) -> LocalEngine:
     Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
     there; see inference.sharding.worker for the commands to run on the other hosts."""
     # the sharded runtime spawns processes and pulls in torch.distributed: load it only when asked for
-    from inference.sharding import STORE_ENV, ShardTimeouts, ShardedModel  # noqa: PLC0415
+    from inference.sharding import STORE_ENV, ShardedModel, ShardTimeouts  # noqa: PLC0415
 
     store = spec.shard_store or os.environ.get(STORE_ENV) or None
     # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold

@@ -31,16 +31,8 @@ from pathlib import Path
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from inference.serving.engine import (
-    Engine,
-    EngineCapabilities,
-    EngineError,
-    EngineHealth,
-    FinalEvent,
-    GenerationRequest,
-    ScoredPosition,
-    TokenEvent,
-)
+from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, FinalEvent,
+                                      GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.metrics import EngineMetrics
 from inference.serving.sampling import MAX_LOGPROBS
 
@@ -697,10 +689,9 @@ def served_tokenizer(ckpt_dir: str | Path):
 
 
 def _served_tokenizer(ckpt_dir: Path, hf_config: dict):
+    from inference.model.checkpoint import read_config  # noqa: PLC0415
     from inference.model.hf_tokenizer import HF_TOKENIZER_FILE, HFByteLevelTokenizer  # noqa: PLC0415
     from inference.model.tokenizer import TokenizerError, load_tokenizer  # noqa: PLC0415
-
-    from inference.model.checkpoint import read_config  # noqa: PLC0415
 
     text = hf_config.get("text_config") or hf_config
     try:

@@ -50,22 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from inference.model import (
-    CheckpointError,
-    KimiK3Model,
-    ModelConfig,
-    ResidualState,
-    SequenceCache,
-    TensorSelection,
-    fingerprint,
-    load_checkpoint,
-    read_config,
-)
+from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
+                             fingerprint, load_checkpoint, read_config)
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
-from inference.sharding.messages import (
-    META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
-    packed_nbytes, state_sources, unpack,
-)
+from inference.sharding.messages import (META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs,
+                                         dispatch_specs, dtype_of, pack, packed_nbytes, state_sources, unpack)
 
 log = logging.getLogger(__name__)
 

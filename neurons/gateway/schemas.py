@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from protocol.errors import ErrorCode, http_status
-from protocol.schemas import (MAX_TOKEN_ID, TEMPERATURE_MAX, TEMPERATURE_MIN, TOP_P_MIN, U64_MAX,
-                              ProtocolError, check_unique_keys, describe_validation_error)
+from protocol.schemas import (MAX_TOKEN_ID, TEMPERATURE_MAX, TEMPERATURE_MIN, TOP_P_MIN, U64_MAX, ProtocolError,
+                              check_unique_keys, describe_validation_error)
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound; the wire allows more
 MAX_STOP_CHARS = 64

@@ -35,30 +35,17 @@ from typing import Optional, Protocol, Sequence, Union
 
 from aiohttp import web
 
-from neurons.observability import request_middleware
-from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
+from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
+from neurons.observability import request_middleware
+from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout,
+                             MinerUnreachable)
 from protocol.errors import ErrorCode
-from protocol.http_server import (BodyRefusal, ConnectionGuard, GuardedSite, GuardSettings, defer_continue,
-                                  read_body, runner_options)
-from protocol.client import (
-    ClientTimeouts,
-    GenerateResult,
-    MinerClient,
-    MinerError,
-    MinerStreamError,
-    MinerTimeout,
-    MinerUnreachable,
-)
-from protocol.schemas import (
-    Capabilities,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    TokenEvent,
-)
+from protocol.http_server import (BodyRefusal, ConnectionGuard, GuardedSite, GuardSettings, defer_continue, read_body,
+                                  runner_options)
+from protocol.schemas import Capabilities, ErrorEvent, FinalEvent, GenerateRequest, TokenEvent
 from scoring.config import ScoringConfig
 from scoring.verify import Failure, check_tier0
 

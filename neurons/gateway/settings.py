@@ -6,16 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from neurons.gateway.schemas import MAX_USER_LOGPROBS
-from neurons.settings import (
-    Option,
-    bind_defaults,
-    byte_size,
-    flag,
-    non_negative_float,
-    optional_text,
-    port_number,
-    positive_float,
-)
+from neurons.settings import (Option, bind_defaults, byte_size, flag, non_negative_float, optional_text, port_number,
+                              positive_float)
 from protocol.client import ClientTimeouts
 
 

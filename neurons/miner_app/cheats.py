@@ -16,18 +16,17 @@ another seed (scripts/make_checkpoint.py --seed 1).
 from __future__ import annotations
 
 import asyncio
-import time
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 
-
 from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent
-from neurons.observability import setup_logging
-from neurons.settings import Option, non_negative_float
 from neurons.miner_app.server import serve
 from neurons.miner_app.settings import MinerSetupError, read_miner_settings
+from neurons.observability import setup_logging
+from neurons.settings import Option, non_negative_float
 
 CHEATS = ("none", "truncate", "buffer", "inflate")
 TRUNCATE_KEEP_TOKENS = 512

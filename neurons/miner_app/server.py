@@ -47,64 +47,24 @@ from pathlib import Path
 from aiohttp import web
 
 from chain.interface import Chain, ChainError, NotRegistered, RateLimited, connect
-from inference.serving import (
-    Engine,
-    EngineError,
-    EngineSpec,
-    EngineSpecError,
-    FinalEvent as EngineFinalEvent,
-    GenerationRequest,
-    SamplingParams,
-    TokenEvent as EngineTokenEvent,
-    build_engine,
-)
-from inference.version import __version__
 from chain.watch import MetagraphWatch
-from neurons.miner_app.access import (
-    CallerBudget,
-    CallerBudgets,
-    Refusal,
-    ValidatorAccess,
-    engine_refusal,
-    public_message,
-    wire_code,
-)
+from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError, FinalEvent as EngineFinalEvent,
+                               GenerationRequest, SamplingParams, TokenEvent as EngineTokenEvent, build_engine)
+from inference.version import __version__
+from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
+                                      public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
 from neurons.observability import request_middleware
-from neurons.settings import WalletNotFound, WalletSettings
-from neurons.settings import open_wallet as open_cli_wallet
-from protocol.errors import ErrorCode
+from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
+from protocol.errors import ErrorCode
 from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
-from protocol.schemas import (
-    CAPABILITIES_PATH,
-    DEFAULT_LIMITS,
-    GENERATE_PATH,
-    HEALTH_PATH,
-    JSON_CONTENT_TYPE,
-    LOGPROB_FLOOR,
-    NDJSON_CONTENT_TYPE,
-    SCORE_PATH,
-    Capabilities,
-    ErrorEvent,
-    FinalEvent,
-    GenerateRequest,
-    Health,
-    Limits,
-    ProtocolError,
-    ScoredPosition,
-    ScoreRequest,
-    ScoreResponse,
-    Timings,
-    TokenEvent,
-    TopLogprob,
-    Usage,
-    encode_event,
-    encode_model,
-    parse_generate,
-    parse_score,
-)
+from protocol.schemas import (CAPABILITIES_PATH, DEFAULT_LIMITS, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE,
+                              LOGPROB_FLOOR, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalEvent,
+                              GenerateRequest, Health, Limits, ProtocolError, ScoredPosition, ScoreRequest,
+                              ScoreResponse, Timings, TokenEvent, TopLogprob, Usage, encode_event, encode_model,
+                              parse_generate, parse_score)
 from protocol.signature import sign_response
 
 log = logging.getLogger("k3.miner")
@@ -639,8 +599,8 @@ def load_tokenizer_for(spec: EngineSpec, engine: Engine):
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None:
         return tokenizer
-    from inference.model import read_config  # noqa: PLC0415
     from inference.model import load_tokenizer  # noqa: PLC0415
+    from inference.model import read_config  # noqa: PLC0415
 
     return load_tokenizer(spec.checkpoint, read_config(spec.checkpoint))
 

@@ -8,27 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.serving import EngineSpec
-from neurons.settings import (
-    ChainSettings,
-    Option,
-    bind_defaults,
-    WalletSettings,
-    build_settings,
-    byte_size,
-    chain_options,
-    engine_options,
-    expanded_path,
-    flag,
-    logging_options,
-    non_negative_float,
-    non_negative_int,
-    optional_int,
-    optional_text,
-    port_number,
-    positive_float,
-    read_options,
-    wallet_options,
-)
+from neurons.settings import (ChainSettings, Option, WalletSettings, bind_defaults, build_settings, byte_size,
+                              chain_options, engine_options, expanded_path, flag, logging_options, non_negative_float,
+                              non_negative_int, optional_int, optional_text, port_number, positive_float, read_options,
+                              wallet_options)
 from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 

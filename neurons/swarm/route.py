@@ -37,8 +37,8 @@ from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
 from inference.model.config import ModelConfig
-from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream,
-                                      FinalEvent, GenerationRequest, ScoredPosition, TokenEvent)
+from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
+                                      GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, find_stop
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_head_output, encode_ids
@@ -47,8 +47,8 @@ from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
                             REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
-                            RewindRequest, StageCapabilities, StageWireError, WireSampling, encode_frame,
-                            parse_model, split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
+                            RewindRequest, StageCapabilities, StageWireError, WireSampling, encode_frame, parse_model,
+                            split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
 
 log = logging.getLogger("k3.route")
 

@@ -32,9 +32,9 @@ from protocol.auth import AuthFailure, sign_request, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORK_PATH, FORWARD_PATH,
                             FRAME_CONTENT_TYPE, HEALTH_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH, REWIND_PATH,
-                            CloseRequest, ForkRequest, ForwardHeader, Hop, OpenRequest, ResultError,
-                            ResultHeader, RewindRequest, StageWireError, decode_forward, encode_frame, parse_model,
-                            sign_capabilities, sign_receipt, state_sha256)
+                            CloseRequest, ForkRequest, ForwardHeader, Hop, OpenRequest, ResultError, ResultHeader,
+                            RewindRequest, StageWireError, decode_forward, encode_frame, parse_model, sign_capabilities,
+                            sign_receipt, state_sha256)
 
 log = logging.getLogger("k3.stage")
 

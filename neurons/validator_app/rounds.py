@@ -41,51 +41,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from chain.interface import (
-    Chain,
-    ChainConnectionError,
-    ChainError,
-    Hyperparameters,
-    MetagraphSnapshot,
-    NeuronInfo,
-    RateLimited,
-    connect,
-)
+from chain.interface import (Chain, ChainConnectionError, ChainError, Hyperparameters, MetagraphSnapshot, NeuronInfo,
+                             RateLimited, connect)
 from chain.watch import MetagraphWatch
 from inference.version import version_key
 from neurons.gateway.server import GatewayServer
 from neurons.gateway.settings import GatewaySetupError
-from neurons.settings import WalletNotFound, WalletSettings
-from neurons.settings import open_wallet as open_cli_wallet
+from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
-from neurons.validator_app.weights import submitted_weights
 from neurons.validator_app.store import ValidatorStore
-from protocol.client import (
-    ClientTimeouts,
-    GenerateResult,
-    MinerClient,
-    MinerError,
-    MinerStreamError,
-    MinerTimeout,
-)
+from neurons.validator_app.weights import submitted_weights
+from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
+from scoring.audits import AuditorCandidate, choose_auditors, consensus_reference, draw_audit
+from scoring.canaries import canary_escalation
 from scoring.config import ScoringConfig
 from scoring.metrics import Measurement, measure_burst, measure_request
 from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema, weights_from_ema
-from scoring.verify import (
-    AuditResult,
-    CanaryPool,
-    CanaryPoolError,
-    Failure,
-    Verification,
-    audit_tier1,
-    check_tier0,
-    validator_prompt_ids,
-    verify_item,
-)
-from scoring.audits import AuditorCandidate, choose_auditors, consensus_reference, draw_audit
-from scoring.canaries import canary_escalation
+from scoring.verify import (AuditResult, CanaryPool, CanaryPoolError, Failure, Verification, audit_tier1, check_tier0,
+                            validator_prompt_ids, verify_item)
 from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round
 
 log = logging.getLogger("k3.validator")
@@ -875,9 +850,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
     problems = settings.problems()
     if problems:
         raise ValidatorSetupError("; ".join(problems))
+    from inference.model import load_tokenizer  # noqa: PLC0415
     from inference.model import CheckpointError, fingerprint, read_config  # noqa: PLC0415
     from inference.serving import EngineSpecError, build_engine  # noqa: PLC0415
-    from inference.model import load_tokenizer  # noqa: PLC0415
 
     wallet = wallet or open_wallet(settings.wallet)
     checkpoint = settings.engine.checkpoint

@@ -10,25 +10,9 @@ from typing import Any, Optional
 
 from inference.serving import EngineSpec
 from neurons.gateway.settings import GatewaySettings, gateway_options
-from neurons.settings import (
-    ChainSettings,
-    Option,
-    bind_defaults,
-    WalletSettings,
-    build_settings,
-    chain_options,
-    engine_options,
-    expanded_path,
-    flag,
-    logging_options,
-    non_negative_int,
-    optional_int,
-    optional_text,
-    port_number,
-    positive_float,
-    read_options,
-    wallet_options,
-)
+from neurons.settings import (ChainSettings, Option, WalletSettings, bind_defaults, build_settings, chain_options,
+                              engine_options, expanded_path, flag, logging_options, non_negative_int, optional_int,
+                              optional_text, port_number, positive_float, read_options, wallet_options)
 from protocol.client import ClientTimeouts
 from scoring.config import ScoringConfig, ScoringConfigError
 
