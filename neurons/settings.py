@@ -225,6 +225,21 @@ def _metavar(option: Option) -> str:
     return option.dest.rsplit(".", 1)[-1].upper()
 
 
+def program_name(console: str, module: str) -> str:
+    """The program's name in usage lines, as the user started it: `python -m neurons.miner`, `python
+    neurons/miner.py` (the path as typed), or the console script `console` (k3-miner), which is also the
+    answer when it cannot tell (called in-process, as tests do)."""
+    for i, word in enumerate(sys.orig_argv[1:-1], 1):  # the interpreter's own options come first
+        if word == "-m":
+            return f"python -m {module}" if sys.orig_argv[i + 1] == module else console
+        if not word.startswith("-"):
+            break
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == module.rsplit(".", 1)[-1] + ".py":
+        return f"python {script}"
+    return console
+
+
 def build_parser(options: Sequence[Option], prog: str | None = None, description: str | None = None,
                  epilog: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser for `options`; every flag defaults to "not given" so that the
