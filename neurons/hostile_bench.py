@@ -88,7 +88,7 @@ async def _miner_numbers(rows: list[tuple[str, str]]) -> None:
         devnet = root / "devnet.sqlite"
         netuid = await _subnet(devnet, wallets)
         make_random_checkpoint(ModelConfig.tiny(), root / "ckpt", seed=0)
-        command = [sys.executable, str(ROOT / "neurons/miner.py"), "--chain", f"devnet:{devnet}", "--netuid",
+        command = [sys.executable, str(ROOT / "neurons/miner.py"), "--network", f"devnet:{devnet}", "--netuid",
                    str(netuid), "--wallet-name", "miner", "--wallet-path", str(root / "wallets"), "--engine",
                    "reference", "--checkpoint", str(root / "ckpt"), "--max-context", "512", "--max-concurrent", "4",
                    "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1", "--no-metrics",

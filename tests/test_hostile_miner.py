@@ -32,7 +32,7 @@ def miner(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
     devnet = root / "devnet.sqlite"
     netuid, _ = make_subnet(devnet, wallets, ("miner", "validator"), {"validator": 100.0})
     log_path = root / "miner.log"
-    command = [sys.executable, str(ROOT / "neurons/miner.py"), "--chain", f"devnet:{devnet}", "--netuid", str(netuid),
+    command = [sys.executable, str(ROOT / "neurons/miner.py"), "--network", f"devnet:{devnet}", "--netuid", str(netuid),
                "--wallet-name", "miner", "--wallet-hotkey", "default", "--wallet-path", str(root / "wallets"),
                "--engine", "reference", "--checkpoint", str(tiny_checkpoint), "--max-context", "512",
                "--max-concurrent", "4", "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1",

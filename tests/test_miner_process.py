@@ -32,7 +32,7 @@ def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
     netuid, _ = make_subnet(devnet, wallets, ("miner", "cheater", "validator"), {"validator": 100.0})
 
     def command(script: str, wallet: str, metrics_port: int, *extra: str) -> list[str]:
-        return [sys.executable, str(ROOT / script), "--chain", f"devnet:{devnet}", "--netuid", str(netuid),
+        return [sys.executable, str(ROOT / script), "--network", f"devnet:{devnet}", "--netuid", str(netuid),
                 "--wallet-name", wallet, "--wallet-hotkey", "default", "--wallet-path", str(root / "wallets"),
                 "--engine", "reference", "--checkpoint", str(checkpoint), "--max-context", "512",
                 "--max-concurrent", "2", "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1",

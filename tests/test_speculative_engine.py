@@ -124,7 +124,7 @@ async def test_the_miner_flag_builds_a_speculating_engine_with_the_plain_output(
     from inference.serving import build_engine
     from neurons.miner_app import read_miner_settings
 
-    base = ["--netuid", "1", "--chain", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
+    base = ["--netuid", "1", "--network", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
     plain_settings, _ = read_miner_settings(base, {})
     fast_settings, _ = read_miner_settings(base + ["--speculate", "ngram", "--draft-tokens", "4"], {})
     assert fast_settings.engine.speculate == "ngram" and fast_settings.engine.draft_tokens == 4

@@ -245,7 +245,7 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
     finally:
         await chain.close()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(repo, "neurons", "miner.py"), "--chain", f"devnet:{devnet}",
+    cmd = [sys.executable, os.path.join(repo, "neurons", "miner.py"), "--network", f"devnet:{devnet}",
            "--netuid", str(netuid), "--wallet-name", "miner", "--wallet-hotkey", "default",
            "--wallet-path", str(tmp_path / "wallets"), "--engine", "remote", "--remote-url", server.url,
            "--remote-model", MODEL_NAME, "--checkpoint", str(meta), "--max-context", str(MAX_MODEL_LEN),
