@@ -8,6 +8,11 @@ file or the name of one shipped with the package (b300_8, mi355x_8, rtx5090_80, 
 (KDA state, MLA cache) are sized for the largest --concurrency; the report predicts each one.
 Exit status 2 on bad input or when the model does not fit (the message names the device and
 by how much it overflows).
+
+    .venv/bin/python scripts/plan_cluster.py swarm --model kimi_k3 --cluster swarm_rtx5090x8_wan --rtt-ms 10,30,50
+
+plans a swarm instead: one layer block per host (an independent operator), cut at Attention Residuals block
+boundaries when that fits (inference/planning/swarm_plan.py; `swarm --help` lists its options).
 """
 from __future__ import annotations
 
@@ -68,6 +73,11 @@ def load_model(spec: str) -> tuple[ModelConfig, str | None]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["swarm"]:
+        from inference.planning.swarm_plan import swarm_main  # noqa: PLC0415
+
+        return swarm_main(argv[1:])
     args = parse_args(argv)
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
