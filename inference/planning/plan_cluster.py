@@ -72,6 +72,15 @@ def load_model(spec: str) -> tuple[ModelConfig, str | None]:
     return ModelConfig.preset(spec), spec
 
 
+PLANNING_ERRORS = (PlanDoesNotFit, ConfigError, ClusterError, PlanError, ValueError)
+
+
+def planning_error(exc: Exception) -> int:
+    """Say on stderr why planning failed; the CLI's exit status (2)."""
+    print(f"error: plan does not fit: {exc}" if isinstance(exc, PlanDoesNotFit) else f"error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["swarm"]:
@@ -93,12 +102,8 @@ def main(argv=None) -> int:
             options=PlannerOptions(objective=args.objective), prompt_tokens=args.prompt,
             report_concurrency=tuple(concurrency), target_tokens_per_s=args.target_tps, preset=preset,
         )
-    except PlanDoesNotFit as exc:
-        print(f"error: plan does not fit: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, ClusterError, PlanError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except PLANNING_ERRORS as exc:
+        return planning_error(exc)
     if args.out:
         plan.save(args.out)
     markdown = report.to_markdown()

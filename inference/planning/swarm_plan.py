@@ -231,12 +231,9 @@ def link_rate(text: str) -> float:
 def swarm_main(argv=None) -> int:
     import argparse  # noqa: PLC0415
     import json  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
-    from inference.model import ConfigError  # noqa: PLC0415
-    from inference.planning.plan import PlanError  # noqa: PLC0415
-    from inference.planning.plan_cluster import cluster_file, load_model  # noqa: PLC0415
-    from inference.planning.planner import PlanDoesNotFit  # noqa: PLC0415
+    from inference.planning.plan_cluster import (PLANNING_ERRORS, cluster_file, load_model,  # noqa: PLC0415
+                                                 planning_error)
 
     ap = argparse.ArgumentParser(prog="plan_cluster.py swarm", description=SWARM_USAGE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,12 +258,8 @@ def swarm_main(argv=None) -> int:
         cluster = Cluster.load(cluster_file(args.cluster))
         params = CostParams().with_overrides(cluster.cost_params)
         base = plan_swarm(config, cluster, context=args.context, prompt_tokens=args.prompt, preset=preset)
-    except PlanDoesNotFit as exc:
-        print(f"error: plan does not fit: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, ClusterError, PlanError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except PLANNING_ERRORS as exc:
+        return planning_error(exc)
     link = base.plan.links.inter_host
     variants = [(rtt, rate) for rtt in (rtts or [2e3 * link.latency]) for rate in (rates or [link.bandwidth])]
     plans = [base if (rtt / 2e3, rate) == (link.latency, link.bandwidth) else

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from inference.model.tokenizer import load_tokenizer
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from neurons.settings import ChainSettings, WalletSettings, open_wallet
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
+from neurons.swarm.stage_miner import serve_until_signalled
 from protocol.auth import SQLiteNonceStore
 
 log = logging.getLogger("k3.route_miner")
@@ -81,16 +80,7 @@ async def run(args) -> None:
         try:
             info = {"url": server.url, "hotkey": wallet.hotkey.ss58_address, "pid": os.getpid(),
                     "route": [s.describe() for s in driver.current], "health": engine.health().status}
-            if args.ready_file:
-                tmp = Path(args.ready_file).with_suffix(".tmp")
-                tmp.write_text(json.dumps(info))
-                tmp.replace(args.ready_file)
-            print(json.dumps(info), flush=True)
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            await serve_until_signalled(info, args.ready_file)
         finally:
             await server.close(grace_s=0.0)
     finally:

@@ -130,17 +130,23 @@ async def run(args) -> None:
                            announcement_for(args.checkpoint, stage))
     info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
             "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms}
-    if args.ready_file:
-        tmp = Path(args.ready_file).with_suffix(".tmp")
+    await serve_until_signalled(info, args.ready_file)
+    await server.close()
+
+
+async def serve_until_signalled(info: dict, ready_file: str) -> None:
+    """Say the process serves (`info` as JSON on stdout, and atomically in `ready_file` when given), then wait
+    for SIGTERM or SIGINT."""
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
-        tmp.replace(args.ready_file)
+        tmp.replace(ready_file)
     print(json.dumps(info), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.close()
 
 
 def main(argv: list[str] | None = None) -> int:
