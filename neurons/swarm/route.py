@@ -2,8 +2,8 @@
 whole-model engine (generate / score), so the miner protocol, the gateway and the benchmark run on it as is.
 
 A route is an ordered list of stages covering layers 0..L-1, embedding to head, planned from a
-`StageDirectory` (a static list of stage URLs here; the metagraph in production): stages are chosen by fewest
-hops, then measured step time, keeping the current stages when they are still alive. Tokens travel
+`StageDirectory` (a static list of stage URLs, or `MetagraphDirectory`: the stages announced on chain): stages
+are chosen by fewest hops, then measured step time, keeping the current stages when they are still alive. Tokens travel
 driver -> stage 1 -> ... -> stage N -> driver: each stage sends its output straight to the next, and the last
 one sends the head's result (a sampled token, or teacher-forced logprobs) to this driver's own small HTTP
 server. Prefill goes in chunks sent back to back, so the stages work on different chunks at once.
