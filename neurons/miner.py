@@ -8,7 +8,8 @@
 Every flag can also be set by the environment variable shown in --help; a flag wins over the
 environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams at once).
 
-    python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner)
+    python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner; with --network
+        and --netuid it announces its endpoint and layer block on chain, see neurons/swarm/stage_miner.py)
 """
 from __future__ import annotations
 
