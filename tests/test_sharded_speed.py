@@ -2,12 +2,15 @@
 speculative decoding with its cache rewinds carried to the shards, several micro-batches in flight over
 pipeline stages, and emulated links (latency and bandwidth on every inter-shard message)."""
 import asyncio
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from inference.model import ModelConfig
+from inference.planning import CostModel, CostParams, Plan
+from inference.planning.plan import Link, Links
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 from inference.sharding import LinkEmulation, ShardedModel, ShardTimeouts
 from inference.sharding.messages import MARK, REWIND, STEP, CacheOp, StepHeader
@@ -211,3 +214,60 @@ def test_bad_link_settings_are_refused(tiny_checkpoint):
         ShardedModel(tiny_checkpoint, shards=2, mode="pipeline", link=LinkEmulation(latency_ms=-1), start=False)
     with pytest.raises(ValueError, match="link_gbps"):
         ShardedModel(tiny_checkpoint, shards=2, mode="pipeline", link=LinkEmulation(gbps=float("nan")), start=False)
+
+
+# ------------------------------------------------------------------ the cost model's speed terms
+def link_plan(stages: int, latency_s: float, bandwidth: float = 1e9) -> Plan:
+    plan = Plan.simple(CONFIG, stages, "pipeline", memory_bytes=8 << 30)
+    link = Link(bandwidth=bandwidth, latency=latency_s)
+    policy = dataclasses.replace(plan.memory_policy, activation_dtype_bytes=4)  # the runtime's fp32 hops
+    return dataclasses.replace(plan, links=Links(link, link), memory_policy=policy)
+
+
+def test_cost_model_pipelined_round_is_the_loop_or_the_busiest_stage():
+    model = CostModel(CONFIG, link_plan(3, 1e-3), CostParams(return_logits=True))
+    for m in (1, 2, 3):
+        r = model.decode_round(16, m, context=64)
+        times = [sum(st.values()) for st in model.stage_times(-(-16 // m), 64)]
+        assert r["round_s"] == pytest.approx(max(sum(times), m * max(times)))
+        assert r["tokens_per_s"] == pytest.approx(16 / r["round_s"])
+    assert model.throughput(16, context=64)["tokens_per_s"] == pytest.approx(
+        max(model.decode_round(16, m, context=64)["tokens_per_s"] for m in (1, 2, 3)))
+    with pytest.raises(ValueError):
+        model.decode_round(4, 5)
+
+
+def test_cost_model_logits_return_and_step_overhead():
+    plan = link_plan(2, 0.0, bandwidth=1e6)
+    plain = CostModel(CONFIG, plan).token_time(context=32).total
+    logits = CostModel(CONFIG, plan, CostParams(return_logits=True)).token_time(context=32).total
+    assert logits - plain == pytest.approx((CONFIG.vocab_size * 4 - 8) / (1e6 * CostParams().link_efficiency))
+    extra = CostModel(CONFIG, plan, CostParams(step_overhead_s=0.01)).token_time(context=32).total
+    assert extra - plain == pytest.approx(0.01)
+
+
+def test_cost_model_speculation_terms():
+    assert CostModel.tokens_per_verify(0.0, 4) == 1.0
+    assert CostModel.tokens_per_verify(1.0, 4) == 5.0
+    assert CostModel.tokens_per_verify(0.5, 2) == pytest.approx(1.75)
+    model = CostModel(CONFIG, link_plan(2, 1e-4))
+    none = model.speculative_token_time(0.0, context=64)
+    assert none["draft_tokens"] == 0 and none["speedup"] == pytest.approx(1.0)
+    good = model.speculative_token_time(0.9, context=64)
+    assert good["draft_tokens"] > 0 and 1.0 < good["speedup"] <= good["draft_tokens"] + 1
+    fixed = model.speculative_token_time(0.9, draft_tokens=3, context=64)
+    assert fixed["step_s"] >= fixed["plain_token_s"] and fixed["speedup"] <= good["speedup"] + 1e-12
+
+
+def test_cost_model_link_terms_match_the_emulated_link(slow_links, pipeline2):
+    """A plain step pays the link on its critical path (state into stage 1, logits back): what the emulated
+    link adds to the measured step is what the cost model adds for the same link (compute cancels)."""
+    link = slow_links.link
+    params = CostParams(return_logits=True, link_efficiency=1.0)
+    bandwidth = link.gbps * 1e9 / 8
+    with_link = CostModel(CONFIG, link_plan(2, link.latency_ms / 1e3, bandwidth), params)
+    without = CostModel(CONFIG, link_plan(2, 0.0, 1e15), params)
+    predicted = with_link.token_time(context=4).total - without.token_time(context=4).total
+    measured = step_seconds(slow_links, 1, pipelined=False, repeats=5) - \
+        step_seconds(pipeline2, 1, pipelined=False, repeats=5)
+    assert 0.85 <= measured / predicted <= 1.5, (measured, predicted)

@@ -20,6 +20,11 @@ top of it (`inference.serving.builders.build_sharded_engine`). Underneath (docs/
   remotely); one that hangs, by its heartbeat going silent (`ShardTimeouts.heartbeat`); every transfer has a
   timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
   `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
+- Speed (issue 17): `submit()` / `collect()` keep several steps (micro-batches of different sequences) in
+  flight, so pipeline stages work on different micro-batches at once (`forward_pipelined` sends a list of
+  them); `ShardCache.mark()` / `rewind()` give speculative decoding the single-process cache's rewind, the
+  ops travelling with the sequence's next step; `link=LinkEmulation(latency_ms, gbps)` puts every
+  inter-shard message through an emulated link (benchmarks on one host).
 - Routing statistics: each home rank counts expert selections and co-activation
   (`inference.planning.routing.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
   planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
@@ -274,6 +279,7 @@ class ShardedModel:
                 return
             if self._state == "ready" and self._conn is not None:
                 try:
+                    self._receive_in_flight()
                     self._conn.send(("close",))
                     self._await(("closed",), self.timeouts.close, what="closing")
                 except (ShardFailure, OSError):
@@ -474,6 +480,14 @@ class ShardedModel:
             logits = torch.from_numpy(np.ascontiguousarray(self._results.pop(ticket)))
             return list(torch.split(logits, lengths)) if all_logits else list(logits)
 
+    def _receive_in_flight(self) -> None:
+        """Take every answer still owed by rank 0 (kept for `collect`), so the next message is a reply to
+        whatever is asked next."""
+        for ticket in sorted(self._in_flight):
+            while ticket not in self._results and self._in_flight[ticket][2] == self.generation:
+                _, done, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
+                self._results[done] = logits
+
     def _check_batch(self, token_ids: list[Tensor], caches: list[ShardCache]) -> None:
         for b, cache in enumerate(caches):  # the handle first: its length is only meaningful for our own caches
             if not isinstance(cache, ShardCache):
@@ -489,10 +503,7 @@ class ShardedModel:
     def dump_routing_stats(self, path: str | Path | None = None, reset: bool = False) -> RoutingStats:
         """Expert load and co-activation per MoE layer since the start (or the last reset), from every home rank."""
         with self._lock:
-            for ticket in sorted(self._in_flight):  # their answers come first
-                while ticket not in self._results and self._in_flight[ticket][2] == self.generation:
-                    _, done, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
-                    self._results[done] = logits
+            self._receive_in_flight()  # their answers come first
             number = next(self._messages)
             self._send(("stats", number, bool(reset)), "gathering routing statistics")
             _, _, data = self._await(("stats", number), self.timeouts.comm * 2, what="gathering routing statistics")
