@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Speed of the sharded runtime (issue 17): pipelined decode, emulated links, speculation; prints tables.
 
-  1. Pipelined decode: 16 streams on 2 and 3 pipeline stages, one step at a time (1 micro-batch in flight)
-     against S micro-batches in flight (each micro-batch's next step is submitted as soon as its logits are
+  1. Pipelined decode: 16 streams on 2 and 3 pipeline stages: one batch of 16, then S micro-batches one at a
+     time (1 in flight, the runtime before pipelining), then the same S micro-batches all in flight (each micro-batch's next step is submitted as soon as its logits are
      back: `ShardedModel.submit` / `collect`), on loopback and on emulated links (`LinkEmulation`: 25 GbE,
      and a 30 ms, 1 Gbit/s WAN hop, where waiting on the link rather than compute sets the pace). Aggregate tokens/s, the ratio, and whether the tokens were the same.
   2. The cost model against those runs: predicted round time (every stream one token;
@@ -44,9 +44,11 @@ LINKS = {"loopback": LinkEmulation(), "25 GbE": LinkEmulation(latency_ms=0.02, g
 TIMEOUTS = ShardTimeouts(comm=120, heartbeat=30, startup=300)
 
 
-def decode_streams(model, streams: int, micro_batches: int, steps: int, prompt: int) -> tuple[float, list]:
-    """Greedy decode of `streams` sequences in `micro_batches` groups kept in flight; (seconds per round,
-    every stream's tokens). One round = every stream one token."""
+def decode_streams(model, streams: int, micro_batches: int, steps: int, prompt: int,
+                   in_flight: int | None = None) -> tuple[float, list]:
+    """Greedy decode of `streams` sequences in `micro_batches` groups, at most `in_flight` of them (default
+    all) submitted at once; (seconds per round, every stream's tokens). One round = every stream one token."""
+    in_flight = micro_batches if in_flight is None else in_flight
     g = torch.Generator().manual_seed(0)
     sizes = [streams // micro_batches + (i < streams % micro_batches) for i in range(micro_batches)]
     groups = [[torch.randint(0, 256, (prompt,), generator=g) for _ in range(n)] for n in sizes]
@@ -66,13 +68,17 @@ def decode_streams(model, streams: int, micro_batches: int, steps: int, prompt: 
         [(f, c, False) for f, c in zip(feeds, caches)]))]
     done = [0] * micro_batches
     t0 = time.perf_counter()
-    tickets = collections.deque((i, model.submit(feeds[i], caches[i])) for i in range(micro_batches))
-    while tickets:
+    waiting = collections.deque(range(micro_batches))  # micro-batches ready for their next step
+    tickets: collections.deque = collections.deque()
+    while waiting or tickets:
+        while waiting and len(tickets) < in_flight:
+            i = waiting.popleft()
+            tickets.append((i, model.submit(feeds[i], caches[i])))
         i, ticket = tickets.popleft()
         feeds[i] = after(i, model.collect(ticket))
         done[i] += 1
         if done[i] < steps:
-            tickets.append((i, model.submit(feeds[i], caches[i])))
+            waiting.append(i)
     return (time.perf_counter() - t0) / steps, tokens
 
 
@@ -154,22 +160,26 @@ def main() -> None:
             for link_name in opts.links.split(","):
                 link = LINKS[link_name]
                 plan = link_plan(config, stages, link, gloo, cpu)
+                runs = [(1, 1), (stages, 1), (stages, stages)]  # (micro-batches, in flight)
                 with ShardedModel(ckpt, shards=stages, mode="pipeline", threads_per_rank=1, timeouts=TIMEOUTS,
                                   link=link) as model:
-                    results = {m: decode_streams(model, opts.streams, m, opts.steps, opts.prompt)
-                               for m in (1, stages)}
-                for m, (round_s, tokens) in results.items():
+                    results = {run: decode_streams(model, opts.streams, run[0], opts.steps, opts.prompt, run[1])
+                               for run in runs}
+                sequential = results[(stages, 1)][0]
+                for (m, f), (round_s, tokens) in results.items():
                     b = -(-opts.streams // m)
-                    predicted = CostModel(config, plan, fitted[b]).decode_round(opts.streams, m, context)
-                    rows.append(dict(stages=stages, link=link_name, in_flight=m,
-                                     tps=opts.streams / round_s, ratio=results[1][0] / round_s,
-                                     same="yes" if tokens == results[1][1] else "no",
+                    predicted = CostModel(config, plan, fitted[b]).decode_round(opts.streams, m, context, f)
+                    rows.append(dict(stages=stages, link=link_name, micro=f"{m} x {b}", in_flight=f,
+                                     tps=opts.streams / round_s, ratio=sequential / round_s,
+                                     same="yes" if tokens == results[(1, 1)][1] else "no",
                                      measured_ms=round_s * 1e3, predicted_ms=predicted["round_s"] * 1e3,
                                      error=round_s / predicted["round_s"], bound=predicted["bound"]))
         print_table(f"pipelined decode, {opts.streams} streams, {opts.steps} rounds, pipeline stages over gloo "
-                    "(real processes, 1 thread each); ratio = tokens/s over 1 in flight; error = measured / "
+                    "(real processes, 1 thread each); micro = micro-batches x streams; ratio = tokens/s over the "
+                    "same micro-batches one at a time; same tokens = as the one-batch run; error = measured / "
                     "predicted round", rows,
-                    [("stages", "stages", "d"), ("link", "link          ", "s"), ("in_flight", "in flight", "d"),
+                    [("stages", "stages", "d"), ("link", "link          ", "s"), ("micro", "micro ", "s"),
+                     ("in_flight", "in flight", "d"),
                      ("tps", "tokens/s", ".1f"), ("ratio", "ratio", ".2f"), ("same", "same tokens", "s"),
                      ("measured_ms", "measured ms", ".1f"), ("predicted_ms", "predicted ms", ".1f"),
                      ("error", "error", ".2f"), ("bound", "bound          ", "s")])

@@ -21,10 +21,11 @@ activations once per token; every matrix product is the max of its memory time a
 compute time. Energy counts every device at full board power for the whole time (an upper
 bound: idle devices draw less).
 
-Pipelined decode (`decode_round`): the c streams go in m micro-batches of ceil(c / m); each
-micro-batch's next step starts when its logits are back, so a round (every stream one token)
-takes max(loop latency of a micro-batch, m x slowest stage of a micro-batch). m = 1 is one step
-at a time; m >= S keeps every stage busy when the loop is short enough.
+Pipelined decode (`decode_round`): the c streams go in m micro-batches of ceil(c / m), up to
+f of them in flight; each micro-batch's next step starts when its logits are back, so a round
+(every stream one token) takes m x max(loop latency / f, slowest stage), the loop and the stage
+times those of one micro-batch. f = 1 is one step at a time; f = m >= S keeps every stage busy
+when the loop is short enough.
 
 Speculative decoding (`speculative_token_time`): a verify step runs 1 + k positions of one
 stream (a decode step of b = k + 1 rows: weights read once, k + 1 rows of compute, state and
@@ -515,19 +516,26 @@ class CostModel:
         best["within_reservation"] = concurrency <= self.plan.concurrency
         return best
 
-    def decode_round(self, concurrency: int, micro_batches: int, context: int | None = None) -> dict:
-        """Pipelined decode of `concurrency` streams in `micro_batches` micro-batches (see the module
-        docstring): the round time, aggregate tokens/s and what bounds it."""
-        if concurrency < 1 or not 1 <= micro_batches <= concurrency:
-            raise ValueError("need concurrency >= 1 and 1 <= micro_batches <= concurrency")
+    def decode_round(self, concurrency: int, micro_batches: int, context: int | None = None,
+                     in_flight: int | None = None) -> dict:
+        """Pipelined decode of `concurrency` streams in `micro_batches` micro-batches of which at most
+        `in_flight` (default: all) are in the pipeline at once (see the module docstring): the round time
+        (every stream one token), aggregate tokens/s and what bounds it. Micro-batches complete at the rate
+        min(in_flight / loop latency, 1 / slowest stage), so a round takes
+        micro_batches x max(loop / in_flight, slowest stage)."""
+        in_flight = micro_batches if in_flight is None else in_flight
+        if concurrency < 1 or not 1 <= micro_batches <= concurrency or not 1 <= in_flight <= micro_batches:
+            raise ValueError("need concurrency >= 1, 1 <= micro_batches <= concurrency and "
+                             "1 <= in_flight <= micro_batches")
         positions = self.plan.context if context is None else context
         b = math.ceil(concurrency / micro_batches)
         times = [sum(st.values()) for st in self.stage_times(b, positions)]
         loop = sum(times)
-        round_s = max(loop, micro_batches * max(times))
+        round_s = micro_batches * max(loop / in_flight, max(times))
         return {"tokens_per_s": concurrency / round_s, "round_s": round_s, "micro_batches": micro_batches,
-                "micro_batch": b, "loop_s": loop, "slowest_stage": int(np.argmax(times)),
-                "slowest_stage_s": max(times), "bound": "loop latency" if loop >= round_s else "slowest stage"}
+                "in_flight": in_flight, "micro_batch": b, "loop_s": loop, "slowest_stage": int(np.argmax(times)),
+                "slowest_stage_s": max(times),
+                "bound": "loop latency" if loop / in_flight >= max(times) else "slowest stage"}
 
     @staticmethod
     def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
