@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from inference.model import check_forward_batch, fingerprint, read_config, verify_manifest
+from inference.model.k3 import check_rewind
 from inference.model.kda import REWIND_MODES
 from inference.planning import Plan, PlanError, RoutingStats
 from inference.sharding.messages import (MARK, REWIND, CacheOp, LinkEmulation, ShardTimeouts, StoreKeys, WorkerArgs,
@@ -111,11 +112,7 @@ class ShardCache:
 
     def rewind(self, length: int) -> None:
         """Back to the state after the first `length` tokens (mark <= length <= self.length); ends the mark."""
-        start = self.marked_at
-        if start is None:
-            raise ValueError("rewind needs a mark() at or before the position to return to")
-        if not start <= length <= self.length:
-            raise ValueError(f"can rewind to {start}..{self.length} tokens (marked at {start}), not {length}")
+        check_rewind(self.marked_at, length, self.length)
         self.ops.append(CacheOp(self.slot, REWIND, length))
         self.length = length
         self.marked_at = None
