@@ -17,6 +17,27 @@ validator's kind of traffic once against one endpoint and writes all of that dow
   probes (exact copy, planted fact);
 - the endpoint's declared capabilities, model fingerprint and precision.
 
+As a serving benchmark (the terms and definitions of `vllm bench serve`):
+
+- traffic: closed waves (--concurrency, --repeats), or open loop with --request-rate R (requests/s,
+  inf = all at once; gaps gamma-distributed with shape --burstiness, 1 = Poisson) and
+  --max-concurrency (in flight at most) over --num-prompts requests per workload;
+- datasets (--dataset-name): random (seeded text of exactly --prompt-lengths tokens, or lengths
+  drawn within --random-range-ratio), sharegpt (the first human turn and the reply's length of each
+  conversation in --dataset-path), shared-prefix (prompts whose first --shared-prefix-tokens tokens
+  are shared among --shared-prefix-groups groups, for prefix caches);
+- metrics: TTFT, TPOT (end - first token) / (tokens - 1), ITL (every gap between tokens), E2EL, as
+  mean, std and --metric-percentiles; request, output-token and total-token throughput; goodput
+  (--goodput ttft:MS tpot:MS e2el:MS: requests/s meeting every SLO);
+- --endpoint-type chat sends /v1/chat/completions (messages; token ids from the logprobs with
+  `return_tokens_as_token_ids`), completions (the default) token ids to /v1/completions;
+- --save-result writes requests.jsonl, one line per request, next to the report.
+
+    # open loop at 4 requests/s, at most 16 in flight, over a ShareGPT file, with SLOs
+    python scripts/benchmark_endpoint.py --openai http://127.0.0.1:8000 --model moonshotai/Kimi-K3 \\
+        --tokenizer-checkpoint ckpt/k3 --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200 \\
+        --request-rate 4 --max-concurrency 16 --goodput ttft:2000 tpot:100 --save-result --out-dir bench/sharegpt
+
     # a miner, through the signed protocol (the wallet's hotkey needs a validator permit and stake)
     python scripts/benchmark_endpoint.py --miner http://203.0.113.7:8091 --miner-hotkey 5F... \\
         --wallet-name validator --wallet-hotkey default --tokenizer-checkpoint ckpt/k3 \\
