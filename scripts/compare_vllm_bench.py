@@ -15,7 +15,7 @@ the mean prompt tokens of each).
 The vLLM venv comes from scripts/setup_vllm.sh ($K3_VLLM_VENV, default ~/.cache/k3-subnet/venv-vllm);
 the server is started here on a free loopback port and stopped at the end (or pass --url and
 --model-dir of a running one). Prints a Markdown table: each tool's rounds and the difference of
-their means, in percent of vLLM's.
+the medians of their rounds, in percent of vLLM's.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,9 @@ def run_vllm_bench(python: Path, url: str, model_dir: Path, args, out: Path) -> 
            "--temperature", "0", "--num-warmups", str(args.warmup), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out.parent),
            "--result-filename", out.name, "--disable-tqdm", "--seed", "0"]
+    if not args.plain_vllm:  # the same server work as ours: one logprob per token, tokens named by id
+        cmd += ["--logprobs", "1", "--extra-body",
+                json.dumps({"return_tokens_as_token_ids": True, "skip_special_tokens": False})]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
@@ -143,14 +147,16 @@ def table(vllm_runs: list[dict], our_runs: list[dict], args) -> str:
     head = " | ".join(f"vLLM r{k + 1}" for k in range(n)) + " | " + " | ".join(f"ours r{k + 1}" for k in range(n))
     lines = [f"Load: {args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output tokens "
              f"(ignore_eos), request rate {args.request_rate}, max concurrency {args.max_concurrency}, greedy, "
-             f"{args.warmup} warm-up requests; rounds alternate vLLM, ours.", "",
-             f"| metric | {head} | vLLM mean | ours mean | difference |",
+             f"{args.warmup} warm-up requests; rounds alternate vLLM, ours; vLLM's client "
+             + ("as it comes (no logprobs)." if args.plain_vllm else "asking logprobs 1 and token ids, as ours does.")
+             + " The difference is of the medians of the rounds, in percent of vLLM's.", "",
+             f"| metric | {head} | vLLM median of rounds | ours median of rounds | difference |",
              "|---|" + "---:|" * (2 * n + 3)]
     for label, vkey, okey in ROWS:
         v = [run.get(vkey) for run in vllm_runs]
         o = [our_value(run, okey) for run in our_runs]
-        vm = sum(v) / n if all(x is not None for x in v) else None
-        om = sum(o) / n if all(x is not None for x in o) else None
+        vm = statistics.median(v) if all(x is not None for x in v) else None
+        om = statistics.median(o) if all(x is not None for x in o) else None
         diff = f"{(om - vm) / vm * 100:+.1f}%" if vm and om is not None else "-"
         cells = [f"{x:.4g}" if x is not None else "-" for x in v + o + [vm, om]]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
@@ -166,6 +172,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--request-rate", default="inf")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--plain-vllm", action="store_true",
+                        help="vllm bench serve as it comes (no logprobs asked); by default it asks what ours asks "
+                             "(logprobs 1, return_tokens_as_token_ids), so the server does the same work")
+    parser.add_argument("--keep-server", action="store_true", help="leave the started vLLM server running")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--url", default=None, help="a vLLM server already serving tiny-llama (with --model-dir)")
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -187,7 +197,10 @@ def main(argv=None) -> int:
             our_runs.append(run_ours(url, model_dir, args, work / f"ours-r{k + 1}"))
             print(f"[compare] round {k + 1} done", file=sys.stderr)
     finally:
-        stop(process)
+        if args.keep_server and process is not None:
+            print(f"[compare] vLLM left running at {url} (pid {process.pid}, process group)", file=sys.stderr)
+        else:
+            stop(process)
     text = table(vllm_runs, our_runs, args)
     (work / "compare.md").write_text(text + "\n")
     print(text)
