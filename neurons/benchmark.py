@@ -412,7 +412,8 @@ def benchmark_options() -> tuple[Option, ...]:
         Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
                "deadline to connect", group="timeouts"),
         Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               "deadline for the first token (covers queueing and prefill)", group="timeouts"),
+               "deadline for the first token (queueing and prefill): this floor plus prompt tokens / "
+               "--prefill-tokens-per-s", group="timeouts"),
         Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float,
                "deadline between two tokens", group="timeouts"),
         Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
