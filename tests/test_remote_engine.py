@@ -169,10 +169,10 @@ async def test_text_without_a_token_is_accepted_only_in_the_finishing_chunk():
     runner, url = await start_app(app)
     try:
         async with remote(url + "/end") as engine:
-            tokens, final = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=1))))
+            tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=1))))
             assert [t.token_id for t in tokens] == [97] and final.finish_reason == "length"
         async with remote(url + "/mid") as engine:
             with pytest.raises(EngineError, match="text without logprobs"):
-                await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=2))))
+                await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=2))))
     finally:
         await runner.cleanup()
