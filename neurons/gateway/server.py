@@ -116,17 +116,26 @@ class StopTrimmer:
         if self.stopped:
             return ""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
-            return out
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
+        return self._release(final=False)
 
     def flush(self) -> str:
-        out, self.pending = ("" if self.stopped else self.pending), ""
-        return out
+        return "" if self.stopped else self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        pending = self.pending
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        first = min(hits, default=len(pending))
+        # where a stop string could still begin: its start matches the text up to the end (not decided
+        # until more text comes, or the end); a longer stop beginning earlier beats a shorter one found later
+        open_at = len(pending) if final else next(
+            (j for j in range(max(0, len(pending) - self.hold), len(pending))
+             if any(len(s) > len(pending) - j and s.startswith(pending[j:]) for s in self.stops)), len(pending))
+        if hits and open_at >= first:
+            self.pending, self.stopped = "", True
+            return pending[:first]
+        cut = min(open_at, first)
+        self.pending = pending[cut:]
+        return pending[:cut]
 
 
 def _finish_reason(final: FinalEvent) -> str:
