@@ -135,3 +135,44 @@ async def test_dropped_connection_and_stalled_stream_fail_cleanly():
             assert loop.time() - t0 < 5
     finally:
         await runner.cleanup()
+
+
+async def test_text_without_a_token_is_accepted_only_in_the_finishing_chunk():
+    """A server's detokenizer may hold back text (an unfinished UTF-8 character) and send it with
+    the finish reason; anywhere else, text without logprobs means ids were not sent, an error."""
+    async def models(request):
+        return web.json_response({"data": [{"id": MODEL_NAME}]})
+
+    def token_chunk(finish=None):
+        return {"choices": [{"index": 0, "text": "a", "finish_reason": finish,
+                             "logprobs": {"tokens": ["token_id:97"], "token_logprobs": [-0.5],
+                                          "top_logprobs": [{"token_id:97": -0.5}]}}]}
+
+    async def stream(request, tail_finish):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        tail = {"choices": [{"index": 0, "text": "\ufffd", "finish_reason": tail_finish, "logprobs": None}]}
+        for chunk in (token_chunk(), tail) + ((token_chunk("length"),) if tail_finish is None else ()):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def at_finish(request):
+        return await stream(request, "length")
+
+    async def mid_stream(request):
+        return await stream(request, None)
+
+    app = web.Application()
+    app.add_routes([web.get("/end/v1/models", models), web.post("/end/v1/completions", at_finish),
+                    web.get("/mid/v1/models", models), web.post("/mid/v1/completions", mid_stream)])
+    runner, url = await start_app(app)
+    try:
+        async with remote(url + "/end") as engine:
+            tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=1))))
+            assert [t.token_id for t in tokens] == [97] and final.finish_reason == "length"
+        async with remote(url + "/mid") as engine:
+            with pytest.raises(EngineError, match="text without logprobs"):
+                await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=2))))
+    finally:
+        await runner.cleanup()
