@@ -76,9 +76,9 @@ from inference.serving import (EngineError, EngineSettings, FinalEvent as Engine
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
 from inference.serving.remote import _error_from_status, _stream_error, parse_token_key
 from neurons.observability import setup_logging
-from neurons.settings import (Option, WalletNotFound, WalletSettings, bind_defaults, build_parser, build_settings, flag,
-                              logging_options, non_negative_float, non_negative_int, open_wallet, optional_int,
-                              optional_text, positive_float, read_options, wallet_options)
+from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
+                              build_parser, build_settings, non_negative_float, non_negative_int, open_wallet,
+                              positive_float, program_name, read_options, setting, settings_options)
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
                              MinerProtocolError, MinerStreamError, MinerTimeout, MinerUnreachable, TimedEvent)
 from protocol.errors import ErrorCode
@@ -189,87 +189,125 @@ def percentile_key(q: float) -> str:
     return f"p{q:g}"
 
 
-@dataclass(frozen=True)
-class TargetSettings:
-    miner_url: Optional[str] = None
-    miner_hotkey: Optional[str] = None
-    openai_url: Optional[str] = None
-    model: Optional[str] = None
-    api_key: Optional[str] = None
-    max_context: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class WalletChoice:
-    name: str = "default"
-    hotkey: str = "default"
-    path: str = "~/.bittensor/wallets"
-
-
-@dataclass(frozen=True)
-class WorkloadSettings:
-    prompt_lengths: tuple[int, ...] = (128, 1024, 8192)
-    output_lengths: tuple[int, ...] = (64, 256)
-    concurrency: tuple[int, ...] = (1, 8, 64)
-    repeats: int = 3
-    warmup: int = 1
-    seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    logprobs: int = 5
-    ignore_eos: bool = False
-    # the traffic: closed waves of --concurrency streams, or open-loop arrivals at these rates
-    request_rates: Optional[tuple[float, ...]] = None
-    burstiness: float = 1.0
-    max_concurrency: Optional[int] = None
-    num_prompts: int = 100
-    endpoint_type: str = "completions"
-
-
 DATASETS = ("random", "sharegpt", "shared-prefix")
 ENDPOINT_TYPES = ("completions", "chat")
 
 
 @dataclass(frozen=True)
+class TargetSettings:
+    miner_url: Optional[str] = setting(None, "a miner's base URL (signed subnet protocol)", flag="--miner",
+                                       metavar="URL")
+    miner_hotkey: Optional[str] = setting(None, "the miner's SS58 hotkey", metavar="SS58")
+    openai_url: Optional[str] = setting(None, "an OpenAI-compatible server's base URL (vLLM, SGLang; /v1 is added)",
+                                        flag="--openai", metavar="URL")
+    model: Optional[str] = setting(None, "with --openai: the model name the server serves", metavar="NAME")
+    api_key: Optional[str] = setting(None, "with --openai: bearer token (prefer the environment variable)",
+                                     secret=True, metavar="KEY")
+    max_context: Optional[int] = setting(None, "with --openai: the server's context when /v1/models does not say "
+                                         "(max_model_len)")
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    prompt_lengths: tuple[int, ...] = setting((128, 1024, 8192), "prompt sizes in tokens, chat template included",
+                                              read=int_list, metavar="N,N,...")
+    output_lengths: tuple[int, ...] = setting((64, 256), "max_tokens of the requests", read=int_list,
+                                              metavar="N,N,...")
+    concurrency: tuple[int, ...] = setting((1, 8, 64), "simultaneous streams per wave", read=int_list,
+                                           metavar="N,N,...")
+    repeats: int = setting(3, "waves per workload")
+    warmup: int = setting(1, "requests sent first and not counted", read=non_negative_int)
+    seed: int = setting(0, "seed of the request set")
+    temperature: float = setting(0.0, "sampling temperature of the workload requests", read=non_negative_float,
+                                 metavar="X")
+    top_p: float = setting(1.0, "nucleus sampling", read=positive_float, metavar="X")
+    logprobs: int = setting(5, "top-k alternatives asked per token (tier 0 checks greedy tokens against them)",
+                            read=non_negative_int)
+    ignore_eos: bool = setting(False, "with --openai: generate max_tokens whatever the model says (vLLM's ignore_eos)")
+    # the traffic: closed waves of --concurrency streams, or open-loop arrivals at these rates
+    request_rates: Optional[tuple[float, ...]] = setting(
+        None, "open-loop traffic: requests/s (inf: all at once), arrivals Poisson (see --burstiness); "
+        "a list runs each; unset: closed waves of --concurrency", flag="--request-rate", read=rate_list,
+        group="traffic", metavar="R,R,...")
+    burstiness: float = setting(1.0, "with --request-rate: gamma-distributed gaps of this shape (1: Poisson, "
+                                "<1 burstier, inf: even)", read=positive_float, group="traffic", metavar="X")
+    max_concurrency: Optional[int] = setting(None, "with --request-rate: at most this many requests in flight "
+                                             "(the rest wait here)", group="traffic")
+    num_prompts: int = setting(100, "with --request-rate: requests per workload", group="traffic")
+    endpoint_type: str = setting("completions", "with --openai: /v1/completions (token ids) or /v1/chat/completions "
+                                 "(messages)", group="traffic", choices=ENDPOINT_TYPES)
+
+
+@dataclass(frozen=True)
 class DatasetSettings:
-    name: str = "random"
-    path: Optional[str] = None  # sharegpt: the JSON file
-    random_range_ratio: float = 0.0  # random: lengths drawn from [L(1-r), L(1+r)]
-    sharegpt_output_len: Optional[int] = None  # sharegpt: max_tokens for all (default: the reply's length)
-    prefix_tokens: int = 64  # shared-prefix: tokens every prompt of a group starts with
-    prefix_groups: int = 1  # shared-prefix: how many distinct prefixes
+    name: str = setting("random", "random: seeded prompts of --prompt-lengths; sharegpt: first turns of "
+                        "--dataset-path; shared-prefix: prompts of --prompt-lengths whose first "
+                        "--shared-prefix-tokens are shared", flag="--dataset-name", choices=DATASETS)
+    path: Optional[str] = setting(None, "sharegpt: a JSON list of {\"conversations\": [{\"from\": \"human\", "
+                                  "\"value\": ...}, {\"from\": \"gpt\", ...}]}", flag="--dataset-path",
+                                  metavar="FILE")
+    random_range_ratio: float = setting(0.0, "random: prompt and output lengths drawn uniformly from "
+                                        "[L(1-r), L(1+r)]", read=non_negative_float, metavar="R")
+    sharegpt_output_len: Optional[int] = setting(None, "sharegpt: max_tokens of every request (default: the length "
+                                                 "of the conversation's reply)")
+    prefix_tokens: int = setting(64, "shared-prefix: tokens of the shared prefix (inside the prompt length)",
+                                 flag="--shared-prefix-tokens")
+    prefix_groups: int = setting(1, "shared-prefix: distinct prefixes, the prompts taking them in turn",
+                                 flag="--shared-prefix-groups")
 
 
 @dataclass(frozen=True)
 class ResultSettings:
-    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
-    percentile_metrics: tuple[str, ...] = LATENCY_METRICS
-    goodput: tuple[tuple[str, float], ...] = ()  # SLOs in ms; a request meeting all of them is "good"
-    save_result: bool = False  # requests.jsonl (one line per request) next to the report
+    percentiles: tuple[float, ...] = setting((50.0, 90.0, 99.0), "percentiles reported for every distribution",
+                                             flag="--metric-percentiles", read=percentile_list, metavar="Q,Q,...")
+    percentile_metrics: tuple[str, ...] = setting(LATENCY_METRICS, "latency metrics of the printed latency table "
+                                                  "(ttft, tpot, itl, e2el)", read=metric_list, metavar="M,M,...")
+    # SLOs in ms; a request meeting all of them is "good"
+    goodput: tuple[tuple[str, float], ...] = setting((), "SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:5000: "
+                                                     "goodput counts the requests meeting all", read=slo_list,
+                                                     metavar="NAME:MS")
+    save_result: bool = setting(False, "also write requests.jsonl, one line per request (timings, tokens, errors), "
+                                "to --out-dir (default: the current directory)")
 
 
 @dataclass(frozen=True)
 class QualitySettings:
-    reference_checkpoint: Optional[str] = None
-    audits: int = 8
-    canaries: int = 4
-    probes: int = 4
+    reference_checkpoint: Optional[str] = setting(None, "a local checkpoint of the served model: enables tier-1 "
+                                                  "audits and tier-2 canaries", metavar="DIR")
+    audits: int = setting(8, "workload responses given a teacher-forced audit (needs --reference-checkpoint)",
+                          read=non_negative_int)
+    canaries: int = setting(4, "greedy canaries checked against the reference (needs --reference-checkpoint)",
+                            read=non_negative_int)
+    probes: int = setting(4, "answer probes (exact copy, planted fact), greedy", read=non_negative_int)
+
+
+# protocol.client.ClientTimeouts knows nothing of command lines: its flags are here.
+BENCH_TIMEOUTS = Section(group="timeouts", fields=dict(
+    connect=Setting("deadline to connect", flag="--connect-timeout-s", read=positive_float),
+    first_byte=Setting("deadline for the first token (queueing and prefill): this floor plus prompt tokens / "
+                       "--prefill-tokens-per-s", flag="--first-token-timeout-s", read=positive_float),
+    between_events=Setting("deadline between two tokens", flag="--between-tokens-timeout-s", read=positive_float),
+    total=Setting("deadline of one request", flag="--request-timeout-s", read=positive_float),
+    prefill_tokens_per_s=Setting("the first token's deadline grows by prompt tokens / this rate (inf: a flat "
+                                 "deadline)", read=positive_float, metavar="RATE"),
+))
 
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
-    target: TargetSettings = field(default_factory=TargetSettings)
-    wallet: WalletChoice = field(default_factory=WalletChoice)
-    workload: WorkloadSettings = field(default_factory=WorkloadSettings)
-    dataset: DatasetSettings = field(default_factory=DatasetSettings)
-    result: ResultSettings = field(default_factory=ResultSettings)
-    quality: QualitySettings = field(default_factory=QualitySettings)
+    target: TargetSettings = Section(group="target").field(TargetSettings)
+    wallet: WalletSettings = WALLET.field(WalletSettings)
+    workload: WorkloadSettings = Section(group="workload").field(WorkloadSettings)
+    dataset: DatasetSettings = Section(group="dataset").field(DatasetSettings)
+    result: ResultSettings = Section(group="result").field(ResultSettings)
+    quality: QualitySettings = Section(group="quality").field(QualitySettings)
     # the validators' deadlines (protocol.client.ClientTimeouts), so the benchmark times out where they would
-    timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
-    tokenizer_checkpoint: Optional[str] = None
-    out_dir: Optional[str] = None
-    log_level: str = "WARNING"
-    log_format: str = "text"
+    timeouts: ClientTimeouts = BENCH_TIMEOUTS.field(ClientTimeouts)
+    tokenizer_checkpoint: Optional[str] = setting(None, "checkpoint directory with the served model's config.json and "
+                                                  "tokenizer (default: the reference)", metavar="DIR")
+    out_dir: Optional[str] = setting(None, "where report.json and report.md go", metavar="DIR")
+    log_level: str = LOG_LEVEL.field("WARNING")
+    log_format: str = LOG_FORMAT.field("text")
 
     def problems(self) -> list[str]:
         t, w = self.target, self.workload
@@ -323,110 +361,16 @@ class BenchmarkSettings:
 
 
 def benchmark_options() -> tuple[Option, ...]:
-    """Every flag of the benchmark, with its default from BenchmarkSettings."""
-    p = "K3_BENCH_"
-    return bind_defaults(BenchmarkSettings, (
-        Option("target.miner_url", "--miner", f"{p}MINER", optional_text, "a miner's base URL (signed subnet protocol)",
-               group="target", metavar="URL"),
-        Option("target.miner_hotkey", "--miner-hotkey", f"{p}MINER_HOTKEY", optional_text, "the miner's SS58 hotkey",
-               group="target", metavar="SS58"),
-        Option("target.openai_url", "--openai", f"{p}OPENAI", optional_text,
-               "an OpenAI-compatible server's base URL (vLLM, SGLang; /v1 is added)", group="target", metavar="URL"),
-        Option("target.model", "--model", f"{p}MODEL", optional_text, "with --openai: the model name the server serves",
-               group="target", metavar="NAME"),
-        Option("target.api_key", "--api-key", f"{p}API_KEY", optional_text,
-               "with --openai: bearer token (prefer the environment variable)", group="target", secret=True,
-               metavar="KEY"),
-        Option("target.max_context", "--max-context", f"{p}MAX_CONTEXT", optional_int,
-               "with --openai: the server's context when /v1/models does not say (max_model_len)", group="target"),
-    ) + tuple(dataclasses.replace(o, deprecated_env=o.deprecated_env + (o.deprecated_env[0].replace("K3_", p),))
-              for o in wallet_options()) + (
-        Option("workload.prompt_lengths", "--prompt-lengths", f"{p}PROMPT_LENGTHS", int_list,
-               "prompt sizes in tokens, chat template included", group="workload", metavar="N,N,..."),
-        Option("workload.output_lengths", "--output-lengths", f"{p}OUTPUT_LENGTHS", int_list,
-               "max_tokens of the requests", group="workload", metavar="N,N,..."),
-        Option("workload.concurrency", "--concurrency", f"{p}CONCURRENCY", int_list, "simultaneous streams per wave",
-               group="workload", metavar="N,N,..."),
-        Option("workload.repeats", "--repeats", f"{p}REPEATS", int, "waves per workload", group="workload"),
-        Option("workload.warmup", "--warmup", f"{p}WARMUP", non_negative_int, "requests sent first and not counted",
-               group="workload"),
-        Option("workload.seed", "--seed", f"{p}SEED", int, "seed of the request set", group="workload"),
-        Option("workload.temperature", "--temperature", f"{p}TEMPERATURE", non_negative_float,
-               "sampling temperature of the workload requests", group="workload", metavar="X"),
-        Option("workload.top_p", "--top-p", f"{p}TOP_P", positive_float, "nucleus sampling", group="workload",
-               metavar="X"),
-        Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int,
-               "top-k alternatives asked per token (tier 0 checks greedy tokens against them)", group="workload"),
-        Option("workload.ignore_eos", "--ignore-eos", f"{p}IGNORE_EOS", flag,
-               "with --openai: generate max_tokens whatever the model says (vLLM's ignore_eos)", group="workload"),
-        Option("workload.request_rates", "--request-rate", f"{p}REQUEST_RATE", rate_list,
-               "open-loop traffic: requests/s (inf: all at once), arrivals Poisson (see --burstiness); "
-               "a list runs each; unset: closed waves of --concurrency", group="traffic", metavar="R,R,..."),
-        Option("workload.burstiness", "--burstiness", f"{p}BURSTINESS", positive_float,
-               "with --request-rate: gamma-distributed gaps of this shape (1: Poisson, <1 burstier, inf: even)",
-               group="traffic", metavar="X"),
-        Option("workload.max_concurrency", "--max-concurrency", f"{p}MAX_CONCURRENCY", optional_int,
-               "with --request-rate: at most this many requests in flight (the rest wait here)", group="traffic"),
-        Option("workload.num_prompts", "--num-prompts", f"{p}NUM_PROMPTS", int,
-               "with --request-rate: requests per workload", group="traffic"),
-        Option("workload.endpoint_type", "--endpoint-type", f"{p}ENDPOINT_TYPE", str,
-               "with --openai: /v1/completions (token ids) or /v1/chat/completions (messages)", group="traffic",
-               choices=ENDPOINT_TYPES),
-        Option("dataset.name", "--dataset-name", f"{p}DATASET_NAME", str,
-               "random: seeded prompts of --prompt-lengths; sharegpt: first turns of --dataset-path; "
-               "shared-prefix: prompts of --prompt-lengths whose first --shared-prefix-tokens are shared",
-               group="dataset", choices=DATASETS),
-        Option("dataset.path", "--dataset-path", f"{p}DATASET_PATH", optional_text,
-               "sharegpt: a JSON list of {\"conversations\": [{\"from\": \"human\", \"value\": ...}, "
-               "{\"from\": \"gpt\", ...}]}", group="dataset", metavar="FILE"),
-        Option("dataset.random_range_ratio", "--random-range-ratio", f"{p}RANDOM_RANGE_RATIO", non_negative_float,
-               "random: prompt and output lengths drawn uniformly from [L(1-r), L(1+r)]", group="dataset",
-               metavar="R"),
-        Option("dataset.sharegpt_output_len", "--sharegpt-output-len", f"{p}SHAREGPT_OUTPUT_LEN", optional_int,
-               "sharegpt: max_tokens of every request (default: the length of the conversation's reply)",
-               group="dataset"),
-        Option("dataset.prefix_tokens", "--shared-prefix-tokens", f"{p}SHARED_PREFIX_TOKENS", int,
-               "shared-prefix: tokens of the shared prefix (inside the prompt length)", group="dataset"),
-        Option("dataset.prefix_groups", "--shared-prefix-groups", f"{p}SHARED_PREFIX_GROUPS", int,
-               "shared-prefix: distinct prefixes, the prompts taking them in turn", group="dataset"),
-        Option("result.percentiles", "--metric-percentiles", f"{p}METRIC_PERCENTILES", percentile_list,
-               "percentiles reported for every distribution", group="result", metavar="Q,Q,..."),
-        Option("result.percentile_metrics", "--percentile-metrics", f"{p}PERCENTILE_METRICS", metric_list,
-               "latency metrics of the printed latency table (ttft, tpot, itl, e2el)", group="result",
-               metavar="M,M,..."),
-        Option("result.goodput", "--goodput", f"{p}GOODPUT", slo_list,
-               "SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:5000: goodput counts the requests meeting all",
-               group="result", metavar="NAME:MS"),
-        Option("result.save_result", "--save-result", f"{p}SAVE_RESULT", flag,
-               "also write requests.jsonl, one line per request (timings, tokens, errors), to --out-dir "
-               "(default: the current directory)", group="result"),
-        Option("quality.reference_checkpoint", "--reference-checkpoint", f"{p}REFERENCE_CHECKPOINT", optional_text,
-               "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries", group="quality",
-               metavar="DIR"),
-        Option("quality.audits", "--audits", f"{p}AUDITS", non_negative_int,
-               "workload responses given a teacher-forced audit (needs --reference-checkpoint)", group="quality"),
-        Option("quality.canaries", "--canaries", f"{p}CANARIES", non_negative_int,
-               "greedy canaries checked against the reference (needs --reference-checkpoint)", group="quality"),
-        Option("quality.probes", "--probes", f"{p}PROBES", non_negative_int,
-               "answer probes (exact copy, planted fact), greedy", group="quality"),
-        Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
-               "deadline to connect", group="timeouts"),
-        Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               "deadline for the first token (queueing and prefill): this floor plus prompt tokens / "
-               "--prefill-tokens-per-s", group="timeouts"),
-        Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float,
-               "deadline between two tokens", group="timeouts"),
-        Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
-               "deadline of one request", group="timeouts"),
-        Option("timeouts.prefill_tokens_per_s", "--prefill-tokens-per-s", f"{p}PREFILL_TOKENS_PER_S", positive_float,
-               "the first token's deadline grows by prompt tokens / this rate (inf: a flat deadline)",
-               group="timeouts", metavar="RATE"),
-        Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text,
-               "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
-               group="general", metavar="DIR"),
-        Option("out_dir", "--out-dir", f"{p}OUT_DIR", optional_text, "where report.json and report.md go",
-               group="general", metavar="DIR"),
-    ) + logging_options())
+    """Every flag of the benchmark, derived from BenchmarkSettings' fields; the wallet's flags also read
+    the benchmark's old K3_BENCH_WALLET_* variables."""
+    return tuple(_with_old_bench_env(o) for o in settings_options(BenchmarkSettings, "K3_BENCH_"))
+
+
+def _with_old_bench_env(option: Option) -> Option:
+    if not option.dest.startswith("wallet."):
+        return option
+    old = option.deprecated_env[0].replace("K3_", "K3_BENCH_", 1)  # K3_WALLET_NAME -> K3_BENCH_WALLET_NAME
+    return dataclasses.replace(option, deprecated_env=option.deprecated_env + (old,))
 
 
 def joined_goodput(argv: Sequence[str]) -> list[str]:
@@ -449,11 +393,12 @@ def read_benchmark_settings(argv: Optional[Sequence[str]] = None,
                             environ: Optional[dict] = None) -> BenchmarkSettings:
     options = benchmark_options()
     argv = joined_goodput(list(sys.argv[1:] if argv is None else argv))
-    values = read_options(options, argv, environ, prog="scripts/benchmark_endpoint.py", description=__doc__)
+    prog = program_name("k3-bench", "neurons.benchmark")
+    values = read_options(options, argv, environ, prog=prog, description=__doc__)
     settings = build_settings(BenchmarkSettings, values)
     problems = settings.problems()
     if problems:
-        build_parser(options, prog="scripts/benchmark_endpoint.py").error("; ".join(problems))
+        build_parser(options, prog=prog).error("; ".join(problems))
     return settings
 
 
@@ -1274,7 +1219,7 @@ def open_endpoint(settings: BenchmarkSettings):
     t = settings.target
     if t.miner_url:
         try:
-            wallet = open_wallet(WalletSettings(settings.wallet.name, settings.wallet.hotkey, settings.wallet.path))
+            wallet = open_wallet(settings.wallet)
         except WalletNotFound as error:
             raise BenchmarkSetupError(str(error)) from None
         return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts)

@@ -117,12 +117,8 @@ def test_console_scripts_answer_help_from_another_directory(installed):
         expected = SCRIPTS[name][1]
         assert code == 0, f"{name} exited {code}:\n{output[-2000:]}"
         assert "usage:" in output and expected in output, f"{name}:\n{output[-2000:]}"
-        if name not in USAGE_NOT_YET_NAMED:  # the usage line names the program as the user typed it
-            assert usage_line(output).startswith(f"usage: {name} "), f"{name}: {usage_line(output)}"
-
-
-# neurons/benchmark.py still calls itself scripts/benchmark_endpoint.py (neurons.settings.program_name fixes it)
-USAGE_NOT_YET_NAMED = {"k3-bench"}
+        # the usage line names the program as the user typed it
+        assert usage_line(output).startswith(f"usage: {name} "), f"{name}: {usage_line(output)}"
 
 
 def usage_line(output: str) -> str:
