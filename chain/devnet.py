@@ -52,6 +52,7 @@ are kept.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
@@ -541,7 +542,7 @@ class DevnetChain(Chain):
                 c.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as e:
                 raise ChainConnectionError(f"devnet database {self.path} is busy: {e}") from e
-            try:
+            with self._rolled_back_on_failure():
                 block = self._clock()
                 self._epochs_ran = self._run_due_epochs(block)
                 c.execute("SAVEPOINT operation")
@@ -555,20 +556,12 @@ class DevnetChain(Chain):
                 c.execute("RELEASE operation")
                 c.execute("COMMIT")
                 return result
-            except sqlite3.Error as e:
-                if c.in_transaction:
-                    c.execute("ROLLBACK")
-                raise ChainConnectionError(f"devnet database {self.path}: {e}") from e
-            except BaseException:
-                if c.in_transaction:
-                    c.execute("ROLLBACK")
-                raise
 
     def _read_sync(self, query: Callable[[int], Any]) -> Any:
         """A read in a deferred transaction; when epochs are due it becomes a write that runs them first."""
         c = self._conn
         with self._lock:
-            try:
+            with self._rolled_back_on_failure():
                 c.execute("BEGIN")
                 block = self._clock()
                 if not self._epochs_due(block):
@@ -576,15 +569,22 @@ class DevnetChain(Chain):
                     c.execute("COMMIT")
                     return result
                 c.execute("ROLLBACK")
-            except sqlite3.Error as e:
-                if c.in_transaction:
-                    c.execute("ROLLBACK")
-                raise ChainConnectionError(f"devnet database {self.path}: {e}") from e
-            except BaseException:
-                if c.in_transaction:
-                    c.execute("ROLLBACK")
-                raise
         return self._write_sync(query)
+
+    @contextlib.contextmanager
+    def _rolled_back_on_failure(self):
+        """Any exception rolls the open transaction back; an SQLite error becomes a ChainConnectionError."""
+        c = self._conn
+        try:
+            yield
+        except sqlite3.Error as e:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise ChainConnectionError(f"devnet database {self.path}: {e}") from e
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
 
     async def _write(self, operation: Callable[[int], Any]) -> Any:
         return await asyncio.to_thread(self._write_sync, operation)
