@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from inference.model.files import read_document
+
 MXFP4_BLOCK = 32
 MXFP4_BYTES_PER_WEIGHT = 0.5  # plus one scale byte per 32 weights
 
@@ -151,13 +153,7 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config file at {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_hf_config(data)
+        return cls.from_hf_config(read_document(path, ConfigError, "config"))
 
     # ------------------------------------------------------------ HF config io
     @classmethod

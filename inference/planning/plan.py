@@ -48,6 +48,7 @@ import numpy as np
 import yaml
 
 from inference.model import ConfigError, ModelConfig
+from inference.model.files import read_document
 
 PLAN_FORMAT = "k3-placement-plan/1"
 ROUTING_FORMAT = "k3-routing-stats/1"
@@ -885,14 +886,7 @@ class RoutingStats:
 
     @classmethod
     def load(cls, path: str | Path) -> "RoutingStats":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PlanError(f"no routing statistics file at {path}") from None
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_document(path, PlanError, "routing statistics"), source=str(path))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "routing stats") -> "RoutingStats":

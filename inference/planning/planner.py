@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from inference.model import ModelConfig
+from inference.model.files import read_document
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
 from inference.planning.plan import (Device, Link, Links, MemoryPolicy, Plan, PlanError, RoutingStats, Stage,
                                      buffer_bytes, compute_memory, embedding_bytes, kda_reserve_per_layer,
@@ -101,14 +101,7 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path) -> "Cluster":
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ClusterError(f"no cluster file at {path}") from None
-        except yaml.YAMLError as exc:
-            raise ClusterError(f"{path} is not valid YAML: {exc}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_document(path, ClusterError, "cluster", yaml_format=True), source=str(path))
 
     @classmethod
     def from_dict(cls, data, source: str = "cluster") -> "Cluster":
