@@ -13,16 +13,14 @@ environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams 
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
-from neurons.observability import setup_logging  # noqa: E402
+from neurons.observability import run_neuron  # noqa: E402
 from neurons.settings import describe_values, program_name  # noqa: E402
 
 
@@ -34,13 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return stage_main(argv)
     settings, _ = read_miner_settings(argv, prog=program_name("k3-miner", "neurons.miner"), description=__doc__)
-    setup_logging(settings.log_level, settings.log_format)
-    logging.getLogger("k3.miner").debug("settings: %s", describe_values(miner_options(), dataclasses.asdict(settings)))
-    try:
-        return asyncio.run(serve(settings))
-    except MinerSetupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_neuron(settings, lambda: serve(settings), MinerSetupError, "k3.miner",
+                      describe_values(miner_options(), dataclasses.asdict(settings)))
 
 
 if __name__ == "__main__":

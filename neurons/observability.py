@@ -17,8 +17,9 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import datetime, timezone
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -79,6 +80,21 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ours is k3.access
+
+
+def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]], setup_error: type[Exception],
+               logger: str, described: str = "") -> int:
+    """An entry point's life: logging as `settings` say (log_level, log_format), `described` (the settings as
+    flags) logged at DEBUG, then `main()` to its end. Its exit status, or 2 with the message on stderr when it
+    raises `setup_error` (a setting that cannot work)."""
+    setup_logging(settings.log_level, settings.log_format)
+    if described:
+        logging.getLogger(logger).debug("settings: %s", described)
+    try:
+        return asyncio.run(main())
+    except setup_error as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 # ---------------------------------------------------------------- access log

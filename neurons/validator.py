@@ -13,16 +13,14 @@ database (it works while the validator runs).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from neurons.observability import setup_logging  # noqa: E402
+from neurons.observability import run_neuron  # noqa: E402
 from neurons.settings import Option, describe_values, expanded_path, flag, program_name, read_options  # noqa: E402
 from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
                                    status_report, validator_options)
@@ -80,13 +78,8 @@ def status(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     settings = read_validator_settings(argv, prog=f"{validator_program()} run", description=__doc__)
-    setup_logging(settings.log_level, settings.log_format)
-    logging.getLogger("k3.validator").debug("settings: %s", describe_values(validator_options(), dataclasses.asdict(settings)))
-    try:
-        return asyncio.run(run_validator(settings))
-    except ValidatorSetupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_neuron(settings, lambda: run_validator(settings), ValidatorSetupError, "k3.validator",
+                      describe_values(validator_options(), dataclasses.asdict(settings)))
 
 
 def main(argv: list[str] | None = None) -> int:

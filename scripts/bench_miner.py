@@ -36,7 +36,7 @@ from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import SamplingParams  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
 from inference.serving import (Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine,  # noqa: E402
-                               TokenEvent as EngineTokenEvent)
+                               TokenEvent as EngineTokenEvent, WrappedEngine)
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings, wire_token_event  # noqa: E402
 from neurons.settings import ChainSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request  # noqa: E402
@@ -84,12 +84,12 @@ def bench_auth(validator, miner_hotkey: str, store_path: Path, n: int) -> list[t
     ]
 
 
-class ReplayEngine(Engine):
+class ReplayEngine(WrappedEngine):
     """Replays events recorded from the real engine, instantly: what is left of a stream's time
     through the miner is the miner's (and loopback's) own cost."""
 
     def __init__(self, inner: LocalEngine):
-        self.inner = inner
+        super().__init__(inner)
         self.recorded: dict[tuple[int, ...], list] = {}
 
     async def record(self, prompt: list[int], tokens: int) -> None:
@@ -102,20 +102,6 @@ class ReplayEngine(Engine):
             queue.put_nowait(event)
         return EventStream(queue, lambda: None)
 
-    async def score(self, token_ids, positions=None, top_k=0):
-        return await self.inner.score(token_ids, positions, top_k)
-
-    def capabilities(self):
-        return self.inner.capabilities()
-
-    def health(self):
-        return self.inner.health()
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        await self.inner.stop()
 
 
 async def timed_runs(miner: MinerServer, engine: Engine, validator, prompts, tokens: int) -> tuple[float, float]:

@@ -8,7 +8,7 @@ from inference.serving.builders import (ENGINE_KINDS, EngineSpec, EngineSpecErro
                                         load_reference_model)
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EngineSettings,
                                       EventStream, FinalEvent, GenerationRequest, LocalEngine, ScoredPosition,
-                                      TokenEvent)
+                                      TokenEvent, WrappedEngine)
 from inference.serving.metrics import EngineMetrics
 from inference.serving.openai_server import OpenAICompatibleServer
 from inference.serving.remote import RemoteEngine, RemoteSettings
@@ -18,6 +18,6 @@ __all__ = [
     "ENGINE_KINDS", "Engine", "EngineCapabilities", "EngineError", "EngineHealth", "EngineMetrics",
     "EngineSettings", "EngineSpec", "EngineSpecError", "EventStream", "FinalEvent", "GenerationRequest",
     "LocalEngine", "MAX_LOGPROBS", "OpenAICompatibleServer", "RemoteEngine", "RemoteSettings", "SampledToken",
-    "SamplingParams", "ScoredPosition", "TokenEvent", "TokenSampler", "build_engine", "build_sharded_engine",
-    "load_reference_model",
+    "SamplingParams", "ScoredPosition", "TokenEvent", "TokenSampler", "WrappedEngine", "build_engine",
+    "build_sharded_engine", "load_reference_model",
 ]

@@ -177,6 +177,32 @@ class Engine(abc.ABC):
         await self.stop()
 
 
+class WrappedEngine(Engine):
+    """An engine around another one (`inner`): everything passes through; a subclass overrides what it changes."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    def generate(self, request: GenerationRequest) -> EventStream:
+        return self.inner.generate(request)
+
+    async def score(self, token_ids: list[int], positions: list[int] | None = None,
+                    top_k: int = 0) -> list[ScoredPosition]:
+        return await self.inner.score(token_ids, positions, top_k)
+
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities()
+
+    def health(self) -> EngineHealth:
+        return self.inner.health()
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+
 # ------------------------------------------------------------ local engine
 @dataclass(frozen=True)
 class EngineSettings:

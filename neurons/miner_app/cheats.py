@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent
+from inference.serving import Engine, FinalEvent, GenerationRequest, TokenEvent, WrappedEngine
 from neurons.miner_app.server import serve
 from neurons.miner_app.settings import MinerSetupError, read_miner_settings
-from neurons.observability import setup_logging
+from neurons.observability import run_neuron
 from neurons.settings import Option, non_negative_float
 
 CHEATS = ("none", "truncate", "buffer", "inflate")
@@ -41,14 +41,15 @@ CHEAT_OPTIONS = (
 )
 
 
-class CheatingEngine(Engine):
-    """Wraps a real engine and cheats in one way; everything else passes through."""
+class CheatingEngine(WrappedEngine):
+    """Wraps a real engine and cheats in one way; everything else passes through (scoring stays honest:
+    the cheats are about what a generation costs and reports)."""
 
     def __init__(self, inner: Engine, cheat: str = "none", token_delay_ms: float = 0.0,
                  keep_tokens: int = TRUNCATE_KEEP_TOKENS):
         if cheat not in CHEATS:
             raise ValueError(f"unknown cheat {cheat!r}; use one of {CHEATS}")
-        self.inner = inner
+        super().__init__(inner)
         self.cheat = cheat
         self.token_delay_s = token_delay_ms / 1000.0
         self.keep_tokens = keep_tokens
@@ -97,36 +98,19 @@ class CheatingEngine(Engine):
             return dataclasses.replace(event, completion_tokens=event.completion_tokens + extra)
         return event
 
-    async def score(self, token_ids, positions=None, top_k=0):
-        # Scoring stays honest: the cheats are about what a generation costs and reports.
-        return await self.inner.score(token_ids, positions, top_k)
-
-    def capabilities(self):
-        return self.inner.capabilities()
-
-    def health(self):
-        return self.inner.health()
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
 
 def main(argv: list[str] | None = None) -> int:
     settings, extras = read_miner_settings(argv, extra=CHEAT_OPTIONS, prog="scripts/cheating_miner.py",
                                            description=__doc__)
     cheat = extras["cheat"]
-    setup_logging(settings.log_level, settings.log_format)
-    logging.getLogger("k3.miner").warning("CHEATING MINER: cheat=%s token_delay_ms=%g", cheat["kind"],
-                                          cheat["token_delay_ms"])
-    try:
-        return asyncio.run(serve(settings, wrap_engine=lambda engine: CheatingEngine(
-            engine, cheat["kind"], cheat["token_delay_ms"])))
-    except MinerSetupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+
+    async def cheating_miner() -> int:
+        logging.getLogger("k3.miner").warning("CHEATING MINER: cheat=%s token_delay_ms=%g", cheat["kind"],
+                                              cheat["token_delay_ms"])
+        return await serve(settings, wrap_engine=lambda engine: CheatingEngine(
+            engine, cheat["kind"], cheat["token_delay_ms"]))
+
+    return run_neuron(settings, cheating_miner, MinerSetupError, "k3.miner")
 
 
 if __name__ == "__main__":
