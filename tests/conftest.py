@@ -1,5 +1,6 @@
 """Fixtures shared by the test files: real bittensor wallets, the tiny checkpoint and a devnet subnet, the
-tiny model (`model`, `tokenizer`; a file may define its own) and `collect_events` for engine streams.
+tiny model (`model`, `tokenizer`; a file may define its own), `reference_greedy` (the single-process model's
+greedy tokens) and `collect_events` for engine streams.
 
 Factories are session fixtures so that a module-scoped `world` fixture can use them:
 
@@ -108,6 +109,21 @@ def model():
 def tokenizer():
     """The tiny model's byte tokenizer."""
     return ByteTokenizer.from_config(ModelConfig.tiny())
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The single-process model's first `n` greedy tokens after `prompt` and their logprobs (the plain
+    reference that distributed runs are compared with)."""
+    cache = model.new_cache()
+    logits = model.forward([torch.tensor(prompt)], [cache])[0]
+    out, lps = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(logits, -1)
+        t = int(torch.argmax(logits))
+        out.append(t)
+        lps.append(float(lp[t]))
+        logits = model.forward([torch.tensor([t])], [cache])[0]
+    return out, lps
 
 
 async def collect_events(stream) -> tuple[list[TokenEvent], object]:

@@ -147,6 +147,16 @@ def make_moe(config: ModelConfig, seed: int = 0) -> LatentMoE:
     return moe
 
 
+@torch.no_grad()
+def routed_tokens(seed: int, tokens: int):
+    """A tiny MoE (`make_moe` with `seed`), `tokens` random hidden states x, their routing (ids, w) and latents z."""
+    config = ModelConfig.tiny()
+    moe = make_moe(config, seed=seed)
+    x = torch.randn(tokens, config.hidden_size)
+    ids, w = moe.route(x)
+    return config, moe, x, ids, w, moe.down(x)
+
+
 def per_token_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     """Stable LatentMoE token by token, experts dequantised to dense weights (the plain reference)."""
     cfg = moe.config
@@ -174,12 +184,8 @@ def test_latent_moe_matches_per_token_reference():
 
 
 def test_forward_equals_sum_of_partials_over_disjoint_expert_subsets():
-    config = ModelConfig.tiny()
-    moe = make_moe(config, seed=1)
-    x = torch.randn(25, config.hidden_size)
+    config, moe, x, ids, w, z = routed_tokens(seed=1, tokens=25)
     with torch.no_grad():
-        ids, w = moe.route(x)
-        z = moe.down(x)
         assert z.shape == (25, config.latent_size)
         subsets = [[0, 3, 7, 12], [1, 2, 4, 5, 6, 15], [8, 9, 10, 11, 13, 14]]
         partials = [moe.expert_partial(z, ids, w, experts=s) for s in subsets]
@@ -259,12 +265,8 @@ def test_mxfp4_state_names_and_plain_variant():
 
 def test_all_experts_path_equals_experts_on_their_tokens():
     """The small-model fast path (every expert on every token, batched) against per-expert grouping."""
-    config = ModelConfig.tiny()
-    moe = make_moe(config, seed=4)
-    x = torch.randn(12, config.hidden_size)
+    config, moe, x, ids, w, z = routed_tokens(seed=4, tokens=12)
     with torch.no_grad():
-        ids, w = moe.route(x)
-        z = moe.down(x)
         grouped = moe.expert_partial(z, ids, w)  # no dense cache: per-expert matmuls, decoded on the fly
         moe.set_dequantize_cache(True)
         batched = moe.expert_partial(z, ids, w)

@@ -23,6 +23,7 @@ import aiohttp
 import bittensor as bt
 import pytest
 import torch
+from conftest import reference_greedy
 
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
@@ -94,19 +95,6 @@ def swarm(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def reference_greedy(model, prompt, n):
-    cache = model.new_cache()
-    logits = model.forward([torch.tensor(prompt)], [cache])[0]
-    out, lps = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(logits, -1)
-        t = int(torch.argmax(logits))
-        out.append(t)
-        lps.append(float(lp[t]))
-        logits = model.forward([torch.tensor([t])], [cache])[0]
-    return out, lps
 
 
 def make_engine(swarm, names, prefill_chunk=8):

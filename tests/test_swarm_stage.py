@@ -3,6 +3,7 @@ whole model's logits, greedy tokens and teacher-forced logprobs (fp32, block and
 fork, limits, idle expiry and eviction; refused forwards leave the session as it was."""
 import pytest
 import torch
+from conftest import reference_greedy
 
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
@@ -25,19 +26,6 @@ def ckpt(tmp_path_factory):
 def reference(ckpt):
     model, _, _ = load_reference_model(ckpt, verify=False)
     return model
-
-
-def reference_greedy(model, prompt, n):
-    cache = model.new_cache()
-    logits = model.forward([torch.tensor(prompt)], [cache])[0]
-    out, lps = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(logits, -1)
-        t = int(torch.argmax(logits))
-        out.append(t)
-        lps.append(float(lp[t]))
-        logits = model.forward([torch.tensor([t])], [cache])[0]
-    return out, lps
 
 
 def chain(ckpt, cuts, limits=StageLimits()):
