@@ -207,8 +207,8 @@ WALLET_FLAGS = (
 )
 
 
-class _Deprecated(argparse.Action):
-    """An old flag spelling: still sets the value, and says once on stderr what to use instead."""
+class DeprecatedFlag(argparse.Action):
+    """An old flag spelling: still sets the value, and says on stderr what to use instead (k3-chain, k3-localnet)."""
 
     def __init__(self, option_strings, dest, new: str, **kwargs):
         self.new = new
@@ -240,7 +240,7 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument(*flags, dest=dest, default=default,
                             help=f"{text} [env {env}]" + (" (required)" if required else ""))
             if old:
-                sp.add_argument(old, dest=dest, action=_Deprecated, new=flags[0], help=argparse.SUPPRESS)
+                sp.add_argument(old, dest=dest, action=DeprecatedFlag, new=flags[0], help=argparse.SUPPRESS)
         sp.set_defaults(wallet_required=required)
 
     devnet = sub.add_parser("devnet", help="create a devnet").add_subparsers(dest="action", required=True)

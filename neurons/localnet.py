@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from chain import connect
+from chain.__main__ import DeprecatedFlag
 from chain.devnet import DevnetChain
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
@@ -68,18 +69,6 @@ class Neuron:
     log: Path | None = None
 
 
-class _Deprecated(argparse.Action):
-    """An old flag spelling: still sets the value, and says on stderr what to use instead."""
-
-    def __init__(self, option_strings, dest, new: str, **kwargs):
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +87,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--network", "-n", "--subtensor.network", "--subtensor.chain_endpoint", dest="chain",
                     default="devnet", help="devnet (embedded), or a subtensor node as btcli names one: local, "
                                            "test, finney, ws://HOST:PORT")
-    ap.add_argument("--chain", dest="chain", action=_Deprecated, new="--network", help=argparse.SUPPRESS)
+    ap.add_argument("--chain", dest="chain", action=DeprecatedFlag, new="--network", help=argparse.SUPPRESS)
     ap.add_argument("--netuid", type=int, default=None, help="subnet on a real node (devnet: created)")
     ap.add_argument("--wallet-path", "--wallet.path", type=Path, default=None,
                     help="real node: where the registered wallets are")
