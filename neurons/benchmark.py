@@ -74,7 +74,7 @@ from inference.model import read_config
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
-from inference.serving.remote import _error_from_status, _stream_error, parse_token_key
+from inference.serving.remote import _error_from_status, _stream_error, openai_sampling_extras, parse_token_key
 from neurons.observability import setup_logging
 from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
                               build_parser, build_settings, non_negative_float, non_negative_int, open_wallet,
@@ -554,15 +554,7 @@ class ChatEndpoint(OpenAIEndpoint):
                 "max_completion_tokens": request.max_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "stream": True, "stream_options": {"include_usage": True},
                 "logprobs": True, "top_logprobs": request.logprobs, "return_tokens_as_token_ids": True}
-        if request.top_k:
-            body["top_k"] = request.top_k
-        if request.seed is not None:
-            body["seed"] = request.seed
-        if request.stop:
-            body["stop"] = list(request.stop)
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        return body
+        return body | openai_sampling_extras(request.top_k, request.seed, request.stop, self.ignore_eos)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())

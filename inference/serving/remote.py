@@ -122,6 +122,21 @@ _STATUS_CODES = {400: "invalid_request", 404: "engine_unavailable", 413: "contex
 _CONTEXT_WORDS = ("context", "too long")  # vLLM: "This model's maximum context length is ..."
 
 
+def openai_sampling_extras(top_k: int, seed: int | None, stop, ignore_eos: bool) -> dict:
+    """The keys of an OpenAI-compatible request body sent only when set: top_k, seed, stop and vLLM's ignore_eos
+    (completions and chat completions alike)."""
+    extras: dict = {}
+    if top_k:
+        extras["top_k"] = top_k
+    if seed is not None:
+        extras["seed"] = seed
+    if stop:
+        extras["stop"] = list(stop)
+    if ignore_eos:
+        extras["ignore_eos"] = True
+    return extras
+
+
 def _error_from_status(status: int, text: str) -> EngineError:
     """A server's non-200 answer as our error: the status picks the code, the server's message is kept."""
     try:
@@ -370,15 +385,7 @@ class RemoteEngine(Engine):
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
-        if p.top_k:
-            body["top_k"] = p.top_k
-        if p.seed is not None:
-            body["seed"] = p.seed
-        if p.stop:
-            body["stop"] = list(p.stop)
-        if p.ignore_eos:
-            body["ignore_eos"] = True
-        return body
+        return body | openai_sampling_extras(p.top_k, p.seed, p.stop, p.ignore_eos)
 
     def _sglang_generate_body(self, request: GenerationRequest) -> dict:
         p = request.sampling
