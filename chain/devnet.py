@@ -348,23 +348,21 @@ def _checked_ss58(address: str, what: str) -> str:
 
 def _hotkey_of(wallet) -> str:
     """The hotkey address of a wallet (or of anything with `.hotkey.ss58_address`), or an ss58 string."""
-    if isinstance(wallet, str):
-        return _checked_ss58(wallet, "hotkey")
-    try:
-        return wallet.hotkey.ss58_address
-    except AttributeError:
-        raise TypeError(f"expected a wallet with a hotkey or an ss58 address, got {type(wallet).__name__}") from None
+    return _address_of(wallet, "hotkey", "hotkey")
 
 
 def _coldkey_of(wallet) -> str:
+    """The coldkey address of a wallet (`.coldkeypub.ss58_address`), or an ss58 string."""
+    return _address_of(wallet, "coldkey", "coldkeypub")
+
+
+def _address_of(wallet, what: str, keypair: str) -> str:
     if isinstance(wallet, str):
-        return _checked_ss58(wallet, "coldkey")
+        return _checked_ss58(wallet, what)
     try:
-        return wallet.coldkeypub.ss58_address
+        return getattr(wallet, keypair).ss58_address
     except AttributeError:
-        raise TypeError(
-            f"expected a wallet with a coldkey or an ss58 address, got {type(wallet).__name__}"
-        ) from None
+        raise TypeError(f"expected a wallet with a {what} or an ss58 address, got {type(wallet).__name__}") from None
 
 
 def _checked_endpoint(ip: str, port: int, protocol: int, version: int) -> tuple[str, int]:
