@@ -12,14 +12,15 @@ Per miner, over the window, from its verified requests:
   tokens over the sum of burst wall times);
 - L: share of long-context requests correct within budget, weighted by prompt length.
 Each is scaled by the best miner's value (F: best / F) among miners not zeroed by a gate and
-clipped to [floor, ceiling]; a miner without data for a component gets the floor, and a
-component nobody has data for is 1 for all. perf = 0.30 D + 0.20 F + 0.30 C + 0.20 L.
+clipped to [floor, ceiling]; a component a miner has no data for is left out of its perf
+(the weighted mean of the components it was measured on). perf = 0.30 D + 0.20 F + 0.30 C + 0.20 L.
 
 S = gate * reliability * quality * perf, where reliability is the share of requests answered
 (final event, clean at tier 0; 429s past the declared capacity left out), quality the mean
 tier-1 quality (a failed audit counts 0), and the gate 0 for a hard failure within
-`hard_failure_s` or an audit failure rate >= 15% over >= 10 audits, capped at 0.25 under 25
-answered requests; of several uids on one coldkey only the best keeps its S.
+`hard_failure_s` or an audit failure rate >= 15% over >= 10 audits (long-context audits also
+on their own, over >= `long_audit_min_count`), capped at 0.25 under 25 answered requests (such a
+round does not feed the EMA); of several uids on one coldkey only the best keeps its S.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class MinerScore:
     audit_failures: int = 0
     hard_failures: int = 0
     zeroed: bool = False  # zeroed by a hard failure or the audit failure rate: its EMA restarts at 0
+    capped: bool = False  # under min_completed_requests: this round does not feed the EMA
     reasons: list[str] = field(default_factory=list)
 
 
@@ -118,10 +120,18 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         if score.audits >= config.audit_min_count and score.audit_failures >= config.audit_failure_rate * score.audits:
             score.gate, score.zeroed = 0.0, True
             score.reasons.append(f"failed {score.audit_failures} of {score.audits} audits")
+        # Long-context audits judged on their own: a swap on long prompts only must not hide among
+        # many passed short audits.
+        long_audits = sum(m.audits for m in rows if m.kind == "long_context")
+        long_failed = sum(m.audit_failures for m in rows if m.kind == "long_context")
+        if long_audits >= config.long_audit_min_count and long_failed >= config.audit_failure_rate * long_audits:
+            score.gate, score.zeroed = 0.0, True
+            score.reasons.append(f"failed {long_failed} of {long_audits} long-context audits")
         if score.answered < config.min_completed_requests:
             score.gate = min(score.gate, config.few_requests_cap)
+            score.capped = True
             score.reasons.append(f"only {score.answered} answered requests (< {config.min_completed_requests}): "
-                                 f"capped at {config.few_requests_cap}")
+                                 f"capped at {config.few_requests_cap}; this round does not feed the EMA")
         scores[uid] = score
         raw[uid] = (decode, ttft, burst, long_share)
 
@@ -140,8 +150,14 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         s.F = _scaled(ttft, best_f, config, lower_is_better=True)
         s.C = _scaled(burst, best_c, config)
         s.L = _scaled(long_share, best_l, config)
-        s.perf = (config.weight_decode * s.D + config.weight_ttft * s.F + config.weight_burst * s.C
-                  + config.weight_long_context * s.L)
+        # A component the miner has no data for (no burst this window, say) is left out, not floored:
+        # perf is the weighted mean of the components it was measured on.
+        parts = [(w, c) for w, c, value in ((config.weight_decode, s.D, decode), (config.weight_ttft, s.F, ttft),
+                                            (config.weight_burst, s.C, burst),
+                                            (config.weight_long_context, s.L, long_share))
+                 if value is not None and w > 0]
+        total_weight = sum(w for w, _ in parts)
+        s.perf = sum(w * c for w, c in parts) / total_weight if total_weight > 0 else 0.0
         s.score = s.gate * s.reliability * s.quality * s.perf
 
     if config.one_hotkey_per_coldkey:
@@ -177,6 +193,9 @@ def update_ema(previous: Mapping[int, tuple[str, float]], scores: Mapping[int, M
         old = previous.get(uid)
         if s.zeroed:
             value = 0.0
+        elif getattr(s, "capped", False):
+            # too few answered requests for a fair measurement: the EMA waits (a new uid stays at 0)
+            value = float(old[1]) if old is not None and old[0] == s.hotkey else 0.0
         elif old is None or old[0] != s.hotkey:
             value = alpha * s.score
         else:

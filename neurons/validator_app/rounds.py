@@ -54,7 +54,7 @@ from neurons.validator_app.store import ValidatorStore
 from neurons.validator_app.weights import submitted_weights
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
-from scoring.audits import AuditorCandidate, choose_auditors, consensus_reference, draw_audit
+from scoring.audits import AuditorCandidate, check_auditor, choose_auditors, consensus_reference, draw_audit
 from scoring.canaries import canary_escalation
 from scoring.config import ScoringConfig
 from scoring.metrics import Measurement, measure_burst, measure_request
@@ -260,6 +260,8 @@ class ValidatorLoop:
         self.ema: dict[int, EmaEntry] = store.load_ema()
         self.metagraph = MetagraphWatch(chain, self.netuid, settings.chain.timeout_s)
         self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
+        # escalation canary request id -> [(auditor, its verdict)]: settled when the canary is judged
+        self._pending_resolution: dict[str, list[tuple[AuditorCandidate, bool]]] = {}
         self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
         self.cpu = CpuStats()
         self._global_slots: Optional[_Slots] = None
@@ -329,6 +331,8 @@ class ValidatorLoop:
 
     async def run_round(self) -> RoundReport:
         number = self.store.begin_round()
+        # one shape seed per round: every miner gets the same sizes, lengths, temperatures and bursts
+        self.round_shape_seed = self.rng.getrandbits(64)
         report = RoundReport(number, time.time())
         started = time.monotonic()
         snapshot = await self.refresh_metagraph()
@@ -462,7 +466,8 @@ class ValidatorLoop:
                 report.errors += 1
                 return report
             try:
-                items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries)
+                items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries,
+                                   shape_seed=getattr(self, "round_shape_seed", None))
             except WorkloadError as error:
                 self._record_unreachable(neuron, number, f"cannot plan work for its declared limits: {error}",
                                          check="capabilities")
@@ -581,12 +586,20 @@ class ValidatorLoop:
                                       kind=item.kind, tier=2, reference="canary", passed=int(t2.passed),
                                       positions=t2.compared, failures="; ".join(map(str, t2.failures)),
                                       cpu_s=cpu_s), number)
+            self._settle_auditors(item, neuron, t2.passed, number)
         now = time.time()
         new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, now, self.config)
         if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
             reference, name = self._reference_for(neuron, caps, item, result)
             if reference is not None:
                 audit, wall_s, audit_cpu_s = await self._audit(item, result, reference)
+                auditors = getattr(reference, "auditors", None)
+                if auditors and audit.passed is not None or auditors and audit.escalate:
+                    failed = await self._check_auditors(reference, auditors, caps, number)
+                    if failed:
+                        audit = AuditResult(passed=None, disagreement=True, auditor_verdicts=audit.auditor_verdicts,
+                                            error="an auditor failed its canary check: "
+                                                  + ", ".join(c.hotkey for c in failed), positions=audit.positions)
                 verification.audit = audit
                 report.audits += 1
                 self.store.add_audit(dict(
@@ -596,12 +609,18 @@ class ValidatorLoop:
                     greedy_mismatches=audit.greedy_mismatches, outside_top_k=audit.outside_top_k,
                     disagreement=int(audit.disagreement), error=audit.error,
                     failures="; ".join(map(str, audit.failures)), cpu_s=audit_cpu_s, wall_s=wall_s), number)
-                if audit.disagreement:
+                if audit.disagreement or audit.escalate:
                     canary, escalation = canary_escalation(self.canaries, self.rng, caps, self.config, self.tokenizer)
                     if canary is not None:
                         self.store.mark_canaries_used([canary.canary_id])
                     if escalation is not None:
                         escalations.append(escalation)
+                        if auditors and len(audit.auditor_verdicts) == len(auditors):
+                            self._pending_resolution[escalation.request.request_id] = list(
+                                zip(auditors, audit.auditor_verdicts))
+                    elif auditors:
+                        log.warning("uid %d: miner auditors %s need a canary to settle, and none is left",
+                                    neuron.uid, ", ".join(c.hotkey for c in auditors))
         return verification, cpu_s
 
     async def _audit(self, item: WorkItem, result: GenerateResult, reference) -> tuple[AuditResult, float, float]:
@@ -637,7 +656,49 @@ class ValidatorLoop:
                                  self.rng)
         if not chosen:
             return None, "none"
-        return consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
+        reference, name = consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
+        reference.auditors = chosen
+        return reference, name
+
+    async def _check_auditors(self, reference, auditors: list[AuditorCandidate], caps: Capabilities,
+                              number: int) -> list[AuditorCandidate]:
+        """Each miner auditor scores a canary's text (indistinguishable from an audit); those that rank
+        its known greedy tokens wrong are recorded as failed audits and returned (their verdict is void)."""
+        if self.canaries is None:
+            return []
+        failed = []
+        for ref, auditor in zip(reference.references, auditors):
+            canary = self.canaries.take(self.rng)
+            if canary is None:
+                break
+            self.store.mark_canaries_used([canary.canary_id])
+            failure = await check_auditor(ref, canary, self.config)
+            if failure is not None:
+                failed.append(auditor)
+                self._record_against(auditor, failure.check, failure.reason, number)
+        return failed
+
+    def _settle_auditors(self, item: WorkItem, neuron: NeuronInfo, canary_passed: bool, number: int) -> None:
+        """An escalation canary settled what miner auditors said: whoever was wrong has it recorded."""
+        pending = self._pending_resolution.pop(item.request.request_id, None)
+        for auditor, verdict in pending or ():
+            if verdict != canary_passed:
+                what = "failed" if canary_passed else "passed"
+                self._record_against(auditor, "auditor_wrong",
+                                     f"audited uid {neuron.uid} ({neuron.hotkey}) and {what} it; the escalation canary "
+                                     f"{'passed' if canary_passed else 'failed'}", number)
+
+    def _record_against(self, auditor: AuditorCandidate, check: str, reason: str, number: int) -> None:
+        """A failed audit against an auditor (counts towards its audit failure rate, not its requests)."""
+        now = time.time()
+        m = Measurement(uid=auditor.uid, hotkey=auditor.hotkey, at=now, kind="chat",
+                        request_id=f"auditor-{secrets.token_hex(8)}", outcome="excused", audits=1, audit_failures=1,
+                        failures=f"{check}: {reason}"[:1000])
+        self.window.add(m)
+        self.store.add_measurements([(m, None)], number)
+        self.store.add_failures([dict(at=now, uid=auditor.uid, hotkey=auditor.hotkey, check=check, reason=reason)],
+                                number)
+        log.warning("auditor uid %d (%s): %s: %s", auditor.uid, auditor.hotkey, check, reason)
 
     # ------------------------------------------------------------ canaries on the reference
     def _refill_canaries_soon(self, miners: int) -> None:
