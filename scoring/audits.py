@@ -81,9 +81,15 @@ async def check_auditor(reference, canary: Canary, config: ScoringConfig) -> Opt
     """Ask an auditor to score a canary's text (its prompt and known greedy continuation), which
     it cannot tell from an audit. The last clear position (reference margin over `greedy_gap_soft`)
     carries a decoy: the reference's runner-up instead of its greedy token, and the text ends there.
-    A truthful auditor ranks each canary token first up to the honest flip margin and puts the decoy
-    well behind its top-1; a framing auditor (false low scores) fails the first test, a shielding one
-    (everything agrees) the second. None when it passes; a Failure (against the auditor) otherwise."""
+    A truthful auditor
+    - reports logprobs of the canary's tokens within `logprob_gap_soft` nats of the reference's on
+      average (the statistic and bound of a tier-1 audit, calibrated on the honest-numerics
+      envelope; needs the canary's logprobs) - a framing auditor (false low scores) fails here
+      whatever the margins;
+    - ranks each canary token first up to the honest flip margin (without logprobs, the only test
+      of framing);
+    - puts the decoy well behind its top-1 - a shielding one (everything agrees) fails here.
+    None when it passes; a Failure (against the auditor) otherwise."""
     tokens = list(canary.tokens)
     decoy = None
     if canary.runner_up_ids is not None:
@@ -100,8 +106,10 @@ async def check_auditor(reference, canary: Canary, config: ScoringConfig) -> Opt
         return Failure("auditor_canary", f"the auditor did not score a canary: {type(error).__name__}: {error}")
     if [int(s.position) for s in scores] != positions:
         return Failure("auditor_canary", "the auditor did not score exactly the asked positions")
-    wrong = 0
+    wrong, gaps = 0, []
     for i, (margin, scored) in enumerate(zip(canary.margins, scores)):
+        if canary.logprobs is not None:  # the decoy is the runner-up: the reference's top-1 less the margin
+            gaps.append(abs(float(scored.logprob) - (canary.logprobs[i] - (margin if i == decoy else 0.0))))
         top = sorted(((int(e[0]), float(e[1])) if isinstance(e, (tuple, list)) else (int(e.token_id), float(e.logprob))
                       for e in scored.top), key=lambda pair: -pair[1])
         if not top:
@@ -114,6 +122,10 @@ async def check_auditor(reference, canary: Canary, config: ScoringConfig) -> Opt
                                                  f"its top-1 ({behind:.2f} behind)")
         elif margin > config.greedy_gap_soft and behind > config.greedy_gap_soft:
             wrong += 1
+    if gaps and sum(gaps) / len(gaps) > config.logprob_gap_soft:
+        return Failure("auditor_canary", f"scoring canary {canary.canary_id}, the auditor's logprobs of its "
+                                         f"{len(gaps)} tokens are {sum(gaps) / len(gaps):.2f} nats off the reference's "
+                                         f"on average (honest numerics stay under {config.logprob_gap_soft})")
     if wrong > config.max_greedy_mismatches:
         return Failure("auditor_canary", f"scoring canary {canary.canary_id}, the auditor ranks {wrong} of its "
                                          f"{len(canary.tokens)} known greedy tokens clearly below its own top-1")

@@ -111,6 +111,16 @@ class ScoringConfig:
     re-quantised experts or a truncated context are far above."""
     logprob_gap_hard: float = 1.5
     """(not in the spec) ...and hard above this on a trusted reference, at any temperature."""
+    exact_precisions: tuple[str, ...] = ("fp32", "float32")
+    """(not in the spec) Precisions a miner may declare (Capabilities.precision) that claim fp32 numerics.
+    A miner is judged by the envelope of what it declares: fp32 with any kernel, thread count, batch,
+    chunking or sharding reproduces the reference's logprobs to under 1e-4 nats (the envelope), so a
+    claim of fp32 carries the tighter bound below; bf16, fp16 and anything else get the wide one."""
+    logprob_gap_soft_exact: float = 0.005
+    """(not in the spec) Tier 1 fails (soft, never hard) when a miner that declares an exact precision
+    reports logprobs further than this from the reference's on average: 50x the worst honest fp32 variant
+    measured, and under what a truncated context moves them on both tiny models (0.01-0.6 nats), which
+    stays inside bf16's rounding there. A deployment that rounds more than fp32 must say so."""
     greedy_gap_soft: float = 2.0
     """(not in the spec) At temperature 0 a token counts as a mismatch when it trails the reference's top-1
     by more than this many nats (honest bf16 flips at near-ties trail by far less)."""
@@ -196,9 +206,11 @@ class ScoringConfig:
     at least this many of them zeroes the miner (each is audited, and a swap on long prompts only
     would otherwise hide among passed short audits)."""
     min_completed_requests: int = 25
-    """Fewer verified completed requests than this in the window..."""
-    few_requests_cap: float = 0.25
-    """...caps the gate at this."""
+    """The evidence a full EMA step needs: with n requests measured in the window, a round moves the
+    EMA by ema_alpha * min(1, n / this). (The spec caps S at 0.25 under 25 completed requests; that cap
+    jumped 4x in whichever round a miner crossed 25, so two identical miners crossing in different
+    rounds ended far apart. Scaling the EMA step keeps "little evidence, little weight" without the
+    jump; counting every measured request keeps a miner that stops answering from freezing its EMA.)"""
     one_hotkey_per_coldkey: bool = True
     """Several hotkeys of one coldkey keep only the best score."""
     ema_alpha: float = 0.2
@@ -287,8 +299,7 @@ class ScoringConfig:
         float_range("planted_depth_range", 0.0, 1.0)
         float_range("burst_capacity_fraction", 0.0, 10.0)
         for name in ("greedy_fraction", "audit_rate", "audit_rate_new_or_suspect", "long_context_audit_rate",
-                     "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "few_requests_cap",
-                     "ema_alpha"):
+                     "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "ema_alpha"):
             fraction(name)
         if not 0 <= self.request_logprobs <= 20:
             out.append(f"request_logprobs must lie in 0..20, got {self.request_logprobs}")

@@ -272,6 +272,10 @@ class Variant:
     honest: bool
     run: Callable[[list, list, list, int], list[Answer]]  # (prompts, temperatures, seeds, max_tokens) -> answers
     share: float = 1.0  # of the audits per variant (slow variants run fewer)
+    precision: str = "fp32"  # what the miner declares (Capabilities.precision): picks the envelope it is judged by
+
+    def exact(self, config: ScoringConfig) -> bool:
+        return self.precision in config.exact_precisions
 
 
 @dataclass
@@ -379,10 +383,10 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
                 with_context(recurrent_prefill, ref_run)),
         Variant("fp32-gpu-kernels", "fp32, split-K matmuls and reordered AttnRes softmax", True,
                 with_context(gpu_kernel_emulation, ref_run)),
-        Variant("bf16", "bf16 weights and activations, batched", True, _plain(bf16)),
+        Variant("bf16", "bf16 weights and activations, batched", True, _plain(bf16), precision="bf16"),
         Variant("bf16-gpu-kernels", "bf16, split-K matmuls, reordered AttnRes", True,
-                with_context(gpu_kernel_emulation, _plain(bf16))),
-        Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16)),
+                with_context(gpu_kernel_emulation, _plain(bf16)), precision="bf16"),
+        Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16), precision="fp16"),
     ]
     if sharded:
         variants += [
@@ -405,7 +409,8 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
                 long_swap, CHEATER_SHARE),
         Variant("cheat-bf16-half-experts", "bf16 and half the experts (cheaper than honest bf16)", False,
                 _plain(load_model(checkpoint, torch.bfloat16, config=dataclasses.replace(
-                    config, experts_per_token=max(1, config.experts_per_token // 2)))), CHEATER_SHARE),
+                    config, experts_per_token=max(1, config.experts_per_token // 2)))), CHEATER_SHARE,
+                precision="bf16"),
     ]
     return variants
 
@@ -475,7 +480,8 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
                 stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
                 result.answers.append(a)
                 result.statistics.append(stats)
-                result.new_failures.append(judge_statistics(stats, config, trusted=True))
+                result.new_failures.append(judge_statistics(stats, config, trusted=True,
+                                                            exact=variant.exact(config)))
                 result.old_failures.append(legacy_failures(stats, config))
         result.seconds = time.perf_counter() - started
         results.append(result)
@@ -490,7 +496,8 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
     """The same measured statistics judged under other rules (thresholds)."""
     for r in report.results:
-        r.new_failures = [judge_statistics(st, config, trusted=True) for st in r.statistics]
+        r.new_failures = [judge_statistics(st, config, trusted=True, exact=r.variant.exact(config))
+                          for st in r.statistics]
         r.old_failures = [legacy_failures(st, ScoringConfig.local_testnet()) for st in r.statistics]
     report.config = config
     return report
@@ -500,7 +507,7 @@ def save_report(report: EnvelopeReport, path: str | Path) -> None:
     """The measured statistics (not the judgements), to re-judge later without re-measuring."""
     import pickle  # noqa: PLC0415
     rows = [dict(name=r.variant.name, description=r.variant.description, honest=r.variant.honest,
-                 statistics=r.statistics, long=[a.long for a in r.answers], seconds=r.seconds) for r in report.results]
+                 precision=r.variant.precision, statistics=r.statistics, long=[a.long for a in r.answers], seconds=r.seconds) for r in report.results]
     Path(path).write_bytes(pickle.dumps(dict(checkpoint=report.checkpoint, rows=rows)))
 
 
@@ -512,7 +519,9 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
         data = pickle.loads(Path(path).read_bytes())  # our own files, written by save_report
         checkpoint = data["checkpoint"]
         for row in data["rows"]:
-            r = VariantResult(Variant(row["name"], row["description"], row["honest"], run=None))
+            precision = row.get("precision") or ("fp32" if row["name"].startswith(("fp32", "sharded", "cheat-"))
+                                                 and "bf16" not in row["name"] else row["name"].split("-")[0])
+            r = VariantResult(Variant(row["name"], row["description"], row["honest"], run=None, precision=precision))
             r.statistics = row["statistics"]
             r.answers = [Answer([], [], [], st.temperature, long) for st, long in zip(row["statistics"], row["long"])]
             r.seconds = row["seconds"]

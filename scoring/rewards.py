@@ -19,8 +19,15 @@ S = gate * reliability * quality * perf, where reliability is the share of reque
 (final event, clean at tier 0; 429s past the declared capacity left out), quality the mean
 tier-1 quality (a failed audit counts 0), and the gate 0 for a hard failure within
 `hard_failure_s` or an audit failure rate >= 15% over >= 10 audits (long-context audits also
-on their own, over >= `long_audit_min_count`), capped at 0.25 under 25 answered requests (such a
-round does not feed the EMA); of several uids on one coldkey only the best keeps its S.
+on their own, over >= `long_audit_min_count`); of several uids on one coldkey only the best keeps its S.
+
+Evidence instead of a cap: with n requests measured in the window (answered or not) and
+N = `min_completed_requests`, the round moves the EMA by alpha * min(1, n / N) towards S
+(`MinerScore.evidence`). A new miner's weight grows with the evidence behind it, not with one
+lucky short round, and S itself is never capped, so no 4x jump happens the round a miner crosses
+N: two identical miners with the same evidence get the same EMA, round by round. Counting every
+measured request (not only the answered ones) keeps a miner that stops answering from freezing
+its EMA: its timeouts are evidence too.
 """
 from __future__ import annotations
 
@@ -58,7 +65,7 @@ class MinerScore:
     audit_failures: int = 0
     hard_failures: int = 0
     zeroed: bool = False  # zeroed by a hard failure or the audit failure rate: its EMA restarts at 0
-    capped: bool = False  # under min_completed_requests: this round does not feed the EMA
+    evidence: float = 1.0  # min(1, requests / min_completed_requests): the share of a full EMA step
     reasons: list[str] = field(default_factory=list)
 
 
@@ -127,11 +134,10 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         if long_audits >= config.long_audit_min_count and long_failed >= config.audit_failure_rate * long_audits:
             score.gate, score.zeroed = 0.0, True
             score.reasons.append(f"failed {long_failed} of {long_audits} long-context audits")
-        if score.answered < config.min_completed_requests:
-            score.gate = min(score.gate, config.few_requests_cap)
-            score.capped = True
-            score.reasons.append(f"only {score.answered} answered requests (< {config.min_completed_requests}): "
-                                 f"capped at {config.few_requests_cap}; this round does not feed the EMA")
+        score.evidence = evidence_share(score.requests, config)
+        if score.evidence < 1.0:
+            score.reasons.append(f"only {score.requests} requests in the window (< {config.min_completed_requests}): "
+                                 f"the EMA moves {score.evidence:.2f} of a full step")
         scores[uid] = score
         raw[uid] = (decode, ttft, burst, long_share)
 
@@ -176,6 +182,13 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
     return scores
 
 
+def evidence_share(requests: int, config: ScoringConfig) -> float:
+    """The share of a full EMA step that `requests` measured requests in the window earn."""
+    if config.min_completed_requests <= 0:
+        return 1.0
+    return min(1.0, max(0, requests) / config.min_completed_requests)
+
+
 class EmaEntry(NamedTuple):
     hotkey: str
     value: float
@@ -183,23 +196,21 @@ class EmaEntry(NamedTuple):
 
 def update_ema(previous: Mapping[int, tuple[str, float]], scores: Mapping[int, MinerScore],
                alpha: float) -> dict[int, EmaEntry]:
-    """One round of EMA(S) per uid. A new uid, or a uid whose hotkey changed, starts from 0; a
-    miner zeroed by a gate (hard failure, audit failure rate) drops to 0 at once. Uids absent
-    from `scores` (deregistered) are dropped."""
+    """One round of EMA(S) per uid: EMA += alpha * evidence * (S - EMA). A new uid, or a uid whose
+    hotkey changed, starts from 0; a miner zeroed by a gate (hard failure, audit failure rate) drops
+    to 0 at once. Uids absent from `scores` (deregistered) are dropped."""
     if not 0 < alpha <= 1:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
     out = {}
     for uid, s in scores.items():
         old = previous.get(uid)
+        step = alpha * min(1.0, max(0.0, s.evidence))
         if s.zeroed:
             value = 0.0
-        elif getattr(s, "capped", False):
-            # too few answered requests for a fair measurement: the EMA waits (a new uid stays at 0)
-            value = float(old[1]) if old is not None and old[0] == s.hotkey else 0.0
         elif old is None or old[0] != s.hotkey:
-            value = alpha * s.score
+            value = step * s.score
         else:
-            value = alpha * s.score + (1.0 - alpha) * float(old[1])
+            value = step * s.score + (1.0 - step) * float(old[1])
         out[uid] = EmaEntry(s.hotkey, value)
     return out
 
@@ -217,4 +228,4 @@ def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponen
     return {uid: p / total for uid, p in powered.items()}
 
 
-__all__ = ["MinerScore", "EmaEntry", "score_miners", "update_ema", "weights_from_ema"]
+__all__ = ["MinerScore", "EmaEntry", "evidence_share", "score_miners", "update_ema", "weights_from_ema"]

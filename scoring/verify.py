@@ -394,11 +394,14 @@ def audit_statistics(tokens: Sequence[int], miner_logprobs: Sequence[float], tem
         logprob_gap_max=max(lp_gaps, default=None), quality_diff=diff, quality_positions=len(sample))
 
 
-def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: bool) -> list[Failure]:
+def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: bool,
+                     exact: bool = False) -> list[Failure]:
     """The tier-1 rules (docs-snippets/verify.md). Every soft threshold sits outside what honest
     numerics produce (bf16/fp16, other kernels, batching, chunking, sharding: the envelope measured
     by scripts/bench_verification.py); a failure is hard only when the reference is trusted (the
-    validator's own engine) and the evidence is far outside that envelope, at any temperature."""
+    validator's own engine) and the evidence is far outside that envelope, at any temperature.
+    `exact`: the miner declared fp32 numerics (config.exact_precisions), whose envelope is far
+    tighter; missing it is a soft failure only."""
     failures: list[Failure] = []
     n = stats.positions
 
@@ -412,6 +415,11 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
                             f"{stats.logprob_gap_mean:.3f} nats on average (honest numerics stay under "
                             f"{config.logprob_gap_soft:g}; hard at {config.logprob_gap_hard:g})",
              stats.logprob_gap_mean > config.logprob_gap_hard)
+    elif exact and stats.logprob_gap_mean is not None and stats.logprob_gap_mean > config.logprob_gap_soft_exact:
+        fail("logprob_gap", f"the miner declares fp32, yet its logprobs of its {n} tokens differ from the "
+                            f"reference's by {stats.logprob_gap_mean:.4f} nats on average (fp32 numerics stay under "
+                            f"{config.logprob_gap_soft_exact:g}; a deployment that rounds more must declare its "
+                            "precision)", False)
     # 2. greedy: each token must be the reference top-1 up to the honest flip margin
     if stats.greedy:
         over = stats.gaps_over(config.greedy_gap_soft)
@@ -450,20 +458,21 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
 
 
 def _judge(result: GenerateResult, scores: Sequence[Any], config: ScoringConfig, stop_ids: frozenset,
-           sample: list[int], trusted: bool) -> tuple[AuditStatistics, list[Failure]]:
+           sample: list[int], trusted: bool, exact: bool = False) -> tuple[AuditStatistics, list[Failure]]:
     stats = audit_statistics(result.token_ids, result.logprobs, result.request.temperature, scores, stop_ids,
                              config, sample)
-    return stats, judge_statistics(stats, config, trusted)
+    return stats, judge_statistics(stats, config, trusted, exact)
 
 
 async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, reference: Reference,
                       config: ScoringConfig = DEFAULT_CONFIG, *, stop_ids: Iterable[int],
-                      rng: Optional[random.Random] = None) -> AuditResult:
+                      rng: Optional[random.Random] = None, declared_precision: Optional[str] = None) -> AuditResult:
     """Teacher-force prompt + the miner's output on `reference` and judge the output tokens.
 
     `prompt_ids` is what the miner had to condition on (`WorkItem.prompt_ids`): the whole
     prompt, so a miner that dropped part of the context is judged against all of it.
     `stop_ids` are the end-of-sequence ids (`tokenizer.stop_ids`) for the EOS-avoidance test.
+    `declared_precision` (Capabilities.precision) picks the envelope the miner is judged by.
     Reference failures (timeouts, errors) give `passed=None` with `error` set."""
     tokens = result.token_ids
     if not tokens:
@@ -494,7 +503,8 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
     # engine) instead.
     trusted = all(getattr(ref, "trusted", True) for ref in references) and not isinstance(reference,
                                                                                          ConsensusReference)
-    judged = [_judge(result, answer, config, stop_ids, sample, True) for answer in answers]
+    exact = declared_precision is not None and declared_precision.lower() in config.exact_precisions
+    judged = [_judge(result, answer, config, stop_ids, sample, True, exact) for answer in answers]
     first_stats, first_failures = judged[0]
     common = dict(positions=len(tokens), quality_positions=len(sample),
                   min_reference_logprob=first_stats.min_reference_logprob, outside_top_k=first_stats.outside_top_k,
@@ -544,6 +554,7 @@ class Canary:
     tokens: tuple[int, ...]  # the reference's greedy continuation (shorter when it ended at EOS)
     margins: tuple[float, ...]  # reference top-1 minus top-2 logprob at each position
     runner_up_ids: Optional[tuple[int, ...]] = None  # reference top-2 at each position, when known
+    logprobs: Optional[tuple[float, ...]] = None  # reference logprob of each greedy token, when known
 
     def __post_init__(self):
         if not self.prompt_ids or not self.tokens:
@@ -552,6 +563,9 @@ class Canary:
             raise CanaryPoolError(f"canary {self.canary_id}: one margin per token is needed")
         if self.runner_up_ids is not None and len(self.runner_up_ids) != len(self.tokens):
             raise CanaryPoolError(f"canary {self.canary_id}: one runner-up id per token is needed")
+        if self.logprobs is not None and (len(self.logprobs) != len(self.tokens)
+                                          or any(not (lp <= 0.0) for lp in self.logprobs)):
+            raise CanaryPoolError(f"canary {self.canary_id}: one logprob (<= 0) per token is needed")
         if any(not (m >= 0) for m in self.margins):
             raise CanaryPoolError(f"canary {self.canary_id}: margins must be non-negative numbers")
 
@@ -565,7 +579,7 @@ class CanaryPool:
 
         {"format": "k3-canaries", "version": 1, "model_fingerprint": "...",
          "canaries": [{"id": "...", "prompt_ids": [...], "tokens": [...], "margins": [...],
-                       "runner_up_ids": [...]}]}      # runner_up_ids optional
+                       "runner_up_ids": [...], "logprobs": [...]}]}   # runner_up_ids, logprobs optional
 
     Which canaries were used is the validator's state: persist `used` and pass it back in."""
 
@@ -608,7 +622,8 @@ class CanaryPool:
             "canaries": [
                 {"id": c.canary_id, "prompt_ids": list(c.prompt_ids), "tokens": list(c.tokens),
                  "margins": list(c.margins),
-                 **({"runner_up_ids": list(c.runner_up_ids)} if c.runner_up_ids is not None else {})}
+                 **({"runner_up_ids": list(c.runner_up_ids)} if c.runner_up_ids is not None else {}),
+                 **({"logprobs": list(c.logprobs)} if c.logprobs is not None else {})}
                 for c in self.canaries.values()
             ],
         }
@@ -628,13 +643,14 @@ class CanaryPool:
         canaries = []
         for k, entry in enumerate(entries):
             try:
-                runner_up = entry.get("runner_up_ids")
+                runner_up, logprobs = entry.get("runner_up_ids"), entry.get("logprobs")
                 canaries.append(Canary(
                     canary_id=str(entry["id"]),
                     prompt_ids=tuple(_ints(entry["prompt_ids"])),
                     tokens=tuple(_ints(entry["tokens"])),
                     margins=tuple(float(m) for m in entry["margins"]),
                     runner_up_ids=None if runner_up is None else tuple(_ints(runner_up)),
+                    logprobs=None if logprobs is None else tuple(float(lp) for lp in logprobs),
                 ))
             except (KeyError, TypeError, ValueError, AttributeError) as error:
                 raise CanaryPoolError(f"{source}: canary {k} is malformed: {error}") from None
@@ -652,18 +668,21 @@ class CanaryPool:
     async def from_engine(cls, engine, prompts: Iterable[Sequence[int]], config: ScoringConfig = DEFAULT_CONFIG,
                           model_fingerprint: str = "") -> "CanaryPool":
         """Canaries computed by the validator's own reference engine (local testnet): the first
-        `config.canary_tokens` greedy tokens of each prompt, with top-1/top-2 margins."""
+        `config.canary_tokens` greedy tokens of each prompt, with top-1/top-2 margins and the
+        reference's logprob of each token (what an auditor checked on the canary must report)."""
 
         async def one(prompt: Sequence[int]) -> Canary:
             params = SamplingParams(max_tokens=config.canary_tokens, temperature=0.0, logprobs=2)
-            tokens, margins, runner_up = [], [], []
+            tokens, margins, runner_up, logprobs = [], [], [], []
             async for event in engine.generate(GenerationRequest(list(prompt), params)):
                 if isinstance(event, TokenEvent):
                     tokens.append(event.token_id)
+                    logprobs.append(min(0.0, float(event.logprob)))
                     top = event.top_logprobs
                     margins.append(top[0][1] - top[1][1] if len(top) > 1 else math.inf)
                     runner_up.append(top[1][0] if len(top) > 1 else top[0][0])
-            return Canary(canary_id_for(prompt), tuple(prompt), tuple(tokens), tuple(margins), tuple(runner_up))
+            return Canary(canary_id_for(prompt), tuple(prompt), tuple(tokens), tuple(margins), tuple(runner_up),
+                          tuple(logprobs))
 
         canaries = await asyncio.gather(*(one(p) for p in prompts))
         return cls(canaries, model_fingerprint=model_fingerprint)
@@ -685,25 +704,34 @@ class Tier2Result:
     failures: list[Failure] = field(default_factory=list)
 
 
-def check_tier2(canary: Canary, result: GenerateResult, config: ScoringConfig = DEFAULT_CONFIG) -> Tier2Result:
-    """The miner's greedy output must equal the canary's known continuation, except that at a
-    near-tie (reference top-1 vs top-2 margin under `near_tie_margin`) another token is accepted
-    (the runner-up, when the pool names it). After such a divergence the two continuations no
-    longer share a prefix, so comparing stops there and the canary passes."""
+def check_tier2(canary: Canary, result: GenerateResult, config: ScoringConfig = DEFAULT_CONFIG, *,
+                exact: bool = False) -> Tier2Result:
+    """The miner's greedy output must equal the canary's known continuation until the first place
+    where honest numerics may take another token: where the reference's top-1 vs top-2 margin is
+    under `greedy_gap_soft` (the flips of honest bf16, measured up to 5 nats on the random tiny
+    model), or under `near_tie_margin` for a miner that declares fp32 (`exact`), and the miner took
+    the runner-up (when the pool names it). After such a divergence the two continuations no longer
+    share a prefix, so comparing stops there and the canary passes. Any other divergence fails;
+    hard only where the reference's margin exceeds `greedy_gap_hard` (odds of e^6 against an honest
+    flip), soft otherwise (it counts towards the audit failure rate)."""
     tokens = result.token_ids
+    tolerance = config.near_tie_margin if exact else max(config.near_tie_margin, config.greedy_gap_soft)
     for i, want in enumerate(canary.tokens[: config.canary_tokens]):
         if i >= len(tokens):
             return Tier2Result(passed=True, compared=i)
         got = tokens[i]
         if got == want:
             continue
+        margin = canary.margins[i]
         acceptable = canary.runner_up_ids is None or got == canary.runner_up_ids[i]
-        if canary.margins[i] < config.near_tie_margin and acceptable:
+        if margin < tolerance and acceptable:
             return Tier2Result(passed=True, compared=i, near_tie_at=i)
+        hard = margin > config.greedy_gap_hard
         reason = (f"canary {canary.canary_id}: token {i} is {got}, the reference's greedy token is {want} "
-                  f"(margin {canary.margins[i]:.3f})")
+                  f"(margin {margin:.3f}; honest {'fp32' if exact else 'numerics'} may differ under {tolerance:g}"
+                  f"{'' if acceptable else ', and only to the runner-up'}; hard over {config.greedy_gap_hard:g})")
         return Tier2Result(passed=False, compared=i, mismatch_at=i,
-                           failures=[Failure("canary_mismatch", reason, hard=True)])
+                           failures=[Failure("canary_mismatch", reason, hard=hard)])
     return Tier2Result(passed=True, compared=min(len(canary.tokens), config.canary_tokens, len(tokens)))
 
 
@@ -757,9 +785,11 @@ async def verify_item(item: "WorkItem", result: GenerateResult, *, tokenizer, ca
         return verification
     if audit and reference is not None and not any(f.hard for f in verification.tier0):
         verification.audit = await audit_tier1(item.prompt_ids, result, reference, config,
-                                               stop_ids=tokenizer.stop_ids, rng=rng)
+                                               stop_ids=tokenizer.stop_ids, rng=rng,
+                                               declared_precision=capabilities.precision)
     if item.expect.canary is not None:
-        verification.tier2 = check_tier2(item.expect.canary, result, config)
+        exact = (capabilities.precision or "").lower() in config.exact_precisions
+        verification.tier2 = check_tier2(item.expect.canary, result, config, exact=exact)
     if item.expect.answer is not None or item.expect.copy_text is not None:
         verification.answer = check_answer(item, result)
     return verification

@@ -66,14 +66,11 @@ def test_auditors_are_checked_on_canary_text(results):
     assert all(f is not None and "nats behind" in f.reason for f in results["shield"])
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: on the random tiny model the framing auditor's false low scores "
-                   "stay within the allowed greedy mismatches of check_auditor; see the session note (issue 13)")
-def test_a_framing_auditor_is_caught_on_canaries_the_reference_is_sure_of(results):
-    # framing (false low scores) shows on the canary tokens the reference is clearly sure of: every canary
-    # with more such tokens than the mismatches allowed must catch it
-    decisive = [f for f, clear in zip(results["frame"], results["clear"]) if clear > CONFIG.max_greedy_mismatches + 1]
-    assert decisive, results["clear"]
-    assert all(f is not None and f.check == "auditor_canary" for f in decisive)
+def test_a_framing_auditor_is_caught_on_every_canary(results):
+    # framing (false low scores) moves the auditor's logprobs of the canary tokens far from the reference's,
+    # whatever the margins (on the random tiny model few tokens are clear enough for a ranking test)
+    assert all(f is not None and f.check == "auditor_canary" and "nats off the reference" in f.reason
+               for f in results["frame"]), results["frame"]
 
 
 def test_perturbed_experts_keep_the_fingerprint_but_not_the_numbers(checkpoint):

@@ -1,6 +1,7 @@
 """Fair ordering of honest miners: the same workload shapes for every miner of a round, a missing
-component left out rather than floored, capped rounds kept out of the EMA, long-context audits
+component left out rather than floored, the EMA step scaled by the evidence (no cap that jumps), long-context audits
 judged on their own; and two identical miners end within 10% of each other."""
+import math
 import random
 
 from inference.model import ByteTokenizer, ModelConfig
@@ -60,16 +61,30 @@ def test_a_missing_component_is_left_out_not_floored():
     assert scores[1].perf == scores[2].perf == 1.0  # the old floor gave b 0.3 for C: perf 0.79
 
 
-def test_capped_rounds_do_not_feed_the_ema():
+def test_the_ema_moves_in_proportion_to_the_evidence():
     window = MeasurementWindow.for_config(CONFIG)
     window.extend(rows(1, "a", 10, 50.0, 0.1))
-    scores = score_miners(window, CONFIG, NOW, {1: "a"}, {})
-    assert scores[1].capped and scores[1].score > 0
-    assert update_ema({}, scores, 0.2)[1].value == 0.0
-    assert update_ema({1: ("a", 0.5)}, scores, 0.2)[1].value == 0.5  # unchanged
+    few = score_miners(window, CONFIG, NOW, {1: "a"}, {})[1]
+    assert few.evidence == 10 / CONFIG.min_completed_requests and few.score > 0
+    step = CONFIG.ema_alpha * few.evidence
+    assert math.isclose(update_ema({}, {1: few}, CONFIG.ema_alpha)[1].value, step * few.score)
+    assert math.isclose(update_ema({1: ("a", 0.5)}, {1: few}, CONFIG.ema_alpha)[1].value,
+                        0.5 + step * (few.score - 0.5))
     window.extend(rows(1, "a", 20, 50.0, 0.1, at=NOW - 30))
-    scores = score_miners(window, CONFIG, NOW, {1: "a"}, {})
-    assert not scores[1].capped and update_ema({1: ("a", 0.5)}, scores, 0.2)[1].value > 0.5
+    enough = score_miners(window, CONFIG, NOW, {1: "a"}, {})[1]
+    # S is the same measurement either way (no 4x cap that lifts at 25 requests); only the step grew
+    assert enough.evidence == 1.0 and math.isclose(enough.score, few.score)
+    assert math.isclose(update_ema({1: ("a", 0.5)}, {1: enough}, CONFIG.ema_alpha)[1].value,
+                        0.5 + CONFIG.ema_alpha * (enough.score - 0.5))
+
+
+def test_a_miner_that_stops_answering_does_not_freeze_its_ema():
+    window = MeasurementWindow.for_config(CONFIG)
+    window.extend([Measurement(uid=1, hotkey="a", at=NOW - 60, kind="chat", request_id=f"t{k}", outcome="timeout")
+                   for k in range(CONFIG.min_completed_requests)])
+    dead = score_miners(window, CONFIG, NOW, {1: "a"}, {})[1]
+    assert dead.answered == 0 and dead.evidence == 1.0 and dead.score == 0.0  # its timeouts are evidence
+    assert math.isclose(update_ema({1: ("a", 0.5)}, {1: dead}, CONFIG.ema_alpha)[1].value, 0.5 * (1 - CONFIG.ema_alpha))
 
 
 def test_long_context_audits_are_judged_on_their_own():
@@ -83,7 +98,7 @@ def test_long_context_audits_are_judged_on_their_own():
 
 
 def test_two_identical_miners_end_within_ten_percent():
-    """Identical speed distributions, measured on the same round shapes, through the cap and the EMA."""
+    """Identical speed distributions, measured on the same round shapes, through the evidence ramp and the EMA."""
     rng = random.Random(5)
     window = MeasurementWindow.for_config(CONFIG)
     ema = {}

@@ -404,10 +404,12 @@ def test_canaries_match_mismatch_and_near_ties(runs, tmp_path):
     assert item.request.temperature == 0.0 and item.request.max_tokens >= len(canary.tokens) == CONFIG.canary_tokens
     assert item.prompt_ids == canary.prompt_ids
 
-    match = check_tier2(canary, honest, CONFIG)
+    match = check_tier2(canary, honest, CONFIG, exact=True)
     assert match.passed and match.compared == len(canary.tokens) and match.near_tie_at is None
-    mismatch = check_tier2(canary, cheat, CONFIG)
-    assert not mismatch.passed and [(f.check, f.hard) for f in mismatch.failures] == [("canary_mismatch", True)]
+    mismatch = check_tier2(canary, cheat, CONFIG, exact=True)
+    assert not mismatch.passed and [f.check for f in mismatch.failures] == ["canary_mismatch"]
+    # hard only where the reference was sure by more than greedy_gap_hard at the divergence
+    assert mismatch.failures[0].hard == (canary.margins[mismatch.mismatch_at] > CONFIG.greedy_gap_hard)
 
     # Near-tie: the reference's greedy token at 5 differs from the miner's, with a 0.05 margin.
     at = 5
@@ -417,18 +419,27 @@ def test_canaries_match_mismatch_and_near_ties(runs, tmp_path):
                               margins=tuple(0.05 if i == at else m for i, m in enumerate(canary.margins)),
                               runner_up_ids=tuple(honest.token_ids[at] if i == at else r
                                                   for i, r in enumerate(canary.runner_up_ids)))
-    near = check_tier2(tie, honest, CONFIG)
+    near = check_tier2(tie, honest, CONFIG, exact=True)
     assert near.passed and near.near_tie_at == at and near.compared == at
-    clear = check_tier2(dataclasses.replace(tie, margins=canary.margins), honest, CONFIG)
-    assert not clear.passed and clear.mismatch_at == at
     wrong_runner_up = dataclasses.replace(tie, runner_up_ids=tuple((r + 1) % 256 for r in tie.runner_up_ids))
     assert not check_tier2(wrong_runner_up, honest, CONFIG).passed
+    # The honest-numerics envelope: a flip to the runner-up at a 1-nat margin is what bf16 does (no failure),
+    # a miner that declares fp32 does not flip there (soft), and at 7 nats nothing honest flips (hard).
+    def at_margin(m):
+        return dataclasses.replace(tie, margins=tuple(m if i == at else x for i, x in enumerate(canary.margins)))
+    assert check_tier2(at_margin(1.0), honest, CONFIG).passed
+    soft = check_tier2(at_margin(1.0), honest, CONFIG, exact=True)
+    assert not soft.passed and soft.mismatch_at == at and not soft.failures[0].hard
+    for exact in (False, True):
+        sure = check_tier2(at_margin(7.0), honest, CONFIG, exact=exact)
+        assert not sure.passed and sure.failures[0].hard and "margin 7.000" in sure.failures[0].reason
 
     # The pool file round-trips; each canary is used once.
     path = tmp_path / "canaries.json"
     pool.to_file(path)
     loaded = CanaryPool.from_file(path, used=pool.used)
     assert loaded.to_json() == pool.to_json() and len(loaded) == 2 and loaded.remaining == 1
+    assert loaded.canaries[canary.canary_id].logprobs == canary.logprobs and len(canary.logprobs) == len(canary.tokens)
     rng = random.Random(0)
     last = loaded.take(rng)
     assert last.canary_id != canary.canary_id
@@ -446,6 +457,10 @@ def test_canary_pool_rejects_bad_files(tmp_path):
         CanaryPool.from_file(bad)
     with pytest.raises(CanaryPoolError, match="cannot read"):
         CanaryPool.from_file(tmp_path / "missing.json")
+    bad.write_text('{"format": "k3-canaries", "version": 1, "canaries": [{"id": "a", "prompt_ids": [1], '
+                   '"tokens": [1, 2], "margins": [0.5, 0.5], "logprobs": [-0.1, 0.3]}]}')
+    with pytest.raises(CanaryPoolError, match="one logprob"):
+        CanaryPool.from_file(bad)
     with pytest.raises(CanaryPoolError, match="twice"):
         CanaryPool([Canary("a", (1,), (2,), (1.0,)), Canary("a", (3,), (4,), (1.0,))])
 

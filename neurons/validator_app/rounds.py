@@ -592,7 +592,7 @@ class ValidatorLoop:
         if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
             reference, name = self._reference_for(neuron, caps, item, result)
             if reference is not None:
-                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference)
+                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference, caps.precision)
                 auditors = getattr(reference, "auditors", None)
                 if auditors and audit.passed is not None or auditors and audit.escalate:
                     failed = await self._check_auditors(reference, auditors, caps, number)
@@ -623,12 +623,13 @@ class ValidatorLoop:
                                     neuron.uid, ", ".join(c.hotkey for c in auditors))
         return verification, cpu_s
 
-    async def _audit(self, item: WorkItem, result: GenerateResult, reference) -> tuple[AuditResult, float, float]:
+    async def _audit(self, item: WorkItem, result: GenerateResult, reference,
+                     precision: Optional[str] = None) -> tuple[AuditResult, float, float]:
         wall, cpu = time.monotonic(), time.process_time()
         try:
             audit = await asyncio.wait_for(
                 audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
-                            rng=self.rng),
+                            rng=self.rng, declared_precision=precision),
                 self.settings.audits.timeout_s)
         except TimeoutError:
             audit = AuditResult(passed=None, error=f"the reference took over {self.settings.audits.timeout_s:g} s")
