@@ -56,25 +56,37 @@ def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32,
     return model
 
 
-def perturbed_experts(model: KimiK3Model, relative_noise: float, seed: int = 0) -> KimiK3Model:
-    """A copy whose routed experts are re-quantised with noise (the dequantised weights move by
-    `relative_noise` of their RMS), served under the original fingerprint: a cheaper or damaged
-    expert set claimed unchanged."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
+def perturb_experts(model, relative_noise: float, seed: int = 0) -> None:
+    """Re-quantise every routed expert of `model` in place with noise of `relative_noise` times the
+    weight's RMS (the fingerprint, computed from the files, stays what the manifest says)."""
     from inference.model import mxfp4  # noqa: PLC0415
-    for layer in other.layers:
-        if not layer.is_moe:
-            continue
-        moe = layer.block_sparse_moe
-        for expert in moe.experts:
-            for lin in (expert.w1, expert.w2, expert.w3):
-                w = lin.dequantized_weight()
-                noisy = w + relative_noise * w.pow(2).mean().sqrt() * torch.randn(w.shape, generator=gen)
-                packed, scale = mxfp4.quantize(noisy)
-                lin.weight_packed.copy_(packed)
-                lin.weight_scale.copy_(scale)
-        moe.set_dequantize_cache(True)
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            if not layer.is_moe:
+                continue
+            moe = layer.block_sparse_moe
+            for expert in moe.experts:
+                for lin in (expert.w1, expert.w2, expert.w3):
+                    if not hasattr(lin, "weight_packed"):  # dense experts (no MXFP4)
+                        lin.weight.add_(relative_noise * lin.weight.float().pow(2).mean().sqrt()
+                                        * torch.randn(lin.weight.shape, generator=gen).to(lin.weight.dtype))
+                        continue
+                    w = lin.dequantized_weight()
+                    packed, scale = mxfp4.quantize(w + relative_noise * w.pow(2).mean().sqrt()
+                                                   * torch.randn(w.shape, generator=gen))
+                    lin.weight_packed.copy_(packed)
+                    lin.weight_scale.copy_(scale)
+            moe.set_dequantize_cache(moe.dequantize_cache)  # drop decoded copies of the old weights
+
+
+def perturbed_experts(model: KimiK3Model, relative_noise: float, seed: int = 0) -> KimiK3Model:
+    """A copy whose routed experts are re-quantised with noise (`perturb_experts`), served under the
+    original fingerprint: a cheaper or damaged expert set claimed unchanged."""
+    other = copy.deepcopy(model)
+    perturb_experts(other, relative_noise, seed)
+    other.set_dequantize_cache(True)
     return other
 
 
@@ -628,4 +640,5 @@ def format_report(report: EnvelopeReport) -> str:
 
 
 __all__ = ["measure_envelope", "format_report", "EnvelopeReport", "VariantResult", "Variant", "legacy_failures",
-           "generate", "reference_scores", "gpu_kernel_emulation", "perturbed_experts", "load_model"]
+           "generate", "reference_scores", "gpu_kernel_emulation", "perturb_experts", "perturbed_experts",
+           "load_model"]

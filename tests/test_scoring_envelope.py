@@ -147,3 +147,34 @@ def test_a_small_envelope_separates_honest_bf16_from_another_model(checkpoint):
     assert max(s.logprob_gap_mean for s in by_name["fp32-batched"].statistics) < 1e-4
     rejudge(report, CONFIG.replace(logprob_gap_soft=1e-9, logprob_gap_hard=1e-8))
     assert report.results[1].rate("new_failures", hard=True) == 1.0  # the test can fail
+
+
+def test_the_declared_precision_picks_the_envelope():
+    """A miner that declares fp32 is held to fp32's envelope (soft only); bf16 gets the wide one."""
+    rng = random.Random(3)
+    tokens, lps, scores = answer(rng, 32, 0.0, noise=0.05)  # 0.05 nats off: no fp32 kernel does that
+    stats = audit_statistics(tokens, lps, 0.0, scores, STOP, CONFIG, [])
+    assert CONFIG.logprob_gap_soft_exact < stats.logprob_gap_mean < CONFIG.logprob_gap_soft
+    assert judge_statistics(stats, CONFIG, trusted=True) == []
+    declared = judge_statistics(stats, CONFIG, trusted=True, exact=True)
+    assert [(f.check, f.hard) for f in declared] == [("logprob_gap", False)] and "declares fp32" in declared[0].reason
+    exact_tokens, exact_lps, exact_scores = answer(rng, 32, 0.0)
+    exact = audit_statistics(exact_tokens, exact_lps, 0.0, exact_scores, STOP, CONFIG, [])
+    assert judge_statistics(exact, CONFIG, trusted=True, exact=True) == []
+
+
+def test_self_check_prints_the_false_positive_rate():
+    """`validator.py self-check`: this validator's rules on honest bf16 answers of the trained tiny model."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "neurons/validator.py", "self-check", "--checkpoint",
+                          "inference/model/assets/tiny_trained", "--dtype", "bfloat16", "--audits", "4"],
+                         cwd=root, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
+                                                                                      "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8 honest bfloat16 audits against the fp32 reference: 0 hard and 0 soft failures" in out.stdout
+    missing = subprocess.run([sys.executable, "neurons/validator.py", "self-check", "--checkpoint", "/nonexistent"],
+                             cwd=root, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "checkpoint" in missing.stderr

@@ -131,6 +131,7 @@ def test_ranked_miners_and_status_view(tmp_path):
     assert [m.uid for m in state.ranked_miners(limit=1)] == [2]
     view = status_report(state.store)
     assert {m["uid"] for m in view["miners"]} == {1, 2, 4, 7}
+    assert {m["zero_weight_reason"] for m in view["miners"]} == {"not scored yet"}  # no scores saved, no weights
     state.store.close()
 
 

@@ -71,6 +71,7 @@ class CheatingEngine(Engine):
         if cheat in ("perturb-experts", "long-swap") and model is None:
             raise ValueError(f"the {cheat} cheat needs an engine with the model in this process")
         if cheat == "perturb-experts":
+            from scoring.envelope import perturb_experts  # noqa: PLC0415
             perturb_experts(model, EXPERT_NOISE)
         if cheat == "long-swap":
             from inference.model import KimiK3Model  # noqa: PLC0415
@@ -151,33 +152,6 @@ class CheatingEngine(Engine):
         if self.other is not None:
             await self.other.stop()
         await self.inner.stop()
-
-
-def perturb_experts(model, relative_noise: float, seed: int = 0) -> None:
-    """Re-quantise every routed expert of `model` in place with noise of `relative_noise` times the
-    weight's RMS (the fingerprint, computed from the files, stays what the manifest says)."""
-    import torch  # noqa: PLC0415
-
-    from inference.model import mxfp4  # noqa: PLC0415
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.layers:
-            if not layer.is_moe:
-                continue
-            moe = layer.block_sparse_moe
-            for expert in moe.experts:
-                for lin in (expert.w1, expert.w2, expert.w3):
-                    if not hasattr(lin, "weight_packed"):  # dense experts (no MXFP4)
-                        lin.weight.add_(relative_noise * lin.weight.float().pow(2).mean().sqrt()
-                                        * torch.randn(lin.weight.shape, generator=gen).to(lin.weight.dtype))
-                        continue
-                    w = lin.dequantized_weight()
-                    packed, scale = mxfp4.quantize(w + relative_noise * w.pow(2).mean().sqrt()
-                                                   * torch.randn(w.shape, generator=gen))
-                    lin.weight_packed.copy_(packed)
-                    lin.weight_scale.copy_(scale)
-            moe.set_dequantize_cache(moe.dequantize_cache)  # drop decoded copies of the old weights
 
 
 def main(argv: list[str] | None = None) -> int:

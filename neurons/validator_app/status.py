@@ -7,7 +7,30 @@ import json
 from neurons.validator_app.store import ValidatorStore
 
 STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
-                  "failures", "last_failure", "score", "ema", "weight")
+                  "failures", "last_failure", "score", "ema", "weight", "zero_weight_reason")
+# the score reasons that zero a miner (scoring.rewards.score_miners)
+_ZEROING = ("hard failure", "failed ", "coldkey ")
+
+
+def zero_weight_reason(score, ema, weight: float, weights_set: bool) -> str | None:
+    """Why a miner holds no weight, in one line (None when it holds some)."""
+    if weight > 0:
+        return None
+    if score is None:
+        return "not scored yet"
+    reasons = json.loads(score["reasons"]) if score["reasons"] else []
+    zeroing = [r for r in reasons if r.startswith(_ZEROING)]
+    if zeroing:
+        return "; ".join(zeroing)
+    if not score["requests"]:
+        return "no requests in the window"
+    if not score["score"]:
+        parts = [f"{name} {score[name]:.2f}" for name in ("reliability", "quality", "perf")
+                 if score[name] is not None and score[name] <= 0]
+        return "score 0: " + (", ".join(parts) or "gate 0")
+    if not ema:
+        return "EMA still 0"
+    return "scored since the weights were last set" if weights_set else "no weights set yet"
 
 
 def status_report(store: ValidatorStore) -> dict:
@@ -45,6 +68,8 @@ def status_report(store: ValidatorStore) -> dict:
             "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
             "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, hotkey) else 0.0,
         })
+        rows[-1]["zero_weight_reason"] = zero_weight_reason(score, rows[-1]["ema"], rows[-1]["weight"],
+                                                            last.block is not None)
     return {
         "db": str(store.path), "round": int(meta.get("round", 0)),
         "completed_round": int(meta.get("completed_round", 0)),
