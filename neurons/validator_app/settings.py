@@ -37,6 +37,7 @@ class RoundSettings:
     max_rounds: int = 0  # 0: run until stopped
     seed: Optional[int] = None  # None: unpredictable workloads (production)
     uids: Optional[str] = None  # "3,5": evaluate only these uids (debugging one miner); None: all
+    stage_challenges: int = 2  # per swarm stage miner per round (needs --reference-engine); 0: no stage checks
 
 
     def only_uids(self) -> Optional[set[int]]:
@@ -194,6 +195,10 @@ def validator_options() -> tuple[Option, ...]:
         Option("rounds.uids", "--uids", f"{p}UIDS", optional_text,
                "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others keep their window "
                "scores (default: every serving miner)", group=g_round, metavar="UIDS"),
+        Option("rounds.stage_challenges", "--stage-challenges", f"{p}STAGE_CHALLENGES", non_negative_int,
+               "challenges per swarm stage miner per round, against this validator's own copy of the weights "
+               "(with --reference-engine; plus one relayed route audit); 0: stage miners are not checked",
+               group=g_round),
         Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
                "TCP connect to a miner", group=g_time),
         Option("timeouts.first_byte", "--first-byte-timeout-s", f"{p}FIRST_BYTE_TIMEOUT_S", positive_float,
