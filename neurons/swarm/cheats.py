@@ -190,8 +190,7 @@ class ForwardingStage(_Cheat):
                 self._loop = LoopThread()
                 self._relay = self._loop.call(self._connect(), 30.0)
             if session_id not in self._remote and position == 0:
-                if not self._targets:
-                    self._targets = self._loop.call(self._discover(), 30.0)
+                self._targets = self._loop.call(self._discover(), 30.0)  # whoever serves the block now
                 if self._targets:
                     target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
                     s = session.sampling
@@ -226,7 +225,8 @@ CHEATS = {"other-weights": OtherWeightsStage, "skip-layer": SkipLayerStage, "ech
           "forwarder": ForwardingStage}
 
 __all__ = ["CHEATS", "WireRounding", "OtherWeightsStage", "SkipLayerStage", "EchoStage", "SessionLiarStage",
-           "LongPositionLiarStage", "ReplayStage", "ForwardingStage", "LayerRange", "load_stage_model", "main"]
+           "LongPositionLiarStage", "ReplayStage", "ForwardingStage", "LayerRange", "load_stage_model", "main", "start_hosts",
+           "stop_hosts"]
 
 
 class WireRounding:
@@ -321,6 +321,56 @@ async def serve(args) -> None:
     await stop.wait()
     for server in servers:
         await server.close()
+
+
+def start_hosts(checkpoint, wallet_path, hosts: dict[str, list[str]], run_dir, extra: dict[str, list[str]] = {},
+                timeout_s: float = 240.0, threads: int = 1) -> tuple[dict, dict]:
+    """Start one stage host process per entry of `hosts` (name -> its --stage specs, plus `extra[name]`
+    arguments), all at once, and wait until each listens; (processes, {stage name: its ready info}). The
+    caller stops them with `stop_hosts`. Logs go to run_dir/NAME.log."""
+    import subprocess  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs, info = {}, {}
+    try:
+        for name, specs in hosts.items():
+            ready = Path(run_dir) / f"{name}.ready"
+            cmd = [sys.executable, "-m", "neurons.swarm.cheats", "--checkpoint", str(checkpoint), "--wallet-path",
+                   str(wallet_path), "--threads", str(threads), "--ready-file", str(ready)]
+            cmd += [a for spec in specs for a in ("--stage", spec)] + list(extra.get(name, []))
+            log = Path(run_dir) / f"{name}.log"
+            procs[name] = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        deadline = time.monotonic() + timeout_s
+        for name, specs in hosts.items():
+            ready, log = Path(run_dir) / f"{name}.ready", Path(run_dir) / f"{name}.log"
+            while not ready.exists():
+                if procs[name].poll() is not None:
+                    raise RuntimeError(f"stage host {name} exited: {log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage host {name} not ready in {timeout_s} s")
+                time.sleep(0.2)
+            got = json.loads(ready.read_text())
+            info.update({specs[0].split(":")[0]: got} if len(specs) == 1 else got)
+    except BaseException:
+        stop_hosts(procs)
+        raise
+    return procs, info
+
+
+def stop_hosts(procs: dict) -> None:
+    import subprocess  # noqa: PLC0415
+
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

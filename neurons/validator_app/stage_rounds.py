@@ -253,6 +253,7 @@ class StageRounds:
     async def challenge(self, m: StageMiner) -> ChallengeResult:
         """One challenge of one stage miner over the wire; the result is stored (failed: blamed)."""
         await self._ensure_model()
+        cpu0 = time.process_time()  # everything this process spends on the challenge (inputs, wire, compare)
         layers = LayerRange(m.info.start, m.info.stop, self.num_layers)
         plan = plan_steps(self.np_rng, self.max_tokens, min_tokens=16)
         ids = self._prompt(sum(n for _, n in plan) + 1)
@@ -263,14 +264,15 @@ class StageRounds:
         started = time.monotonic()
         seen = self._seen.setdefault(m.hotkey, {})
         watch = _InputWatch(remote, self._recent_inputs, m.hotkey)
+        session = f"{self.rng.getrandbits(96):024x}"  # as random as a route driver's
         result = await asyncio.to_thread(run_challenge, watch, self._refs[m.layers], steps, commitment,
-                                         self.thresholds, None, seen)
+                                         self.thresholds, session, seen)
         wall = time.monotonic() - started
         self.store.add_stage_check(dict(
             round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label, kind="challenge", passed=int(result.ok),
             blame=int(not result.ok), reason=result.reason, tokens=result.tokens, steps=result.steps,
             median_rel_l2=result.median_rel_l2, bad_fraction=result.bad_fraction, step_ms=remote.step_ms,
-            cpu_s=result.validator_cpu_s, wall_s=wall, commitment=result.commitment, seed=str(result.seed),
+            cpu_s=time.process_time() - cpu0, wall_s=wall, commitment=result.commitment, seed=str(result.seed),
             nonce=result.nonce))
         if not result.ok:
             log.warning("stage %s (%s, uid %d) failed a challenge: %s", m.hotkey, m.label, m.uid, result.reason)
@@ -330,8 +332,10 @@ class StageRounds:
             self._route_row(culprit, "route_audit", False, f"a hop failed: {e.code}: {e.message}", 0, started,
                             blame=culprit is not None)
             return culprit.hotkey if culprit else None
+        relayed = time.monotonic()
         registered = {m.hotkey: m.layers for m in miners}
         audit = audit_route(records, route_id, session, registered, self.num_layers, inputs)
+        audited = time.monotonic()
         if not audit.ok:
             culprit = by_hotkey.get(audit.blame)
             self._route_row(culprit, "route_audit", False, audit.problem, 0, started, blame=culprit is not None)
@@ -344,7 +348,11 @@ class StageRounds:
                 self._route_row(by_hotkey[h.hotkey], "route_audit", True, "", n, started, cpu_s=cpu)
             return None
         seed = self.rng.getrandbits(63)
+        answered = time.monotonic()
         culprit_hotkey, verdicts = await asyncio.to_thread(bisect_route, records, self._refs, seed, self.thresholds)
+        log.info("route probe over %d stages, %d tokens: relayed in %.1f s, receipts audited in %.1f s, answer "
+                 "compared in %.1f s, bisected in %.1f s", len(route), n, relayed - started, audited - relayed,
+                 answered - audited, time.monotonic() - answered)
         culprit = by_hotkey.get(culprit_hotkey) if culprit_hotkey else None
         for v in verdicts:
             m = by_hotkey[v.hotkey]
