@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from bittensor.sp_core import Keypair
 
 from chain.devnet import DevnetChain
@@ -33,7 +34,7 @@ from neurons.swarm.cheats import start_hosts, stop_hosts
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
 from neurons.validator_app.rounds import ValidatorLoop
 from neurons.validator_app.settings import RoundSettings, ValidatorSettings
-from neurons.validator_app.stage_rounds import StageMiner, StageRounds, attach_stage_rounds
+from neurons.validator_app.stage_rounds import StageMiner, StageRounds, TrustedDirectory, attach_stage_rounds
 from neurons.validator_app.status import status_report
 from neurons.validator_app.store import ValidatorStore
 from protocol.stage import sign_receipt
@@ -46,6 +47,16 @@ CHEATERS = {"weights": ("other-weights", "3-5", 1), "skip": ("skip-layer", "9-12
             "sessions": ("session-liar", "3-5", 12), "long": ("long-position-liar", "6-8", 12),
             "replay": ("replay", "6-8", 3), "forwarder": ("forwarder", "6-8", 12)}
 HONEST_CHALLENGES = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The validator's reference computations in this process on one thread (on a loaded 2-core box, torch's
+    thread pool spinning against other processes makes them ~10x slower); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +134,16 @@ def test_challenges_blame_every_cheater_and_no_honest_stage(swarm, tmp_path):
         finally:
             await sr.close()
 
+    async def trusted():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            everyone = StaticDirectory([v["url"] for v in swarm["info"].values()])
+            return {s.hotkey for s in await TrustedDirectory(everyone, store).stages(http)}
+
     asyncio.run(asyncio.wait_for(scenario(), 300))
+    routable = asyncio.run(trusted())  # a route driver following this validator's trust
+    assert routable == {swarm["info"][n]["hotkey"] for n in [*HONEST, *BF16]}
     for kind, (k, s, how, why) in table.items():
         print(f"{kind}: blamed after {k} challenges, {s:.1f} s ({how}: {why[:100]})")
     assert table["forwarder"][2] == "decoy" and "without saying so" in table["forwarder"][3]

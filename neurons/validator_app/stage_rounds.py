@@ -30,7 +30,7 @@ challenges and clean route audits, the validator-measured step time, the share o
 
 Route drivers that present receipts (the gateway's, a third party's) are credited with `credit_route`:
 receipts that do not audit (signed by nobody registered, forged, stale, gapped) blame the driver and
-credit no stage.
+credit no stage. Route drivers follow trust through `TrustedDirectory` (blamed stages are left out).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import torch
 
 from inference.swarm.stage import LayerRange, Stage, StageError
 from neurons.swarm.relay import LoopThread, RemoteStage, StageRelay, StageSink, relay_route
-from neurons.swarm.route import StageInfo, StaticDirectory, plan_route
+from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, plan_route
 from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import decode_forward, state_sha256
 from scoring.corpus import code_snippet, paragraph
@@ -480,6 +480,24 @@ class _InputWatch:
                 del self.recent[sha]
 
 
+class TrustedDirectory(StageDirectory):
+    """A route driver's directory that follows the validator's trust: the stages of `directory` minus those
+    blamed in the validator's store within `blame_s` (the gateway's driver never routes organic traffic
+    through a blamed stage); the store is read at every refresh (another process may be writing it)."""
+
+    def __init__(self, directory: StageDirectory, store, blame_s: float = 24 * 3600.0):
+        self.directory = directory
+        self.store = store
+        self.blame_s = blame_s
+
+    def blamed(self) -> set[str]:
+        return {r["hotkey"] for r in self.store.stage_checks(since=time.time() - self.blame_s) if r["blame"]}
+
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
+        blamed = self.blamed()
+        return [s for s in await self.directory.stages(http) if s.hotkey not in blamed]
+
+
 def whole_model_work(loop) -> dict[int, MinerWork]:
     """Whole-model miners' verified model-tokens over the window, decode speed and reliability (the market's
     terms), from the ValidatorLoop's window and last scores."""
@@ -513,4 +531,5 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
     return stage
 
 
-__all__ = ["DecoyServer", "StageMiner", "StageRoundReport", "StageRounds", "attach_stage_rounds", "whole_model_work"]
+__all__ = ["DecoyServer", "StageMiner", "StageRoundReport", "StageRounds", "TrustedDirectory", "attach_stage_rounds",
+           "whole_model_work"]
