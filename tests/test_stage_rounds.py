@@ -11,9 +11,7 @@ hotkeys, a devnet subnet where every stage miner is registered and has published
 - a route driver's receipts: genuine ones credit the stages, receipts the stages never signed blame the driver.
 """
 import asyncio
-import json
 import os
-import signal
 import subprocess
 import sys
 import time

@@ -360,10 +360,13 @@ def start_hosts(checkpoint, wallet_path, hosts: dict[str, list[str]], run_dir, e
 
 
 def stop_hosts(procs: dict) -> None:
+    """SIGTERM every process still running (SIGCONT first: a test may have stopped one), then wait; SIGKILL
+    what does not end within 10 s."""
     import subprocess  # noqa: PLC0415
 
     for p in procs.values():
         if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
             p.terminate()
     for p in procs.values():
         try:

@@ -709,7 +709,7 @@ class ValidatorLoop:
     async def weights_due(self) -> tuple[bool, Optional[int], str]:
         """(due, block, why): weights are due once per epoch window, when none were set since the
         subnet's latest epoch and the weights rate limit has passed."""
-        if not self.ema:
+        if not self.ema and not (self.stage is not None and self.stage.miners):
             return False, None, "no scores yet"
         if time.monotonic() < self._weights_hold_until:
             return False, None, "holding after a chain refusal"

@@ -35,7 +35,6 @@ credit no stage. Route drivers follow trust through `TrustedDirectory` (blamed s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
