@@ -62,10 +62,11 @@ class StageSink:
     only from the stage a forward is awaited from."""
 
     def __init__(self, keypair, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, public_url: str = ""):
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
         self.host, self.port = host, port
+        self.public_url = public_url  # what stages reach this sink at (default http://host:port)
         self.max_body_bytes = max_body_bytes
         self.nonce_store = InMemoryNonceStore()
         self._pending: dict[tuple[str, int], tuple[str, asyncio.Future]] = {}
@@ -73,7 +74,7 @@ class StageSink:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.public_url or f"http://{self.host}:{self.port}"
 
     @property
     def hop(self) -> Hop:

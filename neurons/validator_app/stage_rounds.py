@@ -122,7 +122,7 @@ class DecoyServer(StageServer):
 class StageRounds:
     def __init__(self, store, keypair, model, tokenizer, *, challenges: int = 2, max_tokens: int = 96,
                  route_probes: int = 1, thresholds: Thresholds = Thresholds(), seed: Optional[int] = None,
-                 host: str = "127.0.0.1", timeout_s: float = 15.0, blame_s: float = 24 * 3600.0,
+                 host: str = "127.0.0.1", public_url: str = "", timeout_s: float = 15.0, blame_s: float = 24 * 3600.0,
                  window_s: float = 24 * 3600.0, decoy_keypair=None, decoys: Mapping[tuple[int, int], int] = {}):
         self.store = store
         self.keypair = keypair
@@ -135,6 +135,7 @@ class StageRounds:
         self.rng = random.Random(seed if seed is not None else secrets.randbits(64))
         self.np_rng = np.random.default_rng(self.rng.getrandbits(63))
         self.host = host
+        self.public_url = public_url  # where stage miners reach the validator's sink (a real network needs it)
         self.timeout_s = timeout_s
         self.blame_s = blame_s
         self.window_s = window_s
@@ -155,7 +156,7 @@ class StageRounds:
     async def start(self) -> None:
         if self._sink is not None:
             return
-        self._sink = StageSink(self.keypair, self.host)
+        self._sink = StageSink(self.keypair, self.host, public_url=self.public_url)
         await self._sink.start()
         self._http = aiohttp.ClientSession()
         self.relay = StageRelay(self.keypair, self._sink, self._http, self.timeout_s)
