@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.observability import setup_logging  # noqa: E402
-from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
+from neurons.settings import Option, describe_values, expanded_path, flag, program_name, read_options  # noqa: E402
 from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
                                    status_report, validator_options)
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
@@ -34,6 +34,10 @@ STATUS_OPTIONS = (
     Option("json", "--json", None, flag, "print JSON instead of a table", group="status", default=False),
 )
 COMMANDS = ("run", "status")
+
+
+def validator_program() -> str:
+    return program_name("k3-validator", "neurons.validator")
 
 
 def _number(value, digits: int = 3) -> str:
@@ -69,7 +73,7 @@ def format_status(report: dict) -> str:
 
 
 def status(argv: list[str]) -> int:
-    values = read_options(STATUS_OPTIONS, argv, prog="neurons/validator.py status",
+    values = read_options(STATUS_OPTIONS, argv, prog=f"{validator_program()} status",
                           description="The validator's current view per miner, from its database.")
     try:
         with ValidatorStore(values["db"], readonly=True) as store:
@@ -82,7 +86,7 @@ def status(argv: list[str]) -> int:
 
 
 def run(argv: list[str]) -> int:
-    settings = read_validator_settings(argv, prog="neurons/validator.py run", description=__doc__)
+    settings = read_validator_settings(argv, prog=f"{validator_program()} run", description=__doc__)
     setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("k3.validator").debug("settings: %s", describe_values(validator_options(), dataclasses.asdict(settings)))
     try:
@@ -95,7 +99,7 @@ def run(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: neurons/validator.py {{{','.join(COMMANDS)}}} [options]   (--help after a command lists "
+        print(f"usage: {validator_program()} {{{','.join(COMMANDS)}}} [options]   (--help after a command lists "
               "its options)\n\n" + (__doc__ or ""), file=sys.stderr if argv and argv[0] not in ("-h", "--help")
               else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

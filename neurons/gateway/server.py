@@ -39,7 +39,7 @@ from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
-from neurons.observability import request_middleware
+from neurons.observability import observed_app
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout,
                              MinerUnreachable)
 from protocol.errors import ErrorCode
@@ -164,8 +164,8 @@ class OrganicGateway:
         self._hook_tasks: set[asyncio.Task] = set()
         self.guard = ConnectionGuard(GuardSettings(), "gateway")
         self.metrics = GatewayMetrics(settings.model_name)
-        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[
-            self.guard.middleware, request_middleware("gateway", self.metrics.observe_request), self._errors])
+        self.app = observed_app("gateway", self.guard, self._errors, observe=self.metrics.observe_request,
+                                client_max_size=settings.max_body_bytes)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.handle_chat, expect_handler=defer_continue),
             web.post("/v1/completions", self.handle_completions, expect_handler=defer_continue),
