@@ -1,7 +1,8 @@
 """The validator checks and pays swarm stage miners (neurons/validator_app/stage_rounds.py), against real stage
 processes on loopback: three processes of `python -m neurons.swarm.cheats` (honest fp32 stages for every block,
 honest bf16 stages with a bf16 wire for two blocks, and every stage cheater), a real SQLite store, real sr25519
-hotkeys, a devnet subnet where every stage miner is registered and has published its endpoint.
+hotkeys, a devnet subnet where every stage miner is registered and announces itself (endpoint and stage
+announcement, as stage_miner does).
 
 - challenges over the stage wire: honest fp32 and bf16 stages are never blamed; each cheater is blamed within
   its stated number of challenges (CHEATERS); the forwarder is caught by the validator's decoy;
@@ -68,26 +69,27 @@ def swarm(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
         "honest": [f"{n}:honest:{l}" for n, l in HONEST.items()],
         "bf16": [f"{n}:honest:{l}:bfloat16:bfloat16" for n, l in BF16.items()],
     }
-    procs, info = start_hosts(tiny_checkpoint, root / "wallets", hosts, root)
+    chain = ["--network", f"devnet:{root / 'devnet.sqlite'}", "--netuid", str(netuid)]  # each stage announces itself
+    procs, info = start_hosts(tiny_checkpoint, root / "wallets", hosts, root, {h: chain for h in hosts})
     try:
         # the forwarder hands its sessions to the honest 6-8 stage or to the validator's decoy
         more, cheats = start_hosts(tiny_checkpoint, root / "wallets",
                                    {"cheats": [f"{n}:{kind}:{l}" for n, (kind, l, _) in CHEATERS.items()]}, root,
-                                   {"cheats": ["--forward-to", f"http://127.0.0.1:{decoy_port}", "--forward-to",
-                                               info["h2"]["url"]]})
+                                   {"cheats": chain + ["--forward-to", f"http://127.0.0.1:{decoy_port}",
+                                                       "--forward-to", info["h2"]["url"]]})
         procs.update(more)
         info.update(cheats)
 
-        async def publish():
+        async def announced():
             chain = DevnetChain(root / "devnet.sqlite")
             try:
-                for name in names:
-                    port = int(info[name]["url"].rsplit(":", 1)[1])
-                    await chain.publish_endpoint(wallets[name], netuid, "127.0.0.1", port)
+                return {n.hotkey for n in (await chain.metagraph(netuid)).neurons if n.endpoint is not None}, \
+                    set(await chain.commitments(netuid))
             finally:
                 await chain.close()
 
-        asyncio.run(publish())
+        endpoints, commitments = asyncio.run(announced())
+        assert {v["hotkey"] for v in info.values()} <= endpoints & commitments
         model, tokenizer, _ = load_reference_model(tiny_checkpoint, verify=False)
         yield {"root": root, "ckpt": tiny_checkpoint, "wallets": wallets, "netuid": netuid, "uids": uids,
                "info": info, "model": model, "tokenizer": tokenizer, "decoy_port": decoy_port}

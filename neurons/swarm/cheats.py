@@ -17,8 +17,9 @@ The driver-side attack (receipts the stages never signed) lives in the tests: it
 
 As processes: `python -m neurons.swarm.cheats --checkpoint DIR --wallet-path P --stage NAME:KIND:A-B[:DTYPE
 [:WIRE_DTYPE]] ...` serves one stage per --stage in one process (KIND: `honest` or a key of `CHEATS`; the
-hotkey is wallet NAME/default), each on its own port; `--ready-file` gets stage_miner's JSON for one stage,
-{NAME: that JSON} for several.
+hotkey is wallet NAME/default), each on its own port (`--port` with one stage); `--ready-file` gets
+stage_miner's JSON for one stage, {NAME: that JSON} for several; with `--network`/`--netuid` every stage announces
+itself on chain as stage_miner does (endpoint and `StageAnnouncement`).
 """
 from __future__ import annotations
 
@@ -264,6 +265,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--one-in", type=int, default=3, help="session-liar: lies for one session in this many")
     p.add_argument("--from-position", type=int, default=48, help="long-position-liar: lies from this position")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="with one --stage: its port (default: a free one each)")
+    p.add_argument("--network", default="", help="chain to announce every stage on, as stage_miner does "
+                                                  "(its hotkey registered there); empty: announce nothing")
+    p.add_argument("--netuid", type=int, default=None)
     p.add_argument("--hop-timeout-s", type=float, default=5.0)
     p.add_argument("--max-tokens-per-forward", type=int, default=512)
     p.add_argument("--threads", type=int, default=0)
@@ -296,29 +301,29 @@ def _stage(args, spec: str, keypair):
 async def serve(args) -> None:
     import bittensor as bt  # noqa: PLC0415
 
+    from neurons.swarm.stage_miner import announce, announcement_for, serve_until_signalled  # noqa: PLC0415
     from neurons.swarm.stage_server import StageServer, StageServerSettings  # noqa: PLC0415
 
+    if args.port and len(args.stage) != 1:
+        raise SystemExit("--port takes one --stage")
     servers, info = [], {}
     for spec in args.stage:
-        keypair = bt.Wallet(spec.split(":")[0], "default", path=os.path.expanduser(args.wallet_path)).hotkey
-        name, kind, stage, wire = _stage(args, spec, keypair)
-        server = StageServer(stage, keypair, StageServerSettings(host=args.host, hop_timeout_s=args.hop_timeout_s,
-                                                                 wire_dtype=wire))
+        wallet = bt.Wallet(spec.split(":")[0], "default", path=os.path.expanduser(args.wallet_path))
+        name, kind, stage, wire = _stage(args, spec, wallet.hotkey)
+        server = StageServer(stage, wallet.hotkey, StageServerSettings(
+            host=args.host, port=args.port, hop_timeout_s=args.hop_timeout_s, wire_dtype=wire))
         server.warm_up()
         await server.start()
         servers.append(server)
+        if args.network:
+            from chain import connect  # noqa: PLC0415
+
+            async with connect(args.network) as chain:
+                await announce(chain, wallet, args.netuid, args.host, server.port,
+                               announcement_for(args.checkpoint, stage))
         info[name] = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(stage.layers),
                       "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms, "kind": kind}
-    if args.ready_file:
-        out = next(iter(info.values())) if len(info) == 1 else info
-        tmp = Path(args.ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        tmp.replace(args.ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await serve_until_signalled(next(iter(info.values())) if len(info) == 1 else info, args.ready_file)
     for server in servers:
         await server.close()
 
