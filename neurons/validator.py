@@ -62,6 +62,13 @@ def format_status(report: dict) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     if not rows:
         lines.append("(no miners evaluated yet)")
+    stages = report.get("stage_miners") or []
+    if stages:
+        lines += ["", "swarm stage miners:",
+                  "uid  layers  challenges  failed  route audits  tokens  step_ms  weight  zeroed because"]
+        lines += [f"{s['uid']:<4} {s['layers']:<7} {s['challenges']:<11} {s['failed']:<7} {s['route_audits']:<13} "
+                  f"{s['tokens']:<7} {_number(s['step_ms'], 1):<8} {_number(s['weight'], 4):<7} "
+                  f"{(s['reason'] or '')[:90]}" for s in stages]
     return "\n".join(lines)
 
 
