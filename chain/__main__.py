@@ -220,7 +220,9 @@ class _Deprecated(argparse.Action):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chain", description="The embedded devnet and its wallets.")
+    # named as started: the console script k3-chain, else the module (never a file path inside the package)
+    prog = "k3-chain" if os.path.basename(sys.argv[0]) == "k3-chain" else "python -m chain"
+    p = argparse.ArgumentParser(prog=prog, description="The embedded devnet and its wallets.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def db(sp, netuid=True):

@@ -66,9 +66,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Endpoint, Hyperparameters,
-                             InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake, NotRegistered,
-                             NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome, SubnetNotFound)
+from chain.interface import (COMMITMENT_MAX_SPACE, AlreadyRegistered, Chain, ChainConnectionError, ChainError,
+                             Commitment, Endpoint, Hyperparameters, InvalidWeights, MetagraphSnapshot, NeuronInfo,
+                             NotEnoughStake, NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed,
+                             SetWeightsOutcome, SubnetNotFound, commitment_fields, commitment_space)
 from chain.weights import WeightsError, conform, exceeds_max_weight, too_few_weights, validated_pairs
 from chain.yuma import (NO_COMMIT, YUMA_VERSIONS, EpochInputs, YumaParams, prune_candidate, run_epoch, stake_weights,
                         top_k_permits, with_owner_permit)
@@ -285,6 +286,19 @@ CREATE TABLE IF NOT EXISTS weight_commits (
 );
 """
 
+# The Commitments pallet's CommitmentOf and UsedSpaceOf; created on every open, so files made before them gain
+# them (same schema version: nothing else changed).
+_COMMITMENT_TABLES = """
+CREATE TABLE IF NOT EXISTS commitments (
+    netuid INTEGER NOT NULL, hotkey TEXT NOT NULL, block INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (netuid, hotkey)
+);
+CREATE TABLE IF NOT EXISTS commitment_space (
+    netuid INTEGER NOT NULL, hotkey TEXT NOT NULL, epoch INTEGER NOT NULL, used INTEGER NOT NULL,
+    PRIMARY KEY (netuid, hotkey)
+)
+"""
+
 # Schema 1 files (before explicit zeros, commit-reveal and the epoch counter) gain the new columns and table.
 _MIGRATE_1_TO_2 = """
 ALTER TABLE subnets ADD COLUMN epoch_index INTEGER NOT NULL DEFAULT 0;
@@ -440,6 +454,9 @@ class DevnetChain(Chain):
             if create:
                 self._initialise(block_interval or DEFAULT_BLOCK_INTERVAL)
             self._check_devnet(block_interval)
+            for statement in _COMMITMENT_TABLES.split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
         except sqlite3.Error as e:
             self._conn.close()
             raise ChainConnectionError(f"cannot use devnet database {self.path}: {e}") from e
@@ -989,6 +1006,47 @@ class DevnetChain(Chain):
             )
 
         await self._write(operation)
+
+    async def publish_commitment(self, wallet, netuid: int, data: str) -> None:
+        """Commitments.set_commitment as subtensor runs it: the hotkey must be registered on the subnet
+        (AccountNotAllowedCommit), each call uses max(100, bytes) of the hotkey's COMMITMENT_MAX_SPACE bytes per
+        epoch (SpaceLimitExceeded, a RateLimited until the subnet's next epoch index), and the new commitment
+        replaces the old one. Data that cannot be sent as Raw fields is a ValueError before anything happens."""
+        hotkey = _hotkey_of(wallet)
+        fields = commitment_fields(data)
+        needed = commitment_space(fields)
+
+        def operation(block: int) -> None:
+            params = self._params(netuid)
+            if self._uid(netuid, hotkey) is None:
+                raise NotRegistered(f"hotkey {hotkey} is not registered on subnet {netuid}: it cannot commit",
+                                    name="AccountNotAllowedCommit")
+            # subtensor's get_epoch_index: (block + netuid + 1) // (tempo + 1); usage resets when it changes
+            epoch = (block + netuid + 1) // (params["tempo"] + 1)
+            row = self._conn.execute("SELECT epoch, used FROM commitment_space WHERE netuid = ? AND hotkey = ?",
+                                     (netuid, hotkey)).fetchone()
+            used = row[1] if row and row[0] == epoch else 0
+            if used + needed > COMMITMENT_MAX_SPACE:
+                wait = blocks_until_epoch(netuid, params["tempo"], block) + 1
+                raise RateLimited(
+                    f"hotkey {hotkey} used {used} of {COMMITMENT_MAX_SPACE} commitment bytes this epoch; this "
+                    f"one needs {needed}", name="SpaceLimitExceeded", retry_after_blocks=wait)
+            self._conn.execute("INSERT OR REPLACE INTO commitment_space (netuid, hotkey, epoch, used) "
+                               "VALUES (?, ?, ?, ?)", (netuid, hotkey, epoch, used + needed))
+            self._conn.execute("INSERT OR REPLACE INTO commitments (netuid, hotkey, block, data) VALUES (?, ?, ?, ?)",
+                               (netuid, hotkey, block, b"".join(fields)))
+
+        await self._write(operation)
+
+    async def commitments(self, netuid: int) -> dict[str, Commitment]:
+        def query(block: int) -> dict[str, Commitment]:
+            self._params(netuid)
+            rows = self._conn.execute(
+                "SELECT c.hotkey, c.block, c.data FROM commitments c JOIN neurons n "
+                "ON n.netuid = c.netuid AND n.hotkey = c.hotkey WHERE c.netuid = ?", (netuid,)).fetchall()
+            return {hk: Commitment(hk, b, bytes(d).decode("utf-8", "replace")) for hk, b, d in rows}
+
+        return await self._read(query)
 
     async def set_weights(self, wallet, netuid: int, weights, version_key: int) -> SetWeightsOutcome:
         """SetWeights as the SDK and the chain do it together. `weights` is {uid: weight} (or (uid, weight)

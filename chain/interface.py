@@ -151,6 +151,40 @@ class Hyperparameters:
 
 
 @dataclass(frozen=True)
+class Commitment:
+    """What a hotkey published with `publish_commitment` (subtensor's Commitments pallet, plain Raw fields)."""
+
+    hotkey: str
+    block: int  # the block it was published at
+    data: str
+
+
+# subtensor's Commitments pallet (runtime MaxCommitFieldsInner, Data::Raw0..Raw128, the per-epoch space quota)
+COMMITMENT_MAX_FIELDS = 3
+COMMITMENT_FIELD_BYTES = 128
+COMMITMENT_MIN_SPACE = 100  # every set_commitment uses at least this much of the quota
+COMMITMENT_MAX_SPACE = 3100  # MaxSpace's default: bytes per hotkey per subnet per epoch
+
+
+def commitment_fields(data: str) -> list[bytes]:
+    """`data` as the Raw fields of one set_commitment (UTF-8, at most 3 x 128 bytes); ValueError when it does
+    not fit. Empty data is one empty field (the pallet stores it, and it clears what a reader sees)."""
+    if not isinstance(data, str):
+        raise ValueError(f"commitment data must be a string, got {type(data).__name__}")
+    raw = data.encode("utf-8")
+    limit = COMMITMENT_MAX_FIELDS * COMMITMENT_FIELD_BYTES
+    if len(raw) > limit:
+        raise ValueError(f"commitment data is {len(raw)} bytes; the chain takes at most {limit} "
+                         f"({COMMITMENT_MAX_FIELDS} fields of {COMMITMENT_FIELD_BYTES})")
+    return [raw[i:i + COMMITMENT_FIELD_BYTES] for i in range(0, len(raw), COMMITMENT_FIELD_BYTES)] or [b""]
+
+
+def commitment_space(fields: list[bytes]) -> int:
+    """How much of the epoch's quota one set_commitment with these fields uses."""
+    return max(COMMITMENT_MIN_SPACE, sum(len(f) for f in fields))
+
+
+@dataclass(frozen=True)
 class SetWeightsOutcome:
     """What a successful set-weights did: the block it landed at and the u16 row stored."""
 
@@ -191,6 +225,16 @@ class Chain(abc.ABC):
     @abc.abstractmethod
     async def publish_endpoint(self, wallet, netuid: int, ip: str, port: int) -> None:
         """ServeAxon. Raises RateLimited (name ServingRateLimitExceeded) when re-published too soon."""
+
+    @abc.abstractmethod
+    async def publish_commitment(self, wallet, netuid: int, data: str) -> None:
+        """set_commitment (signed by the hotkey): publish `data` (at most 384 UTF-8 bytes, else ValueError) for
+        the hotkey on the subnet, replacing its previous one. Raises NotRegistered (AccountNotAllowedCommit) and
+        RateLimited (SpaceLimitExceeded: each call uses max(100, bytes) of 3100 per epoch)."""
+
+    @abc.abstractmethod
+    async def commitments(self, netuid: int) -> dict[str, Commitment]:
+        """Every registered hotkey's current commitment on the subnet, by hotkey."""
 
     @abc.abstractmethod
     async def set_weights(self, wallet, netuid: int, weights: dict[int, float], version_key: int) -> SetWeightsOutcome:

@@ -28,9 +28,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 import bittensor as bt
 from bittensor.result import ErrorCode
 
-from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Endpoint, Hyperparameters,
-                             InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake, NotRegistered,
-                             NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome, SubnetNotFound)
+from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Commitment, Endpoint,
+                             Hyperparameters, InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake,
+                             NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome,
+                             SubnetNotFound, commitment_fields)
 from chain.weights import conform
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ ERROR_BY_NAME: dict[str, type[ChainError]] = {
     "UidsLengthExceedUidsInSubNet": InvalidWeights,
     "CommitPayloadTooLarge": InvalidWeights,
     "SubnetNotExists": SubnetNotFound,
+    "AccountNotAllowedCommit": NotRegistered,  # Commitments: the hotkey is not registered on the subnet
+    "SpaceLimitExceeded": RateLimited,  # Commitments: the epoch's byte quota is used up
+    "TooManyFieldsInCommitmentInfo": ChainError,
     "MechanismDoesNotExist": SubnetNotFound,
     "RootNetworkDoesNotExist": SubnetNotFound,
     "NoNeuronIdAvailable": RegistrationFailed,
@@ -105,6 +109,7 @@ ERROR_BY_OPERATION_AND_CODE: dict[tuple[str, ErrorCode], type[ChainError]] = {
 RATE_LIMIT_NAME_BY_OPERATION = {
     "set_weights": "SettingWeightsTooFast",
     "publish_endpoint": "ServingRateLimitExceeded",
+    "publish_commitment": "SpaceLimitExceeded",
     "register": "TooManyRegistrationsThisInterval",
 }
 
@@ -512,6 +517,38 @@ class SubtensorChain(Chain):
                 raise failure_error(result, "publish_endpoint")
 
         await self._call("publish_endpoint", submit, write=True)
+
+    async def publish_commitment(self, wallet, netuid: int, data: str) -> None:
+        """Commitments.set_commitment, signed by the hotkey (the SDK has no intent for it: a raw call). The data
+        goes as plain Raw fields, as the SDK's metagraph reads them back."""
+        _check_netuid(netuid)
+        fields = [{f"Raw{len(raw)}": "0x" + raw.hex()} for raw in commitment_fields(data)]
+        wallet = self._wallet(wallet)
+        call = bt.calls.Commitments.set_commitment(netuid=netuid, info={"fields": fields})
+
+        async def submit(client: bt.Client) -> None:
+            result = await client.submit_call(call, wallet, signer="hotkey", wait_for_finalization=False)
+            if not result.success:
+                raise failure_error(result, "publish_commitment")
+
+        await self._call("publish_commitment", submit, write=True)
+
+    async def commitments(self, netuid: int) -> dict[str, Commitment]:
+        _check_netuid(netuid)
+
+        async def read(client: bt.Client) -> dict[str, Commitment]:
+            at = max(0, await client.block() - self.metagraph_lag_blocks)
+            graph = await client.subnets.metagraph(netuid, block=at, commitments=True)
+            if graph is None:
+                raise SubnetNotFound(f"subnet {netuid} does not exist on {self.network}", "SubnetNotExists")
+            found = {}
+            for n in graph.neurons:
+                c = graph.commitments[n.uid]
+                if c is not None and c.is_revealed:
+                    found[n.hotkey] = Commitment(hotkey=n.hotkey, block=c.block, data=c.value or "")
+            return found
+
+        return await self._call("read", read)
 
     async def set_weights(self, wallet, netuid: int, weights: dict[int, float], version_key: int) -> SetWeightsOutcome:
         _check_netuid(netuid)

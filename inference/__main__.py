@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inference", description=__doc__,
+    # named as started: the console script k3, else the module (never a file path inside the package)
+    prog = "k3" if os.path.basename(sys.argv[0]) == "k3" else "python -m inference"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation")

@@ -17,6 +17,27 @@ validator's kind of traffic once against one endpoint and writes all of that dow
   probes (exact copy, planted fact);
 - the endpoint's declared capabilities, model fingerprint and precision.
 
+As a serving benchmark (the terms and definitions of `vllm bench serve`):
+
+- traffic: closed waves (--concurrency, --repeats), or open loop with --request-rate R (requests/s,
+  inf = all at once; gaps gamma-distributed with shape --burstiness, 1 = Poisson) and
+  --max-concurrency (in flight at most) over --num-prompts requests per workload;
+- datasets (--dataset-name): random (seeded text of exactly --prompt-lengths tokens, or lengths
+  drawn within --random-range-ratio), sharegpt (the first human turn and the reply's length of each
+  conversation in --dataset-path), shared-prefix (prompts whose first --shared-prefix-tokens tokens
+  are shared among --shared-prefix-groups groups, for prefix caches);
+- metrics: TTFT, TPOT (end - first token) / (tokens - 1), ITL (every gap between tokens), E2EL, as
+  mean, std and --metric-percentiles; request, output-token and total-token throughput; goodput
+  (--goodput ttft:MS tpot:MS e2el:MS: requests/s meeting every SLO);
+- --endpoint-type chat sends /v1/chat/completions (messages; token ids from the logprobs with
+  `return_tokens_as_token_ids`), completions (the default) token ids to /v1/completions;
+- --save-result writes requests.jsonl, one line per request, next to the report.
+
+    # open loop at 4 requests/s, at most 16 in flight, over a ShareGPT file, with SLOs
+    python scripts/benchmark_endpoint.py --openai http://127.0.0.1:8000 --model moonshotai/Kimi-K3 \\
+        --tokenizer-checkpoint ckpt/k3 --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200 \\
+        --request-rate 4 --max-concurrency 16 --goodput ttft:2000 tpot:100 --save-result --out-dir bench/sharegpt
+
     # a miner, through the signed protocol (the wallet's hotkey needs a validator permit and stake)
     python scripts/benchmark_endpoint.py --miner http://203.0.113.7:8091 --miner-hotkey 5F... \\
         --wallet-name validator --wallet-hotkey default --tokenizer-checkpoint ckpt/k3 \\
@@ -46,13 +67,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import aiohttp
+import httpx
+from httpx_sse import EventSource, SSEError
 
 from inference.model import read_config
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
+from inference.serving.remote import _error_from_status, _stream_error, parse_token_key
 from neurons.observability import setup_logging
-from neurons.settings import (Option, WalletNotFound, WalletSettings, bind_defaults, build_parser, build_settings,
+from neurons.settings import (Option, WalletNotFound, WalletSettings, bind_defaults, build_parser, build_settings, flag,
                               logging_options, non_negative_float, non_negative_int, open_wallet, optional_int,
                               optional_text, positive_float, read_options, wallet_options)
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
@@ -72,6 +96,7 @@ REPORT_FORMAT = "k3-endpoint-benchmark"
 REPORT_VERSION = 1
 # What tier 0 cannot check on a plain OpenAI-compatible server: it signs nothing and declares no fingerprint.
 NOT_APPLICABLE_ON_OPENAI = ("signature", "fingerprint")
+NOT_APPLICABLE_IN_CHAT = ("usage_prompt",)
 UNDECLARED = "undeclared"
 MAX_CANARY_TOKENS = 64
 
@@ -81,18 +106,87 @@ class BenchmarkSetupError(RuntimeError):
 
 
 # ---------------------------------------------------------------- settings
+def _numbers(text: str, parse, what: str) -> tuple:
+    """Comma-separated values read by `parse`; `what` names them in the error."""
+    try:
+        values = tuple(parse(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of {what}") from None
+    if not values:
+        raise ValueError(f"{text!r} lists no {what}")
+    return values
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """Comma-separated positive integers: "128,1024,8192"."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
+    values = _numbers(text, int, "integers")
+    if min(values) < 1:
         raise ValueError(f"{text!r} must list positive integers")
     return values
 
 
 int_list.__name__ = "list of integers"
+
+
+def rate_list(text: str) -> tuple[float, ...]:
+    """Request rates in requests/s, comma-separated; "inf" sends every request at once: "1,4,inf"."""
+    values = _numbers(text, float, "rates (numbers or inf)")
+    if any(math.isnan(v) or v <= 0 for v in values):
+        raise ValueError(f"{text!r} must list positive rates (or inf)")
+    return values
+
+
+rate_list.__name__ = "list of rates"
+
+
+def percentile_list(text: str) -> tuple[float, ...]:
+    """Percentiles in (0, 100), comma-separated: "50,90,99,99.9"."""
+    values = _numbers(text, float, "percentiles")
+    if any(not 0 < v < 100 for v in values):
+        raise ValueError(f"{text!r} must list percentiles strictly between 0 and 100")
+    return tuple(sorted(set(values)))
+
+
+percentile_list.__name__ = "list of percentiles"
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # as `vllm bench serve` names them
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def metric_list(text: str) -> tuple[str, ...]:
+    """Latency metrics, comma-separated, from ttft, tpot, itl, e2el."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in LATENCY_METRICS]
+    if not names or unknown:
+        raise ValueError(f"{text!r}: choose from {', '.join(LATENCY_METRICS)}")
+    return names
+
+
+metric_list.__name__ = "list of metrics"
+
+
+def slo_list(text: str) -> tuple[tuple[str, float], ...]:
+    """Service-level objectives in milliseconds: "ttft:500,tpot:50" (or space-separated)."""
+    out = {}
+    for part in text.replace(",", " ").split():
+        name, sep, value = part.partition(":")
+        try:
+            limit = float(value)
+        except ValueError:
+            limit = float("nan")
+        if not sep or name not in SLO_METRICS or not limit > 0 or math.isinf(limit):
+            raise ValueError(f"{part!r} is not NAME:MILLISECONDS with NAME one of {', '.join(SLO_METRICS)}")
+        out[name] = limit
+    if not out:
+        raise ValueError("give at least one NAME:MILLISECONDS")
+    return tuple(sorted(out.items()))
+
+
+slo_list.__name__ = "SLO list"
+
+
+def percentile_key(q: float) -> str:
+    return f"p{q:g}"
 
 
 @dataclass(frozen=True)
@@ -123,6 +217,35 @@ class WorkloadSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     logprobs: int = 5
+    ignore_eos: bool = False
+    # the traffic: closed waves of --concurrency streams, or open-loop arrivals at these rates
+    request_rates: Optional[tuple[float, ...]] = None
+    burstiness: float = 1.0
+    max_concurrency: Optional[int] = None
+    num_prompts: int = 100
+    endpoint_type: str = "completions"
+
+
+DATASETS = ("random", "sharegpt", "shared-prefix")
+ENDPOINT_TYPES = ("completions", "chat")
+
+
+@dataclass(frozen=True)
+class DatasetSettings:
+    name: str = "random"
+    path: Optional[str] = None  # sharegpt: the JSON file
+    random_range_ratio: float = 0.0  # random: lengths drawn from [L(1-r), L(1+r)]
+    sharegpt_output_len: Optional[int] = None  # sharegpt: max_tokens for all (default: the reply's length)
+    prefix_tokens: int = 64  # shared-prefix: tokens every prompt of a group starts with
+    prefix_groups: int = 1  # shared-prefix: how many distinct prefixes
+
+
+@dataclass(frozen=True)
+class ResultSettings:
+    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    percentile_metrics: tuple[str, ...] = LATENCY_METRICS
+    goodput: tuple[tuple[str, float], ...] = ()  # SLOs in ms; a request meeting all of them is "good"
+    save_result: bool = False  # requests.jsonl (one line per request) next to the report
 
 
 @dataclass(frozen=True)
@@ -138,6 +261,8 @@ class BenchmarkSettings:
     target: TargetSettings = field(default_factory=TargetSettings)
     wallet: WalletChoice = field(default_factory=WalletChoice)
     workload: WorkloadSettings = field(default_factory=WorkloadSettings)
+    dataset: DatasetSettings = field(default_factory=DatasetSettings)
+    result: ResultSettings = field(default_factory=ResultSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
     # the validators' deadlines (protocol.client.ClientTimeouts), so the benchmark times out where they would
     timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
@@ -169,6 +294,31 @@ class BenchmarkSettings:
             out.append("--top-p must lie in (0, 1]")
         if not 0 <= w.logprobs <= 20:
             out.append("--logprobs must lie in 0..20")
+        d = self.dataset
+        if d.name not in DATASETS:
+            out.append(f"--dataset-name must be one of {', '.join(DATASETS)}")
+        if d.name == "sharegpt" and not d.path:
+            out.append("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON list)")
+        if d.path and d.name != "sharegpt":
+            out.append("--dataset-path is read only with --dataset-name sharegpt")
+        if not 0.0 <= d.random_range_ratio < 1.0:
+            out.append("--random-range-ratio must lie in [0, 1)")
+        if d.name == "shared-prefix" and (d.prefix_tokens < 1 or d.prefix_groups < 1):
+            out.append("--shared-prefix-tokens and --shared-prefix-groups must be at least 1")
+        if d.sharegpt_output_len is not None and d.sharegpt_output_len < 1:
+            out.append("--sharegpt-output-len must be at least 1")
+        if not w.burstiness > 0:
+            out.append("--burstiness must be positive (1: Poisson arrivals; lower: burstier; inf: evenly spaced)")
+        if w.max_concurrency is not None and w.max_concurrency < 1:
+            out.append("--max-concurrency must be at least 1")
+        if w.num_prompts < 1:
+            out.append("--num-prompts must be at least 1")
+        if w.endpoint_type not in ENDPOINT_TYPES:
+            out.append(f"--endpoint-type must be one of {', '.join(ENDPOINT_TYPES)}")
+        if t.miner_url and w.endpoint_type == "chat":
+            out.append("--endpoint-type chat needs an --openai target (a miner takes token ids)")
+        if t.miner_url and w.ignore_eos:
+            out.append("--ignore-eos needs an --openai target (the subnet protocol always stops at the end of sequence)")
         return out
 
 
@@ -207,6 +357,49 @@ def benchmark_options() -> tuple[Option, ...]:
                metavar="X"),
         Option("workload.logprobs", "--logprobs", f"{p}LOGPROBS", non_negative_int,
                "top-k alternatives asked per token (tier 0 checks greedy tokens against them)", group="workload"),
+        Option("workload.ignore_eos", "--ignore-eos", f"{p}IGNORE_EOS", flag,
+               "with --openai: generate max_tokens whatever the model says (vLLM's ignore_eos)", group="workload"),
+        Option("workload.request_rates", "--request-rate", f"{p}REQUEST_RATE", rate_list,
+               "open-loop traffic: requests/s (inf: all at once), arrivals Poisson (see --burstiness); "
+               "a list runs each; unset: closed waves of --concurrency", group="traffic", metavar="R,R,..."),
+        Option("workload.burstiness", "--burstiness", f"{p}BURSTINESS", positive_float,
+               "with --request-rate: gamma-distributed gaps of this shape (1: Poisson, <1 burstier, inf: even)",
+               group="traffic", metavar="X"),
+        Option("workload.max_concurrency", "--max-concurrency", f"{p}MAX_CONCURRENCY", optional_int,
+               "with --request-rate: at most this many requests in flight (the rest wait here)", group="traffic"),
+        Option("workload.num_prompts", "--num-prompts", f"{p}NUM_PROMPTS", int,
+               "with --request-rate: requests per workload", group="traffic"),
+        Option("workload.endpoint_type", "--endpoint-type", f"{p}ENDPOINT_TYPE", str,
+               "with --openai: /v1/completions (token ids) or /v1/chat/completions (messages)", group="traffic",
+               choices=ENDPOINT_TYPES),
+        Option("dataset.name", "--dataset-name", f"{p}DATASET_NAME", str,
+               "random: seeded prompts of --prompt-lengths; sharegpt: first turns of --dataset-path; "
+               "shared-prefix: prompts of --prompt-lengths whose first --shared-prefix-tokens are shared",
+               group="dataset", choices=DATASETS),
+        Option("dataset.path", "--dataset-path", f"{p}DATASET_PATH", optional_text,
+               "sharegpt: a JSON list of {\"conversations\": [{\"from\": \"human\", \"value\": ...}, "
+               "{\"from\": \"gpt\", ...}]}", group="dataset", metavar="FILE"),
+        Option("dataset.random_range_ratio", "--random-range-ratio", f"{p}RANDOM_RANGE_RATIO", non_negative_float,
+               "random: prompt and output lengths drawn uniformly from [L(1-r), L(1+r)]", group="dataset",
+               metavar="R"),
+        Option("dataset.sharegpt_output_len", "--sharegpt-output-len", f"{p}SHAREGPT_OUTPUT_LEN", optional_int,
+               "sharegpt: max_tokens of every request (default: the length of the conversation's reply)",
+               group="dataset"),
+        Option("dataset.prefix_tokens", "--shared-prefix-tokens", f"{p}SHARED_PREFIX_TOKENS", int,
+               "shared-prefix: tokens of the shared prefix (inside the prompt length)", group="dataset"),
+        Option("dataset.prefix_groups", "--shared-prefix-groups", f"{p}SHARED_PREFIX_GROUPS", int,
+               "shared-prefix: distinct prefixes, the prompts taking them in turn", group="dataset"),
+        Option("result.percentiles", "--metric-percentiles", f"{p}METRIC_PERCENTILES", percentile_list,
+               "percentiles reported for every distribution", group="result", metavar="Q,Q,..."),
+        Option("result.percentile_metrics", "--percentile-metrics", f"{p}PERCENTILE_METRICS", metric_list,
+               "latency metrics of the printed latency table (ttft, tpot, itl, e2el)", group="result",
+               metavar="M,M,..."),
+        Option("result.goodput", "--goodput", f"{p}GOODPUT", slo_list,
+               "SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:5000: goodput counts the requests meeting all",
+               group="result", metavar="NAME:MS"),
+        Option("result.save_result", "--save-result", f"{p}SAVE_RESULT", flag,
+               "also write requests.jsonl, one line per request (timings, tokens, errors), to --out-dir "
+               "(default: the current directory)", group="result"),
         Option("quality.reference_checkpoint", "--reference-checkpoint", f"{p}REFERENCE_CHECKPOINT", optional_text,
                "a local checkpoint of the served model: enables tier-1 audits and tier-2 canaries", group="quality",
                metavar="DIR"),
@@ -219,11 +412,15 @@ def benchmark_options() -> tuple[Option, ...]:
         Option("timeouts.connect", "--connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
                "deadline to connect", group="timeouts"),
         Option("timeouts.first_byte", "--first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S", positive_float,
-               "deadline for the first token (covers queueing and prefill)", group="timeouts"),
+               "deadline for the first token (queueing and prefill): this floor plus prompt tokens / "
+               "--prefill-tokens-per-s", group="timeouts"),
         Option("timeouts.between_events", "--between-tokens-timeout-s", f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float,
                "deadline between two tokens", group="timeouts"),
         Option("timeouts.total", "--request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
                "deadline of one request", group="timeouts"),
+        Option("timeouts.prefill_tokens_per_s", "--prefill-tokens-per-s", f"{p}PREFILL_TOKENS_PER_S", positive_float,
+               "the first token's deadline grows by prompt tokens / this rate (inf: a flat deadline)",
+               group="timeouts", metavar="RATE"),
         Option("tokenizer_checkpoint", "--tokenizer-checkpoint", f"{p}TOKENIZER_CHECKPOINT", optional_text,
                "checkpoint directory with the served model's config.json and tokenizer (default: the reference)",
                group="general", metavar="DIR"),
@@ -232,9 +429,26 @@ def benchmark_options() -> tuple[Option, ...]:
     ) + logging_options())
 
 
+def joined_goodput(argv: Sequence[str]) -> list[str]:
+    """`--goodput ttft:500 tpot:50` (vLLM's spelling, one word per SLO) as one value for the parser."""
+    out: list[str] = []
+    in_goodput = False
+    for word in argv:
+        if in_goodput and ":" in word and not word.startswith("-"):
+            if out[-1] == "--goodput":
+                out.append(word)
+            else:
+                out[-1] += "," + word
+            continue
+        in_goodput = word == "--goodput"
+        out.append(word)
+    return out
+
+
 def read_benchmark_settings(argv: Optional[Sequence[str]] = None,
                             environ: Optional[dict] = None) -> BenchmarkSettings:
     options = benchmark_options()
+    argv = joined_goodput(list(sys.argv[1:] if argv is None else argv))
     values = read_options(options, argv, environ, prog="scripts/benchmark_endpoint.py", description=__doc__)
     settings = build_settings(BenchmarkSettings, values)
     problems = settings.problems()
@@ -273,12 +487,14 @@ class OpenAIEndpoint:
 
     kind = "openai"
 
-    def __init__(self, settings: TargetSettings, timeouts: ClientTimeouts, concurrency: int):
+    def __init__(self, settings: TargetSettings, timeouts: ClientTimeouts, concurrency: int, ignore_eos: bool = False):
         self.settings = settings
         self.timeouts = timeouts
         self.concurrency = concurrency
+        self.ignore_eos = ignore_eos
         self.engine: Optional[RemoteEngine] = None
         self.stop_ids: frozenset[int] = frozenset()
+        self.tokenizer = None
 
     async def _model_entry(self) -> dict:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
@@ -304,11 +520,13 @@ class OpenAIEndpoint:
         if not isinstance(max_context, int) or max_context < 2:
             raise BenchmarkSetupError("the server's /v1/models gives no max_model_len: pass --max-context")
         self.stop_ids = frozenset(tokenizer.stop_ids)
+        self.tokenizer = tokenizer
         self.engine = RemoteEngine(
             RemoteSettings(base_url=self.settings.openai_url, model_name=self.settings.model,
                            api_key=self.settings.api_key, max_context=max_context,
                            max_concurrent_sequences=self.concurrency, connect_timeout_s=self.timeouts.connect,
                            first_token_floor_s=self.timeouts.first_byte,
+                           prefill_tokens_per_s=self.timeouts.prefill_tokens_per_s,
                            stall_timeout_s=self.timeouts.between_events,
                            total_timeout_s=self.timeouts.total),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
@@ -323,7 +541,7 @@ class OpenAIEndpoint:
         result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                                   top_k=request.top_k, seed=request.seed, stop=tuple(request.stop),
-                                  logprobs=request.logprobs)
+                                  logprobs=request.logprobs, ignore_eos=self.ignore_eos)
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
@@ -364,6 +582,133 @@ class OpenAIEndpoint:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
+
+
+class ChatEndpoint(OpenAIEndpoint):
+    """An OpenAI-compatible server's /v1/chat/completions: the request's text as one user message,
+    the server's own chat template. Token ids come from the streamed logprobs, asked with vLLM's
+    `return_tokens_as_token_ids` (never parsed from token text); deadlines as the remote adapter's:
+    the first token within first_byte + prompt / prefill rate, then between_events per chunk."""
+
+    path = "/v1/chat/completions"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.http: Optional[httpx.AsyncClient] = None
+
+    async def capabilities(self, tokenizer) -> tuple[Capabilities, dict]:
+        caps, described = await super().capabilities(tokenizer)
+        t = self.timeouts
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max(100, self.concurrency + 8)),
+                                      timeout=httpx.Timeout(connect=t.connect, read=None, write=t.connect,
+                                                            pool=t.total))
+        return caps, described
+
+    def _body(self, request: GenerateRequest) -> dict:
+        body = {"model": self.settings.model, "messages": [{"role": "user", "content": request.prompt}],
+                "max_completion_tokens": request.max_tokens, "temperature": request.temperature,
+                "top_p": request.top_p, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": request.logprobs, "return_tokens_as_token_ids": True}
+        if request.top_k:
+            body["top_k"] = request.top_k
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.stop:
+            body["stop"] = list(request.stop)
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        t = self.timeouts
+        total_at = start + t.total
+        prompt_guess = len(self.tokenizer.encode(request.prompt)) if self.tokenizer is not None else 0
+        first_at = min(start + t.first_event_s(prompt_guess), total_at)
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        http = self.http.build_request("POST", self.settings.openai_url.rstrip("/") + self.path,
+                                       json=self._body(request), headers=headers)
+        index, usage, finish, first_token = 0, {}, None, None
+        try:
+            try:
+                async with asyncio.timeout_at(first_at):
+                    response = await self.http.send(http, stream=True)
+            except TimeoutError:
+                raise EngineError("engine_stalled", "no answer in time", timeout="first_byte") from None
+            except httpx.HTTPError as error:
+                raise EngineError("engine_unavailable", f"cannot reach the server: {error!r}",
+                                  unreachable=True) from None
+            try:
+                if response.status_code != 200:
+                    text = (await response.aread())[:4096].decode(errors="replace")
+                    raise _error_from_status(response.status_code, text)
+                events = EventSource(response).aiter_sse()
+                while True:
+                    due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
+                    try:
+                        async with asyncio.timeout_at(due):
+                            sse = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        kind = "total" if due >= total_at else ("first_byte" if first_token is None
+                                                                else "between_events")
+                        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
+                    except (SSEError, httpx.HTTPError) as error:
+                        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
+                    if sse.data == "[DONE]":
+                        break
+                    try:
+                        data = json.loads(sse.data)
+                    except ValueError:
+                        raise EngineError("engine_failure", f"malformed event: {sse.data[:200]!r}") from None
+                    if data.get("error") and not data.get("choices"):
+                        raise _stream_error(data["error"])
+                    usage = data.get("usage") or usage
+                    for choice in data.get("choices") or []:
+                        content = (choice.get("delta") or {}).get("content") or ""
+                        entries = (choice.get("logprobs") or {}).get("content") or []
+                        if content and not entries and not choice.get("finish_reason"):
+                            raise EngineError("engine_failure", "the server streamed text without logprobs")
+                        if entries:
+                            ids = [parse_token_key(e.get("token")) for e in entries]
+                            event = TokenEvent(
+                                index=index, token_ids=ids, text=content[:16_384],
+                                logprobs=[_logprob(e.get("logprob", LOGPROB_FLOOR)) for e in entries],
+                                top_logprobs=[[TopLogprob(token_id=parse_token_key(top.get("token")),
+                                                          logprob=_logprob(top.get("logprob", LOGPROB_FLOOR)))
+                                               for top in (e.get("top_logprobs") or [])[:request.logprobs]]
+                                              for e in entries])
+                            arrived = loop.time() - start
+                            first_token = arrived if first_token is None else first_token
+                            result.events.append(TimedEvent(event, arrived))
+                            index += len(ids)
+                        finish = choice.get("finish_reason") or finish
+            finally:
+                await response.aclose()
+        except EngineError as error:
+            failure = _miner_error(error, self.timeouts)
+            failure.partial = result
+            raise failure from None
+        if finish is None:
+            failure = MinerProtocolError("the server closed the stream without a finish reason")
+            failure.partial = result
+            raise failure
+        end = loop.time() - start
+        reason = "length" if finish == "length" else "stop"  # _final tells eos from a stop string
+        engine_final = EngineFinal(finish_reason=reason, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                                   completion_tokens=index, queue_ms=0.0,
+                                   ttft_ms=None if first_token is None else first_token * 1000, total_ms=end * 1000)
+        result.final = self._final(engine_final, result)
+        result.events.append(TimedEvent(result.final, end))
+        return result
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        await super().close()
 
 
 def _logprob(value: float) -> float:
@@ -408,59 +753,194 @@ def error_kind(error: MinerError) -> str:
 
 
 # ---------------------------------------------------------------- the request set
-def exact_prompt(rng: random.Random, tokenizer, length: int) -> list[int]:
-    """A one-turn chat prompt of exactly `length` tokens, template included, from seeded text."""
-    frame = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
-    need = length - len(frame)
-    if need < 1:
-        raise BenchmarkSetupError(f"prompt length {length} leaves no room for content: the chat template alone "
-                                  f"takes {len(frame)} tokens")
-    # The instruction only when it leaves most of the room to the seeded material: that keeps
-    # every prompt distinct, however short.
+def content_ids(rng: random.Random, tokenizer, need: int, instruct: bool = True) -> list[int]:
+    """`need` tokens of seeded text (the instruction first when it leaves most of the room to it)."""
     head = "Continue the following text in the same style.\n\n"
-    text = head if need >= 4 * len(tokenizer.encode(head)) else ""
+    text = head if instruct and need >= 4 * len(tokenizer.encode(head)) else ""
     ids = tokenizer.encode(text)
     while len(ids) < need:
         text += "\n\n".join(corpus.paragraphs(rng, 4 * (need - len(ids)) + 64)) + "\n\n"
         ids = tokenizer.encode(text)
-    at = frame.index(tokenizer.special_tokens[IM_END])
-    return frame[:at] + ids[:need] + frame[at:]
+    return ids[:need]
+
+
+def chat_frame(tokenizer) -> tuple[list[int], int]:
+    """The chat template around one empty user turn, and where the turn's content goes."""
+    frame = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
+    return frame, frame.index(tokenizer.special_tokens[IM_END])
+
+
+def room_for_content(tokenizer, length: int) -> int:
+    frame, _ = chat_frame(tokenizer)
+    need = length - len(frame)
+    if need < 1:
+        raise BenchmarkSetupError(f"prompt length {length} leaves no room for content: the chat template alone "
+                                  f"takes {len(frame)} tokens")
+    return need
+
+
+def framed(tokenizer, content: list[int]) -> list[int]:
+    frame, at = chat_frame(tokenizer)
+    return frame[:at] + content + frame[at:]
+
+
+def exact_prompt(rng: random.Random, tokenizer, length: int) -> list[int]:
+    """A one-turn chat prompt of exactly `length` tokens, template included, from seeded text."""
+    # The instruction only when it leaves most of the room to the seeded material: that keeps
+    # every prompt distinct, however short.
+    return framed(tokenizer, content_ids(rng, tokenizer, room_for_content(tokenizer, length)))
 
 
 @dataclass
 class Cell:
-    prompt_tokens: int
-    output_tokens: int
-    concurrency: int
-    waves: list[list[GenerateRequest]]
+    prompt_tokens: Optional[int]  # the nominal prompt length (None: a dataset file's own lengths)
+    output_tokens: Optional[int]
+    concurrency: Optional[int]  # closed waves of this many streams (None: open loop)
+    waves: list[list[GenerateRequest]]  # open loop: one list of every request, in arrival order
+    rate: Optional[float] = None  # open loop: requests/s (inf: all at once)
+    max_concurrency: Optional[int] = None
+    dataset: str = "random"
+
+    @property
+    def label(self) -> str:
+        lengths = f"P={self.prompt_tokens} O={self.output_tokens}" if self.prompt_tokens else \
+            (f"O={self.output_tokens}" if self.output_tokens else "")
+        traffic = f"C={self.concurrency}" if self.rate is None else \
+            f"rate={self.rate:g}" + (f" max-conc={self.max_concurrency}" if self.max_concurrency else "")
+        return " ".join(part for part in (self.dataset, lengths, traffic) if part)
 
 
 def request_id(rng: random.Random) -> str:
     return f"{rng.getrandbits(128):032x}"
 
 
+def _varied(rng: random.Random, length: int, ratio: float) -> int:
+    if not ratio:
+        return length
+    return rng.randint(max(1, math.floor(length * (1 - ratio))), math.ceil(length * (1 + ratio)))
+
+
+def _request(settings: WorkloadSettings, tokenizer, rng: random.Random, logprobs: int, content: list[int],
+             output_tokens: int) -> GenerateRequest:
+    """One request of the set: token ids with the chat template (completions), or the turn's text (chat)."""
+    common = dict(request_id=request_id(rng), max_tokens=output_tokens, temperature=settings.temperature,
+                  top_p=settings.top_p, seed=rng.getrandbits(63), logprobs=logprobs)
+    if settings.endpoint_type == "chat":
+        return GenerateRequest(prompt=tokenizer.decode(content), chat=True, **common)
+    return GenerateRequest(prompt_token_ids=framed(tokenizer, content), **common)
+
+
 def build_requests(settings: WorkloadSettings, tokenizer, logprobs: int, namespace: str, prompt_tokens: int,
-                   output_tokens: int, count: int) -> list[GenerateRequest]:
+                   output_tokens: int, count: int, dataset: DatasetSettings = DatasetSettings()) -> list[GenerateRequest]:
     rng = random.Random(f"{settings.seed}:{namespace}:{prompt_tokens}:{output_tokens}")
-    return [GenerateRequest(request_id=request_id(rng), prompt_token_ids=exact_prompt(rng, tokenizer, prompt_tokens),
-                            max_tokens=output_tokens, temperature=settings.temperature, top_p=settings.top_p,
-                            seed=rng.getrandbits(63), logprobs=logprobs)
-            for _ in range(count)]
+    if dataset.name == "shared-prefix":
+        need = room_for_content(tokenizer, prompt_tokens)
+        if dataset.prefix_tokens >= need:
+            raise BenchmarkSetupError(f"--shared-prefix-tokens {dataset.prefix_tokens} leaves no room for a "
+                                      f"distinct suffix in a {prompt_tokens}-token prompt ({need} of content)")
+        groups = random.Random(f"{settings.seed}:prefixes:{prompt_tokens}")
+        prefixes = [content_ids(groups, tokenizer, dataset.prefix_tokens) for _ in range(dataset.prefix_groups)]
+        out = []
+        for k in range(count):
+            suffix = content_ids(rng, tokenizer, need - dataset.prefix_tokens, instruct=False)
+            out.append(_request(settings, tokenizer, rng, logprobs, prefixes[k % len(prefixes)] + suffix,
+                                output_tokens))
+        return out
+    out = []
+    for _ in range(count):
+        length = _varied(rng, prompt_tokens, dataset.random_range_ratio)
+        output = _varied(rng, output_tokens, dataset.random_range_ratio)
+        out.append(_request(settings, tokenizer, rng, logprobs,
+                            content_ids(rng, tokenizer, room_for_content(tokenizer, length)), output))
+    return out
 
 
-def plan_cells(settings: WorkloadSettings, tokenizer, caps: Capabilities) -> list[Cell]:
+@dataclass(frozen=True)
+class Conversation:
+    """A ShareGPT conversation's first exchange: the user's turn (token ids of its text) and the
+    reply's length in tokens."""
+
+    prompt: list[int]
+    reply_tokens: int
+
+
+def read_sharegpt(path: str, tokenizer) -> list[Conversation]:
+    """The first (human, gpt) exchange of every conversation in a ShareGPT-format JSON file."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as error:
+        raise BenchmarkSetupError(f"cannot read the ShareGPT file {path}: {error}") from None
+    if not isinstance(data, list):
+        raise BenchmarkSetupError(f"{path} is not a ShareGPT file: expected a JSON list of conversations")
+    out = []
+    for entry in data:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
+            continue
+        ask, reply = turns[0], turns[1]
+        if ask.get("from") not in ("human", "user") or reply.get("from") not in ("gpt", "assistant"):
+            continue
+        if not isinstance(ask.get("value"), str) or not isinstance(reply.get("value"), str) or not ask["value"]:
+            continue
+        out.append(Conversation(tokenizer.encode(ask["value"]), len(tokenizer.encode(reply["value"]))))
+    if not out:
+        raise BenchmarkSetupError(f"{path} holds no conversation starting with a human turn and a gpt reply")
+    return out
+
+
+def sharegpt_requests(settings: WorkloadSettings, dataset: DatasetSettings, tokenizer, logprobs: int,
+                      conversations: Sequence[Conversation], namespace: str, count: int,
+                      fits) -> list[GenerateRequest]:
+    """`count` requests from the conversations, in a seeded order (reused in turn when there are fewer)."""
+    usable = []
+    for c in conversations:
+        output = dataset.sharegpt_output_len or c.reply_tokens
+        if c.prompt and output >= 1 and fits(len(framed(tokenizer, c.prompt)), output):
+            usable.append((c, output))
+    if not usable:
+        raise BenchmarkSetupError("no conversation of the ShareGPT file fits the endpoint (context, max tokens)")
+    rng = random.Random(f"{settings.seed}:sharegpt:{namespace}")
+    order = rng.sample(usable, len(usable))
+    return [_request(settings, tokenizer, rng, logprobs, order[k % len(order)][0].prompt, order[k % len(order)][1])
+            for k in range(count)]
+
+
+def plan_cells(settings: WorkloadSettings, tokenizer, caps: Capabilities,
+               dataset: DatasetSettings = DatasetSettings()) -> list[Cell]:
     limits = caps.limits
+    logprobs = min(settings.logprobs, limits.max_logprobs)
+    ratio = dataset.random_range_ratio if dataset.name == "random" else 0.0
+
+    def fits(p: int, o: int) -> bool:
+        return p + o <= caps.max_context and p <= limits.max_prompt_tokens and o <= limits.max_tokens
+
+    # the traffic of one workload: (concurrency, rate, requests)
+    def traffic(make) -> list[tuple]:
+        if settings.request_rates is None:
+            return [(c, None, make(f"c{c}", c * settings.repeats)) for c in settings.concurrency]
+        return [(None, r, make(f"r{r:g}", settings.num_prompts)) for r in settings.request_rates]
+
+    def cell(p, o, c, r, requests) -> Cell:
+        waves = [requests[k * c:(k + 1) * c] for k in range(settings.repeats)] if c else [requests]
+        return Cell(p, o, c, waves, rate=r, max_concurrency=settings.max_concurrency if r else None,
+                    dataset=dataset.name)
+
+    if dataset.name == "sharegpt":
+        conversations = read_sharegpt(dataset.path, tokenizer)
+        return [cell(None, dataset.sharegpt_output_len, c, r, requests) for c, r, requests in traffic(
+            lambda ns, n: sharegpt_requests(settings, dataset, tokenizer, logprobs, conversations, ns, n, fits))]
     cells = []
     for p in settings.prompt_lengths:
         for o in settings.output_lengths:
-            if p + o > caps.max_context or p > limits.max_prompt_tokens or o > limits.max_tokens:
+            top_p, top_o = math.ceil(p * (1 + ratio)), math.ceil(o * (1 + ratio))
+            if not fits(top_p, top_o):
                 raise BenchmarkSetupError(
-                    f"prompt length {p} + output length {o} does not fit the endpoint (context {caps.max_context}, "
-                    f"max prompt {limits.max_prompt_tokens}, max output {limits.max_tokens}); drop it from the lists")
-            for c in settings.concurrency:
-                requests = build_requests(settings, tokenizer, min(settings.logprobs, limits.max_logprobs),
-                                          f"c{c}", p, o, c * settings.repeats)
-                cells.append(Cell(p, o, c, [requests[k * c:(k + 1) * c] for k in range(settings.repeats)]))
+                    f"prompt length {top_p} + output length {top_o} does not fit the endpoint (context "
+                    f"{caps.max_context}, max prompt {limits.max_prompt_tokens}, max output {limits.max_tokens}); "
+                    "drop it from the lists")
+            for c, r, requests in traffic(lambda ns, n: build_requests(settings, tokenizer, logprobs, ns, p, o, n,
+                                                                       dataset)):
+                cells.append(cell(p, o, c, r, requests))
     return cells
 
 
@@ -471,6 +951,19 @@ def request_set_digest(cells: Sequence[Cell]) -> str:
             for request in wave:
                 digest.update(encode_model(request))
     return digest.hexdigest()
+
+
+def arrival_times(count: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Seconds after the start at which each request is sent: all at 0 for an infinite rate; else gaps
+    drawn from a gamma distribution of shape `burstiness` and mean 1/rate (shape 1: a Poisson process;
+    below 1 burstier, above 1 more even; infinite: exactly 1/rate apart)."""
+    if math.isinf(rate):
+        return [0.0] * count
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += 1.0 / rate if math.isinf(burstiness) else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times
 
 
 # ---------------------------------------------------------------- measuring
@@ -497,24 +990,60 @@ class Runner:
         self.hotkey = hotkey or ""
         self.config = config
 
+    @property
+    def not_applicable(self) -> tuple[str, ...]:
+        """Tier-0 checks that cannot hold on this endpoint."""
+        if self.endpoint.kind != "openai":
+            return ()
+        # chat: the server applies its own template, so the prompt's count is the server's own
+        return NOT_APPLICABLE_ON_OPENAI + (NOT_APPLICABLE_IN_CHAT if isinstance(self.endpoint, ChatEndpoint) else ())
+
     def tier0(self, item, result: GenerateResult) -> list:
         failures = check_tier0(item, result, self.tokenizer, self.caps, self.hotkey, self.config)
-        if self.endpoint.kind == "openai":
-            failures = [f for f in failures if f.check not in NOT_APPLICABLE_ON_OPENAI]
-        return failures
+        skip = self.not_applicable
+        return [f for f in failures if f.check not in skip]
 
-    async def one(self, request: GenerateRequest) -> Sample:
+    async def one(self, request: GenerateRequest, check: bool = True) -> Sample:
+        """Send one request; tier 0 on its answer unless `check` is off (then `checked` does it later)."""
         started = time.monotonic()
         try:
             result = await self.endpoint.generate(request)
         except MinerError as error:
             return Sample(request, started, time.monotonic(), error=error_kind(error), message=str(error)[:300])
         sample = Sample(request, started, time.monotonic(), result=result)
-        sample.tier0 = self.tier0(None, result)
+        if check:
+            sample.tier0 = self.tier0(None, result)
         return sample
 
+    def checked(self, samples: list[Sample]) -> list[Sample]:
+        """Tier 0 on the finished samples of a measured batch, after its clock stopped: the checks'
+        CPU time must not slow the streams being measured (on a small client machine it would)."""
+        for sample in samples:
+            if sample.ok:
+                sample.tier0 = self.tier0(None, sample.result)
+        return samples
+
     async def wave(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
-        return list(await asyncio.gather(*(self.one(r) for r in requests)))
+        return self.checked(list(await asyncio.gather(*(self.one(r, check=False) for r in requests))))
+
+    async def open_loop(self, requests: Sequence[GenerateRequest], rate: float, burstiness: float,
+                        max_concurrency: Optional[int], rng: random.Random) -> list[Sample]:
+        """Send each request at its arrival time, whatever the others are doing (open loop); with
+        `max_concurrency`, an arrival waits here until fewer than that many are in flight, and its
+        clock starts when it is sent."""
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def send(request: GenerateRequest, at: float) -> Sample:
+            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            if slots is None:
+                return await self.one(request, check=False)
+            async with slots:
+                return await self.one(request, check=False)
+
+        times = arrival_times(len(requests), rate, burstiness, rng)
+        return self.checked(list(await asyncio.gather(*(send(r, at) for r, at in zip(requests, times)))))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -525,12 +1054,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def summary(values: Sequence[Optional[float]]) -> Optional[dict]:
+def summary(values: Sequence[Optional[float]], percentiles: Sequence[float] = (50, 90, 99)) -> Optional[dict]:
     values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return None
-    return {"n": len(values), "mean": sum(values) / len(values), "min": min(values),
-            "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+    mean = sum(values) / len(values)
+    return {"n": len(values), "mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)),
+            "min": min(values), **{percentile_key(q): percentile(values, q) for q in percentiles},
             "max": max(values)}
 
 
@@ -541,7 +1071,40 @@ def count_by(keys) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> dict:
+def prompt_length(sample: Sample) -> int:
+    """The prompt's tokens: as sent, or (chat) as the server counted them with its template."""
+    if sample.request.prompt_token_ids is not None:
+        return len(sample.request.prompt_token_ids)
+    final = sample.result.final if sample.result is not None else None
+    return final.usage.prompt_tokens if final is not None else 0
+
+
+def request_metrics_ms(result: GenerateResult) -> dict[str, Optional[float]]:
+    """TTFT, TPOT and end-to-end latency of one request in ms; TPOT is 0 for a single token (as
+    `vllm bench serve` counts it for goodput)."""
+    ttft = result.ttft_s
+    tpot = time_per_output_token_ms(result)
+    return {"ttft": None if ttft is None else ttft * 1000, "tpot": tpot if tpot is not None else 0.0,
+            "e2el": None if result.total_s is None else result.total_s * 1000}
+
+
+def meets(result: GenerateResult, slos: Sequence[tuple[str, float]]) -> bool:
+    """Whether a finished request met every SLO (ms)."""
+    values = request_metrics_ms(result)
+    return all(values[name] is not None and values[name] <= limit for name, limit in slos)
+
+
+def cell_duration_s(cell: Cell, waves: list[list[Sample]]) -> float:
+    """Closed waves: the sum of the waves' walls; open loop: first send to last answer."""
+    if cell.rate is None:
+        return sum(max(s.ended for s in wave) - min(s.started for s in wave) for wave in waves if wave)
+    samples = [s for wave in waves for s in wave]
+    return max(s.ended for s in samples) - min(s.started for s in samples) if samples else 0.0
+
+
+def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities, result: ResultSettings = ResultSettings()
+                ) -> dict:
+    q = result.percentiles
     samples = [s for wave in waves for s in wave]
     done = [s for s in samples if s.ok]
     wall = tokens = 0.0
@@ -551,23 +1114,62 @@ def cell_report(cell: Cell, waves: list[list[Sample]], caps: Capabilities) -> di
             wall += max(s.ended for s in finished) - min(s.started for s in wave)
             tokens += sum(len(s.result.token_ids) for s in finished)
     ttfts = [s.result.ttft_s for s in done]
+    duration = cell_duration_s(cell, waves)
+    output = sum(len(s.result.token_ids) for s in done)
+    prompt = sum(prompt_length(s) for s in done)
+    good = sum(1 for s in done if meets(s.result, result.goodput)) if result.goodput else None
+    per_second = (lambda n: n / duration if duration > 0 else None)
     return {
+        "workload": cell.label, "dataset": cell.dataset,
         "prompt_tokens": cell.prompt_tokens, "output_tokens": cell.output_tokens, "concurrency": cell.concurrency,
-        "beyond_declared_capacity": cell.concurrency > caps.max_concurrent_streams,
+        "request_rate": None if cell.rate is None else _json_rate(cell.rate), "max_concurrency": cell.max_concurrency,
+        "beyond_declared_capacity": (cell.concurrency or cell.max_concurrency or len(samples))
+        > caps.max_concurrent_streams,
         "requests": len(samples), "completed": len(done), "errors": count_by(s.error for s in samples if not s.ok),
         "error_examples": sorted({s.message for s in samples if not s.ok})[:3],
-        "completion_tokens": summary([len(s.result.token_ids) for s in done]),
-        "ttft_s": summary(ttfts),
-        "prefill_tokens_per_s": summary([cell.prompt_tokens / t for t in ttfts if t]),
-        "decode_tokens_per_s": summary([decode_tokens_per_s(s.result) for s in done]),
+        "input_tokens": summary([prompt_length(s) for s in done], q),
+        "completion_tokens": summary([len(s.result.token_ids) for s in done], q),
+        "ttft_s": summary(ttfts, q),
+        "prefill_tokens_per_s": summary([prompt_length(s) / s.result.ttft_s for s in done if s.result.ttft_s], q),
+        "decode_tokens_per_s": summary([decode_tokens_per_s(s.result) for s in done], q),
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
-        "latency_s": summary([s.result.total_s for s in done]),
+        "latency_s": summary([s.result.total_s for s in done], q),
         "tier0_failed": sum(1 for s in done if s.tier0),
         # as `vllm bench serve` defines them: TPOT per request = (end - first token) / (tokens - 1);
-        # ITL = every gap between two consecutive tokens of a stream
-        "tpot_ms": summary([time_per_output_token_ms(s.result) for s in done]),
-        "itl_ms": summary([gap for s in done for gap in inter_token_latencies_ms(s.result)]),
+        # ITL = every gap between two consecutive tokens of a stream; E2EL = the whole request
+        "ttft_ms": summary([t * 1000 for t in ttfts if t is not None], q),
+        "tpot_ms": summary([time_per_output_token_ms(s.result) for s in done], q),
+        "itl_ms": summary([gap for s in done for gap in inter_token_latencies_ms(s.result)], q),
+        "e2el_ms": summary([s.result.total_s * 1000 for s in done if s.result.total_s is not None], q),
+        "duration_s": duration,
+        "request_throughput": per_second(len(done)),
+        "output_throughput": per_second(output),
+        "total_token_throughput": per_second(output + prompt),
+        "goodput": None if good is None else {"slos_ms": dict(result.goodput), "good": good,
+                                              "requests_per_s": per_second(good)},
     }
+
+
+def request_rows(cell: Cell, waves: list[list[Sample]], slos: Sequence[tuple[str, float]]) -> list[dict]:
+    """One JSON-ready row per request of a workload (for requests.jsonl)."""
+    samples = [s for wave in waves for s in wave]
+    origin = min((s.started for s in samples), default=0.0)
+    rows = []
+    for wave_index, wave in enumerate(waves):
+        for s in wave:
+            row = {"workload": cell.label, "wave": wave_index if cell.rate is None else None,
+                   "request_id": s.request.request_id, "max_tokens": s.request.max_tokens,
+                   "sent_s": s.started - origin, "ok": s.ok, "error": s.error, "message": s.message or None}
+            if s.ok:
+                r = s.result
+                metrics = request_metrics_ms(r)
+                row.update(prompt_tokens=prompt_length(s), completion_tokens=len(r.token_ids),
+                           finish_reason=r.final.finish_reason, ttft_ms=metrics["ttft"],
+                           tpot_ms=time_per_output_token_ms(r), e2el_ms=metrics["e2el"],
+                           itl_ms=inter_token_latencies_ms(r), tier0_failures=[f.check for f in s.tier0],
+                           good=meets(r, slos) if slos else None)
+            rows.append(row)
+    return rows
 
 
 def time_per_output_token_ms(result: GenerateResult) -> Optional[float]:
@@ -676,7 +1278,10 @@ def open_endpoint(settings: BenchmarkSettings):
         except WalletNotFound as error:
             raise BenchmarkSetupError(str(error)) from None
         return MinerEndpoint(t.miner_url, t.miner_hotkey, wallet, settings.timeouts)
-    return OpenAIEndpoint(t, settings.timeouts, max(settings.workload.concurrency))
+    w = settings.workload
+    streams = max(w.concurrency) if w.request_rates is None else (w.max_concurrency or w.num_prompts)
+    kind = ChatEndpoint if w.endpoint_type == "chat" else OpenAIEndpoint
+    return kind(t, settings.timeouts, streams, ignore_eos=w.ignore_eos)
 
 
 def _served_model_tokenizer(tok_dir):
@@ -714,25 +1319,32 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
         if caps.vocab_size != tokenizer.vocab_size:
             raise BenchmarkSetupError(f"the endpoint's vocabulary ({caps.vocab_size}) is not the tokenizer's "
                                       f"({tokenizer.vocab_size}): give the served model's --tokenizer-checkpoint")
-        cells = plan_cells(w, tokenizer, caps)
+        cells = plan_cells(w, tokenizer, caps, settings.dataset)
         runner = Runner(endpoint, tokenizer, caps, settings.target.miner_hotkey, config)
 
         smallest = min(w.prompt_lengths), min(w.output_lengths)
         for request in build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest, w.warmup):
             await runner.one(request)
 
-        workloads, all_samples = [], []
+        workloads, all_samples, per_request = [], [], []
+        arrivals = random.Random(f"{w.seed}:arrivals")
         for cell in cells:
-            waves = [await runner.wave(wave) for wave in cell.waves]
+            if cell.rate is None:
+                waves = [await runner.wave(wave) for wave in cell.waves]
+            else:
+                waves = [await runner.open_loop(cell.waves[0], cell.rate, w.burstiness, cell.max_concurrency,
+                                                arrivals)]
             all_samples += [s for wave in waves for s in wave]
-            workloads.append(cell_report(cell, waves, caps))
-            log.info("workload P=%d O=%d C=%d done", cell.prompt_tokens, cell.output_tokens, cell.concurrency)
+            workloads.append(cell_report(cell, waves, caps, settings.result))
+            if settings.result.save_result:
+                per_request += request_rows(cell, waves, settings.result.goodput)
+            log.info("workload %s done", cell.label)
         done = [s for s in all_samples if s.ok]
 
         quality: dict[str, Any] = {"tier0": {
             "checked": len(done), "passed": sum(1 for s in done if not s.tier0),
             "failures": count_by(f.check for s in done for f in s.tier0),
-            "not_applicable": list(NOT_APPLICABLE_ON_OPENAI) if endpoint.kind == "openai" else []}}
+            "not_applicable": list(runner.not_applicable)}}
         reference_fingerprint = None
         if q.reference_checkpoint and (q.audits or q.canaries):
             reference, reference_fingerprint = reference_engine(
@@ -771,14 +1383,29 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
                      "seed": w.seed},
         "settings": {"prompt_lengths": list(w.prompt_lengths), "output_lengths": list(w.output_lengths),
                      "concurrency": list(w.concurrency), "repeats": w.repeats, "warmup": w.warmup,
-                     "timeouts_s": dataclasses.asdict(settings.timeouts)},
+                     "timeouts_s": dataclasses.asdict(settings.timeouts),
+                     "traffic": ("closed waves" if w.request_rates is None else
+                                 {"request_rates": [_json_rate(r) for r in w.request_rates], "burstiness":
+                                  _json_rate(w.burstiness), "max_concurrency": w.max_concurrency,
+                                  "num_prompts": w.num_prompts}),
+                     "endpoint_type": w.endpoint_type, "ignore_eos": w.ignore_eos,
+                     "dataset": dataclasses.asdict(settings.dataset),
+                     "percentiles": list(settings.result.percentiles),
+                     "goodput_slos_ms": dict(settings.result.goodput)},
         "request_set_sha256": request_set_digest(cells),
         "client": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "workloads": workloads,
         "totals": {"requests": len(all_samples), "completed": len(done),
                    "errors": count_by(s.error for s in all_samples if not s.ok)},
         "quality": quality,
+        "percentile_metrics": list(settings.result.percentile_metrics),
+        **({"per_request": per_request} if settings.result.save_result else {}),
     }
+
+
+def _json_rate(value: float):
+    """inf as the string "inf" (JSON has no infinity)."""
+    return "inf" if math.isinf(value) else value
 
 
 # ---------------------------------------------------------------- the report
@@ -789,7 +1416,13 @@ def _fmt(value: Optional[float], digits: int = 3) -> str:
 
 
 def _stat(stats: Optional[dict], key: str) -> str:
-    return _fmt(stats[key]) if stats else "-"
+    return _fmt(stats.get(key)) if stats else "-"
+
+
+def _conc(w: dict) -> str:
+    if w.get("request_rate") is None:
+        return str(w["concurrency"])
+    return f"rate {w['request_rate']}" + (f" max {w['max_concurrency']}" if w.get("max_concurrency") else "")
 
 
 def markdown_report(report: dict) -> str:
@@ -812,7 +1445,8 @@ def markdown_report(report: dict) -> str:
     for w in report["workloads"]:
         errors = ", ".join(f"{k} {v}" for k, v in w["errors"].items()) or "-"
         lines.append(
-            f"| {w['prompt_tokens']} | {w['output_tokens']} | {w['concurrency']} | {w['completed']}/{w['requests']} | "
+            f"| {w['prompt_tokens'] or '-'} | {w['output_tokens'] or '-'} | {_conc(w)} | "
+            f"{w['completed']}/{w['requests']} | "
             f"{errors} | {_stat(w['ttft_s'], 'p50')} | {_stat(w['ttft_s'], 'p90')} | "
             f"{_stat(w['prefill_tokens_per_s'], 'p50')} | {_stat(w['decode_tokens_per_s'], 'p50')} | "
             f"{_fmt(w['aggregate_tokens_per_s'])} | {_stat(w['latency_s'], 'p50')} | {_stat(w['latency_s'], 'p90')} | "
@@ -821,8 +1455,9 @@ def markdown_report(report: dict) -> str:
               "ITL p90 | ITL p99 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in report["workloads"]:
         tpot, itl = w.get("tpot_ms"), w.get("itl_ms")
-        lines.append(f"| {w['prompt_tokens']} | {w['output_tokens']} | {w['concurrency']} | "
+        lines.append(f"| {w['prompt_tokens'] or '-'} | {w['output_tokens'] or '-'} | {_conc(w)} | "
                      + " | ".join(_stat(x, k) for x in (tpot, itl) for k in ("mean", "p50", "p90", "p99")) + " |")
+    lines += serving_tables(report)
     q = report["quality"]
     t0 = q["tier0"]
     lines += ["", "Quality:",
@@ -852,12 +1487,47 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def serving_tables(report: dict) -> list[str]:
+    """The serving view, in `vllm bench serve`'s terms: throughputs and goodput per workload, then
+    the chosen latency metrics (--percentile-metrics) at the chosen percentiles (--metric-percentiles)."""
+    keys = [percentile_key(q) for q in report["settings"].get("percentiles", (50, 90, 99))]
+    slos = report["settings"].get("goodput_slos_ms") or {}
+    lines = ["", "| workload | ok/req | duration s | req/s | " + ("goodput req/s | " if slos else "")
+             + "output tok/s | total tok/s | mean in | mean out |",
+             "|---|---:|---:|---:|" + ("---:|" if slos else "") + "---:|---:|---:|---:|"]
+    for w in report["workloads"]:
+        goodput = f"{_fmt((w.get('goodput') or {}).get('requests_per_s'))} | " if slos else ""
+        lines.append(f"| {w['workload']} | {w['completed']}/{w['requests']} | {_fmt(w['duration_s'])} | "
+                     f"{_fmt(w['request_throughput'])} | {goodput}{_fmt(w['output_throughput'])} | "
+                     f"{_fmt(w['total_token_throughput'])} | {_stat(w['input_tokens'], 'mean')} | "
+                     f"{_stat(w['completion_tokens'], 'mean')} |")
+    if slos:
+        lines.append("")
+        lines.append("Goodput SLOs (ms): " + ", ".join(f"{k} <= {v:g}" for k, v in slos.items()))
+    metrics = report.get("percentile_metrics") or list(LATENCY_METRICS)
+    lines += ["", "| workload | metric (ms) | mean | std | " + " | ".join(keys) + " |",
+              "|---|---|---:|---:|" + "---:|" * len(keys)]
+    for w in report["workloads"]:
+        for metric in metrics:
+            stats = w.get(f"{metric}_ms")
+            lines.append(f"| {w['workload']} | {metric.upper()} | {_stat(stats, 'mean')} | {_stat(stats, 'std')} | "
+                         + " | ".join(_stat(stats, k) for k in keys) + " |")
+    return lines
+
+
 def write_report(report: dict, out_dir: str) -> tuple[Path, Path]:
+    """report.json and report.md in out_dir; with --save-result also requests.jsonl, one line per request."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    report = dict(report)
+    rows = report.pop("per_request", None)
     json_path, md_path = out / "report.json", out / "report.md"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     md_path.write_text(markdown_report(report))
+    if rows is not None:
+        with open(out / "requests.jsonl", "w") as jsonl:
+            for row in rows:
+                jsonl.write(json.dumps(row) + "\n")
     return json_path, md_path
 
 
@@ -870,8 +1540,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BenchmarkSetupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if settings.out_dir:
-        json_path, md_path = write_report(report, settings.out_dir)
+    out_dir = settings.out_dir or ("." if settings.result.save_result else None)
+    if out_dir:
+        json_path, md_path = write_report(report, out_dir)
         print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     print(markdown_report(report))
     if not report["totals"]["completed"]:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import bittensor as bt
@@ -46,19 +47,24 @@ async def _subnet(devnet: Path, wallets: dict) -> int:
         await chain.close()
 
 
-async def _url(devnet: Path, netuid: int, hotkey: str, process: subprocess.Popen) -> str:
+async def published_url(devnet: Path, netuid: int, hotkey: str, process: subprocess.Popen,
+                        output: Callable[[], str], timeout_s: float = 150.0) -> str:
+    """The URL a starting miner `process` publishes for `hotkey` on the devnet, once it has (also used by
+    the tests that start miner processes); RuntimeError with the end of its `output()` when it exits
+    first, or when `timeout_s` passes."""
     chain = DevnetChain(devnet)
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError("the miner exited: " + (devnet.parent / "miner.log").read_text()[-2000:])
+                raise RuntimeError(f"the miner exited ({process.returncode}): {output()[-2000:]}")
             neuron = (await chain.metagraph(netuid)).by_hotkey(hotkey)
             if neuron.endpoint is not None:
                 return neuron.endpoint.url
             await asyncio.sleep(0.25)
     finally:
         await chain.close()
-    raise RuntimeError("the miner did not publish")
+    raise RuntimeError(f"the miner did not publish its endpoint within {timeout_s:g} s")
 
 
 async def _slow_clients(host: str, port: int, n: int) -> list[socket.socket]:
@@ -88,7 +94,7 @@ async def _miner_numbers(rows: list[tuple[str, str]]) -> None:
         devnet = root / "devnet.sqlite"
         netuid = await _subnet(devnet, wallets)
         make_random_checkpoint(ModelConfig.tiny(), root / "ckpt", seed=0)
-        command = [sys.executable, str(ROOT / "neurons/miner.py"), "--chain", f"devnet:{devnet}", "--netuid",
+        command = [sys.executable, str(ROOT / "neurons/miner.py"), "--network", f"devnet:{devnet}", "--netuid",
                    str(netuid), "--wallet-name", "miner", "--wallet-path", str(root / "wallets"), "--engine",
                    "reference", "--checkpoint", str(root / "ckpt"), "--max-context", "512", "--max-concurrent", "4",
                    "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1", "--no-metrics",
@@ -99,7 +105,8 @@ async def _miner_numbers(rows: list[tuple[str, str]]) -> None:
         log = open(root / "miner.log", "wb")
         process = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
         try:
-            url = await _url(devnet, netuid, wallets["miner"].hotkey.ss58_address, process)
+            url = await published_url(devnet, netuid, wallets["miner"].hotkey.ss58_address, process,
+                                      lambda: (root / "miner.log").read_text(errors="replace"))
             await asyncio.sleep(2.5)
             host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
             probe = Probe(url, wallets["validator"].hotkey, wallets["miner"].hotkey.ss58_address)

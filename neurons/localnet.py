@@ -13,6 +13,12 @@ validator as separate processes, and shows a live dashboard. Logs of every proce
 Ctrl-C or the end of --duration stops everything it started (whole process groups, shards included).
 `--summary FILE` writes what happened (weights, incentive, failures) as JSON at the end.
 
+`--swarm N` (devnet) runs the tiny model as a swarm instead (`run_swarm`): N stage miners holding its layers in
+blocks cut at Attention Residuals block boundaries, one spare for the middle block, a route miner (a route driver
+behind the signed miner protocol, finding the stages from the chain), and a validator; it serves one greedy
+completion through the route, checks it against the single-process model, shows the stages and the route, and
+then runs until --duration ends or Ctrl-C. Each stage miner announces its layer block on chain itself.
+
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
 setup service, after which the miners and the validator run as containers of their own. Run again on a
@@ -108,7 +114,12 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
                          "localnet.json there and exit (nothing is started)")
     ap.add_argument("--stop-after-epochs", type=int, default=0,
                     help="devnet: stop once this many epochs have run after the validator's first weights (0 = no)")
+    ap.add_argument("--swarm", type=int, default=0, metavar="N",
+                    help="devnet: serve the tiny model as a swarm of N stage miners (plus a spare and a route miner)")
+    ap.add_argument("--swarm-tokens", type=int, default=8, help="--swarm: tokens of the completion served")
     args = ap.parse_args(argv)
+    if args.swarm and (args.chain != "devnet" or args.setup_only or args.swarm < 2):
+        ap.error("--swarm N runs on the embedded devnet (no --network, no --setup-only) with N >= 2")
     if args.miners < 2:
         ap.error("--miners must be at least 2 (one honest, one cheating)")
     if args.chain != "devnet" and (args.netuid is None or args.wallet_path is None or not args.miner_wallets):
@@ -397,6 +408,8 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[localnet] run directory {run_dir}")
+    if args.swarm:
+        return run_swarm(args, run_dir, t_launch)
     if args.setup_only and (run_dir / SETUP_FILE).exists():
         print(f"[localnet] already set up: {run_dir / SETUP_FILE}")
         return 0
@@ -447,6 +460,170 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
         args.summary.write_text(json.dumps({"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
                                             **state}, indent=2, default=str))
     return 0
+
+
+
+# ------------------------------------------------------------------ the swarm
+SWARM_PROMPT = [(11 * j + 5) % 256 for j in range(21)]
+
+
+def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
+    """The validator, stage0..stage{N-1} (kind "layers A-B"), a spare for the middle block, and the route miner."""
+    from inference.planning.swarm_plan import stage_blocks  # noqa: PLC0415
+
+    config = ModelConfig.tiny()
+    blocks = stage_blocks(config.num_layers, config.attn_res_block_size, args.swarm)
+    port = iter(range(args.base_port, args.base_port + args.swarm + 2))
+    neurons = [Neuron("validator", "validator", make_wallet(wallet_dir, "validator"))]
+    for i, (a, b) in enumerate(blocks):
+        neurons.append(Neuron(f"stage{i}", "stage", make_wallet(wallet_dir, f"stage{i}"), port=next(port),
+                              kind=f"layers {a}-{b - 1}"))
+    spare = neurons[1 + len(blocks) // 2]
+    neurons.append(Neuron("spare", "stage", make_wallet(wallet_dir, "spare"), port=next(port),
+                          kind=spare.kind + " (spare)"))
+    neurons.append(Neuron("route", "miner", make_wallet(wallet_dir, "route"), port=next(port), kind="route"))
+    return neurons
+
+
+def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, extra: list[str]) -> list[str]:
+    layers = n.kind.split()[1]
+    return [sys.executable, "-m", "neurons.swarm.stage_miner", "--checkpoint", str(checkpoint_dir(args)),
+            "--serve-layers", layers, "--network", chain_spec, "--netuid", str(netuid),
+            "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
+            "--host", "127.0.0.1", "--port", str(n.port), "--threads", "1",
+            "--ready-file", str(run_dir / f"{n.name}.ready"), *extra]
+
+
+def route_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "neurons.swarm.route_miner", "--network", chain_spec, "--netuid", str(netuid),
+            "--checkpoint", str(checkpoint_dir(args)),
+            "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
+            "--host", "127.0.0.1", "--port", str(n.port), "--nonce-store", str(run_dir / "route-nonces.sqlite"),
+            "--min-validator-stake", str(MINER_MIN_VALIDATOR_STAKE), "--refresh-s", "5",
+            "--ready-file", str(run_dir / f"{n.name}.ready")]
+
+
+def wait_ready(neurons: list[Neuron], run_dir: Path, timeout_s: float = 180.0) -> dict[str, dict]:
+    """What each process wrote to RUN_DIR/NAME.ready once it served (a SystemExit naming one that died)."""
+    deadline = time.monotonic() + timeout_s
+    info: dict[str, dict] = {}
+    while len(info) < len(neurons):
+        for n in neurons:
+            path = run_dir / f"{n.name}.ready"
+            if n.name not in info and path.exists():
+                info[n.name] = json.loads(path.read_text())
+            elif n.process.poll() is not None:
+                raise SystemExit(f"[localnet] {n.name} exited at start (code {n.process.returncode}); see {n.log}")
+        if time.monotonic() > deadline:
+            missing = ", ".join(n.name for n in neurons if n.name not in info)
+            raise SystemExit(f"[localnet] not serving after {timeout_s:.0f} s: {missing}")
+        time.sleep(0.2)
+    return info
+
+
+def reference_greedy(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
+    """The single-process model's greedy tokens (the whole checkpoint in this process)."""
+    import torch  # noqa: PLC0415
+
+    from inference.serving.builders import load_reference_model  # noqa: PLC0415
+
+    model, _, _ = load_reference_model(checkpoint, verify=False)
+    cache = model.new_cache()
+    with torch.no_grad():
+        logits = model.forward([torch.tensor(prompt)], [cache])[0]
+        out = []
+        for _ in range(n):
+            out.append(int(torch.argmax(logits)))
+            logits = model.forward([torch.tensor([out[-1]])], [cache])[0]
+    return out
+
+
+async def swarm_completion(route: Neuron, url: str, caller, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy completion through the route miner, signed by `caller` (the validator's hotkey)."""
+    from protocol.client import MinerClient  # noqa: PLC0415
+    from protocol.schemas import GenerateRequest  # noqa: PLC0415
+
+    started = time.monotonic()
+    async with MinerClient(caller) as client:
+        caps = await client.capabilities(url, route.wallet.hotkey.ss58_address)
+        result = await client.generate(url, route.wallet.hotkey.ss58_address, GenerateRequest(
+            request_id=f"swarm-{int(time.time())}", prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0))
+    return {"tokens": list(result.token_ids), "seconds": time.monotonic() - started,
+            "route": (caps.layout or {}).get("route", [])}
+
+
+def swarm_table(stages: list[dict], route: list[dict]) -> Table:
+    on_route = {r["hotkey"] for r in route}
+    t = Table(title="k3-subnet swarm")
+    for col in ("stage", "uid", "layers", "port", "step ms", "on route", "up", "incentive"):
+        t.add_column(col)
+    for s in stages:
+        t.add_row(s["name"], str(s["uid"]), s["layers"], s["url"].rsplit(":", 1)[-1], f"{s['step_ms']:.1f}",
+                  "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO", f"{s['incentive']:.3f}")
+    return t
+
+
+def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[str]] | None = None) -> int:
+    """`--swarm N`: the devnet, N stage miners (+ a spare), the route miner and a validator; one completion through
+    the route compared with the single-process model. `stage_flags` adds command-line flags per stage miner, by
+    name ("stage0", ..., "spare"), e.g. a cheating stage's. Returns the exit status (1 when the route's answer
+    differs from the model's)."""
+    stage_flags = stage_flags or {}
+    log_dir = run_dir / "logs"
+    ensure_checkpoints(args)
+    neurons = swarm_neurons(args, run_dir / "wallets")
+    with setup_progress(len(neurons) + 2) as step:
+        chain_spec, netuid = asyncio.run(setup_devnet(run_dir, args, neurons, step))
+    print(f"[localnet] chain {chain_spec}, netuid {netuid}")
+    stages = [n for n in neurons if n.role == "stage"]
+    route, validator = neurons[-1], neurons[0]
+    summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir)}
+    status = 0
+    try:
+        for n in stages:
+            start(n, stage_command(n, args, chain_spec, netuid, run_dir, list(stage_flags.get(n.name, ()))), log_dir)
+        ready = wait_ready(stages, run_dir)
+        print(f"[localnet] {len(stages)} stage miners serving and announced on chain")
+        start(route, route_command(route, args, chain_spec, netuid, run_dir), log_dir)
+        ready.update(wait_ready([route], run_dir))
+        start(validator, validator_command(validator, args, chain_spec, netuid, run_dir), log_dir)
+        print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
+        done = asyncio.run(swarm_completion(route, ready["route"]["url"], validator.wallet.hotkey, SWARM_PROMPT,
+                                            args.swarm_tokens))
+        want = reference_greedy(checkpoint_dir(args), SWARM_PROMPT, args.swarm_tokens)
+        # the miner protocol's capabilities are the route miner's at its start: its ready file names the route
+        done.update(reference=want, match=done["tokens"] == want, route=done["route"] or ready["route"]["route"])
+        print(f"[localnet] completion through {len(done['route'])} stages in {done['seconds']:.2f} s: "
+              f"{done['tokens']} ({'equals' if done['match'] else 'DIFFERS FROM'} the single-process model's {want})")
+        status = 0 if done["match"] else 1
+        summary["completion"] = done
+        if args.duration:
+            summary.update(asyncio.run(watch(args, chain_spec, netuid, run_dir, neurons, t_launch)))
+        summary["stages"] = asyncio.run(swarm_stages(chain_spec, netuid, stages, ready))
+        Console().print(swarm_table(summary["stages"], done["route"]))
+    finally:
+        print("[localnet] stopping every process it started")
+        stop_all(neurons)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2, default=str))
+    return status
+
+
+async def swarm_stages(chain_spec: str, netuid: int, stages: list[Neuron], ready: dict[str, dict]) -> list[dict]:
+    """Every stage miner as the chain and its process see it: uid, layers, what it announced, step time,
+    weight."""
+    async with connect(chain_spec) as chain:
+        meta, commitments = await chain.metagraph(netuid), await chain.commitments(netuid)
+    rows = []
+    for n in stages:
+        hotkey = n.wallet.hotkey.ss58_address
+        info, r = meta.by_hotkey(hotkey), ready[n.name]
+        rows.append({"name": n.name, "hotkey": hotkey, "uid": info.uid if info else None, "layers": r["layers"],
+                     "url": r["url"], "step_ms": r.get("step_ms") or 0.0, "fingerprint": r["fingerprint"],
+                     "announced": commitments[hotkey].data if hotkey in commitments else None,
+                     "alive": n.process is not None and n.process.poll() is None,
+                     "incentive": info.incentive if info else 0.0})
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 Every flag can also be set by the environment variable shown in --help; a flag wins over the
 environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams at once).
 
-    python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner)
+    python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner; with --network
+        and --netuid it announces its endpoint and layer block on chain, see neurons/swarm/stage_miner.py)
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
 from neurons.observability import setup_logging  # noqa: E402
-from neurons.settings import describe_values  # noqa: E402
+from neurons.settings import describe_values, program_name  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from neurons.swarm.stage_miner import main as stage_main  # noqa: PLC0415
 
         return stage_main(argv)
-    settings, _ = read_miner_settings(argv, prog="neurons/miner.py", description=__doc__)
+    settings, _ = read_miner_settings(argv, prog=program_name("k3-miner", "neurons.miner"), description=__doc__)
     setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("k3.miner").debug("settings: %s", describe_values(miner_options(), dataclasses.asdict(settings)))
     try:

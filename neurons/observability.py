@@ -2,8 +2,10 @@
 
 - `setup_logging(level, fmt)`: one line per event on stderr, as text or as JSON (one object per line:
   ts, level, logger, message, and the event's fields such as request_id or status).
-- `request_middleware(...)`: the access log (one line per HTTP request: request id, caller hotkey or
-  API key id, method, path, status, duration) and a hook to observe the same in Prometheus.
+- `observed_app(...)`: an aiohttp application with the connection guard, the access log (one line per
+  HTTP request: request id, caller hotkey or API key id, method, path, status, duration), a hook to
+  observe the same in Prometheus (`request_middleware`), and the request id sent back as `X-Request-Id`
+  on every response, streams and errors included.
 - `MetricsServer`: Prometheus /metrics on 127.0.0.1 over any number of registries.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -24,6 +27,8 @@ from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, ru
 
 LOG_FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "X-Request-Id"
+# A client's request id is echoed when it is a plain token; anything else gets a new id.
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=/-]{0,63}")
 access_log = logging.getLogger("k3.access")
 
 # Attributes every LogRecord has; anything else on a record is an event field (logging's `extra=`).
@@ -77,15 +82,37 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream=None) -> None:
 
 
 # ---------------------------------------------------------------- access log
+def request_id_for(request: web.Request) -> str:
+    """The client's X-Request-Id when it is sane (1 to 64 letters, digits and ._:+=/-, starting with a letter or
+    a digit), else a new one."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given if _SANE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every response (a stream, an error aiohttp makes) carries the request's id."""
+    if "request_id" not in request:
+        request["request_id"] = request_id_for(request)
+    response.headers[REQUEST_ID_HEADER] = request["request_id"]
+
+
+def observed_app(component: str, guard: ConnectionGuard, *middlewares, observe=None, **app_options) -> web.Application:
+    """The web.Application of a listener: `guard`'s middleware first, then the access log and `observe`
+    (see request_middleware), then the app's own `middlewares`; each response carries X-Request-Id."""
+    app = web.Application(middlewares=[guard.middleware, request_middleware(component, observe), *middlewares],
+                          **app_options)
+    app.on_response_prepare.append(_send_request_id)
+    return app
+
+
 def request_middleware(component: str, observe: Callable[[web.Request, int, float], None] | None = None):
-    """aiohttp middleware (put it first): a request id for every request (the client's X-Request-Id, or a
-    new one), one access-log line when it ends, and `observe(request, status, seconds)` for metrics.
+    """aiohttp middleware (first after the guard): a request id for every request (`request_id_for`), one
+    access-log line when it ends, and `observe(request, status, seconds)` for metrics.
     The caller is what the app stored in request["caller"] (a verified hotkey, an API key id)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID_HEADER, "")[:64] or uuid.uuid4().hex[:16]
-        request["request_id"] = request_id
+        request_id = request["request_id"] = request_id_for(request)
         started = time.perf_counter()
         status = 500
         try:
@@ -119,8 +146,9 @@ class MetricsServer:
     returning them, so that registries made later, such as an engine's, are included)."""
 
     def __init__(self, registries: Callable[[], Iterable[CollectorRegistry]], host: str = "127.0.0.1",
-                 port: int = 0, on_close: Callable[[], None] | None = None):
+                 port: int = 0, on_close: Callable[[], None] | None = None, component: str = "metrics"):
         self.registries = registries
+        self.component = component  # in the access log
         self.host, self.port = host, port
         self.on_close = on_close
         self._runner: web.AppRunner | None = None
@@ -135,7 +163,7 @@ class MetricsServer:
     async def start(self) -> int:
         # the same connection caps and header/body deadlines as every other listener (protocol.http_server)
         guard = ConnectionGuard(GuardSettings(max_connections=32, max_connections_per_address=16), "metrics")
-        app = web.Application(client_max_size=1024, middlewares=[guard.middleware])
+        app = observed_app(self.component, guard, client_max_size=1024)
         app.add_routes([web.get("/metrics", self.handle)])
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, **runner_options(guard.settings))
         await self._runner.setup()

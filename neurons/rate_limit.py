@@ -18,11 +18,7 @@ class TokenBuckets:
 
     def take(self, key: str, size: float, now: Optional[float] = None) -> Optional[float]:
         """None when the request may go (a token was taken); else the seconds until one is there."""
-        now = time.monotonic() if now is None else now
-        size = float(size)
-        rate = size / self.window_s
-        tokens, updated = self._buckets.get(key, (size, now))
-        tokens = min(size, tokens + (now - updated) * rate)
+        tokens, rate, now = self._refilled(key, size, now)
         if tokens < 1.0:
             self._buckets[key] = (tokens, now)
             return (1.0 - tokens) / rate
@@ -31,9 +27,13 @@ class TokenBuckets:
 
     def peek(self, key: str, size: float, now: Optional[float] = None) -> Optional[float]:
         """What `take` would answer, taking nothing."""
+        tokens, rate, _ = self._refilled(key, size, now)
+        return None if tokens >= 1.0 else (1.0 - tokens) / rate
+
+    def _refilled(self, key: str, size: float, now: Optional[float]) -> tuple[float, float, float]:
+        """(tokens in the bucket at `now`, refill rate per second, now)."""
         now = time.monotonic() if now is None else now
         size = float(size)
         rate = size / self.window_s
         tokens, updated = self._buckets.get(key, (size, now))
-        tokens = min(size, tokens + (now - updated) * rate)
-        return None if tokens >= 1.0 else (1.0 - tokens) / rate
+        return min(size, tokens + (now - updated) * rate), rate, now

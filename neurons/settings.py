@@ -1,19 +1,22 @@
 """Command-line flags and environment variables -> settings dataclasses, in one place.
 
-A program declares its options as a table of `Option`s: where the value goes
-in the settings (a dotted path such as "server.port" or
-"engine.settings.max_context"), its flag, its environment variable, how to
-read it from text, its default and a help line. `read_options` resolves each
-one (flag, else environment variable, else default) into a nested dict and
-`build_settings` turns that dict into the program's (nested, frozen) settings
-dataclasses. `--help` lists every option by group with its environment
-variable and default; `options_table` renders the same table as Markdown for
-the README.
+A setting is stated once, on its settings dataclass: `setting(default, "help", ...)` makes the field
+and says how it is spelled on the command line (its flag, when it is not the field's name, its
+environment variable, its reader, its group). `settings_options` walks a settings class and derives
+its table of `Option`s: where the value goes (a dotted path such as "server.port" or
+"engine.settings.max_context"), its flag, its environment variable, how to read it from text, its
+default (the dataclass's) and a help line. `read_options` resolves each option (flag, else
+environment variable, else default) into a nested dict and `build_settings` turns that dict into the
+program's (nested, frozen) settings dataclasses. `--help` lists every option by group with its
+environment variable and default; `options_table` renders the same table as Markdown for the README.
 
-Shared groups live here so the miner and the validator spell them the same
-way: wallet and chain (with their dataclasses `WalletSettings`,
-`ChainSettings`), engine (`inference.serving.builders.EngineSpec`) and logging. Each
-program adds its own options beside its own settings.
+A class that cannot carry flags itself (`inference.serving.EngineSpec`, `protocol.client.ClientTimeouts`:
+those layers know nothing of command lines) gets its `Setting`s from the `Section` that holds it.
+A table written row by row (`Option(...)`, `bind_defaults`) still works, for scripts with few options.
+
+Shared groups live here so the miner and the validator spell them the same way: wallet and chain
+(with their dataclasses `WalletSettings`, `ChainSettings`), engine (`engine_section`) and logging
+(`LOG_LEVEL`, `LOG_FORMAT`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import math
 import os
 import re
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -98,6 +102,16 @@ def optional_int(text: str) -> int | None:
     return None if text.strip() == "" else int(text)
 
 
+def optional_float(text: str) -> float | None:
+    """A finite number, or nothing for an empty string."""
+    if text.strip() == "":
+        return None
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
 def optional_text(text: str) -> str | None:
     return None if text.strip() == "" else text
 
@@ -128,8 +142,8 @@ def network_spec(text: str) -> str:
 # argparse prints the reader's __name__ in "invalid ... value" messages.
 for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "positive number"),
                        (non_negative_float, "number >= 0"), (non_negative_int, "integer >= 0"),
-                       (port_number, "port"), (optional_int, "integer"), (optional_text, "text"),
-                       (expanded_path, "path"), (network_spec, "network")):
+                       (port_number, "port"), (optional_int, "integer"), (optional_float, "number"),
+                       (optional_text, "text"), (expanded_path, "path"), (network_spec, "network")):
     _reader.__name__ = _name
 
 
@@ -209,6 +223,21 @@ def _metavar(option: Option) -> str:
     if option.read in (float, positive_float, non_negative_float):
         return "X"
     return option.dest.rsplit(".", 1)[-1].upper()
+
+
+def program_name(console: str, module: str) -> str:
+    """The program's name in usage lines, as the user started it: `python -m neurons.miner`, `python
+    neurons/miner.py` (the path as typed), or the console script `console` (k3-miner), which is also the
+    answer when it cannot tell (called in-process, as tests do)."""
+    for i, word in enumerate(sys.orig_argv[1:-1], 1):  # the interpreter's own options come first
+        if word == "-m":
+            return f"python -m {module}" if sys.orig_argv[i + 1] == module else console
+        if not word.startswith("-"):
+            break
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == module.rsplit(".", 1)[-1] + ".py":
+        return f"python {script}"
+    return console
 
 
 def build_parser(options: Sequence[Option], prog: str | None = None, description: str | None = None,
@@ -338,6 +367,108 @@ def _check_table(options: Sequence[Option]) -> None:
             seen.add(key)
 
 
+# ---------------------------------------------------------------- settings declared on the dataclasses
+_SETTING, _SECTION = "neurons.settings.Setting", "neurons.settings.Section"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How a settings dataclass field is spelled on the command line. Left out: the flag is the field's
+    name (`max_rounds`: --max-rounds), the environment variable is the section's prefix and the flag's
+    words (K3_VALIDATOR_MAX_ROUNDS), the reader follows the field's type (bool: a --x/--no-x switch,
+    int | None: an integer or nothing, ...) and the group is the section's."""
+
+    help: str
+    flag: str | None = None
+    read: Callable[[str], Any] | None = None
+    env: str | None = None  # the whole variable name, whatever the prefix (btcli's BT_WALLET)
+    env_key: str | None = None  # the part after the section's prefix, when it is not the flag's words
+    group: str | None = None
+    choices: tuple = ()
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # see Option
+    deprecated: tuple[str, ...] = ()
+    deprecated_env: tuple[str, ...] = ()
+    secret: bool = False
+    required: bool = False
+
+    def field(self, default: Any) -> Any:
+        """The dataclass field with this default: `log_level: str = LOG_LEVEL.field("INFO")`."""
+        return dataclasses.field(default=default, metadata={_SETTING: self})
+
+    def option(self, dest: str, default: Any, env_prefix: str, group: str, kind: Any = None) -> Option:
+        """The option at `dest`; `kind` is the field's type (for the reader when none is given)."""
+        spelled = self.flag or "--" + dest.rsplit(".", 1)[-1].replace("_", "-")
+        env = self.env or env_prefix + (self.env_key or spelled.lstrip("-").replace("-", "_").upper())
+        return Option(dest, spelled, env, self.read or reader_for(kind, dest), self.help, group=self.group or group,
+                      choices=self.choices, required=self.required, secret=self.secret, metavar=self.metavar,
+                      default=default, aliases=self.aliases, deprecated=self.deprecated,
+                      deprecated_env=self.deprecated_env)
+
+
+def setting(default: Any, help: str, **how: Any) -> Any:
+    """A settings dataclass field that is also an option: `port: int = setting(8091, "API port", read=port_number)`;
+    `how` is `Setting`'s other fields."""
+    return Setting(help, **how).field(default)
+
+
+@dataclass(frozen=True)
+class Section:
+    """How the fields of a nested settings dataclass become options: their group and environment prefix
+    (left out: the parent's), and `fields`, the `Setting` (or inner `Section`) of each field of a class
+    that cannot say it itself (`EngineSpec` lives in inference/, `ClientTimeouts` in protocol/: neither
+    knows about command lines). A field with neither a Setting nor a Section is not an option."""
+
+    group: str | None = None
+    env_prefix: str | None = None
+    fields: Mapping[str, Setting | Section] = dataclasses.field(default_factory=dict)
+
+    def field(self, cls: type) -> Any:
+        """The dataclass field holding a `cls` made with its defaults."""
+        return dataclasses.field(default_factory=cls, metadata={_SECTION: self})
+
+    def options(self, settings: type | Any, dest: str = "", env_prefix: str = "", group: str = "general"
+                ) -> tuple[Option, ...]:
+        """The options of `settings` (a dataclass or an instance, whose values are the defaults)."""
+        instance = settings() if isinstance(settings, type) else settings
+        env_prefix, group = self.env_prefix or env_prefix, self.group or group
+        out: list[Option] = []
+        kinds = None
+        for f in dataclasses.fields(instance):
+            how = self.fields.get(f.name) or f.metadata.get(_SETTING) or f.metadata.get(_SECTION)
+            path = f"{dest}.{f.name}" if dest else f.name
+            if isinstance(how, Section):
+                out += how.options(getattr(instance, f.name), path, env_prefix, group)
+            elif isinstance(how, Setting):
+                if how.read is None and kinds is None:
+                    kinds = typing.get_type_hints(type(instance))
+                out.append(how.option(path, getattr(instance, f.name), env_prefix, group,
+                                      kinds.get(f.name) if kinds else None))
+        return tuple(out)
+
+
+def settings_options(settings: type | Any, env_prefix: str, group: str = "general", dest: str = "",
+                     fields: Mapping[str, Setting | Section] | None = None) -> tuple[Option, ...]:
+    """The option table of a settings dataclass, walked field by field (nested sections under their dotted
+    path): every flag, its environment variable (`env_prefix` unless a section says otherwise) and its
+    default, the dataclass's."""
+    return Section(group, env_prefix, fields or {}).options(settings, dest)
+
+
+def reader_for(kind: Any, dest: str = "") -> Callable[[str], Any]:
+    """The reader of a field of type `kind`: bool, int, float, str, or one of them | None (empty: None)."""
+    readers = {bool: flag, int: int, float: float, str: str}
+    optional = {int: optional_int, float: optional_float, str: optional_text}
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = next(arg for arg in args if arg is not type(None))
+        if inner in optional:
+            return optional[inner]
+    elif kind in readers:
+        return readers[kind]
+    raise TypeError(f"setting {dest!r} of type {kind!r}: give it a reader (read=...)")
+
+
 # ---------------------------------------------------------------- dataclasses
 def build_settings(cls: type, values: Mapping[str, Any], base=None):
     """An instance of dataclass `cls` from a nested dict: a dict value for a dataclass-typed field
@@ -399,9 +530,21 @@ def describe_values(options: Iterable[Option], values: Mapping[str, Any]) -> str
 # ---------------------------------------------------------------- shared groups
 @dataclass(frozen=True)
 class WalletSettings:
-    name: str = "default"
-    hotkey: str = "default"
-    path: str = "~/.bittensor/wallets"
+    """The wallet, spelled as btcli 11 spells it (flags and BT_* variables), with the subnet template's
+    dotted forms as aliases."""
+
+    name: str = setting("default", "bittensor wallet (coldkey) name", flag="--wallet-name", env="BT_WALLET",
+                        aliases=("-w", "--wallet", "--wallet.name"), deprecated_env=("K3_WALLET_NAME",),
+                        metavar="NAME")
+    hotkey: str = setting("default", "hotkey name inside the wallet; it signs answers and is the on-chain identity",
+                          flag="--wallet-hotkey", aliases=("-H", "--wallet.hotkey"),
+                          deprecated_env=("K3_WALLET_HOTKEY",), metavar="NAME")
+    path: str = setting("~/.bittensor/wallets", "directory holding the wallets", flag="--wallet-path",
+                        read=expanded_path, aliases=("--wallet.path",), deprecated_env=("K3_WALLET_PATH",),
+                        metavar="DIR")
+
+
+WALLET = Section(group="wallet", env_prefix="BT_")
 
 
 class WalletNotFound(ValueError):
@@ -423,114 +566,97 @@ def open_wallet(settings: WalletSettings):
 
 @dataclass(frozen=True)
 class ChainSettings:
-    network: str = "finney"
-    netuid: int = 1
-    metagraph_refresh_s: float = 60.0
-    timeout_s: float = 30.0
+    """btcli's --network/-n and BT_NETWORK, the template's --subtensor.network / --subtensor.chain_endpoint;
+    --chain and K3_CHAIN are the old spellings."""
+
+    network: str = setting("finney", "chain to use: finney, test, local, a ws:// / wss:// URL, or devnet:PATH "
+                           "(embedded SQLite devnet)", env="BT_NETWORK", read=network_spec, metavar="NETWORK",
+                           aliases=("-n", "--subtensor.network", "--subtensor.chain_endpoint"),
+                           deprecated=("--chain",), deprecated_env=("K3_CHAIN",))
+    netuid: int = setting(1, "the subnet's netuid (btcli has no variable for it)", required=True)
+    metagraph_refresh_s: float = setting(60.0, "seconds between metagraph reads", read=positive_float)
+    timeout_s: float = setting(30.0, "deadline of one chain read or write; on expiry the last metagraph is kept",
+                               flag="--chain-timeout-s", read=positive_float)
+
+
+CHAIN = Section(group="chain", env_prefix="K3_")
 
 
 def wallet_options() -> tuple[Option, ...]:
-    """Options of `WalletSettings` (dest "wallet.*"), spelled as btcli 11 spells them (flags and
-    BT_* variables), with the subnet template's dotted forms as aliases."""
-    g = "wallet"
-    return (
-        Option("wallet.name", "--wallet-name", "BT_WALLET", str, "bittensor wallet (coldkey) name", group=g,
-               aliases=("-w", "--wallet", "--wallet.name"), deprecated_env=("K3_WALLET_NAME",), metavar="NAME"),
-        Option("wallet.hotkey", "--wallet-hotkey", "BT_WALLET_HOTKEY", str,
-               "hotkey name inside the wallet; it signs answers and is the on-chain identity", group=g,
-               aliases=("-H", "--wallet.hotkey"), deprecated_env=("K3_WALLET_HOTKEY",), metavar="NAME"),
-        Option("wallet.path", "--wallet-path", "BT_WALLET_PATH", expanded_path, "directory holding the wallets",
-               group=g, aliases=("--wallet.path",), deprecated_env=("K3_WALLET_PATH",), metavar="DIR"),
-    )
+    """`WalletSettings`' options (dest "wallet.*"), for a table written row by row: their defaults are
+    left to `bind_defaults` (FROM_SETTINGS)."""
+    return tuple(dataclasses.replace(o, default=FROM_SETTINGS) for o in WALLET.options(WalletSettings, "wallet"))
 
 
 def chain_options() -> tuple[Option, ...]:
-    """Options of `ChainSettings` (dest "chain.*"): btcli's --network/-n and BT_NETWORK, the template's
-    --subtensor.network / --subtensor.chain_endpoint; --chain and K3_CHAIN are the old spellings."""
-    g = "chain"
-    return (
-        Option("chain.network", "--network", "BT_NETWORK", network_spec,
-               "chain to use: finney, test, local, a ws:// / wss:// URL, or devnet:PATH (embedded SQLite devnet)",
-               group=g, metavar="NETWORK", aliases=("-n", "--subtensor.network", "--subtensor.chain_endpoint"),
-               deprecated=("--chain",), deprecated_env=("K3_CHAIN",)),
-        Option("chain.netuid", "--netuid", "K3_NETUID", int, "the subnet's netuid (btcli has no variable for it)",
-               group=g, required=True),
-        Option("chain.metagraph_refresh_s", "--metagraph-refresh-s", "K3_METAGRAPH_REFRESH_S", positive_float,
-               "seconds between metagraph reads", group=g),
-        Option("chain.timeout_s", "--chain-timeout-s", "K3_CHAIN_TIMEOUT_S", positive_float,
-               "deadline of one chain read or write; on expiry the last metagraph is kept", group=g),
-    )
+    """`ChainSettings`' options (dest "chain.*"), for a table written row by row (see wallet_options)."""
+    return tuple(dataclasses.replace(o, default=FROM_SETTINGS) for o in CHAIN.options(ChainSettings, "chain"))
+
+
+# The flags of `inference.serving.EngineSpec` (inference/ knows nothing of command lines): its fields'
+# defaults are the engine's, the spellings are here. Fields left out are not options.
+ENGINE_FIELDS: dict[str, Setting | Section] = dict(
+    kind=Setting("what serves the model: reference (in-process model), sharded (shard processes), remote "
+                 "(an OpenAI-compatible server such as vLLM or SGLang)", flag="--engine", env_key="KIND",
+                 choices=("reference", "sharded", "remote")),
+    checkpoint=Setting("checkpoint directory (reference and sharded: the weights; remote: at least config.json, "
+                       "k3_manifest.json and the tokenizer, for the fingerprint and text prompts)", metavar="DIR"),
+    plan=Setting("sharded: placement plan file from scripts/plan_cluster.py", metavar="FILE"),
+    shards=Setting("sharded: number of local shard processes (a simple plan is built)", metavar="N"),
+    shard_mode=Setting("sharded with --shards: split by pipeline stage, by expert, or both",
+                       choices=("pipeline", "expert", "both")),
+    shard_store=Setting("sharded across hosts: HOST:PORT where this process hosts the rendezvous store that shard "
+                        "ranks 1..N-1 on other hosts join (started there with torchrun -m inference.sharding.worker)",
+                        metavar="HOST:PORT"),
+    remote_url=Setting("remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", metavar="URL"),
+    remote_model=Setting("remote: the model name the server serves", metavar="NAME"),
+    remote_api_key=Setting("remote: bearer token for the server (prefer the environment variable)", secret=True,
+                           metavar="KEY"),
+    remote_score_mode=Setting("remote: how the server scores prompts (prompt_logprobs for vLLM, echo for others)",
+                              choices=("prompt_logprobs", "echo")),
+    remote_protocol=Setting("remote: vllm (OpenAI completions with token ids and prompt_logprobs) or sglang "
+                            "(SGLang's native /generate; give --remote-url without /v1)", choices=("vllm", "sglang")),
+    remote_prefill_tokens_per_s=Setting(
+        "remote: prompt tokens per second the server prefills at least; the first token is due "
+        "--remote-first-token-floor-s + prompt/this after the request starts", flag="--remote-prefill-rate",
+        read=positive_float, metavar="TOKENS_PER_S"),
+    remote_first_token_floor_s=Setting("remote: the first-token deadline's floor (queueing, short prompts)",
+                                       read=positive_float),
+    dtype=Setting("weights dtype of the in-process model", choices=("float32", "bfloat16")),
+    speculate=Setting("reference and sharded engines: speculative decoding with model-free drafts (ngram: prompt lookup; "
+                      "suffix: a suffix index over prompt and output); the output is exactly the model's",
+                      choices=("none", "ngram", "suffix")),
+    draft_tokens=Setting("with --speculate: most tokens drafted per step (fewer when drafts are poor)"),
+    settings=Section(fields=dict(
+        max_context=Setting("largest prompt plus output, in tokens"),
+        max_concurrent_sequences=Setting("sequences served at once (the miner's declared capacity)",
+                                         flag="--max-concurrent"),
+        cache_memory_budget_bytes=Setting("memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits "
+                                          "or is refused", flag="--cache-memory", read=byte_size, metavar="SIZE"),
+        max_waiting=Setting("requests that may wait for cache memory before new ones are refused"),
+    )),
+)
+
+
+def engine_section(env_prefix: str = "K3_ENGINE_") -> Section:
+    """How an `EngineSpec` field of a settings class becomes the "engine" group (dest "engine.*")."""
+    return Section(group="engine", env_prefix=env_prefix, fields=ENGINE_FIELDS)
 
 
 def engine_options(env_prefix: str = "K3_ENGINE_") -> tuple[Option, ...]:
-    """Options of `inference.serving.builders.EngineSpec` (dest "engine.*")."""
-    p = env_prefix
-    return (
-        Option("engine.kind", "--engine", f"{p}KIND", str,
-               "what serves the model: reference (in-process model), sharded (shard processes), remote "
-               "(an OpenAI-compatible server such as vLLM or SGLang)", group="engine",
-               choices=("reference", "sharded", "remote")),
-        Option("engine.checkpoint", "--checkpoint", f"{p}CHECKPOINT", optional_text,
-               "checkpoint directory (reference and sharded: the weights; remote: at least config.json, "
-               "k3_manifest.json and the tokenizer, for the fingerprint and text prompts)", group="engine",
-               metavar="DIR"),
-        Option("engine.plan", "--plan", f"{p}PLAN", optional_text,
-               "sharded: placement plan file from scripts/plan_cluster.py", group="engine", metavar="FILE"),
-        Option("engine.shards", "--shards", f"{p}SHARDS", optional_int,
-               "sharded: number of local shard processes (a simple plan is built)", group="engine", metavar="N"),
-        Option("engine.shard_mode", "--shard-mode", f"{p}SHARD_MODE", str,
-               "sharded with --shards: split by pipeline stage, by expert, or both", group="engine",
-               choices=("pipeline", "expert", "both")),
-        Option("engine.shard_store", "--shard-store", f"{p}SHARD_STORE", optional_text,
-               "sharded across hosts: HOST:PORT where this process hosts the rendezvous store that shard ranks "
-               "1..N-1 on other hosts join (started there with torchrun -m inference.sharding.worker)", group="engine",
-               metavar="HOST:PORT"),
-        Option("engine.remote_url", "--remote-url", f"{p}REMOTE_URL", optional_text,
-               "remote: base URL of the OpenAI-compatible server (the /v1 prefix is added)", group="engine",
-               metavar="URL"),
-        Option("engine.remote_model", "--remote-model", f"{p}REMOTE_MODEL", optional_text,
-               "remote: the model name the server serves", group="engine", metavar="NAME"),
-        Option("engine.remote_api_key", "--remote-api-key", f"{p}REMOTE_API_KEY", optional_text,
-               "remote: bearer token for the server (prefer the environment variable)", group="engine", secret=True,
-               metavar="KEY"),
-        Option("engine.remote_score_mode", "--remote-score-mode", f"{p}REMOTE_SCORE_MODE", str,
-               "remote: how the server scores prompts (prompt_logprobs for vLLM, echo for others)", group="engine",
-               choices=("prompt_logprobs", "echo")),
-        Option("engine.remote_protocol", "--remote-protocol", f"{p}REMOTE_PROTOCOL", str,
-               "remote: vllm (OpenAI completions with token ids and prompt_logprobs) or sglang (SGLang's native "
-               "/generate; give --remote-url without /v1)", group="engine", choices=("vllm", "sglang")),
-        Option("engine.remote_prefill_tokens_per_s", "--remote-prefill-rate", f"{p}REMOTE_PREFILL_RATE", positive_float,
-               "remote: prompt tokens per second the server prefills at least; the first token is due "
-               "--remote-first-token-floor-s + prompt/this after the request starts", group="engine",
-               metavar="TOKENS_PER_S"),
-        Option("engine.remote_first_token_floor_s", "--remote-first-token-floor-s", f"{p}REMOTE_FIRST_TOKEN_FLOOR_S",
-               positive_float, "remote: the first-token deadline's floor (queueing, short prompts)",
-               group="engine"),
-        Option("engine.dtype", "--dtype", f"{p}DTYPE", str, "weights dtype of the in-process model", group="engine",
-               choices=("float32", "bfloat16")),
-        Option("engine.speculate", "--speculate", f"{p}SPECULATE", str,
-               "reference engine: speculative decoding with model-free drafts (ngram: prompt lookup; suffix: a "
-               "suffix index over prompt and output); the output is exactly the model's", group="engine",
-               choices=("none", "ngram", "suffix")),
-        Option("engine.draft_tokens", "--draft-tokens", f"{p}DRAFT_TOKENS", int,
-               "with --speculate: most tokens drafted per step (fewer when drafts are poor)", group="engine"),
-        Option("engine.settings.max_context", "--max-context", f"{p}MAX_CONTEXT", int,
-               "largest prompt plus output, in tokens", group="engine"),
-        Option("engine.settings.max_concurrent_sequences", "--max-concurrent", f"{p}MAX_CONCURRENT", int,
-               "sequences served at once (the miner's declared capacity)", group="engine"),
-        Option("engine.settings.cache_memory_budget_bytes", "--cache-memory", f"{p}CACHE_MEMORY", byte_size,
-               "memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits or is refused", group="engine",
-               metavar="SIZE"),
-        Option("engine.settings.max_waiting", "--max-waiting", f"{p}MAX_WAITING", int,
-               "requests that may wait for cache memory before new ones are refused", group="engine"),
-    )
+    """Options of `inference.serving.EngineSpec` (dest "engine.*"), with its defaults."""
+    from inference.serving import EngineSpec  # noqa: PLC0415 (torch; only a table with an engine needs it)
+
+    return engine_section(env_prefix).options(EngineSpec, "engine")
+
+
+LOG_LEVEL = Setting("log level (DEBUG also logs the settings)", env="K3_LOG_LEVEL", read=str.upper, group="logging",
+                    choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+LOG_FORMAT = Setting("one line per event: text, or json (one JSON object per line, for log collectors)",
+                     env="K3_LOG_FORMAT", read=str.lower, group="logging", choices=("text", "json"))
 
 
 def logging_options() -> tuple[Option, ...]:
-    return (
-        Option("log_level", "--log-level", "K3_LOG_LEVEL", str.upper, "log level (DEBUG also logs the settings)",
-               group="logging", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
-        Option("log_format", "--log-format", "K3_LOG_FORMAT", str.lower,
-               "one line per event: text, or json (one JSON object per line, for log collectors)", group="logging",
-               choices=("text", "json")),
-    )
+    """The options of `log_level` / `log_format` fields (`LOG_LEVEL.field(...)`), for a table written row by row."""
+    return (LOG_LEVEL.option("log_level", FROM_SETTINGS, "", "logging"),
+            LOG_FORMAT.option("log_format", FROM_SETTINGS, "", "logging"))

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.observability import setup_logging  # noqa: E402
-from neurons.settings import Option, describe_values, expanded_path, flag, read_options  # noqa: E402
+from neurons.settings import Option, describe_values, expanded_path, flag, program_name, read_options  # noqa: E402
 from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
                                    status_report, validator_options)
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
@@ -48,6 +48,10 @@ SELF_CHECK_OPTIONS = (
 SELF_CHECK_VARIANTS = {"bfloat16": ("bf16", "bf16-gpu-kernels"), "float16": ("fp16",),
                        "float32": ("fp32-batched", "fp32-gpu-kernels")}
 COMMANDS = ("run", "status", "self-check")
+
+
+def validator_program() -> str:
+    return program_name("k3-validator", "neurons.validator")
 
 
 def _number(value, digits: int = 3) -> str:
@@ -72,11 +76,18 @@ def format_status(report: dict) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     if not rows:
         lines.append("(no miners evaluated yet)")
+    stages = report.get("stage_miners") or []
+    if stages:
+        lines += ["", "swarm stage miners:",
+                  "uid  layers  challenges  failed  route audits  tokens  step_ms  weight  zeroed because"]
+        lines += [f"{s['uid']:<4} {s['layers']:<7} {s['challenges']:<11} {s['failed']:<7} {s['route_audits']:<13} "
+                  f"{s['tokens']:<7} {_number(s['step_ms'], 1):<8} {_number(s['weight'], 4):<7} "
+                  f"{(s['reason'] or '')[:90]}" for s in stages]
     return "\n".join(lines)
 
 
 def status(argv: list[str]) -> int:
-    values = read_options(STATUS_OPTIONS, argv, prog="neurons/validator.py status",
+    values = read_options(STATUS_OPTIONS, argv, prog=f"{validator_program()} status",
                           description="The validator's current view per miner, from its database.")
     try:
         with ValidatorStore(values["db"], readonly=True) as store:
@@ -112,7 +123,7 @@ def self_check(argv: list[str]) -> int:
 
 
 def run(argv: list[str]) -> int:
-    settings = read_validator_settings(argv, prog="neurons/validator.py run", description=__doc__)
+    settings = read_validator_settings(argv, prog=f"{validator_program()} run", description=__doc__)
     setup_logging(settings.log_level, settings.log_format)
     logging.getLogger("k3.validator").debug("settings: %s", describe_values(validator_options(), dataclasses.asdict(settings)))
     try:
@@ -125,7 +136,7 @@ def run(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: neurons/validator.py {{{','.join(COMMANDS)}}} [options]   (--help after a command lists "
+        print(f"usage: {validator_program()} {{{','.join(COMMANDS)}}} [options]   (--help after a command lists "
               "its options)\n\n" + (__doc__ or ""), file=sys.stderr if argv and argv[0] not in ("-h", "--help")
               else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

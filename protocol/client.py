@@ -6,6 +6,9 @@ Every call serialises its request once, signs those exact bytes with btauth/1
 - `connect`: the TCP connection to the miner;
 - `first_byte`: from the start of the call until the response headers and,
   for a generation, the first complete event (upload, prefill, first token);
+  a floor to which the prompt's prefill is added: `first_byte + prompt tokens /
+  prefill_tokens_per_s` (the rule of the remote engine adapter), so a long
+  prompt is not cut off by a deadline sized for a short one;
 - `between_events`: from one complete event (or body chunk, for JSON
   answers) to the next; only complete NDJSON lines count, so a miner cannot
   keep a stalled stream alive by trickling bytes or blank lines;
@@ -52,18 +55,29 @@ class ClientTimeouts:
     connect: a reachable host answers a SYN in well under a second, 3 s allows for a far one;
     first_byte: a full-context prefill on the reference hardware takes tens of seconds;
     between_events: a serving miner emits a token every few hundred ms, 10 s of silence is a stall;
-    total: 600 s covers the longest generation a validator or a user asks for."""
+    total: 600 s covers the longest generation a validator or a user asks for;
+    prefill_tokens_per_s: the slowest prefill rate a miner is allowed (1000 tokens/s, the remote
+    engine adapter's default): a 131k-token prompt gets first_byte + 131 s for its first token."""
 
     connect: float = 3.0
     first_byte: float = 60.0
     between_events: float = 10.0
     total: float = 600.0
+    prefill_tokens_per_s: float = 1000.0
 
     def __post_init__(self):
         for name in ("connect", "first_byte", "between_events", "total"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"ClientTimeouts.{name} must be a positive number of seconds, got {value!r}")
+        rate = self.prefill_tokens_per_s
+        if not (isinstance(rate, (int, float)) and not math.isnan(rate) and rate > 0):
+            raise ValueError(f"ClientTimeouts.prefill_tokens_per_s must be a positive rate (inf: no prefill "
+                             f"allowance), got {rate!r}")
+
+    def first_event_s(self, prompt_tokens: int) -> float:
+        """Seconds from a call's start by which its first event is due: the floor plus the prefill."""
+        return self.first_byte + max(0, prompt_tokens) / self.prefill_tokens_per_s
 
 
 # ---------------------------------------------------------------- errors
@@ -171,18 +185,20 @@ class GenerateResult:
 class _CallClock:
     """The deadlines of one call, on the event loop's monotonic clock."""
 
-    def __init__(self, timeouts: ClientTimeouts):
+    def __init__(self, timeouts: ClientTimeouts, prompt_tokens: int = 0):
         self.loop = asyncio.get_running_loop()
         self.timeouts = timeouts
         self.start = self.loop.time()
         self.total_at = self.start + timeouts.total
+        self.first_limit = timeouts.first_event_s(prompt_tokens)  # first_byte plus the prefill allowance
+        self.first_at = self.start + self.first_limit
 
     def elapsed(self) -> float:
         return self.loop.time() - self.start
 
     async def within(self, awaitable: Awaitable, kind: str, at: float):
         """Await with a deadline `at` for `kind`, capped by the total deadline."""
-        limit = getattr(self.timeouts, kind)
+        limit = self.first_limit if kind == "first_byte" else getattr(self.timeouts, kind)
         if at >= self.total_at:
             kind, at, limit = "total", self.total_at, self.timeouts.total
         try:
@@ -259,7 +275,7 @@ class MinerClient:
         FinalEvent or an ErrorEvent. Close the iterator if you stop early
         (`contextlib.aclosing`). `result`, when given, is filled as events arrive."""
         body = encode_model(request)
-        clock = _CallClock(timeouts or self.timeouts)
+        clock = _CallClock(timeouts or self.timeouts, _prompt_size(request))
         if result is not None:
             result.body = body
         headers = self._sign("POST", GENERATE_PATH, body, receiver_ss58)
@@ -301,7 +317,7 @@ class MinerClient:
 
     async def _events(self, response: aiohttp.ClientResponse, clock: _CallClock) -> AsyncIterator[TimedEvent]:
         timeouts = clock.timeouts
-        kind, at = "first_byte", clock.start + timeouts.first_byte
+        kind, at = "first_byte", clock.first_at
         buffer = bytearray()
         received = 0
         next_index = 0
@@ -349,7 +365,8 @@ class MinerClient:
     ) -> ScoreResponse:
         """Teacher-forced logprobs; checks the answer covers exactly the asked positions."""
         body = encode_model(request)
-        answer = await self._json_call("POST", base_url, SCORE_PATH, body, receiver_ss58, ScoreResponse, timeouts)
+        answer = await self._json_call("POST", base_url, SCORE_PATH, body, receiver_ss58, ScoreResponse, timeouts,
+                                       prompt_tokens=len(request.token_ids))
         if answer.request_id != request.request_id:
             raise MinerProtocolError(f"score answer is for request {answer.request_id!r}, not {request.request_id!r}")
         positions = request.resolved_positions()
@@ -373,8 +390,9 @@ class MinerClient:
         """Unauthenticated liveness."""
         return await self._json_call("GET", base_url, HEALTH_PATH, None, None, Health, timeouts)
 
-    async def _json_call(self, method, base_url, path, body, receiver_ss58, model: type[Model], timeouts) -> Model:
-        clock = _CallClock(timeouts or self.timeouts)
+    async def _json_call(self, method, base_url, path, body, receiver_ss58, model: type[Model], timeouts,
+                         prompt_tokens: int = 0) -> Model:
+        clock = _CallClock(timeouts or self.timeouts, prompt_tokens)
         headers = {} if receiver_ss58 is None else self._sign(method, path, body or b"", receiver_ss58)
         response = await self._send(clock, method, _url(base_url, path), body, headers, JSON_CONTENT_TYPE)
         try:
@@ -402,7 +420,7 @@ class MinerClient:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=clock.timeouts.connect),
         )
         try:
-            return await clock.within(request, "first_byte", clock.start + clock.timeouts.first_byte)
+            return await clock.within(request, "first_byte", clock.first_at)
         except aiohttp.ClientResponseError as error:
             raise MinerProtocolError(f"bad HTTP response: {error.message}") from None
         except (aiohttp.ClientError, OSError) as error:
@@ -442,6 +460,14 @@ async def _read_chunk(response: aiohttp.ClientResponse, clock: _CallClock, kind:
         raise MinerProtocolError(f"broken response body: {error}") from None
     except (aiohttp.ClientError, OSError) as error:
         raise MinerUnreachable(f"connection dropped mid-response: {error}") from None
+
+
+def _prompt_size(request: GenerateRequest) -> int:
+    """The prompt's size in tokens for the prefill allowance (a text prompt: its characters / 4, the
+    usual bytes per token, as the miner's own tokenizer is not known here)."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    return len(request.prompt or "") // 4
 
 
 def _expect_content_type(response: aiohttp.ClientResponse, expected: str) -> None:

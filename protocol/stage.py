@@ -332,3 +332,50 @@ def all_finite(dtype: str, data: memoryview) -> bool:
     if dtype == "bfloat16":  # exponent bits all ones is inf or NaN
         return not bool(((np.frombuffer(data, dtype="<u2") & 0x7F80) == 0x7F80).any())
     return True
+
+
+# ---------------------------------------------------------------- the chain announcement
+class StageAnnouncement(BaseModel):
+    """What a stage miner publishes on chain (as its hotkey's commitment, beside its axon endpoint): which model
+    and which layer block it serves. One line of text, at most 384 bytes (the Commitments pallet's 3 Raw fields of
+    128; about 150 in practice):
+
+        k3-stage/1 config=<config hash> model=<model fingerprint or -> layers=<A>-<B> fp=<stage fingerprint>
+
+    `layers` is inclusive, as `--serve-layers` takes it. The route driver lists the stage miners of a subnet from
+    these and then checks each one's signed capabilities against its announcement."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config_hash: str = Field(min_length=1, max_length=128, pattern=_ID)
+    model_fingerprint: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9._:\-]*$")
+    start: int = Field(ge=0, le=4095)
+    stop: int = Field(ge=1, le=4096)  # exclusive
+    fingerprint: str = Field(min_length=1, max_length=64, pattern=_ID)
+
+    def text(self) -> str:
+        line = (f"{STAGE_PROTOCOL} config={self.config_hash} model={self.model_fingerprint or '-'} "
+                f"layers={self.start}-{self.stop - 1} fp={self.fingerprint}")
+        if len(line.encode()) > 384:
+            raise ValueError(f"stage announcement is {len(line.encode())} bytes; a commitment holds 384")
+        return line
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["StageAnnouncement"]:
+        """The announcement in a commitment, or None when the text is not one (another subnet tool's, garbage)."""
+        parts = (text or "").split()
+        if len(parts) != 5 or parts[0] != STAGE_PROTOCOL:
+            return None
+        fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        try:
+            a, b = fields["layers"].split("-")
+            model = fields["model"]
+            return cls(config_hash=fields["config"], model_fingerprint="" if model == "-" else model,
+                       start=int(a), stop=int(b) + 1, fingerprint=fields["fp"])
+        except (KeyError, ValueError, ValidationError):
+            return None
+
+    def matches(self, caps: StageCapabilities) -> bool:
+        """The capabilities a stage serves are the ones it announced."""
+        return (caps.config_hash == self.config_hash and list(caps.layers) == [self.start, self.stop]
+                and caps.fingerprint == self.fingerprint)

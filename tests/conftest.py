@@ -1,4 +1,5 @@
-"""Fixtures shared by the test files: real bittensor wallets, the tiny checkpoint and a devnet subnet.
+"""Fixtures shared by the test files: real bittensor wallets, the tiny checkpoint and a devnet subnet, the
+tiny model (`model`, `tokenizer`; a file may define its own) and `collect_events` for engine streams.
 
 Factories are session fixtures so that a module-scoped `world` fixture can use them:
 
@@ -13,10 +14,11 @@ from typing import Iterable, Mapping
 
 import bittensor as bt
 import pytest
+import torch
 
 from chain.devnet import DevnetChain
-from inference.model import ModelConfig, make_random_checkpoint
-from inference.serving import load_reference_model
+from inference.model import ByteTokenizer, KimiK3Model, ModelConfig, make_random_checkpoint
+from inference.serving import TokenEvent, load_reference_model
 
 
 def unused_port() -> int:
@@ -93,3 +95,27 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def tiny_reference(tiny_checkpoint):
     """(model, tokenizer, fingerprint) of the tiny checkpoint, loaded once per session."""
     return load_reference_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny model with random weights (torch seed 0), fresh for each test module (a test may wrap it)."""
+    torch.manual_seed(0)
+    return KimiK3Model(ModelConfig.tiny()).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny model's byte tokenizer."""
+    return ByteTokenizer.from_config(ModelConfig.tiny())
+
+
+async def collect_events(stream) -> tuple[list[TokenEvent], object]:
+    """(token events, final event) of an engine's generate() stream."""
+    tokens, final = [], None
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+        else:
+            final = event
+    return tokens, final

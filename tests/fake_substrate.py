@@ -14,7 +14,8 @@ looks, in the shapes the SDK decodes:
   `estimate_fee`, `account_next_index`, `mev_next_key`, `sign_extrinsic`,
   `find_extrinsic`;
 - `submit` checks the signer's real signature and nonce, then either applies
-  the call (registration, axon, weights, timelocked commits; each block holds
+  the call (registration, axon, weights, timelocked commits, Commitments'
+  set_commitment with its field and per-epoch space limits; each block holds
   one extrinsic) or returns the outcome scripted for that call: a dispatch
   error inside a block or a transaction-pool rejection, built as the SDK's RPC
   backend builds them;
@@ -161,6 +162,10 @@ class FakeSubstrate:
         self.token_symbols: dict[int, str] = {}
         self.nonces: dict[str, int] = defaultdict(int)
         self.fee_rao = 20_000
+        # Commitments pallet: CommitmentOf records and UsedSpaceOf (epoch index, bytes used), by (netuid, hotkey)
+        self.commitments: dict[tuple[int, str], dict] = {}
+        self.commitment_usage: dict[tuple[int, str], tuple[int, int]] = {}
+        self.commitment_max_space = 3100
         # Observations for tests.
         self.composed: list[Call] = []
         self.submitted: list[Submission] = []
@@ -353,7 +358,9 @@ class FakeSubstrate:
         if (module, storage_function) == ("SubtensorModule", "Uids") and params:
             subnet = self.subnets.get(params[0])
             return [(n.hotkey, uid) for uid, n in enumerate(subnet.neurons)] if subnet else []
-        return []  # commitments and the rest: nothing stored
+        if (module, storage_function) == ("Commitments", "CommitmentOf") and params:
+            return [(hk, record) for (netuid, hk), record in self.commitments.items() if netuid == params[0]]
+        return []  # revealed commitments and the rest: nothing stored
 
     async def query_batch(self, module: str, storage_function: str, param_sets: list[list],
                           block_hash: Optional[str] = None) -> list[Any]:
@@ -551,6 +558,8 @@ class FakeSubstrate:
         subnet = self.subnets.get(params.get("netuid"))
         if call.module == "MevShield":
             return None
+        if (call.module, call.function) == ("Commitments", "set_commitment"):
+            return self._set_commitment(subnet, signer, params["info"])
         if subnet is None:
             return "SubnetNotExists"
         if call.function == "burned_register":
@@ -578,6 +587,31 @@ class FakeSubstrate:
             neuron.last_update = self.head
             return None
         raise NotImplementedError(f"the fake does not apply {call.module}.{call.function}")
+
+    def _set_commitment(self, subnet: Optional[FakeSubnet], signer: str, info: dict) -> Optional[str]:
+        """pallet_commitments::set_commitment: registered hotkeys only, at most 3 fields, Raw payloads of at
+        most 128 bytes, max(100, bytes) of MaxSpace per (subnet epoch index)."""
+        if subnet is None or subnet.uid_of(signer) is None:
+            return "AccountNotAllowedCommit"
+        fields = list(info.get("fields") or [])
+        if len(fields) > 3:
+            return "TooManyFieldsInCommitmentInfo"
+        size = 0
+        for entry in fields:
+            [(variant, value)] = entry.items()
+            raw = bytes.fromhex(value.removeprefix("0x"))
+            if variant != f"Raw{len(raw)}" or len(raw) > 128:
+                raise ValueError(f"{variant} cannot carry {len(raw)} bytes")  # the SCALE encoder refuses it
+            size += len(raw)
+        needed = max(100, size)
+        epoch = (self.head + subnet.netuid + 1) // (subnet.tempo + 1)  # the block it lands in
+        last_epoch, used = self.commitment_usage.get((subnet.netuid, signer), (epoch, 0))
+        used = used if last_epoch == epoch else 0
+        if used + needed > self.commitment_max_space:
+            return "SpaceLimitExceeded"
+        self.commitment_usage[(subnet.netuid, signer)] = (epoch, used + needed)
+        self.commitments[(subnet.netuid, signer)] = {"block": self.head, "deposit": 0, "info": {"fields": fields}}
+        return None
 
     # -------------------------------------------------------------- not modelled
     async def prepare(self, call, **kwargs):

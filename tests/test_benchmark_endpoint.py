@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -13,9 +14,11 @@ from chain.interface import connect
 from inference.model import KimiK3Model, ModelConfig
 from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer
 from neurons import benchmark as bench
+from neurons.gateway import GatewayServer, GatewaySettings, MinerTarget
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
+from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import Capabilities, Limits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +96,8 @@ async def test_a_miner_benchmark_reports_speeds_tier0_and_429s_beyond_capacity(w
     argv = ["--miner", miner.url, "--miner-hotkey", miner.hotkey, "--wallet-name", "validator",
             "--wallet-hotkey", "default", "--wallet-path", str(world["root"] / "wallets"),
             "--tokenizer-checkpoint", str(world["ckpt"]), "--prompt-lengths", "32,48", "--output-lengths", "6",
-            "--concurrency", "1,5", "--repeats", "1", "--seed", "3", "--probes", "0", "--out-dir", str(tmp_path)]
+            "--concurrency", "1,5", "--repeats", "1", "--seed", "3", "--probes", "0", "--out-dir", str(tmp_path),
+            "--between-tokens-timeout-s", "60"]  # a loaded test machine stalls streams for seconds
     settings = bench.read_benchmark_settings(argv, environ={})
     report = await bench.run_benchmark(settings, argv)
     bench.write_report(report, str(tmp_path))
@@ -199,3 +203,224 @@ def test_bad_command_lines_exit_2_with_a_message(world, capsys):
                        "--tokenizer-checkpoint", str(world["ckpt"])]) == 2
     assert "no hotkey file" in capsys.readouterr().err
     assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and math.isclose(bench.percentile([5.0], 99), 5.0)
+
+
+# ---------------------------------------------------------------- serving-benchmark features
+def in_flight_max(rows: list[dict]) -> int:
+    """The most requests of a workload that were in flight at one time (from requests.jsonl)."""
+    edges = sorted([(r["sent_s"], 1) for r in rows] + [(r["sent_s"] + r["e2el_ms"] / 1000, -1) for r in rows],
+                   key=lambda edge: (edge[0], edge[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_arrivals_are_poisson_at_the_rate_and_burstiness_shapes_them():
+    rng = __import__("random").Random(0)
+    assert bench.arrival_times(5, math.inf, 1.0, rng) == [0.0] * 5
+    assert bench.arrival_times(4, 2.0, math.inf, rng) == [0.0, 0.5, 1.0, 1.5]
+    for burstiness in (1.0, 0.25, 4.0):
+        times = bench.arrival_times(4001, 10.0, burstiness, rng)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        mean = sum(gaps) / len(gaps)
+        cv2 = sum((g - mean) ** 2 for g in gaps) / len(gaps) / mean ** 2
+        assert mean == pytest.approx(0.1, rel=0.08)  # the rate holds whatever the burstiness
+        assert cv2 == pytest.approx(1 / burstiness, rel=0.2)  # gamma(k): squared coefficient of variation 1/k
+
+
+async def test_open_loop_traffic_with_a_concurrency_cap_goodput_percentiles_and_jsonl(world, openai_server, tmp_path):
+    base = ["--openai", openai_server, "--model", MODEL_NAME, "--tokenizer-checkpoint", str(world["ckpt"]),
+            "--prompt-lengths", "24", "--output-lengths", "5", "--request-rate", "inf,40", "--max-concurrency", "2",
+            "--num-prompts", "6", "--warmup", "0", "--probes", "0", "--metric-percentiles", "25,75,99"]
+    argv = base + ["--goodput", "ttft:60000", "tpot:60000", "--save-result", "--out-dir", str(tmp_path)]
+    bench.write_report(await bench.run_benchmark(bench.read_benchmark_settings(argv, environ={}), argv), str(tmp_path))
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(r["ok"] and r["completion_tokens"] >= 1 and r["good"] for r in rows), [r for r in rows if not r["ok"]][:2]
+    assert report["settings"]["goodput_slos_ms"] == {"tpot": 60000.0, "ttft": 60000.0}
+    assert [(w["request_rate"], w["max_concurrency"], w["requests"]) for w in report["workloads"]] == [
+        ("inf", 2, 6), (40.0, 2, 6)]
+    for w in report["workloads"]:
+        mine = [r for r in rows if r["workload"] == w["workload"]]
+        assert len(mine) == 6 and in_flight_max(mine) <= 2  # the cap held
+        assert w["completed"] == 6 and w["goodput"]["good"] == 6
+        assert w["goodput"]["requests_per_s"] == pytest.approx(w["request_throughput"])
+        assert w["request_throughput"] == pytest.approx(6 / w["duration_s"])
+        out = sum(r["completion_tokens"] for r in mine)
+        assert w["output_throughput"] == pytest.approx(out / w["duration_s"])
+        assert w["total_token_throughput"] == pytest.approx((out + 6 * 24) / w["duration_s"])
+        for metric in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            stats = w[metric]
+            assert set(stats) >= {"p25", "p75", "p99", "mean", "std"} and "p50" not in stats
+            assert stats["min"] <= stats["p25"] <= stats["p75"] <= stats["p99"] <= stats["max"]
+        assert w["ttft_ms"]["mean"] == pytest.approx(sum(r["ttft_ms"] for r in mine) / 6)
+    at_rate = sorted(r["sent_s"] for r in rows if "rate=40" in r["workload"])
+    assert at_rate[-1] > 0.02  # spread out by the arrivals (mean gap 25 ms), not sent at once
+    table = (tmp_path / "report.md").read_text()
+    assert "| workload | ok/req | duration s | req/s | goodput req/s |" in table and "| TTFT |" in table
+    # an SLO nobody meets: goodput 0, the same requests otherwise
+    strict = bench.read_benchmark_settings(base + ["--request-rate", "inf", "--goodput", "ttft:0.001"], environ={})
+    report = await bench.run_benchmark(strict)
+    assert report["workloads"][0]["goodput"]["good"] == 0 and report["workloads"][0]["completed"] == 6
+    assert "per_request" not in report
+
+
+def write_sharegpt(path: Path) -> list[dict]:
+    data = [
+        {"id": "a", "conversations": [{"from": "human", "value": "What is the capital of France?"},
+                                      {"from": "gpt", "value": "Paris is the capital."},
+                                      {"from": "human", "value": "And of Italy?"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "a reply first: skipped"},
+                                      {"from": "human", "value": "x"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Write one line about the sea."},
+                                      {"from": "gpt", "value": "The sea keeps every colour of the sky."}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "only a question"}]},
+    ]
+    path.write_text(json.dumps(data))
+    return data
+
+
+async def test_sharegpt_and_shared_prefix_datasets(world, openai_server, tmp_path):
+    tokenizer = world["tokenizer"]
+    data = write_sharegpt(tmp_path / "sharegpt.json")
+    argv = ["--openai", openai_server, "--model", MODEL_NAME, "--tokenizer-checkpoint", str(world["ckpt"]),
+            "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"), "--request-rate", "inf",
+            "--num-prompts", "4", "--warmup", "0", "--probes", "0", "--prompt-lengths", "32", "--output-lengths", "4"]
+    settings = bench.read_benchmark_settings(argv, environ={})
+    report = await bench.run_benchmark(settings, argv)
+    w = report["workloads"][0]
+    assert w["dataset"] == "sharegpt" and w["completed"] == w["requests"] == 4
+    caps = Capabilities(model_id="m", model_fingerprint="f", vocab_size=CONFIG.vocab_size, max_context=512,
+                        max_concurrent_streams=2, engine="reference", precision="float32", software_version="x")
+    [cell] = bench.plan_cells(settings.workload, tokenizer, caps, settings.dataset)
+    # the first exchange of the two usable conversations, in turn: the human turn in the chat template,
+    # max_tokens the reply's length
+    expected = {tuple(bench.framed(tokenizer, tokenizer.encode(c["conversations"][0]["value"]))):
+                len(tokenizer.encode(c["conversations"][1]["value"])) for c in (data[0], data[2])}
+    sent = [(tuple(r.prompt_token_ids), r.max_tokens) for r in cell.waves[0]]
+    assert set(sent) == set(expected.items()) and len(sent) == 4
+    assert w["input_tokens"]["mean"] == pytest.approx(sum(len(p) for p, _ in sent) / 4)
+    fixed = dataclasses.replace(settings.dataset, sharegpt_output_len=3)
+    assert {r.max_tokens for r in bench.plan_cells(settings.workload, tokenizer, caps, fixed)[0].waves[0]} == {3}
+
+    shared = ["--dataset-name", "shared-prefix", "--shared-prefix-tokens", "12", "--shared-prefix-groups", "2",
+              "--prompt-lengths", "40", "--output-lengths", "4", "--concurrency", "3", "--repeats", "2"]
+    settings = bench.read_benchmark_settings(["--openai", openai_server, "--model", MODEL_NAME,
+                                              "--tokenizer-checkpoint", str(world["ckpt"])] + shared, environ={})
+    [cell] = bench.plan_cells(settings.workload, tokenizer, caps, settings.dataset)
+    prompts = [r.prompt_token_ids for wave in cell.waves for r in wave]
+    frame, at = bench.chat_frame(tokenizer)
+    assert len(prompts) == 6 and all(len(p) == 40 for p in prompts)
+    heads = [tuple(p[at:at + 12]) for p in prompts]
+    assert heads[0::2] == [heads[0]] * 3 and heads[1::2] == [heads[1]] * 3 and heads[0] != heads[1]
+    assert len({tuple(p) for p in prompts}) == 6  # the suffixes differ
+    report = await bench.run_benchmark(settings)
+    assert report["totals"]["completed"] == 6 and report["workloads"][0]["dataset"] == "shared-prefix"
+
+
+def test_new_flags_are_checked(world, capsys):
+    base = ["--openai", "http://127.0.0.1:1", "--model", "m", "--tokenizer-checkpoint", str(world["ckpt"])]
+    for extra, message in ((["--dataset-name", "sharegpt"], "needs --dataset-path"),
+                           (["--request-rate", "0"], "--request-rate: invalid list of rates value"),
+                           (["--goodput", "ttfb:5"], "--goodput: invalid SLO list value"),
+                           (["--metric-percentiles", "100"], "invalid list of percentiles value"),
+                           (["--random-range-ratio", "1.5"], "--random-range-ratio must lie in"),
+                           (["--max-concurrency", "0"], "--max-concurrency must be at least 1")):
+        with pytest.raises(SystemExit):
+            bench.read_benchmark_settings(base + extra, environ={})
+        assert message in capsys.readouterr().err, extra
+    miner = ["--miner", "http://127.0.0.1:1", "--miner-hotkey", "5abc", "--tokenizer-checkpoint", str(world["ckpt"])]
+    with pytest.raises(SystemExit):
+        bench.read_benchmark_settings(miner + ["--endpoint-type", "chat"], environ={})
+    assert "needs an --openai target" in capsys.readouterr().err
+    parsed = bench.read_benchmark_settings(base + ["--goodput", "ttft:500", "e2el:9000", "--request-rate", "inf,2.5"],
+                                           environ={})
+    assert parsed.result.goodput == (("e2el", 9000.0), ("ttft", 500.0))
+    assert parsed.workload.request_rates == (math.inf, 2.5)
+
+
+GATEWAY_KEY = "sk-bench-0123456789abcdef"
+
+
+@pytest.fixture
+async def gateway(world, miner, tmp_path):
+    """The validator's organic gateway in front of the loopback miner: what an organic user (or a
+    benchmark) sees of the subnet."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(GATEWAY_KEY + "\n")
+    target = MinerTarget(uid=1, hotkey=miner.hotkey, url=miner.url, score=1.0)
+
+    class Directory:
+        def ranked_miners(self):
+            return [target]
+
+    # generous deadlines: the machine running the tests may be loaded many times over
+    timeouts = ClientTimeouts(first_byte=120.0, between_events=60.0, total=300.0)
+    client = MinerClient(world["wallets"]["validator"], timeouts)
+    server = GatewayServer(Directory(), client, world["tokenizer"], GatewaySettings(
+        enabled=True, host="127.0.0.1", port=0, api_keys_file=str(keys), model_name=MODEL_NAME,
+        rate_limit_requests=10_000, miner_timeouts=timeouts))
+    await server.start()
+    yield server
+    await server.close()
+    await client.close()
+
+
+async def test_the_gateway_as_a_benchmark_target_in_completions_and_chat_mode(world, gateway, tmp_path):
+    for mode in ("completions", "chat"):
+        argv = ["--openai", gateway.url, "--model", MODEL_NAME, "--api-key", GATEWAY_KEY, "--tokenizer-checkpoint",
+                str(world["ckpt"]), "--prompt-lengths", "32", "--output-lengths", "5", "--request-rate", "inf",
+                "--max-concurrency", str(CAPACITY), "--num-prompts", "4", "--warmup", "0", "--probes", "0",
+                "--endpoint-type", mode, "--first-token-timeout-s", "120", "--between-tokens-timeout-s", "60"]
+        report = await bench.run_benchmark(bench.read_benchmark_settings(argv, environ={}), argv)
+        assert report["max_context"] == 512  # the miner's, from the gateway's /v1/models max_model_len
+        w = report["workloads"][0]
+        assert w["completed"] == w["requests"] == 4, (mode, w["errors"], w["error_examples"])
+        tier0 = report["quality"]["tier0"]
+        assert tier0["checked"] == tier0["passed"] == 4, (mode, tier0)  # the ids and logprobs are the miner's
+        assert w["completion_tokens"]["min"] >= 1 and w["ttft_ms"]["mean"] > 0
+        if mode == "chat":
+            assert "usage_prompt" in tier0["not_applicable"]
+            assert w["input_tokens"]["mean"] > 0  # counted by the gateway with its template
+
+
+async def test_the_gateway_honours_vllm_extensions(world, gateway):
+    tokenizer = world["tokenizer"]
+    headers = {"Authorization": f"Bearer {GATEWAY_KEY}"}
+    prompt = tokenizer.encode("The tide came in and")
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 2,
+            "seed": 3, "repetition_penalty": 1.0, "ignore_eos": False}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async def post(path, **extra):
+            async with http.post(gateway.url + path, json={**body, **extra}) as response:
+                return response.status, await response.json()
+
+        status, plain = await post("/v1/completions")
+        assert status == 200, plain
+        status, as_ids = await post("/v1/completions", return_tokens_as_token_ids=True)
+        assert status == 200, as_ids
+        ids = [int(t.removeprefix("token_id:")) for t in as_ids["choices"][0]["logprobs"]["tokens"]]
+        assert all(t.startswith("token_id:") for t in as_ids["choices"][0]["logprobs"]["tokens"])
+        # greedy: the same tokens; their text is what the plain answer names them
+        assert [tokenizer.decode([t]) for t in ids] == plain["choices"][0]["logprobs"]["tokens"]
+        assert all(k.startswith("token_id:") for top in as_ids["choices"][0]["logprobs"]["top_logprobs"] for k in top)
+        assert as_ids["choices"][0]["text"] == plain["choices"][0]["text"]
+        kept = tokenizer.decode(ids, skip_special_tokens=False)
+        status, raw = await post("/v1/completions", skip_special_tokens=False)
+        assert status == 200 and raw["choices"][0]["text"] == kept
+        status, chat = await post("/v1/chat/completions", prompt=None, messages=[{"role": "user", "content": "Hi"}],
+                                  logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+        assert status == 400  # `prompt` is not a chat parameter (sent as null here): refused by name
+        del body["prompt"], body["logprobs"]
+        status, chat = await post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
+                                  logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+        assert status == 200, chat
+        assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+        for extra, word in (({"repetition_penalty": 1.2}, "repetition_penalty"), ({"ignore_eos": True}, "ignore_eos")):
+            status, refused = await post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], **extra)
+            assert status == 400 and word in refused["error"]["message"], refused
+        async with http.get(gateway.url + "/v1/models") as response:
+            listing = await response.json()
+        assert listing["data"][0]["max_model_len"] == 512

@@ -262,6 +262,34 @@ async def test_publish_endpoint_rate_limit_and_validation(chain, wallets):
     assert (await chain.metagraph(netuid)).neurons[0].endpoint.url == "http://[::1]:9000"
 
 
+async def test_commitments_as_the_pallet_limits_them(chain, wallets):
+    """set_commitment: registered hotkeys only, at most 3 x 128 bytes, max(100, bytes) of 3100 per epoch
+    index (block + netuid + 1) // (tempo + 1), the newest replacing the last; a failure changes nothing."""
+    netuid = await chain.create_subnet(OWNER, tempo=99)
+    miner, other = wallets[0], wallets[1]
+    await chain.register(miner, netuid)
+    with pytest.raises(NotRegistered) as caught:
+        await chain.publish_commitment(other, netuid, "k3-stage/1")
+    assert caught.value.name == "AccountNotAllowedCommit"
+    with pytest.raises(ValueError):
+        await chain.publish_commitment(miner, netuid, "z" * 385)
+    assert await chain.commitments(netuid) == {}
+
+    long = "k3-stage/1 " + "y" * 300  # 311 bytes: three fields, 311 of the quota
+    await chain.publish_commitment(miner, netuid, long)
+    [(hotkey, got)] = (await chain.commitments(netuid)).items()
+    assert hotkey == miner.hotkey.ss58_address and got.data == long and got.block == await chain.block()
+    for i in range(27):  # 311 + 27 x 100 = 3011: one more short one (100) would pass 3100
+        await chain.publish_commitment(miner, netuid, f"short {i}")
+    with pytest.raises(RateLimited) as caught:
+        await chain.publish_commitment(miner, netuid, "one too many")
+    assert caught.value.name == "SpaceLimitExceeded" and caught.value.retry_after_blocks >= 1
+    assert (await chain.commitments(netuid))[miner.hotkey.ss58_address].data == "short 26"
+    await chain.advance_blocks(caught.value.retry_after_blocks)  # the next epoch index: a fresh quota
+    await chain.publish_commitment(miner, netuid, "one too many")
+    assert (await chain.commitments(netuid))[miner.hotkey.ss58_address].data == "one too many"
+
+
 # ---------------------------------------------------------------- epochs
 async def test_epochs_match_yuma_and_the_worked_example(chain, wallets):
     # docs/yuma.md's worked example: validators A, B, C (stake .5 .3 .2), miners M1..M3, E = 1000.

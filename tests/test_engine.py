@@ -3,23 +3,11 @@ import asyncio
 import time
 
 import pytest
-import torch
 
-from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.model import ModelConfig
 from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 
 CONFIG = ModelConfig.tiny()
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return KimiK3Model(CONFIG).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return ByteTokenizer.from_config(CONFIG)
 
 
 def make_engine(model, tokenizer, **settings):

@@ -8,23 +8,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.model import ModelConfig
 from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 from inference.serving.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, TokenSampler, filtered_probs
 
 CONFIG = ModelConfig.tiny()
 V = CONFIG.vocab_size
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return KimiK3Model(CONFIG).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return ByteTokenizer.from_config(CONFIG)
 
 
 def engine_for(model, tokenizer, **settings):

@@ -7,13 +7,12 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from chain.devnet import DevnetChain
+from neurons.hostile_bench import published_url
 from neurons.probe import Probe, table
 from protocol.auth import hotkey_signer
 
@@ -32,7 +31,7 @@ def miner(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
     devnet = root / "devnet.sqlite"
     netuid, _ = make_subnet(devnet, wallets, ("miner", "validator"), {"validator": 100.0})
     log_path = root / "miner.log"
-    command = [sys.executable, str(ROOT / "neurons/miner.py"), "--chain", f"devnet:{devnet}", "--netuid", str(netuid),
+    command = [sys.executable, str(ROOT / "neurons/miner.py"), "--network", f"devnet:{devnet}", "--netuid", str(netuid),
                "--wallet-name", "miner", "--wallet-hotkey", "default", "--wallet-path", str(root / "wallets"),
                "--engine", "reference", "--checkpoint", str(tiny_checkpoint), "--max-context", "512",
                "--max-concurrent", "4", "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1",
@@ -56,24 +55,9 @@ def miner(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
                 process.wait(10)
 
 
-async def published_url(miner) -> str:
-    hotkey = miner["wallets"]["miner"].hotkey.ss58_address
-    chain = DevnetChain(miner["devnet"])
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert miner["process"].poll() is None, miner["log"].read_text(errors="replace")
-            neuron = (await chain.metagraph(miner["netuid"])).by_hotkey(hotkey)
-            if neuron.endpoint is not None:
-                return neuron.endpoint.url
-            await asyncio.sleep(0.25)
-    finally:
-        await chain.close()
-    raise AssertionError("the miner did not publish its endpoint")
-
-
 async def test_no_hostile_client_takes_the_miner_down(miner):
-    url = await published_url(miner)
+    url = await published_url(miner["devnet"], miner["netuid"], miner["wallets"]["miner"].hotkey.ss58_address,
+                              miner["process"], lambda: miner["log"].read_text(errors="replace"), START_TIMEOUT_S)
     await asyncio.sleep(2.5)  # a metagraph refresh after publication: the validator's permit is in
     probe = Probe(url, hotkey_signer(miner["wallets"]["validator"]), miner["wallets"]["miner"].hotkey.ss58_address,
                   header_timeout_s=2.0, body_timeout_s=4.0, flood=300, flood_address="127.0.0.2")

@@ -61,3 +61,43 @@ def test_localnet_sets_weights_and_the_cheater_earns_nothing(tmp_path):
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
     assert (run_dir / "logs" / "validator.log").exists() and (run_dir / "logs" / "miner0.log").exists()
+
+
+def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path):
+    """`--swarm 3`: stage miners announce their blocks on the devnet, the route miner finds them there, and the
+    completion it serves is the single-process model's greedy output."""
+    import torch
+
+    from inference.serving.builders import load_reference_model
+    from neurons.localnet import SWARM_PROMPT
+    from protocol.stage import StageAnnouncement
+
+    run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
+    cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--swarm-tokens", "6", "--run-dir", str(run_dir),
+           "--summary", str(summary), "--no-dashboard", "--base-port", str(free_port_block(5))]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads(summary.read_text())
+
+    model, _, _ = load_reference_model(ROOT / "checkpoints" / "tiny", verify=False)
+    cache, want = model.new_cache(), []
+    with torch.no_grad():
+        logits = model.forward([torch.tensor(SWARM_PROMPT)], [cache])[0]
+        for _ in range(6):
+            want.append(int(torch.argmax(logits)))
+            logits = model.forward([torch.tensor([want[-1]])], [cache])[0]
+    assert state["completion"]["tokens"] == want and state["completion"]["match"] is True
+
+    stages = {s["name"]: s for s in state["stages"]}
+    assert set(stages) == {"stage0", "stage1", "stage2", "spare"}
+    assert [stages[f"stage{i}"]["layers"] for i in range(3)] == ["0-2", "3-8", "9-12"]  # block boundaries (size 3)
+    assert stages["spare"]["layers"] == stages["stage1"]["layers"]
+    for s in stages.values():  # each announced itself on chain: the commitment names its block and fingerprint
+        a = StageAnnouncement.parse(s["announced"])
+        assert (a.start, a.stop - 1) == tuple(int(x) for x in s["layers"].split("-"))
+        assert a.fingerprint == s["fingerprint"] and s["uid"] is not None
+    route = state["completion"]["route"]
+    assert [r["layers"] for r in route] == ["0-2", "3-8", "9-12"]
+
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, [p.info["cmdline"] for p in leftovers]

@@ -2,12 +2,14 @@
 import io
 import json
 import logging
+import re
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from neurons.observability import request_middleware, setup_logging
+from neurons.observability import observed_app, request_middleware, setup_logging
+from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 
 
 @pytest.fixture
@@ -73,3 +75,42 @@ async def test_the_access_log_has_request_id_caller_status_and_duration(log_stre
     assert access[0]["request_id"] == "req-1" and len(access[1]["request_id"]) == 16
     assert all(e["duration_ms"] >= 0 and e["component"] == "test" for e in access)
     assert [(p, s) for p, s, _ in seen] == [("/hello", 201), ("/missing", 404)]
+
+
+async def test_every_answer_carries_the_request_id_streams_and_errors_included(log_stream):
+    """observed_app (every listener's app): X-Request-Id on a JSON answer, on a stream prepared by the
+    handler, on aiohttp's own 404 and on the 500 of a handler that fails; the access log has the same id."""
+    setup_logging("INFO", "json", stream=log_stream)
+
+    async def stream(request):
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        return response
+
+    async def boom(request):
+        raise RuntimeError("handler bug")
+
+    guard = ConnectionGuard(GuardSettings(), "test")
+    app = observed_app("test", guard)
+    app.add_routes([web.get("/stream", stream), web.get("/boom", boom)])
+    runner = web.AppRunner(app, access_log=None, **runner_options(guard.settings))
+    await runner.setup()
+    await GuardedSite(runner, guard, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path, sent in (("/stream", "abc-1"), ("/missing", "x" * 65), ("/boom", None), ("/stream", "a b")):
+                headers = {"X-Request-Id": sent} if sent else {}
+                async with session.get(f"http://127.0.0.1:{port}{path}", headers=headers) as r:
+                    await r.read()
+                    answers.append((r.status, r.headers.get("X-Request-Id")))
+    finally:
+        await runner.cleanup()
+    assert [status for status, _ in answers] == [200, 404, 500, 200]
+    assert answers[0][1] == "abc-1"  # a sane id is echoed; too long, absent, with a space: a new one
+    assert all(re.fullmatch(r"[0-9a-f]{16}", rid) for _, rid in answers[1:]) and len({r for _, r in answers}) == 4
+    access = [json.loads(line) for line in log_stream.getvalue().splitlines() if '"k3.access"' in line]
+    assert [(e["path"], e["status"], e["request_id"]) for e in access] == [
+        (path, status, rid) for path, (status, rid) in zip(("/stream", "/missing", "/boom", "/stream"), answers)]

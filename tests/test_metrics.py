@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -63,12 +64,33 @@ async def scrape(port: int) -> str:
             return await r.text()
 
 
+async def request_ids(session: aiohttp.ClientSession, url: str, component: str) -> list[str]:
+    """X-Request-Id of three answers from `url`: to a sane client id (echoed), to one that is not (a
+    spaced, over-long id: replaced by a new one) and to none (a new one)."""
+    sent = [f"trace-{component}", "not a sane id " + "x" * 80, None]
+    got = []
+    for request_id in sent:
+        headers = {"X-Request-Id": request_id} if request_id else {}
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
+            assert response.status == 200, (url, response.status)
+            got.append(response.headers.get("X-Request-Id"))
+    assert got[0] == sent[0], (url, got)
+    assert all(re.fullmatch(r"[0-9a-f]{16}", new) for new in got[1:]) and got[1] != got[2], (url, got)
+    return got
+
+
 def test_every_process_exports_what_the_dashboard_shows(tmp_path, make_wallets, make_subnet, tiny_checkpoint,
-                                                        tiny_reference):
+                                                        tiny_reference, caplog):
+    caplog.set_level(logging.INFO, logger="k3.access")
     wallets = make_wallets(tmp_path / "wallets", ("owner", "miner", "validator"))
     devnet = tmp_path / "devnet.sqlite"
     netuid, _ = make_subnet(devnet, wallets, ("miner", "validator"), {"validator": 1000.0}, block_interval=0.1)
-    asyncio.run(_run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, tiny_reference))
+    traced = asyncio.run(_run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, tiny_reference))
+    # every server's access log has one line per request, with the id its answer carried
+    access = [r for r in caplog.records if r.name == "k3.access"]
+    for component, ids in traced.items():
+        logged = [r.request_id for r in access if r.component == component]
+        assert set(ids) <= set(logged), (component, ids, logged)
 
 
 async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, tiny_reference):
@@ -133,8 +155,16 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
                                         headers={"Authorization": "Bearer sk-test-key"}) as response:
                     statuses.append(response.status)
             assert statuses[-1] == 429
-            async with session.post(f"http://127.0.0.1:{miner.port}/v1/generate", data=b"{}") as response:
+            async with session.post(f"http://127.0.0.1:{miner.port}/v1/generate", data=b"{}",
+                                    headers={"X-Request-Id": "unsigned-1"}) as response:
                 assert response.status == 401  # unsigned
+                assert response.headers["X-Request-Id"] == "unsigned-1"  # refusals carry it too
+            traced = {component: await request_ids(session, f"http://127.0.0.1:{port}{path}", component)
+                      for component, port, path in (("miner", miner.port, "/health"),
+                                                    ("miner-metrics", miner.metrics_port, "/metrics"),
+                                                    ("gateway", gateway_port, "/health"),
+                                                    ("validator-metrics", metrics_port, "/metrics"))}
+            traced["miner"].append("unsigned-1")
 
         validator_text = await scrape(metrics_port)
         miner_text = await scrape(miner.metrics_port)
@@ -170,6 +200,7 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
     exported = names(validator_text) | names(miner_text)
     missing = sorted(metric for metric in dashboard_metrics() if metric not in exported)
     assert not missing, f"the dashboard queries metrics no process exports: {missing}"
+    return traced
 
 
 def test_the_dashboard_check_can_fail():

@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import aclosing
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from chain.devnet import DevnetChain
+from neurons.hostile_bench import published_url
 from protocol.client import MinerClient
 from protocol.schemas import FinalEvent, GenerateRequest, TokenEvent
 from protocol.signature import verify_response
@@ -32,7 +31,7 @@ def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
     netuid, _ = make_subnet(devnet, wallets, ("miner", "cheater", "validator"), {"validator": 100.0})
 
     def command(script: str, wallet: str, metrics_port: int, *extra: str) -> list[str]:
-        return [sys.executable, str(ROOT / script), "--chain", f"devnet:{devnet}", "--netuid", str(netuid),
+        return [sys.executable, str(ROOT / script), "--network", f"devnet:{devnet}", "--netuid", str(netuid),
                 "--wallet-name", wallet, "--wallet-hotkey", "default", "--wallet-path", str(root / "wallets"),
                 "--engine", "reference", "--checkpoint", str(checkpoint), "--max-context", "512",
                 "--max-concurrent", "2", "--host", "127.0.0.1", "--port", "0", "--external-ip", "127.0.0.1",
@@ -57,22 +56,11 @@ def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
         process.wait(10)
 
 
-async def published_url(setup, name: str) -> str:
+async def miner_url(setup, name: str) -> str:
     """Wait until the process has published its endpoint on the devnet; its URL."""
-    hotkey = setup["wallets"][name].hotkey.ss58_address
     process = setup["processes"][name]
-    chain = DevnetChain(setup["devnet"])
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.stdout.read().decode(errors="replace")
-            neuron = (await chain.metagraph(setup["netuid"])).by_hotkey(hotkey)
-            if neuron.endpoint is not None:
-                return neuron.endpoint.url
-            await asyncio.sleep(0.25)
-    finally:
-        await chain.close()
-    raise AssertionError(f"{name} did not publish its endpoint within {START_TIMEOUT_S} s")
+    return await published_url(setup["devnet"], setup["netuid"], setup["wallets"][name].hotkey.ss58_address, process,
+                               lambda: process.stdout.read().decode(errors="replace"), START_TIMEOUT_S)
 
 
 def stop_and_collect(process: subprocess.Popen, timeout_s: float = 60.0) -> tuple[int, str]:
@@ -82,7 +70,7 @@ def stop_and_collect(process: subprocess.Popen, timeout_s: float = 60.0) -> tupl
 
 
 async def test_the_miner_process_publishes_serves_and_drains_on_sigterm(setup):
-    url = await published_url(setup, "miner")
+    url = await miner_url(setup, "miner")
     assert url.startswith("http://127.0.0.1:")
     miner_hotkey = setup["wallets"]["miner"].hotkey.ss58_address
     async with MinerClient(setup["wallets"]["validator"].hotkey) as client:
@@ -116,7 +104,7 @@ async def test_the_miner_process_publishes_serves_and_drains_on_sigterm(setup):
 
 
 async def test_the_cheating_miner_script_serves_its_cheat(setup):
-    url = await published_url(setup, "cheater")
+    url = await miner_url(setup, "cheater")
     hotkey = setup["wallets"]["cheater"].hotkey.ss58_address
     async with MinerClient(setup["wallets"]["validator"].hotkey) as client:
         result = await client.generate(url, hotkey, GenerateRequest(

@@ -10,8 +10,10 @@ from inference.serving import EngineSpec
 from neurons import miner as miner_entry
 from neurons.miner_app import (AccessSettings, CallerBudget, CallerBudgets, MinerSettings, Refusal, ValidatorAccess,
                                miner_options, read_miner_settings)
-from neurons.settings import (FROM_SETTINGS, Option, bind_defaults, build_settings, byte_size, describe_values, flag,
-                              options_table, read_options)
+from neurons.settings import (FROM_SETTINGS, Option, Section, Setting, bind_defaults, build_settings, byte_size,
+                              describe_values, flag, optional_text, options_table, positive_float, read_options,
+                              setting, settings_options)
+from protocol.client import ClientTimeouts
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["--netuid", "7"]
@@ -82,6 +84,43 @@ def test_a_generic_table_builds_nested_dataclasses():
         build_settings(Outer, {"speed": 1})
     with pytest.raises(ValueError, match="share the flag"):
         read_options(table + (Option("other", "--depth", None, int, "dup", default=0),), [], {})
+
+
+def test_a_settings_class_states_each_option_once_on_its_fields():
+    """The table is derived from the fields: flag from the name, variable from the prefix and the flag,
+    reader from the type, default from the dataclass; a Section gives a class without flags its own."""
+    from dataclasses import dataclass
+    from typing import Optional
+
+    @dataclass(frozen=True)
+    class Inner:
+        depth: int = setting(1, "depth", env_key="DEEP")
+        label: Optional[str] = setting(None, "label")
+        hidden: float = 2.0  # no Setting: not an option
+
+    @dataclass(frozen=True)
+    class Outer:
+        inner: Inner = Section(group="inner").field(Inner)
+        rate: float = setting(0.5, "rate", flag="--speed", read=positive_float)
+        on: bool = setting(True, "a switch", env="WHOLE_NAME")
+        timeouts: ClientTimeouts = Section(env_prefix="T2_", fields={
+            "connect": Setting("connect", flag="--connect-s", read=positive_float)}).field(ClientTimeouts)
+
+    table = settings_options(Outer, "T_")
+    assert [(o.dest, o.flag, o.env, o.group, o.default) for o in table] == [
+        ("inner.depth", "--depth", "T_DEEP", "inner", 1), ("inner.label", "--label", "T_LABEL", "inner", None),
+        ("rate", "--speed", "T_SPEED", "general", 0.5), ("on", "--on", "WHOLE_NAME", "general", True),
+        ("timeouts.connect", "--connect-s", "T2_CONNECT_S", "general", 3.0)]
+    assert [o.read for o in table] == [int, optional_text, positive_float, flag, positive_float]
+    values = read_options(table, ["--depth", "4", "--no-on", "--connect-s", "1.5"], {"T_SPEED": "0.25", "T_LABEL": ""})
+    assert build_settings(Outer, values) == Outer(Inner(depth=4), 0.25, False, ClientTimeouts(connect=1.5))
+
+    @dataclass(frozen=True)
+    class Unreadable:
+        sizes: tuple = setting((1, 2), "no reader for a tuple")
+
+    with pytest.raises(TypeError, match="sizes.*read="):
+        settings_options(Unreadable, "T_")
 
 
 def test_flag_defaults_are_the_settings_dataclasses_defaults():

@@ -7,6 +7,7 @@ timeout and protocol violation is produced by a real server over real TCP.
 import asyncio
 import hashlib
 import itertools
+import math
 import socket
 import time
 
@@ -114,6 +115,8 @@ class LoopbackMiner:
         await stream.prepare(request)
         if scenario == "delay-first-event":
             await asyncio.sleep(FOREVER_S)
+        if scenario.startswith("prefill-at-"):  # a prefill at N tokens/s before the first token
+            await asyncio.sleep(len(parsed.prompt_token_ids) / int(scenario.rsplit("-", 1)[1]))
         if scenario == "blank-lines":
             while True:
                 await asyncio.sleep(STEP_S)
@@ -262,6 +265,36 @@ async def test_each_timeout_fires_within_its_bound(keys, miner, client, scenario
         assert caught.value.partial.token_ids == [10, 11]
     if scenario == "trickle":  # trickled bytes never count as an event
         assert caught.value.partial.token_ids == [10]
+
+
+async def test_the_first_event_deadline_grows_with_the_prompt(keys, miner, client):
+    """first_byte is a floor; the prompt's prefill at prefill_tokens_per_s is added to it, so a long
+    prompt served at the allowed rate passes where a flat deadline would cut it off."""
+    hotkey = keys["miner"].ss58_address
+    prompt = list(range(1, 1601))  # 1600 tokens: 0.64 s at 2500 tokens/s, 1.6 s at 1000
+
+    def asked(scenario):
+        return GenerateRequest(request_id=scenario, prompt_token_ids=prompt, max_tokens=2, logprobs=2)
+
+    scaled = ClientTimeouts(connect=1, first_byte=0.3, between_events=5, total=10, prefill_tokens_per_s=2000)
+    assert scaled.first_event_s(1600) == pytest.approx(1.1)
+    result = await client.generate(miner.url, hotkey, asked("prefill-at-2500"), timeouts=scaled)
+    assert result.token_ids == [10, 11] and 0.6 <= result.ttft_s < 1.1
+    # the same server with a flat deadline (no prefill allowance) times out at the floor
+    flat = ClientTimeouts(connect=1, first_byte=0.3, between_events=5, total=10, prefill_tokens_per_s=math.inf)
+    started = time.monotonic()
+    with pytest.raises(MinerTimeout) as caught:
+        await client.generate(miner.url, hotkey, asked("prefill-at-2500"), timeouts=flat)
+    assert caught.value.kind == "first_byte" and 0.3 <= time.monotonic() - started + 0.01 <= 0.3 + SLACK_S
+    # a server slower than the allowed rate is cut off at floor + prefill allowance
+    started = time.monotonic()
+    with pytest.raises(MinerTimeout) as caught:
+        await client.generate(miner.url, hotkey, asked("prefill-at-1000"), timeouts=scaled)
+    elapsed = time.monotonic() - started
+    assert caught.value.kind == "first_byte" and caught.value.limit_s == pytest.approx(1.1)
+    assert 1.1 <= elapsed + 0.01 <= 1.1 + SLACK_S
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        ClientTimeouts(prefill_tokens_per_s=0)
 
 
 async def test_connect_timeout(keys):

@@ -3,21 +3,15 @@ import asyncio
 import json
 
 import pytest
-import torch
 from aiohttp import web
+from conftest import collect_events
 
-from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
+from inference.model import ByteTokenizer, ModelConfig
 from inference.serving import (EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine,
                                OpenAICompatibleServer, RemoteEngine, RemoteSettings, SamplingParams, TokenEvent)
 
 CONFIG = ModelConfig.tiny()
 MODEL_NAME = "kimi-k3-tiny"
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return KimiK3Model(CONFIG).eval()
 
 
 async def start_app(app):
@@ -45,16 +39,6 @@ def remote(url, **kw):
                         vocab_size=CONFIG.vocab_size, eos_id=CONFIG.eos_token_id)
 
 
-async def run(stream):
-    tokens, final = [], None
-    async for ev in stream:
-        if isinstance(ev, TokenEvent):
-            tokens.append(ev)
-        else:
-            final = ev
-    return tokens, final
-
-
 PROMPT = [(5 * j + 1) % 256 for j in range(30)]
 
 
@@ -62,10 +46,10 @@ PROMPT = [(5 * j + 1) % 256 for j in range(30)]
                                       SamplingParams(max_tokens=10, temperature=0.8, top_k=8, seed=3, logprobs=2)])
 async def test_remote_generation_matches_the_local_engine(served, sampling):
     local, url = served
-    expected, _ = await run(local.generate(GenerationRequest(PROMPT, sampling)))
+    expected, _ = await collect_events(local.generate(GenerationRequest(PROMPT, sampling)))
     async with remote(url) as engine:
         assert engine.health().ok
-        tokens, final = await run(engine.generate(GenerationRequest(PROMPT, sampling)))
+        tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, sampling)))
     assert [t.token_id for t in tokens] == [t.token_id for t in expected]
     for got, want in zip(tokens, expected):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
@@ -92,21 +76,21 @@ async def test_remote_errors_are_mapped(served):
     local, url = served
     async with remote(url) as engine:
         with pytest.raises(EngineError) as e:
-            await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5000))))
+            await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5000))))
         assert e.value.code == "context_too_long"
     # the server itself refuses (its context is 4096, the adapter is told 100000)
     async with RemoteEngine(RemoteSettings(base_url=url, model_name=MODEL_NAME, max_context=100000),
                             vocab_size=CONFIG.vocab_size) as engine:
         with pytest.raises(EngineError) as e:
-            await run(engine.generate(GenerationRequest(PROMPT * 200, SamplingParams(max_tokens=4))))
+            await collect_events(engine.generate(GenerationRequest(PROMPT * 200, SamplingParams(max_tokens=4))))
         assert e.value.code == "context_too_long" and "HTTP 400" in e.value.message
-        tokens, _ = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
+        tokens, _ = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
         assert len(tokens) == 3
     async with RemoteEngine(RemoteSettings(base_url=url, model_name="another-model"),
                             vocab_size=CONFIG.vocab_size) as engine:
         assert not engine.health().ok and "does not serve" in engine.health().detail
         with pytest.raises(EngineError) as e:
-            await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
+            await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
         assert "HTTP 404" in e.value.message
 
 
@@ -141,13 +125,54 @@ async def test_dropped_connection_and_stalled_stream_fail_cleanly():
     try:
         async with remote(url + "/drop") as engine:
             with pytest.raises(EngineError) as e:
-                await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
+                await asyncio.wait_for(collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
             assert e.value.code == "engine_failure"
         async with remote(url + "/stall", stall_timeout_s=0.5) as engine:
             t0 = loop.time()
             with pytest.raises(EngineError) as e:
-                await asyncio.wait_for(run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
+                await asyncio.wait_for(collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))), 10)
             assert e.value.code == "engine_stalled" and "stalled" in e.value.message
             assert loop.time() - t0 < 5
+    finally:
+        await runner.cleanup()
+
+
+async def test_text_without_a_token_is_accepted_only_in_the_finishing_chunk():
+    """A server's detokenizer may hold back text (an unfinished UTF-8 character) and send it with
+    the finish reason; anywhere else, text without logprobs means ids were not sent, an error."""
+    async def models(request):
+        return web.json_response({"data": [{"id": MODEL_NAME}]})
+
+    def token_chunk(finish=None):
+        return {"choices": [{"index": 0, "text": "a", "finish_reason": finish,
+                             "logprobs": {"tokens": ["token_id:97"], "token_logprobs": [-0.5],
+                                          "top_logprobs": [{"token_id:97": -0.5}]}}]}
+
+    async def stream(request, tail_finish):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        tail = {"choices": [{"index": 0, "text": "\ufffd", "finish_reason": tail_finish, "logprobs": None}]}
+        for chunk in (token_chunk(), tail) + ((token_chunk("length"),) if tail_finish is None else ()):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def at_finish(request):
+        return await stream(request, "length")
+
+    async def mid_stream(request):
+        return await stream(request, None)
+
+    app = web.Application()
+    app.add_routes([web.get("/end/v1/models", models), web.post("/end/v1/completions", at_finish),
+                    web.get("/mid/v1/models", models), web.post("/mid/v1/completions", mid_stream)])
+    runner, url = await start_app(app)
+    try:
+        async with remote(url + "/end") as engine:
+            tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=1))))
+            assert [t.token_id for t in tokens] == [97] and final.finish_reason == "length"
+        async with remote(url + "/mid") as engine:
+            with pytest.raises(EngineError, match="text without logprobs"):
+                await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=2))))
     finally:
         await runner.cleanup()

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from aiohttp import web
+from conftest import collect_events
 from sglang_protocol import load_api_types
 
 from inference.model.config import ModelConfig
-from inference.model.k3 import KimiK3Model
 from inference.model.tokenizer import ByteTokenizer
 from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.remote import RemoteEngine, RemoteSettings
@@ -29,12 +28,6 @@ pytestmark = pytest.mark.timeout(1200)
 CONFIG = ModelConfig.tiny()
 MODEL_NAME = "kimi-k3-tiny"
 api = load_api_types()
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return KimiK3Model(CONFIG).eval()
 
 
 class SGLangNativeServer:
@@ -158,16 +151,6 @@ def sglang_engine(url, **kw):
                         vocab_size=CONFIG.vocab_size, eos_id=CONFIG.eos_token_id, stop_ids=tok.stop_ids, tokenizer=tok)
 
 
-async def run(stream):
-    tokens, final = [], None
-    async for ev in stream:
-        if isinstance(ev, TokenEvent):
-            tokens.append(ev)
-        else:
-            final = ev
-    return tokens, final
-
-
 # bytes of "7", "42" and other digits among them: token text that looks like an id
 PROMPT = [CONFIG.bos_token_id] + list(b"route 7 to 42: ") + [(5 * j + 1) % 256 for j in range(16)]
 
@@ -181,10 +164,10 @@ SAMPLED = SamplingParams(max_tokens=6, temperature=0.8, top_k=8, seed=3, logprob
 async def test_sglang_generation_matches_the_reference_engine(model, mode, sampling):
     local, server, url, runner = await serve_sglang(model, mode)
     try:
-        expected, want_final = await run(local.generate(GenerationRequest(PROMPT, sampling)))
+        expected, want_final = await collect_events(local.generate(GenerationRequest(PROMPT, sampling)))
         async with sglang_engine(url) as engine:
             assert engine.health().ok, engine.health().detail
-            tokens, final = await run(engine.generate(GenerationRequest(PROMPT, sampling)))
+            tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, sampling)))
     finally:
         await runner.cleanup()
         await local.stop()
@@ -203,12 +186,12 @@ async def test_sglang_generation_matches_the_reference_engine(model, mode, sampl
 async def test_sglang_finish_reasons(served):
     local, server, url = served
     async with sglang_engine(url) as engine:
-        _, final = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
+        _, final = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))))
         assert final.finish_reason == "length"
-        free, _ = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8))))
+        free, _ = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8))))
         text = "".join(t.text for t in free)
         stop = text[len(text) // 2:len(text) // 2 + 1]
-        tokens, final = await run(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8, stop=(stop,)))))
+        tokens, final = await collect_events(engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8, stop=(stop,)))))
         assert final.finish_reason == "stop" and len(tokens) < len(free)
         # SGLang names the stop token it matched: one of ours is eos
         assert server.bodies[-1]["sampling_params"]["stop_token_ids"] == sorted(engine.stop_ids)
@@ -217,7 +200,7 @@ async def test_sglang_finish_reasons(served):
                                              first_token_floor_s=600.0),
                               vocab_size=CONFIG.vocab_size, eos_id=first)
     async with eos_engine:
-        tokens, final = await run(eos_engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8))))
+        tokens, final = await collect_events(eos_engine.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=8))))
     assert [t.token_id for t in tokens] == [first] and final.finish_reason == "eos"
 
 
@@ -238,7 +221,7 @@ async def test_sglang_refusals_map_to_our_errors(served):
     local, server, url = served
     async with sglang_engine(url) as engine:
         with pytest.raises(EngineError) as err:
-            await run(engine.generate(GenerationRequest([1, 2, CONFIG.vocab_size + 5], SamplingParams(max_tokens=2))))
+            await collect_events(engine.generate(GenerationRequest([1, 2, CONFIG.vocab_size + 5], SamplingParams(max_tokens=2))))
         assert err.value.code == "invalid_request" and "HTTP 400" in err.value.message
         # a body SGLang's schema refuses comes back with SGLang's own contract error text
         deadline = __import__("asyncio").get_running_loop().time() + 10

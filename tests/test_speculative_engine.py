@@ -3,12 +3,11 @@ output equal to the plain engine's, the counts in the final event, and clear ref
 import asyncio
 
 import pytest
-import torch
+from conftest import collect_events
 
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
-from inference.model.tokenizer import ByteTokenizer
-from inference.serving.engine import EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
+from inference.serving.engine import EngineSettings, FinalEvent, GenerationRequest, LocalEngine
 from inference.serving.sampling import SamplingParams
 from inference.speculative.drafters import ReplayDrafter
 from inference.speculative.speculation import SpeculationConfig
@@ -21,24 +20,9 @@ def model():
     return KimiK3Model(CONFIG, seed=3)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return ByteTokenizer.from_config(CONFIG)
-
-
 def engine(model, tokenizer, speculation=None):
     settings = EngineSettings(max_context=4096, step_token_budget=64, min_prefill_chunk=16)
     return LocalEngine(model, tokenizer, settings, model_fingerprint="test", speculation=speculation)
-
-
-async def collect(stream):
-    tokens, final = [], None
-    async for ev in stream:
-        if isinstance(ev, TokenEvent):
-            tokens.append(ev)
-        else:
-            final = ev
-    return tokens, final
 
 
 REQUESTS = [
@@ -57,10 +41,10 @@ async def test_greedy_batched_speculation_equals_the_plain_engine(model, tokeniz
     # always have a guess (acceptance itself is tested with drafts of known quality below).
     requests = REQUESTS + [GenerationRequest(list(range(256)) + list(b"abc"), SamplingParams(max_tokens=8))]
     async with engine(model, tokenizer) as plain:
-        want = await asyncio.gather(*(collect(plain.generate(r)) for r in requests))
+        want = await asyncio.gather(*(collect_events(plain.generate(r)) for r in requests))
     spec = SpeculationConfig(drafter=kind, max_draft_tokens=3, fixed_draft_tokens=3, min_match=1)
     async with engine(model, tokenizer, spec) as fast:
-        got = await asyncio.gather(*(collect(fast.generate(r)) for r in requests))
+        got = await asyncio.gather(*(collect_events(fast.generate(r)) for r in requests))
     proposed = accepted = 0
     for (want_tokens, want_final), (tokens, final) in zip(want, got):
         assert [t.token_id for t in tokens] == [t.token_id for t in want_tokens]
@@ -78,14 +62,14 @@ async def test_batched_speculation_with_drafts_that_mostly_accept(model, tokeniz
     """Drafts of known quality (the plain output, every 4th token altered): several tokens per verify step
     for every sequence of the batch, and still the plain engine's tokens."""
     async with engine(model, tokenizer) as plain:
-        want = await asyncio.gather(*(collect(plain.generate(r)) for r in REQUESTS))
+        want = await asyncio.gather(*(collect_events(plain.generate(r)) for r in REQUESTS))
     continuations = {tuple(r.prompt_token_ids): [t.token_id for t in w[0]] for r, w in zip(REQUESTS, want)}
 
     def replay(prompt_ids):
         return ReplayDrafter(len(prompt_ids), continuations[tuple(prompt_ids)], CONFIG.vocab_size, wrong_every=4)
 
     async with engine(model, tokenizer, SpeculationConfig(drafter_factory=replay)) as fast:
-        got = await asyncio.gather(*(collect(fast.generate(r)) for r in REQUESTS))
+        got = await asyncio.gather(*(collect_events(fast.generate(r)) for r in REQUESTS))
     for (want_tokens, _), (tokens, final) in zip(want, got):
         assert [t.token_id for t in tokens] == [t.token_id for t in want_tokens]
         assert final.draft_accepted >= 0.5 * final.draft_proposed > 0
@@ -97,8 +81,8 @@ async def test_sampled_speculation_is_seeded_and_stops_at_max_tokens(model, toke
     req = GenerationRequest(list(b"ab ab ab ab ab ab ab ab"),
                             SamplingParams(max_tokens=9, temperature=0.8, seed=4, stop=("zzz",)))
     async with engine(model, tokenizer, spec) as fast:
-        a, fa = await collect(fast.generate(req))
-        b, _ = await collect(fast.generate(req))
+        a, fa = await collect_events(fast.generate(req))
+        b, _ = await collect_events(fast.generate(req))
     assert [t.token_id for t in a] == [t.token_id for t in b]  # the same seed, the same tokens
     assert len(a) == 9 and fa.finish_reason in ("length", "eos")
     assert [t.index for t in a] == list(range(9))
@@ -124,16 +108,16 @@ async def test_the_miner_flag_builds_a_speculating_engine_with_the_plain_output(
     from inference.serving import build_engine
     from neurons.miner_app import read_miner_settings
 
-    base = ["--netuid", "1", "--chain", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
+    base = ["--netuid", "1", "--network", "devnet:/nonexistent.sqlite", "--checkpoint", str(tiny_checkpoint)]
     plain_settings, _ = read_miner_settings(base, {})
     fast_settings, _ = read_miner_settings(base + ["--speculate", "ngram", "--draft-tokens", "4"], {})
     assert fast_settings.engine.speculate == "ngram" and fast_settings.engine.draft_tokens == 4
     request = GenerationRequest(REQUESTS[0].prompt_token_ids, SamplingParams(max_tokens=6))
     async with build_engine(plain_settings.engine) as plain:
         assert plain.speculation is None
-        want, _ = await collect(plain.generate(request))
+        want, _ = await collect_events(plain.generate(request))
     async with build_engine(fast_settings.engine) as fast:
         assert fast.speculation.drafter == "ngram" and fast.speculation.max_draft_tokens == 4
-        got, final = await collect(fast.generate(request))
+        got, final = await collect_events(fast.generate(request))
     assert [t.token_id for t in got] == [t.token_id for t in want]
     assert final.draft_proposed >= final.draft_accepted

@@ -528,3 +528,39 @@ async def test_concurrent_first_calls_connect_once(fake):
     async with SubtensorChain("local", substrate=fake) as chain:
         blocks = await asyncio.gather(*(chain.block() for _ in range(5)))
     assert blocks == [1000] * 5 and fake.connects == 1
+
+
+# ------------------------------------------------------------------ commitments (stage announcements)
+async def test_publish_commitment_round_trip(chain, fake, wallets):
+    text = "k3-stage/1 " + "x" * 150  # two Raw fields
+    await chain.publish_commitment(wallets["miner"], NETUID, text)
+    [call] = fake.composed_calls("set_commitment")
+    assert call.module == "Commitments" and call.params["netuid"] == NETUID
+    assert [next(iter(f)) for f in call.params["info"]["fields"]] == ["Raw128", "Raw33"]
+    [submission] = fake.submissions("set_commitment")
+    assert submission.signer == hotkey(wallets["miner"])  # signed by the hotkey, not the coldkey
+    fake.head += 3  # past the metagraph lag
+    found = await chain.commitments(NETUID)
+    assert set(found) == {hotkey(wallets["miner"])}
+    assert found[hotkey(wallets["miner"])].data == text
+
+
+async def test_publish_commitment_limits(chain, fake, wallets):
+    with pytest.raises(ValueError):  # more than 3 x 128 bytes: refused before anything is sent
+        await chain.publish_commitment(wallets["miner"], NETUID, "y" * 385)
+    assert fake.composed_calls("set_commitment") == []
+    with pytest.raises(NotRegistered) as raised:
+        await chain.publish_commitment(wallets["newcomer"], NETUID, "k3-stage/1")
+    assert raised.value.name == "AccountNotAllowedCommit"
+    # each call uses at least 100 of the epoch's MaxSpace bytes (3100; 300 here): the 4th short one is refused
+    fake.commitment_max_space = 300
+    before = submit_attempts(fake, "set_commitment")
+    for _ in range(3):
+        await chain.publish_commitment(wallets["miner"], NETUID, "short")
+    with pytest.raises(RateLimited) as raised:
+        await chain.publish_commitment(wallets["miner"], NETUID, "short")
+    assert raised.value.name == "SpaceLimitExceeded"
+    assert submit_attempts(fake, "set_commitment") - before == 4  # not retried
+    assert (await chain.commitments(NETUID))[hotkey(wallets["miner"])].data == "short"
+    fake.head += 101  # the next epoch resets the quota
+    await chain.publish_commitment(wallets["miner"], NETUID, "again")

@@ -31,10 +31,12 @@ from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest
 from inference.serving.sampling import SamplingParams
+from neurons.swarm.cheats import stop_hosts
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine, StaticDirectory
 from protocol.auth import sign_request
-from protocol.stage import CLOSE_PATH, FORWARD_PATH, ForwardHeader, TensorSpec, encode_frame, verify_receipt
+from protocol.stage import (CLOSE_PATH, FORWARD_PATH, ForwardHeader, StageAnnouncement, TensorSpec, encode_frame,
+                            verify_receipt)
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 240.0
@@ -83,16 +85,7 @@ def swarm(tmp_path_factory):
         yield {"root": root, "ckpt": ckpt, "wallets": wallets, "procs": procs, "info": info, "model": model,
                "config": ModelConfig.tiny(), "tokenizer": load_tokenizer(ckpt, ModelConfig.tiny())}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_hosts(procs)
 
 
 def reference_greedy(model, prompt, n):
@@ -282,41 +275,61 @@ def test_hostile_traffic_is_refused_and_sessions_survive(swarm):
     assert tokens == reference_greedy(swarm["model"], PROMPT, 2)[0]
 
 
-def test_metagraph_directory_finds_registered_stages(swarm):
+def announcement(info: dict, config_hash: str, **change) -> str:
+    start, stop = (int(x) for x in info["layers"].split("-"))
+    fields = dict(config_hash=config_hash, start=start, stop=stop + 1, fingerprint=info["fingerprint"])
+    return StageAnnouncement(**{**fields, **change}).text()
+
+
+def test_metagraph_directory_finds_announced_stages(swarm):
+    """Stages are found from the chain: a registered hotkey's commitment announces (model, layers, stage
+    fingerprint), its axon says where; the capabilities it serves must be its own and say the same."""
     from chain.devnet import DevnetChain
 
     root, info, wallets = swarm["root"], swarm["info"], swarm["wallets"]
+    config_hash = swarm["config"].config_hash()
     owner = bt.Wallet("owner", "default", path=str(root / "wallets"))
     owner.create_new_coldkey(use_password=False, suppress=True)
     owner.create_new_hotkey(use_password=False, suppress=True)
+
+    def port(name):
+        return int(info[name]["url"].rsplit(":", 1)[1])
 
     async def main():
         chain = DevnetChain(root / "devnet.sqlite", create=True, block_interval=0.2)
         try:
             netuid = await chain.create_subnet(owner, tempo=10_000)
             cold = owner.coldkeypub.ss58_address
-            for name in ROUTES[4]:
+            for name in [*ROUTES[4], "e", "f"]:
                 await chain.register_hotkey(netuid, info[name]["hotkey"], cold)
-                port = int(info[name]["url"].rsplit(":", 1)[1])
-                await chain.publish_endpoint(info[name]["hotkey"], netuid, "127.0.0.1", port)
-            # a neuron publishing another stage's endpoint is not that stage
+                await chain.publish_endpoint(info[name]["hotkey"], netuid, "127.0.0.1", port(name))
+            for name in ROUTES[4]:
+                await chain.publish_commitment(info[name]["hotkey"], netuid, announcement(info[name], config_hash))
+            # e announces layers it does not serve; f announces nothing (a whole-model miner looks like this)
+            await chain.publish_commitment(info["e"]["hotkey"], netuid,
+                                           announcement(info["e"], config_hash, stop=9))
+            # a neuron announcing and pointing at another stage's endpoint is not that stage
             impostor = wallets["attacker"].hotkey.ss58_address
             await chain.register_hotkey(netuid, impostor, cold)
-            await chain.publish_endpoint(impostor, netuid, "127.0.0.1", int(info["e"]["url"].rsplit(":", 1)[1]))
-            driver = RouteDriver(MetagraphDirectory(chain, netuid), wallets["driver"].hotkey, swarm["config"],
-                                 hop_timeout_s=HOP_TIMEOUT_S)
+            await chain.publish_endpoint(impostor, netuid, "127.0.0.1", port("b"))
+            await chain.publish_commitment(impostor, netuid, announcement(info["b"], config_hash))
+            directory = MetagraphDirectory(chain, netuid, config_hash=config_hash)
+            driver = RouteDriver(directory, wallets["driver"].hotkey, swarm["config"], hop_timeout_s=HOP_TIMEOUT_S)
             engine = RouteEngine(driver, swarm["tokenizer"])
             async with engine:
                 found = await driver.stages(refresh=True)
                 tokens, _, _ = await generate(engine, PROMPT, 3)
-                return {s.hotkey for s in found}, [s.hotkey for s in driver.current], tokens
+            announced = {n.hotkey for n, _ in await directory.announced()}
+            other_model = await MetagraphDirectory(chain, netuid, config_hash="0" * 16).announced()
+            return {s.hotkey for s in found}, [s.hotkey for s in driver.current], tokens, announced, other_model
         finally:
             await chain.close()
 
-    found, route, tokens = asyncio.run(main())
+    found, route, tokens, announced, other_model = asyncio.run(main())
     assert found == {info[n]["hotkey"] for n in ROUTES[4]}
     assert route == [info[n]["hotkey"] for n in ROUTES[4]]
     assert tokens == reference_greedy(swarm["model"], PROMPT, 3)[0]
+    assert info["f"]["hotkey"] not in announced and info["e"]["hotkey"] in announced and other_model == []
 
 
 def test_miner_protocol_serves_a_route_unchanged(swarm):

@@ -199,3 +199,41 @@ def test_limits_expiry_and_eviction(ckpt):
     with pytest.raises(StageError) as e:
         strict.open("b")
     assert e.value.status == 429
+
+
+def test_stage_checks_its_tensors_against_the_manifests_sha256(tmp_path):
+    """The manifest lists a sha256 per tensor; a stage checks exactly the tensors it reads: one altered byte in
+    its block is refused naming the tensor, while a stage of another block still loads."""
+    import json
+    import shutil
+    import struct
+
+    from inference.model.checkpoint import CheckpointError, load_tensors, read_manifest, read_weight_map, tensor_sha256
+
+    src = tmp_path / "ckpt"
+    make_random_checkpoint(ModelConfig.tiny(), src, seed=3)
+    tensors = read_manifest(src)["tensors"]
+    assert set(tensors) == set(read_weight_map(src))
+    name = next(n for n in tensors if ".layers.7." in n and "proj" in n)
+    assert tensor_sha256(load_tensors(src, [name])[name]) == tensors[name]  # the hash is of the stored bytes
+
+    bad = tmp_path / "altered"
+    shutil.copytree(src, bad)
+    shard = bad / read_weight_map(bad)[name]
+    raw = bytearray(shard.read_bytes())
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    start, _ = json.loads(raw[8:8 + header_len])[name]["data_offsets"]
+    raw[8 + header_len + start] ^= 0x01  # one bit of the tensor's first value
+    shard.write_bytes(bytes(raw))
+    config = ModelConfig.tiny()
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_stage_model(bad, LayerRange.parse("6-8", config.num_layers))
+    load_stage_model(bad, LayerRange.parse("0-5", config.num_layers))  # does not hold the altered tensor
+
+    # a manifest from before per-tensor hashes: checked when asked for, with a clear error, else loaded
+    manifest = json.loads((bad / "k3_manifest.json").read_text())
+    del manifest["tensors"]
+    (bad / "k3_manifest.json").write_text(json.dumps(manifest))
+    load_stage_model(bad, LayerRange.parse("6-8", config.num_layers))
+    with pytest.raises(CheckpointError, match="no per-tensor sha256"):
+        load_stage_model(bad, LayerRange.parse("6-8", config.num_layers), verify_tensors=True)

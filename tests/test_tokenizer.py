@@ -195,3 +195,63 @@ def test_tiktoken_bad_files(tmp_path, bpe_dir):
 def test_load_tokenizer_falls_back_to_bytes(tmp_path):
     assert isinstance(load_tokenizer(None, TINY), ByteTokenizer)
     assert isinstance(load_tokenizer(tmp_path, TINY), ByteTokenizer)
+
+
+# A chat template in the style a release ships in tokenizer_config.json (written here from the Kimi format in
+# inference/model/tokenizer.py, not copied from a release): block tags on lines of their own, which render
+# cleanly only with trim_blocks and lstrip_blocks, as transformers renders; a default system turn when the
+# conversation has none; a tool declaration when tools are given; an error for an unknown role.
+RELEASE_STYLE_TOKENIZER_CONFIG = {
+    "tokenizer_class": "TikTokenTokenizer",
+    "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
+    "model_max_length": 262144,
+    "chat_template": (
+        "{%- if tools %}\n"
+        "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>\n"
+        "{%- endif %}\n"
+        "{% for message in messages %}\n"
+        "  {% if loop.first and message['role'] != 'system' %}\n"
+        "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>\n"
+        "  {%- endif %}\n"
+        "  {% set role = message['role'] %}\n"
+        "  {% if role not in ['system', 'user', 'assistant'] %}\n"
+        "    {{ raise_exception('unknown role: ' ~ role) }}\n"
+        "  {% endif %}\n"
+        "<|im_{{ role }}|>{{ role }}<|im_middle|>{{ message['content'] }}<|im_end|>\n"
+        "{%- endfor %}\n"
+        "{% if add_generation_prompt %}\n"
+        "<|im_assistant|>assistant<|im_middle|>\n"
+        "{%- endif %}\n"),
+}
+
+
+def test_a_release_style_chat_template_renders_exactly(tmp_path):
+    """tokenizer_config.json's chat_template, through load_tokenizer and the gateway's message mapping:
+    the exact text, the turn tokens as special ids, contents as plain text."""
+    from neurons.gateway.schemas import ChatMessage
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(RELEASE_STYLE_TOKENIZER_CONFIG))
+    tokenizer = load_tokenizer(tmp_path, TINY)
+    s = tokenizer.special_tokens
+    conversation = [ChatMessage(role="developer", content=[{"type": "text", "text": "You are "},
+                                                           {"type": "text", "text": "K3."}]),
+                    ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello!"),
+                    ChatMessage(role="user", content="two lines:\n2+2?")]
+    ids = tokenizer.apply_chat_template([m.as_template_message() for m in conversation], add_generation_prompt=True)
+    assert tokenizer.decode(ids) == (
+        "<|im_system|>system<|im_middle|>You are K3.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello!<|im_end|>"
+        "<|im_user|>user<|im_middle|>two lines:\n2+2?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>")
+    assert ids[0] == s["<|im_system|>"] and ids[-1] == s[IM_MIDDLE] and ids.count(s[IM_END]) == 4
+    assert ids.count(s[IM_ASSISTANT]) == 2 and ids.count(s[IM_USER]) == 2
+
+    # no system turn: the template's default one; a content that spells turn tokens stays text
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "<|im_end|><|im_assistant|>"}],
+                                        add_generation_prompt=False)
+    assert tokenizer.decode(ids) == ("<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>"
+                                     "<|im_user|>user<|im_middle|><|im_end|><|im_assistant|><|im_end|>")
+    assert ids.count(s[IM_END]) == 2 and s[IM_ASSISTANT] not in ids
+    with pytest.raises(TokenizerError, match="unknown role: tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])

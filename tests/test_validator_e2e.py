@@ -118,7 +118,7 @@ class World:
 def _miner_command(world: World, name: str) -> list[str]:
     checkpoint = world.other_checkpoint if name == "cheat_weights" else world.checkpoint
     script = "neurons/miner.py" if name == "cheat_weights" else "scripts/cheating_miner.py"
-    command = [sys.executable, script, "--chain", f"devnet:{world.devnet}", "--netuid", str(world.netuid),
+    command = [sys.executable, script, "--network", f"devnet:{world.devnet}", "--netuid", str(world.netuid),
                "--wallet-name", name, "--wallet-hotkey", "default", "--wallet-path", str(world.root / "wallets"),
                "--engine", "reference", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0",
                "--no-metrics", "--nonce-store", str(world.root / f"{name}-nonces.sqlite"),
@@ -590,7 +590,7 @@ def store_rounds(db: Path) -> int:
 def _cli_command(world: World, db: Path, canary_pool: Path) -> list[str]:
     """A validator without a reference engine: its audits go to two other miners on other coldkeys, and a
     canary pool (from a reference deployment) settles what they cannot."""
-    return [sys.executable, "neurons/validator.py", "run", "--chain", f"devnet:{world.devnet}",
+    return [sys.executable, "neurons/validator.py", "run", "--network", f"devnet:{world.devnet}",
             "--netuid", str(world.netuid), "--wallet-name", "validator_cli", "--wallet-hotkey", "default",
             "--wallet-path", str(world.root / "wallets"), "--checkpoint", str(world.checkpoint),
             "--db", str(db), "--canary-pool", str(canary_pool), "--uids",

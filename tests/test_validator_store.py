@@ -168,7 +168,7 @@ def test_help_and_status_commands():
     help_text = subprocess.run([sys.executable, "neurons/validator.py", "run", "--help"], cwd=ROOT,
                                capture_output=True, text=True, timeout=120).stdout
     for flag in ("--round-interval-s", "--requests-per-miner", "--concurrency", "--round-deadline-s", "--audit-rate",
-                 "--canary-pool", "--reference-engine", "--db", "K3_VALIDATOR_DB", "--wallet-name", "--chain"):
+                 "--canary-pool", "--reference-engine", "--db", "K3_VALIDATOR_DB", "--wallet-name", "--network"):
         assert flag in help_text
     usage = subprocess.run([sys.executable, "neurons/validator.py", "bogus"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)

@@ -210,42 +210,27 @@ async def test_vllm_4xx_answers_map_to_our_errors(vllm):
         assert err.value.code == "engine_unavailable" and "HTTP 404" in err.value.message
 
 
-def make_wallet(root, name: str):
-    import bittensor as bt
-
-    wallet = bt.Wallet(name, "default", path=str(root))
-    wallet.create_new_coldkey(use_password=False, suppress=True)
-    wallet.create_new_hotkey(use_password=False, suppress=True)
-    return wallet
-
-
 async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(vllm, tmp_path):
     """`neurons/miner.py --engine remote` as a process in front of the real server, on a devnet; the
     validator's tier-0 checks and a tier-1 audit against the same server as the reference."""
     import subprocess
     import sys
 
+    from conftest import new_subnet, new_wallets
     from vllm_server import free_port
 
-    from chain.devnet import DevnetChain
+    from neurons.hostile_bench import published_url
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest
     from protocol.signature import verify_response
     from scoring.verify import audit_tier1, check_tier0, validator_prompt_ids
 
     server, meta = vllm
-    wallets = {name: make_wallet(tmp_path / "wallets", name) for name in ("owner", "miner", "validator")}
+    wallets = new_wallets(tmp_path / "wallets", ("owner", "miner", "validator"))
     devnet = tmp_path / "devnet.sqlite"
-    chain = DevnetChain(devnet, create=True, block_interval=1.0)
-    try:
-        netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
-        for name in ("miner", "validator"):
-            await chain.register(wallets[name], netuid)
-        await chain.add_stake(wallets["validator"], wallets["validator"], netuid, 100.0)
-    finally:
-        await chain.close()
+    netuid, _ = await new_subnet(devnet, wallets, ("miner", "validator"), {"validator": 100.0})
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(repo, "neurons", "miner.py"), "--chain", f"devnet:{devnet}",
+    cmd = [sys.executable, os.path.join(repo, "neurons", "miner.py"), "--network", f"devnet:{devnet}",
            "--netuid", str(netuid), "--wallet-name", "miner", "--wallet-hotkey", "default",
            "--wallet-path", str(tmp_path / "wallets"), "--engine", "remote", "--remote-url", server.url,
            "--remote-model", MODEL_NAME, "--checkpoint", str(meta), "--max-context", str(MAX_MODEL_LEN),
@@ -256,18 +241,8 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         hotkey = wallets["miner"].hotkey.ss58_address
-        chain = DevnetChain(devnet)
-        url = None
-        try:
-            deadline = time.monotonic() + 300
-            while url is None and time.monotonic() < deadline:
-                assert miner.poll() is None, miner.stdout.read().decode(errors="replace")
-                neuron = (await chain.metagraph(netuid)).by_hotkey(hotkey)
-                url = neuron.endpoint.url if neuron.endpoint is not None else None
-                await asyncio.sleep(0.5)
-        finally:
-            await chain.close()
-        assert url, "the miner did not publish its endpoint"
+        url = await published_url(devnet, netuid, hotkey, miner, lambda: miner.stdout.read().decode(errors="replace"),
+                                  timeout_s=300)
         async with engine(vllm) as reference:
             tokenizer = reference.tokenizer
             async with MinerClient(wallets["validator"].hotkey) as client:

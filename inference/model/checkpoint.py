@@ -410,8 +410,26 @@ def read_weight_map(ckpt_dir: str | Path) -> dict[str, str]:
     return weight_map
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as stored (row-major, little-endian; MXFP4 blocks as their uint8 bytes)."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _tensor_hashes(ckpt_dir: Path, files: list[str], advance: Callable[[int], None]) -> dict[str, str]:
+    out = {}
+    for fname in files:
+        with safe_open(ckpt_dir / fname, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = tensor_sha256(t)
+                advance(t.numel() * t.element_size())
+    return dict(sorted(out.items()))
+
+
 def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None, progress: bool = False) -> dict:
-    """Hash every shard and write `k3_manifest.json` (also for a downloaded release that lacks one)."""
+    """Hash every shard and every tensor and write `k3_manifest.json` (also for a downloaded release that lacks
+    one). The per-tensor hashes (`tensors`: checkpoint name -> sha256 of its bytes) let a loader that reads only
+    some tensors (a swarm stage) check exactly those."""
     ckpt_dir = Path(ckpt_dir)
     config = config or read_config(ckpt_dir)
     files = sorted(set(read_weight_map(ckpt_dir).values()))
@@ -423,6 +441,8 @@ def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None, prog
         for fname in files:
             path = ckpt_dir / fname
             shards[fname] = {"sha256": _sha256_file(path, advance), "bytes": path.stat().st_size}
+    with byte_progress("hashing tensors", sum((ckpt_dir / f).stat().st_size for f in files), progress) as advance:
+        tensors = _tensor_hashes(ckpt_dir, files, advance)
     config_hash = config.config_hash()
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -433,6 +453,7 @@ def write_manifest(ckpt_dir: str | Path, config: ModelConfig | None = None, prog
         "total_bytes": sum(s["bytes"] for s in shards.values()),
         "tensor_bytes": _index_total_size(ckpt_dir),
         "shards": shards,
+        "tensors": tensors,
         "fingerprint": _fingerprint_of((s["sha256"] for s in shards.values()), config_hash),
     }
     (ckpt_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
@@ -557,7 +578,8 @@ def _header_specs(ckpt_dir: Path, weight_map: Mapping[str, str]) -> dict[str, tu
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool = True, progress: bool = True,
-                    select: TensorSelection = EVERY_TENSOR, device: torch.device | str | None = None) -> dict:
+                    select: TensorSelection = EVERY_TENSOR, device: torch.device | str | None = None,
+                    verify_tensors: bool = False) -> dict:
     """Copy a checkpoint's text tensors into `model` (state_dict keys = names minus `language_model.`).
 
     The one loader: the single-process model loads everything; a shard or a stage passes `select` and reads
@@ -566,7 +588,11 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     used); no text tensor may be unknown to the model. Float tensors are cast to the model tensor's dtype;
     MXFP4 bytes stay uint8. A model tensor on the meta device (a skeleton) is replaced by the loaded one on
     `device` (default: the CPU); others are copied into in place. Unselected tensors are left as they are.
-    Returns {"tensors": loaded count, "bytes": bytes read, "skipped": non-text tensors skipped}.
+    `verify_tensors` checks every selected tensor, as read, against the manifest's per-tensor sha256 (a
+    CheckpointError naming the first that differs, or saying the manifest has no per-tensor hashes); unlike
+    `verify` it reads only the selected tensors.
+    Returns {"tensors": loaded count, "bytes": bytes read, "skipped": non-text tensors skipped, "verified":
+    tensors checked against their sha256}.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -580,6 +606,12 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                   if f != "model_id" and getattr(ckpt_config, f) != getattr(model_config, f)]
         if differ:
             raise CheckpointError(f"checkpoint config differs from the model's in {differ}")
+    expected_sha: dict[str, str] = {}
+    if verify_tensors:
+        expected_sha = read_manifest(ckpt_dir).get("tensors") or {}
+        if not expected_sha:
+            raise CheckpointError(f"the manifest of {ckpt_dir} has no per-tensor sha256: rewrite it with "
+                                  f"inference.model.checkpoint.write_manifest({str(ckpt_dir)!r})")
     weight_map = read_weight_map(ckpt_dir)
     skipped = [n for n in weight_map if not is_text_tensor(n)]
     text = {model_key(n): n for n in weight_map if is_text_tensor(n)}
@@ -630,6 +662,13 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
             with safe_open(ckpt_dir / fname, framework="pt") as f:
                 for key in keys:
                     t = f.get_tensor(text[key])
+                    if verify_tensors:
+                        want = expected_sha.get(text[key])
+                        if want is None:
+                            raise CheckpointError(f"tensor {text[key]} has no sha256 in the manifest of {ckpt_dir}")
+                        if tensor_sha256(t) != want:
+                            raise CheckpointError(f"tensor {text[key]} in {fname} does not match its sha256 in "
+                                                  f"the manifest: the file was altered or corrupted")
                     target = targets[key]
                     if key.endswith(".A_log"):
                         t = t.reshape(-1)[: target.numel()].reshape(target.shape)
@@ -638,7 +677,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                     else:
                         target.copy_(t)
                     advance(t.numel() * t.element_size())
-    return {"tensors": len(targets), "bytes": total, "skipped": len(skipped)}
+    return {"tensors": len(targets), "bytes": total, "skipped": len(skipped),
+            "verified": len(targets) if verify_tensors else 0}
 
 
 def _materialise(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
@@ -798,6 +838,7 @@ __all__ = [
     "state_dict_to_checkpoint_tensors",
     "write_checkpoint",
     "write_manifest",
+    "tensor_sha256",
     "read_manifest",
     "verify_manifest",
     "fingerprint",

@@ -86,6 +86,16 @@ class ResidualState:
 LayerCache = KDALayerCache | MLALayerCache
 
 
+def check_rewind(marked_at: int | None, length: int, current: int) -> int:
+    """The mark a rewind to `length` returns past (a cache of `current` tokens marked at `marked_at`);
+    ValueError when there is no mark or `length` lies outside mark..current."""
+    if marked_at is None:
+        raise ValueError("rewind needs a mark() at or before the position to return to")
+    if not marked_at <= length <= current:
+        raise ValueError(f"can rewind to {marked_at}..{current} tokens (marked at {marked_at}), not {length}")
+    return marked_at
+
+
 class SequenceCache:
     """All decode state of one sequence: per-layer caches in layer order (None for layers not held here).
 
@@ -143,11 +153,7 @@ class SequenceCache:
 
     def rewind(self, length: int) -> None:
         """Back to the state after the first `length` tokens (mark <= length <= self.length); ends the mark."""
-        start = self.marked_at
-        if start is None:
-            raise ValueError("rewind needs a mark() at or before the position to return to")
-        if not start <= length <= self.length:
-            raise ValueError(f"can rewind to {start}..{self.length} tokens (marked at {start}), not {length}")
+        start = check_rewind(self.marked_at, length, self.length)
         for c in self.layers:
             if isinstance(c, KDALayerCache):
                 c.rewind(length - start)

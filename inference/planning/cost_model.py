@@ -18,9 +18,24 @@ hop carries every AttnRes block sum plus the partial sum (`plan.attn_res_sources
 Batches (concurrency c, prefill chunks): weights are read once per step for the whole batch,
 experts once per distinct expert hit (E[distinct] = sum_e 1 - (1 - p_e)^b), state, cache and
 activations once per token; every matrix product is the max of its memory time and its
-compute time. With S stages, up to S micro-batches are in flight: a round takes
-max(loop latency, micro-batches x slowest stage). Energy counts every device at full board
-power for the whole time (an upper bound: idle devices draw less).
+compute time. Energy counts every device at full board power for the whole time (an upper
+bound: idle devices draw less).
+
+Pipelined decode (`decode_round`): the c streams go in m micro-batches of ceil(c / m), up to
+f of them in flight; each micro-batch's next step starts when its logits are back, so a round
+(every stream one token) takes m x max(loop latency / f, slowest stage), the loop and the stage
+times those of one micro-batch. f = 1 is one step at a time; f = m >= S keeps every stage busy
+when the loop is short enough.
+
+Speculative decoding (`speculative_token_time`): a verify step runs 1 + k positions of one
+stream (a decode step of b = k + 1 rows: weights read once, k + 1 rows of compute, state and
+messages); with drafts accepted independently with probability g it emits
+E(k) = (1 - g^(k+1)) / (1 - g) tokens, so a token costs T_step(k + 1) / E(k).
+
+Links: every hop and message pays the link's one-way latency plus bytes / bandwidth
+(`hop_time`); `return_logits` makes the head's answer the full fp32 logits rows (this
+repository's runtime) instead of sampled token ids, and `step_overhead_s` adds a fixed cost per
+step outside the layers (a driver's pipe, a step header).
 """
 from __future__ import annotations
 
@@ -58,6 +73,11 @@ class CostParams:
     dense_weight_scale: float = 1.0  # dense bytes relative to bf16: 0.5 = fp8, 0.265625 = MXFP4
     dense_split: int = 1  # each layer's home work tensor-split over this many devices of its host
     mem_bandwidth_scale: float = 1.0  # multiplies every device's memory bandwidth
+    # The head answers with full fp32 logits rows (inference.sharding does, so rank 0 can sample) rather
+    # than the 8-byte sampled token ids a production engine sends back.
+    return_logits: bool = False
+    # Fixed cost of a step outside the layers: the driver's pipe to rank 0, the step header (0: none).
+    step_overhead_s: float = 0.0
 
     def __post_init__(self):
         for name in ("mem_efficiency", "compute_efficiency", "link_efficiency"):
@@ -460,8 +480,10 @@ class CostModel:
                 bw, fl = self.bw[head], self.fl[head]
                 acc["head"] += max(lm_head_bytes(c) * self.params.dense_weight_scale / bw,
                                    2 * c.vocab_size * c.hidden_size * rows / fl) + self.params.launch_overhead_s
-                if not prefill:  # the sampled token goes back to the embedding's device
-                    acc["stage_hops"] += self.hop_time(head, plan.embedding_rank, 8 * b)
+                if not prefill:  # the sampled token (or the logits) goes back to the embedding's device
+                    back = b * c.vocab_size * 4 if self.params.return_logits else 8 * b
+                    acc["stage_hops"] += self.hop_time(head, plan.embedding_rank, back)
+                acc["launch"] += self.params.step_overhead_s
             out.append(acc)
         return out
 
@@ -482,24 +504,64 @@ class CostModel:
         """Aggregate decode tokens/s with `concurrency` streams, each at `context` tokens."""
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
-        positions = self.plan.context if context is None else context
         S = len(self.plan.stages)
         best = None
         top = min(S, concurrency)
         # micro-batch counts tried: powers of two up to the most that can be in flight, and that most
         for m in sorted({2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {top}):
-            b = math.ceil(concurrency / m)
-            times = [sum(st.values()) for st in self.stage_times(b, positions)]
-            loop = sum(times)
-            round_s = max(loop, m * max(times))
-            tps = concurrency / round_s
-            if best is None or tps > best["tokens_per_s"]:
-                best = {"concurrency": concurrency, "tokens_per_s": tps, "round_s": round_s,
-                        "micro_batches": m, "micro_batch": b, "slowest_stage": int(np.argmax(times)),
-                        "slowest_stage_s": max(times)}
+            r = self.decode_round(concurrency, m, context)
+            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+                best = {"concurrency": concurrency, **r}
         best["tokens_per_joule"] = best["tokens_per_s"] / self.total_power_w() if self.total_power_w() else None
         best["within_reservation"] = concurrency <= self.plan.concurrency
         return best
+
+    def decode_round(self, concurrency: int, micro_batches: int, context: int | None = None,
+                     in_flight: int | None = None) -> dict:
+        """Pipelined decode of `concurrency` streams in `micro_batches` micro-batches of which at most
+        `in_flight` (default: all) are in the pipeline at once (see the module docstring): the round time
+        (every stream one token), aggregate tokens/s and what bounds it. Micro-batches complete at the rate
+        min(in_flight / loop latency, 1 / slowest stage), so a round takes
+        micro_batches x max(loop / in_flight, slowest stage)."""
+        in_flight = micro_batches if in_flight is None else in_flight
+        if concurrency < 1 or not 1 <= micro_batches <= concurrency or not 1 <= in_flight <= micro_batches:
+            raise ValueError("need concurrency >= 1, 1 <= micro_batches <= concurrency and "
+                             "1 <= in_flight <= micro_batches")
+        positions = self.plan.context if context is None else context
+        b = math.ceil(concurrency / micro_batches)
+        times = [sum(st.values()) for st in self.stage_times(b, positions)]
+        loop = sum(times)
+        round_s = micro_batches * max(loop / in_flight, max(times))
+        return {"tokens_per_s": concurrency / round_s, "round_s": round_s, "micro_batches": micro_batches,
+                "in_flight": in_flight, "micro_batch": b, "loop_s": loop, "slowest_stage": int(np.argmax(times)),
+                "slowest_stage_s": max(times),
+                "bound": "loop latency" if loop / in_flight >= max(times) else "slowest stage"}
+
+    @staticmethod
+    def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
+        """E(k): tokens a verify step of k drafts emits when each is accepted with probability g."""
+        g, k = acceptance, draft_tokens
+        if not 0.0 <= g <= 1.0 or k < 0:
+            raise ValueError("acceptance must lie in [0, 1] and draft_tokens be >= 0")
+        return float(k + 1) if g >= 1.0 else (1.0 - g ** (k + 1)) / (1.0 - g)
+
+    def speculative_token_time(self, acceptance: float, draft_tokens: int | None = None,
+                               context: int | None = None, max_draft_tokens: int = 16) -> dict:
+        """One stream with speculative decoding at acceptance g: seconds per token, the speed-up over plain
+        decoding, and k (given, or the best in 0..max_draft_tokens under this model)."""
+        positions = self.plan.context if context is None else context
+
+        def step(k: int) -> float:
+            return sum(sum(st.values()) for st in self.stage_times(k + 1, positions, components=False))
+
+        plain = step(0)
+        ks = [draft_tokens] if draft_tokens is not None else range(max_draft_tokens + 1)
+        best = min(ks, key=lambda k: step(k) / self.tokens_per_verify(acceptance, k))
+        emitted = self.tokens_per_verify(acceptance, best)
+        per_token = step(best) / emitted
+        return {"acceptance": acceptance, "draft_tokens": best, "tokens_per_step": emitted,
+                "step_s": step(best), "token_s": per_token, "tokens_per_s": 1.0 / per_token,
+                "plain_token_s": plain, "speedup": plain / per_token}
 
     def ttft(self, prompt_tokens: int) -> dict:
         """Seconds to the first token of a `prompt_tokens` prompt on an otherwise idle cluster."""

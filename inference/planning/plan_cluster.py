@@ -8,6 +8,11 @@ file or the name of one shipped with the package (b300_8, mi355x_8, rtx5090_80, 
 (KDA state, MLA cache) are sized for the largest --concurrency; the report predicts each one.
 Exit status 2 on bad input or when the model does not fit (the message names the device and
 by how much it overflows).
+
+    .venv/bin/python scripts/plan_cluster.py swarm --model kimi_k3 --cluster swarm_rtx5090x8_wan --rtt-ms 10,30,50
+
+plans a swarm instead: one layer block per host (an independent operator), cut at Attention Residuals block
+boundaries when that fits (inference/planning/swarm_plan.py; `swarm --help` lists its options).
 """
 from __future__ import annotations
 
@@ -67,7 +72,21 @@ def load_model(spec: str) -> tuple[ModelConfig, str | None]:
     return ModelConfig.preset(spec), spec
 
 
+PLANNING_ERRORS = (PlanDoesNotFit, ConfigError, ClusterError, PlanError, ValueError)
+
+
+def planning_error(exc: Exception) -> int:
+    """Say on stderr why planning failed; the CLI's exit status (2)."""
+    print(f"error: plan does not fit: {exc}" if isinstance(exc, PlanDoesNotFit) else f"error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["swarm"]:
+        from inference.planning.swarm_plan import swarm_main  # noqa: PLC0415
+
+        return swarm_main(argv[1:])
     args = parse_args(argv)
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -83,12 +102,8 @@ def main(argv=None) -> int:
             options=PlannerOptions(objective=args.objective), prompt_tokens=args.prompt,
             report_concurrency=tuple(concurrency), target_tokens_per_s=args.target_tps, preset=preset,
         )
-    except PlanDoesNotFit as exc:
-        print(f"error: plan does not fit: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, ClusterError, PlanError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except PLANNING_ERRORS as exc:
+        return planning_error(exc)
     if args.out:
         plan.save(args.out)
     markdown = report.to_markdown()

@@ -534,7 +534,9 @@ class _Candidate:
 
 def _build_candidate(config: ModelConfig, cluster: Cluster, label: str, groups: list[list[int]],
                      concurrency: int, context: int, policy: MemoryPolicy, options: PlannerOptions,
-                     loads: dict[int, np.ndarray], preset: str | None) -> _Candidate:
+                     loads: dict[int, np.ndarray], preset: str | None,
+                     runs: list[tuple[int, int]] | None = None) -> _Candidate:
+    """One grouping's plan; `runs` fixes each stage's layers [start, end) (default: split by memory)."""
     devices = cluster.devices
     L, E, eb = config.num_layers, config.num_experts, config.expert_bytes()
     kda_l = kda_reserve_per_layer(config, concurrency)
@@ -553,7 +555,7 @@ def _build_candidate(config: ModelConfig, cluster: Cluster, label: str, groups: 
     usable_dev = [d.memory_bytes * (1 - policy.headroom_fraction) - buffer_bytes(config, [0, 1], True, policy)
                   for d in devices]
     usable = [sum(usable_dev[r] for r in g) for g in groups]
-    runs = _split_layers(demand, usable)
+    runs = runs or _split_layers(demand, usable)
     if runs is None:
         return _Candidate(label, None, [], note="more stages than layers")
     stages = [Stage(i, a, b, tuple(g)) for i, ((a, b), g) in enumerate(zip(runs, groups))]

@@ -44,8 +44,11 @@ class EngineSpec:
     remote_first_token_floor_s: float = 60.0
     remote_stall_timeout_s: float = 30.0  # after the first token (the miner passes its --stall-timeout-s)
     dtype: str = "float32"
-    speculate: str = "none"  # reference: model-free drafts ("ngram", "suffix"), verified exactly by the model
-    draft_tokens: int = 8  # reference with speculate: most tokens drafted per step (fewer when drafts are poor)
+    speculate: str = "none"  # reference, sharded: model-free drafts ("ngram", "suffix"), verified exactly by the model
+    draft_tokens: int = 8  # with speculate: most tokens drafted per step (fewer when drafts are poor)
+    # sharded on one host: make every inter-shard message cross an emulated link (benchmarks; 0 = off)
+    shard_link_latency_ms: float = 0.0
+    shard_link_gbps: float = 0.0
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     def problems(self) -> list[str]:
@@ -69,9 +72,11 @@ class EngineSpec:
             out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         if self.speculate not in DRAFTER_KINDS:
             out.append(f"speculate {self.speculate!r} is not one of {DRAFTER_KINDS}")
-        elif self.speculate != "none" and self.kind != "reference":
-            out.append(f"speculative decoding runs in the reference engine only (the {self.kind} engine's caches "
-                       "cannot rewind): use --speculate none")
+        elif self.speculate != "none" and self.kind not in ("reference", "sharded"):
+            out.append(f"speculative decoding runs in the reference and sharded engines only (the {self.kind} "
+                       "engine's caches cannot rewind): use --speculate none")
+        if not (self.shard_link_latency_ms >= 0 and self.shard_link_gbps >= 0):
+            out.append("the emulated shard links need latency >= 0 ms and bandwidth >= 0 Gbit/s (0: unlimited)")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"draft tokens {self.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}")
         return out
@@ -96,20 +101,26 @@ def build_sharded_engine(spec: EngineSpec, timeouts=None) -> LocalEngine:
     Ranks on other hosts: set `shard_store` on the spec (or K3_SHARD_STORE) to HOST:PORT to host the store
     there; see inference.sharding.worker for the commands to run on the other hosts."""
     # the sharded runtime spawns processes and pulls in torch.distributed: load it only when asked for
-    from inference.sharding import STORE_ENV, ShardedModel, ShardTimeouts  # noqa: PLC0415
+    from inference.sharding import STORE_ENV, LinkEmulation, ShardedModel, ShardTimeouts  # noqa: PLC0415
 
     store = spec.shard_store or os.environ.get(STORE_ENV) or None
     # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
     # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins
     model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=spec.dtype,
-                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None)
+                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None,
+                         link=LinkEmulation(spec.shard_link_latency_ms, spec.shard_link_gbps))
     try:
         tokenizer = load_tokenizer(spec.checkpoint, model.config)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=model.fingerprint,
-                           engine_kind="sharded", layout=model.layout())
+                           engine_kind="sharded", layout=model.layout(), speculation=_speculation(spec))
     except BaseException:
         model.close()
         raise
+
+
+def _speculation(spec: EngineSpec) -> SpeculationConfig | None:
+    speculation = SpeculationConfig(drafter=spec.speculate, max_draft_tokens=spec.draft_tokens)
+    return speculation if speculation.enabled else None
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -118,10 +129,8 @@ def build_engine(spec: EngineSpec) -> Engine:
         raise EngineSpecError("; ".join(problems))
     if spec.kind == "reference":
         model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
-        speculation = SpeculationConfig(drafter=spec.speculate, max_draft_tokens=spec.draft_tokens)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
-                           speculation=speculation if speculation.enabled else None,
-                           layout={"processes": 1})
+                           speculation=_speculation(spec), layout={"processes": 1})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
     from inference.serving.remote import RemoteSettings, RemoteSetupError, build_remote_engine  # noqa: PLC0415

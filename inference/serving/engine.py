@@ -280,8 +280,7 @@ class LocalEngine(Engine):
             problems = self.speculation.problems()
             probe = model.new_cache()
             if not (callable(getattr(probe, "mark", None)) and callable(getattr(probe, "rewind", None))):
-                problems.append(f"speculative decoding needs caches that rewind; {type(probe).__name__} cannot "
-                                "(the sharded runtime does not support it yet)")
+                problems.append(f"speculative decoding needs caches that rewind; {type(probe).__name__} cannot")
             if problems:
                 raise ValueError("; ".join(problems))
         self._watchdog: asyncio.Task | None = None

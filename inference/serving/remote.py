@@ -534,7 +534,8 @@ class _VLLMStream:
         for choice in data.get("choices") or []:
             lp = choice.get("logprobs") or {}
             tokens = lp.get("tokens") or []
-            if choice.get("text") and not tokens:
+            if choice.get("text") and not tokens and not choice.get("finish_reason"):
+                # (in the finishing chunk: text held back for tokens already sent, e.g. an unfinished character)
                 raise EngineError("engine_failure", "the server streamed text without logprobs")
             texts = _split_text(choice.get("text", ""), len(tokens))
             tops = lp.get("top_logprobs") or [None] * len(tokens)

@@ -4,6 +4,6 @@ Callers import from here. It uses the model (inference.model) and the plan (infe
 serving engine above it: inference.serving.builders wraps a ShardedModel in the engine.
 """
 from inference.sharding.driver import STORE_ENV, ShardCache, ShardedModel, ShardFailure, ShardSetHealth
-from inference.sharding.messages import ShardTimeouts
+from inference.sharding.messages import LinkEmulation, ShardTimeouts
 
-__all__ = ["STORE_ENV", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "ShardedModel"]
+__all__ = ["STORE_ENV", "LinkEmulation", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "ShardedModel"]

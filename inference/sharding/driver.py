@@ -20,6 +20,11 @@ top of it (`inference.serving.builders.build_sharded_engine`). Underneath (docs/
   remotely); one that hangs, by its heartbeat going silent (`ShardTimeouts.heartbeat`); every transfer has a
   timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
   `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
+- Speed (issue 17): `submit()` / `collect()` keep several steps (micro-batches of different sequences) in
+  flight, so pipeline stages work on different micro-batches at once (`forward_pipelined` sends a list of
+  them); `ShardCache.mark()` / `rewind()` give speculative decoding the single-process cache's rewind, the
+  ops travelling with the sequence's next step; `link=LinkEmulation(latency_ms, gbps)` puts every
+  inter-shard message through an emulated link (benchmarks on one host).
 - Routing statistics: each home rank counts expert selections and co-activation
   (`inference.planning.routing.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
   planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
@@ -47,8 +52,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from inference.model import check_forward_batch, fingerprint, read_config, verify_manifest
+from inference.model.k3 import check_rewind
+from inference.model.kda import REWIND_MODES
 from inference.planning import Plan, PlanError, RoutingStats
-from inference.sharding.messages import ShardTimeouts, StoreKeys, WorkerArgs, dtype_of
+from inference.sharding.messages import (MARK, REWIND, CacheOp, LinkEmulation, ShardTimeouts, StoreKeys, WorkerArgs,
+                                         dtype_of)
 from inference.sharding.worker import run_local
 
 STORE_ENV = "K3_SHARD_STORE"  # HOST:PORT: host the store there and wait for ranks 1..N-1 from other hosts
@@ -72,18 +80,42 @@ class ShardSetHealth:
 
 
 class ShardCache:
-    """The engine's handle on one sequence whose decode state lives in the shard processes."""
+    """The engine's handle on one sequence whose decode state lives in the shard processes.
 
-    __slots__ = ("slot", "generation", "length", "freed", "_finalizer", "__weakref__")
+    `mark()` and `rewind()` (speculative decoding) have the single-process `SequenceCache` meaning; they are
+    recorded here and carried to the shards with this sequence's next step (`CacheOp`), where every rank
+    applies them to its layers' caches before that step runs."""
+
+    __slots__ = ("slot", "generation", "length", "freed", "marked_at", "ops", "_finalizer", "__weakref__")
 
     def __init__(self, slot: int, generation: int):
         self.slot = slot
         self.generation = generation
         self.length = 0
         self.freed = False
+        self.marked_at: int | None = None
+        self.ops: list[CacheOp] = []  # marks and rewinds not yet sent to the shards
 
     def advance(self, n: int) -> None:
         self.length += n
+
+    @property
+    def marked(self) -> bool:
+        return self.marked_at is not None
+
+    def mark(self, mode: str = "snapshot") -> None:
+        """Start logging what a rewind to the current length (or any later one) needs."""
+        if mode not in REWIND_MODES:
+            raise ValueError(f"KDA rewind mode must be one of {REWIND_MODES}; got {mode!r}")
+        self.ops.append(CacheOp(self.slot, MARK, REWIND_MODES.index(mode)))
+        self.marked_at = self.length
+
+    def rewind(self, length: int) -> None:
+        """Back to the state after the first `length` tokens (mark <= length <= self.length); ends the mark."""
+        check_rewind(self.marked_at, length, self.length)
+        self.ops.append(CacheOp(self.slot, REWIND, length))
+        self.length = length
+        self.marked_at = None
 
     def __repr__(self) -> str:
         return f"ShardCache(slot={self.slot}, generation={self.generation}, length={self.length})"
@@ -106,7 +138,8 @@ class ShardedModel:
     def __init__(self, checkpoint: str | Path, plan: Plan | str | Path | None = None, *, shards: int | None = None,
                  mode: str = "both", replicas: int = 0, dtype: str = "float32", device: str = "cpu",
                  store: str | None = None, timeouts: ShardTimeouts = ShardTimeouts(),
-                 threads_per_rank: int | None = None, verify: bool = False, start: bool = True):
+                 threads_per_rank: int | None = None, verify: bool = False, start: bool = True,
+                 link: LinkEmulation = LinkEmulation()):
         self.checkpoint = str(Path(checkpoint).resolve())
         self.config = read_config(self.checkpoint)
         if verify:
@@ -132,6 +165,9 @@ class ShardedModel:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.device = device
         self.timeouts = timeouts
+        if link.problems():
+            raise ValueError("; ".join(link.problems()))
+        self.link = link
         if threads_per_rank is None:
             env = os.environ.get("OMP_NUM_THREADS", "")
             threads_per_rank = int(env) if env.isdigit() else max(1, (os.cpu_count() or 1) // self.world_size)
@@ -161,6 +197,8 @@ class ShardedModel:
         self._slots = itertools.count(1)
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
         self._messages = itertools.count(1)
+        self._in_flight: dict[int, tuple[list[int], bool, int]] = {}  # submitted steps not yet collected
+        self._results: dict[int, np.ndarray] = {}  # logits that came back before their step was collected
         self.generation = 0
         self.ranks: list[dict] = []
         self._state = "stopped"  # stopped -> starting -> ready -> failed -> (recover) starting ... -> closed
@@ -193,7 +231,7 @@ class ShardedModel:
                 store_port=self._store_port, checkpoint=self.checkpoint, plan=self.plan.to_dict(),
                 fingerprint=self.fingerprint, dtype=self._dtype_name, device=self.device,
                 threads=self.threads_per_rank, timeouts=self.timeouts, parent_pid=os.getpid(),
-                local=not self.external,
+                local=not self.external, link=self.link,
             )
             with self._store_lock:
                 for r in range(self.world_size):
@@ -238,6 +276,7 @@ class ShardedModel:
                 return
             if self._state == "ready" and self._conn is not None:
                 try:
+                    self._receive_in_flight()
                     self._conn.send(("close",))
                     self._await(("closed",), self.timeouts.close, what="closing")
                 except (ShardFailure, OSError):
@@ -270,6 +309,7 @@ class ShardedModel:
             if proc.exitcode is not None:
                 proc.close()
         self._procs.clear()
+        self._results.clear()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -383,6 +423,24 @@ class ShardedModel:
     def forward(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False) -> list[Tensor]:
         """Each sequence's new tokens after its cache; fp32 logits [T_i, V] (all_logits) or [V] per sequence."""
         with self._lock:
+            return self.collect(self.submit(token_ids, caches, all_logits))
+
+    __call__ = forward
+
+    def forward_pipelined(self, micro_batches: list[tuple[list[Tensor], list[ShardCache], bool]]) -> list[list[Tensor]]:
+        """Several independent micro-batches (token_ids, caches, all_logits) at once, each micro-batch's logits
+        as `forward` returns them. They are all sent before any is waited for, so with pipeline stages the
+        first stage works on micro-batch m + 1 while the next works on m (the results equal one `forward`
+        per micro-batch)."""
+        with self._lock:
+            tickets = [self.submit(*mb) for mb in micro_batches]
+            return [self.collect(t) for t in tickets]
+
+    def submit(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False) -> int:
+        """Start a step without waiting for it; returns the ticket that `collect` takes. Steps run in the
+        order they were submitted; the caches count the tokens at once (a later step of the same sequence
+        may be submitted before this one is collected)."""
+        with self._lock:
             self._check_batch(token_ids, caches)
             freed = []
             while self._freed:
@@ -391,15 +449,41 @@ class ShardedModel:
                     freed.append(slot)
             lengths = [int(t.shape[0]) for t in token_ids]
             ids = torch.cat([t.to(torch.long).cpu() for t in token_ids]).numpy()
+            ops = [(op.slot, op.kind, op.value) for c in caches for op in c.ops]
             number = next(self._messages)
-            self._send(("step", number, [c.slot for c in caches], lengths, ids, freed, bool(all_logits)), "a step")
-            _, _, logits = self._await(("logits", number), float("inf"), what=f"step {number}")
+            self._send(("step", number, [c.slot for c in caches], lengths, ids, freed, bool(all_logits), ops),
+                       "a step")
             for cache, n in zip(caches, lengths):
+                cache.ops.clear()
                 cache.advance(n)
-            logits = torch.from_numpy(np.ascontiguousarray(logits))
+            self._in_flight[number] = (lengths, bool(all_logits), self.generation)
+            return number
+
+    def collect(self, ticket: int) -> list[Tensor]:
+        """The logits of a submitted step (waiting for it, and for the steps submitted before it)."""
+        with self._lock:
+            if ticket not in self._in_flight:
+                raise ValueError(f"step {ticket} was not submitted, was collected already, or was lost in a restart")
+            lengths, all_logits, generation = self._in_flight[ticket]
+            if generation != self.generation:
+                del self._in_flight[ticket]
+                raise ShardFailure("the shard set this step ran on was restarted")
+            while ticket not in self._results:
+                if self._state != "ready":
+                    raise ShardFailure(f"the shard set is not serving ({self._detail}); recover() starts a new one")
+                _, number, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
+                self._results[number] = logits
+            del self._in_flight[ticket]
+            logits = torch.from_numpy(np.ascontiguousarray(self._results.pop(ticket)))
             return list(torch.split(logits, lengths)) if all_logits else list(logits)
 
-    __call__ = forward
+    def _receive_in_flight(self) -> None:
+        """Take every answer still owed by rank 0 (kept for `collect`), so the next message is a reply to
+        whatever is asked next."""
+        for ticket in sorted(self._in_flight):
+            while ticket not in self._results and self._in_flight[ticket][2] == self.generation:
+                _, done, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
+                self._results[done] = logits
 
     def _check_batch(self, token_ids: list[Tensor], caches: list[ShardCache]) -> None:
         for b, cache in enumerate(caches):  # the handle first: its length is only meaningful for our own caches
@@ -416,6 +500,7 @@ class ShardedModel:
     def dump_routing_stats(self, path: str | Path | None = None, reset: bool = False) -> RoutingStats:
         """Expert load and co-activation per MoE layer since the start (or the last reset), from every home rank."""
         with self._lock:
+            self._receive_in_flight()  # their answers come first
             number = next(self._messages)
             self._send(("stats", number, bool(reset)), "gathering routing statistics")
             _, _, data = self._await(("stats", number), self.timeouts.comm * 2, what="gathering routing statistics")
@@ -451,4 +536,5 @@ class ShardedModel:
             pass
 
 
-__all__ = ["ShardedModel", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "STORE_ENV"]
+__all__ = ["ShardedModel", "ShardCache", "ShardFailure", "ShardSetHealth", "ShardTimeouts", "LinkEmulation",
+           "STORE_ENV"]

@@ -5,17 +5,19 @@ Three channels:
 1. Driver <-> rank 0: a `multiprocessing` Pipe carrying pickled tuples (the engine never joins the
    torch.distributed world, so it can always kill and restart it):
 
-       ("step", n, slots, lengths, ids, freed, all_logits) -> ("logits", n, float32 [R, V] numpy)
+       ("step", n, slots, lengths, ids, freed, all_logits, cache_ops) -> ("logits", n, float32 [R, V] numpy)
        ("stats", n, reset)                                 -> ("stats", n, RoutingStats dict)
        ("close",)                                          -> ("closed",)
        rank 0, once started:  ("ready",)   on any failure: ("error", n, text), then it exits
 
    `ids` is every sequence's new tokens concatenated (int64 numpy); R is the number of logit rows
-   (all tokens with all_logits, else one per sequence).
+   (all tokens with all_logits, else one per sequence). `cache_ops` are the marks and rewinds of
+   speculative decoding (`CacheOp`) that the engine made on the batch's handles since their last step;
+   every rank applies them, in order, to its caches before the step runs.
 
 2. Rank 0 -> every other rank, once per step: a `StepHeader` (point to point, so each rank runs the same
    deterministic schedule): META_LEN int64 values, then, if the step has sequences, one int64 payload
-   `slots[B] | lengths[B] | ids[N] | freed[F]`. Idle rank 0 sends PING headers every keepalive period so
+   `slots[B] | lengths[B] | ids[N] | freed[F] | cache ops [O, 3]` (slot, MARK or REWIND, mode index or length). Idle rank 0 sends PING headers every keepalive period so
    that every receive in the world has a bounded wait.
 
 3. Within a step (all sizes follow from the header, the layer index and the plan, except expert dispatch):
@@ -41,11 +43,31 @@ from typing import Sequence
 import torch
 
 from inference.model import ModelConfig
+from inference.model.kda import REWIND_MODES
 
 # ------------------------------------------------------------------ step header
 META_LEN = 8
 PING, STEP, STATS, STOP = 0, 1, 2, 3
 KIND_NAMES = {PING: "ping", STEP: "step", STATS: "stats", STOP: "stop"}
+MARK, REWIND = 1, 2  # cache ops: start a rewind log (value: index in kda.REWIND_MODES); back to `value` tokens
+
+
+@dataclass(frozen=True)
+class CacheOp:
+    """A mark or rewind of one sequence's caches (speculative decoding), made by the engine on its handle
+    and carried to the shards with that sequence's next step."""
+
+    slot: int
+    kind: int  # MARK | REWIND
+    value: int  # MARK: index of the rewind mode in kda.REWIND_MODES; REWIND: the length to return to
+
+    def apply(self, cache) -> None:
+        if self.kind == MARK:
+            cache.mark(REWIND_MODES[self.value])
+        elif self.kind == REWIND:
+            cache.rewind(self.value)
+        else:
+            raise ValueError(f"unknown cache op {self.kind}")
 
 
 @dataclass
@@ -58,6 +80,7 @@ class StepHeader:
     freed: list[int] = field(default_factory=list)
     all_logits: bool = False
     reset: bool = False  # STATS: clear the counters after reading them
+    cache_ops: list[CacheOp] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,28 +93,35 @@ class StepHeader:
     def encode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = self.ids if self.ids is not None else torch.zeros(0, dtype=torch.long)
         meta = torch.tensor([self.kind, self.number, len(self.slots), int(ids.numel()), len(self.freed),
-                             int(self.all_logits), int(self.reset), 0], dtype=torch.long)
-        if not (self.slots or self.freed):
+                             int(self.all_logits), int(self.reset), len(self.cache_ops)], dtype=torch.long)
+        if not (self.slots or self.freed or self.cache_ops):
             return meta, None
+        ops = [v for op in self.cache_ops for v in (op.slot, op.kind, op.value)]
         payload = torch.cat([torch.tensor(self.slots, dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long),
-                             ids.to(torch.long).cpu(), torch.tensor(self.freed, dtype=torch.long)])
+                             ids.to(torch.long).cpu(), torch.tensor(self.freed, dtype=torch.long),
+                             torch.tensor(ops, dtype=torch.long)])
         return meta, payload
 
     @staticmethod
     def payload_len(meta: Sequence[int]) -> int:
-        _, _, b, n, f = meta[:5]
-        return 2 * b + n + f
+        _, _, b, n, f, _, _, o = meta[:8]
+        return 2 * b + n + f + 3 * o
 
     @classmethod
     def decode(cls, meta: Sequence[int], payload: torch.Tensor | None) -> "StepHeader":
-        kind, number, b, n, f, all_logits, reset = (int(v) for v in meta[:7])
+        kind, number, b, n, f, all_logits, reset, o = (int(v) for v in meta[:8])
         if kind not in KIND_NAMES:
             raise ValueError(f"unknown step header kind {kind}")
         if payload is None:
             return cls(kind, number, all_logits=bool(all_logits), reset=bool(reset))
         p = payload.cpu()
+        end = 2 * b + n + f
+        ops = [CacheOp(*row) for row in p[end:end + 3 * o].reshape(o, 3).tolist()]
         return cls(kind, number, p[:b].tolist(), p[b:2 * b].tolist(), p[2 * b:2 * b + n].clone(),
-                   p[2 * b + n:2 * b + n + f].tolist(), bool(all_logits), bool(reset))
+                   p[2 * b + n:end].tolist(), bool(all_logits), bool(reset), ops)
+
+
+LOGITS_TAG = 1  # the head's logits travel on their own tag: rank 0 waits for them while later steps run
 
 
 # ------------------------------------------------------------------ tensor layouts
@@ -157,6 +187,32 @@ class ShardTimeouts:
         return self.comm + 2 * self.keepalive
 
 
+@dataclass(frozen=True)
+class LinkEmulation:
+    """Make every inter-shard message behave as if it crossed a network link: `latency_ms` one way, and
+    `gbps` of bandwidth per sender and peer (0: unlimited). 25 GbE: gbps=25, latency_ms ~0.02-0.05; a WAN
+    hop: tens of ms. All zero: the plain transport."""
+
+    latency_ms: float = 0.0
+    gbps: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.latency_ms > 0 or self.gbps > 0
+
+    def problems(self) -> list[str]:
+        out = []
+        if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
+            out.append(f"link_latency_ms must be a finite number >= 0 (got {self.latency_ms})")
+        if not (self.gbps >= 0 and math.isfinite(self.gbps)):
+            out.append(f"link_gbps must be a finite number >= 0, 0 meaning unlimited (got {self.gbps})")
+        return out
+
+    def seconds(self, nbytes: int) -> float:
+        """One message's time on the link: latency plus serialisation."""
+        return self.latency_ms / 1000.0 + (nbytes * 8 / (self.gbps * 1e9) if self.gbps > 0 else 0.0)
+
+
 @dataclass
 class WorkerArgs:
     """Everything a shard process needs; published in the store for ranks launched on other hosts."""
@@ -175,6 +231,7 @@ class WorkerArgs:
     rank: int = -1  # -1: taken from torchrun's RANK plus the rank offset
     parent_pid: int | None = None  # local shards exit when this process disappears
     local: bool = True
+    link: LinkEmulation = LinkEmulation()
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -184,6 +241,7 @@ class WorkerArgs:
     def from_json(cls, text: str) -> "WorkerArgs":
         d = json.loads(text)
         d["timeouts"] = ShardTimeouts(**d["timeouts"])
+        d["link"] = LinkEmulation(**d.get("link", {}))
         return cls(**d)
 
 
@@ -236,6 +294,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 __all__ = [
-    "StepHeader", "META_LEN", "PING", "STEP", "STATS", "STOP", "state_sources", "pack", "unpack",
-    "packed_nbytes", "dispatch_specs", "ShardTimeouts", "WorkerArgs", "StoreKeys", "dtype_of",
+    "StepHeader", "CacheOp", "MARK", "REWIND", "META_LEN", "PING", "STEP", "STATS", "STOP", "state_sources", "pack", "unpack",
+    "packed_nbytes", "dispatch_specs", "ShardTimeouts", "LinkEmulation", "LOGITS_TAG", "WorkerArgs", "StoreKeys", "dtype_of",
 ]

@@ -33,10 +33,13 @@ Launching:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
+import math
 import os
+import queue
 import socket
 import sys
 import threading
@@ -53,8 +56,9 @@ from torch import Tensor, nn
 from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
                              fingerprint, load_checkpoint, read_config)
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
-from inference.sharding.messages import (META_LEN, PING, STATS, STEP, STOP, StepHeader, StoreKeys, WorkerArgs,
-                                         dispatch_specs, dtype_of, pack, packed_nbytes, state_sources, unpack)
+from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
+                                         StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
+                                         packed_nbytes, state_sources, unpack)
 
 log = logging.getLogger(__name__)
 
@@ -159,39 +163,93 @@ def tensor_nbytes(model: nn.Module, resident: bool) -> int:
 
 
 # =================================================================== point to point with timeouts
-class Wire:
-    """isend/irecv to peers; every wait is bounded. Sends complete when the peer receives (gloo), so they
-    are collected and waited for at the end of the step (`flush`)."""
+class PendingRecv:
+    """A receive posted now and waited for later (rank 0's logits while it starts the next micro-batch)."""
 
-    def __init__(self, rank: int, device: torch.device, timeout: float):
+    def __init__(self, wire: "Wire", work, buf: Tensor, what: str):
+        self.wire, self.work, self.buf, self.what = wire, work, buf, what
+
+    def result(self) -> Tensor:
+        self.wire._wait(self.work, self.what)
+        return self.buf
+
+
+class ReadyValue:
+    """A result that is already there, with PendingRecv's surface."""
+
+    def __init__(self, value: Tensor):
+        self.value = value
+
+    def result(self) -> Tensor:
+        return self.value
+
+
+class Wire:
+    """isend/irecv to peers; every wait is bounded.
+
+    A gloo send completes only when the peer has received it, so sends are kept (with their tensors) per
+    step and waited for later: `end_step()` closes the current step's list, `settle(keep)` waits for all
+    but the last `keep` steps' sends, `flush()` for everything. A rank then never waits for a peer to reach
+    a message of the step it has just finished, which is what lets pipeline stages overlap.
+
+    With a `LinkEmulation`, every message leaves through a link of that latency and bandwidth per peer
+    (`EmulatedLinks`), so a run on one host behaves like ranks on hosts joined by that network."""
+
+    def __init__(self, rank: int, device: torch.device, timeout: float, link: LinkEmulation | None = None):
         self.rank = rank
         self.device = device
         self.timeout = timeout
-        self.pending: list[tuple[object, Tensor, str]] = []
+        self.current: list[tuple[object, Tensor, str]] = []
+        self.steps: collections.deque[list] = collections.deque()
         self.bytes_sent = 0
+        self.links = EmulatedLinks(self, link) if link is not None and link.active else None
 
-    def send(self, dst: int, tensor: Tensor, what: str) -> None:
+    def send(self, dst: int, tensor: Tensor, what: str, tag: int = 0) -> None:
         t = tensor.to(self.device).contiguous()
+        self.bytes_sent += t.numel() * t.element_size()
+        if self.links is not None:
+            self.links.put(dst, t, what, tag)
+        else:
+            self.current.append((self.post_send(dst, t, what, tag), t, f"sending {what} to rank {dst}"))
+
+    def post_send(self, dst: int, t: Tensor, what: str, tag: int):
         try:
-            work = dist.isend(t, dst)
+            return dist.isend(t, dst, tag=tag)
         except Exception as exc:
             raise ShardCommError(f"rank {self.rank}: sending {what} to rank {dst} failed: {exc}") from None
-        self.pending.append((work, t, f"sending {what} to rank {dst}"))
-        self.bytes_sent += t.numel() * t.element_size()
 
-    def recv(self, src: int, shape, dtype: torch.dtype, what: str, timeout: float | None = None) -> Tensor:
+    def irecv(self, src: int, shape, dtype: torch.dtype, what: str, tag: int = 0) -> PendingRecv:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         try:
-            work = dist.irecv(buf, src)
+            work = dist.irecv(buf, src, tag=tag)
         except Exception as exc:
             raise ShardCommError(f"rank {self.rank}: receiving {what} from rank {src} failed: {exc}") from None
-        self._wait(work, f"receiving {what} from rank {src}", timeout)
-        return buf
+        return PendingRecv(self, work, buf, f"receiving {what} from rank {src}")
+
+    def recv(self, src: int, shape, dtype: torch.dtype, what: str, timeout: float | None = None,
+             tag: int = 0) -> Tensor:
+        pending = self.irecv(src, shape, dtype, what, tag)
+        self._wait(pending.work, pending.what, timeout)
+        return pending.buf
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = []
+        if self.links is not None:
+            self.links.check()
+
+    def settle(self, keep: int) -> None:
+        """Wait for the sends of every step but the last `keep` ones."""
+        while len(self.steps) > keep:
+            for work, _, what in self.steps.popleft():
+                self._wait(work, what)
 
     def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        for work, _, what in pending:
-            self._wait(work, what)
+        """Wait until every message sent so far has been received."""
+        self.end_step()
+        self.settle(0)
+        if self.links is not None:
+            self.links.drain(self.timeout)
 
     def _wait(self, work, what: str, timeout: float | None = None) -> None:
         limit = self.timeout if timeout is None else timeout
@@ -202,6 +260,72 @@ class Wire:
             if "Timed out" in text or "timeout" in text.lower():
                 text = f"no answer within {limit:g} s ({text})"
             raise ShardCommError(f"rank {self.rank}: {what} failed: {text}") from None
+
+
+class EmulatedLinks:
+    """The outgoing links of one rank, each with a latency and a bandwidth (docs/engine.md, emulated links).
+
+    A message of n bytes to peer d starts when d's link is free (messages to one peer go one after another),
+    occupies it n / bandwidth seconds, and is handed to the transport `latency` after it is through, by
+    that link's sender thread. The rank's own compute goes on meanwhile, as with a real NIC; order per peer
+    is kept, so the schedule's matching of messages is unchanged."""
+
+    def __init__(self, wire: Wire, link: LinkEmulation):
+        self.wire = wire
+        self.latency = link.latency_ms / 1000.0
+        self.bytes_per_s = link.gbps * 1e9 / 8 if link.gbps > 0 else math.inf
+        self.free_at: dict[int, float] = {}
+        self.queues: dict[int, collections.deque] = {}
+        self.cond = threading.Condition()
+        self.busy = 0  # messages queued or in transfer
+        self.error: BaseException | None = None
+
+    def put(self, dst: int, t: Tensor, what: str, tag: int) -> None:
+        self.check()
+        with self.cond:
+            start = max(time.monotonic(), self.free_at.get(dst, 0.0))
+            through = start + t.numel() * t.element_size() / self.bytes_per_s
+            self.free_at[dst] = through
+            if dst not in self.queues:
+                self.queues[dst] = collections.deque()
+                threading.Thread(target=self._run, args=(dst,), daemon=True, name=f"k3-link-{dst}").start()
+            self.queues[dst].append((through + self.latency, t, what, tag))
+            self.busy += 1
+            self.cond.notify_all()
+
+    def _run(self, dst: int) -> None:
+        queue = self.queues[dst]
+        while True:
+            with self.cond:
+                while not queue:
+                    self.cond.wait()
+                due, t, what, tag = queue[0]
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                self.wire._wait(self.wire.post_send(dst, t, what, tag), f"sending {what} to rank {dst}")
+            except BaseException as exc:  # noqa: BLE001 - reported to the main thread by check()
+                self.error = exc
+            with self.cond:
+                queue.popleft()
+                self.busy -= 1
+                self.cond.notify_all()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every queued message has been received."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.busy and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ShardCommError(f"rank {self.wire.rank}: the emulated links did not drain within {timeout:g} s")
+                self.cond.wait(left)
+        self.check()
 
 
 # =================================================================== the schedule
@@ -234,7 +358,7 @@ class ShardRank:
             mask[[e for e, h in enumerate(table.holders) if rank in h]] = True
             self.held[layer] = mask
         self.caches: dict[int, SequenceCache] = {}
-        self.wire = Wire(rank, device, args.timeouts.comm)
+        self.wire = Wire(rank, device, args.timeouts.comm, args.link)
 
     def info(self) -> dict:
         return {
@@ -264,8 +388,11 @@ class ShardRank:
 
     # ------------------------------------------------------------ one step
     @torch.inference_mode()
-    def run_step(self, h: StepHeader) -> Tensor | None:
-        """Embed, every layer, head. Returns the logits [R, V] fp32 on rank 0, None elsewhere."""
+    def run_step(self, h: StepHeader) -> PendingRecv | ReadyValue | None:
+        """Embed, every layer, head. On rank 0: the logits [R, V] fp32 to come (`.result()`), None elsewhere.
+
+        Rank 0 does not wait for them here: it may start the next micro-batch while the later stages still
+        work on this one. Every other rank waits for its sends one step later (`Wire.settle`)."""
         cfg, plan, me = self.config, self.plan, self.rank
         for slot in h.freed:
             self.caches.pop(slot, None)
@@ -273,6 +400,10 @@ class ShardRank:
             for slot in h.slots:
                 if slot not in self.caches:
                     self.caches[slot] = self.model.new_cache(layers=self.homed)
+            for op in h.cache_ops:  # speculative decoding's marks and rewinds, before this step's tokens
+                if op.slot not in self.caches:
+                    raise RuntimeError(f"rank {me}: a cache op for sequence slot {op.slot}, which has no state here")
+                op.apply(self.caches[op.slot])
         lengths = tuple(h.lengths)
         cur = plan.embedding_rank
         state = self.model.embed(h.ids.to(self.device), lengths) if me == cur else None
@@ -310,16 +441,22 @@ class ShardRank:
                               "the residual state into the head")
             if me == head:
                 logits = self.model.head(state)
+        result = None
         if head != 0:
             if me == head:
-                self.wire.send(0, logits.float(), "logits")
+                self.wire.send(0, logits.float(), "logits", tag=LOGITS_TAG)
             elif me == 0:
-                logits = self.wire.recv(head, (h.logit_rows, cfg.vocab_size), torch.float32, "logits")
+                result = self.wire.irecv(head, (h.logit_rows, cfg.vocab_size), torch.float32, "logits",
+                                         tag=LOGITS_TAG)
+        elif me == 0:
+            result = ReadyValue(logits)
         for slot, n in zip(h.slots, lengths):
             if slot in self.caches:
                 self.caches[slot].advance(n)
-        self.wire.flush()
-        return logits if me == 0 else None
+        self.wire.end_step()
+        if me != 0:
+            self.wire.settle(1)
+        return result
 
     def _hop(self, state: ResidualState | None, src: int, dst: int, layer: int, lengths: tuple[int, ...],
              what: str) -> ResidualState | None:
@@ -412,31 +549,64 @@ class ShardRank:
         self.wire.flush()
 
     # ------------------------------------------------------------ serving loops
-    def serve_driver(self, conn) -> None:
-        """Rank 0: steps come from the driver's pipe; idle time is filled with keepalive pings."""
+    def serve_driver(self, conn, fail) -> None:
+        """Rank 0: steps come from the driver's pipe; idle time is filled with keepalive pings.
+
+        A step is started as soon as it arrives, without waiting for the logits of the steps before it: those
+        are waited for, in order, by an answer thread that passes them to the driver. So when the driver
+        has several micro-batches in flight, this stage works on the next while the later stages finish
+        the earlier ones. `fail(exc)` ends the process (a failure in the answer thread)."""
         keepalive = self.args.timeouts.keepalive
+        answers: queue.Queue = queue.Queue()
+        send_lock = threading.Lock()
+
+        def answer() -> None:
+            try:
+                while True:
+                    item = answers.get()
+                    if item is None:
+                        return
+                    number, pending = item
+                    logits = pending.result().cpu().numpy()
+                    with send_lock:
+                        conn.send(("logits", number, logits))
+                    answers.task_done()
+            except BaseException as exc:  # noqa: BLE001 - the shard set is broken: report and exit
+                fail(exc)
+
+        threading.Thread(target=answer, daemon=True, name="k3-shard-answers").start()
+        in_flight = 0
         while True:
             if not conn.poll(keepalive):
-                self.send_header(StepHeader(PING))
-                self.wire.flush()
+                if answers.unfinished_tasks == 0:
+                    self.send_header(StepHeader(PING))
+                    self.wire.flush()
                 continue
             msg = conn.recv()
             kind = msg[0]
             if kind == "step":
-                _, number, slots, lengths, ids, freed, all_logits = msg
+                _, number, slots, lengths, ids, freed, all_logits, ops = msg
                 header = StepHeader(STEP, number, list(slots), list(lengths), torch.from_numpy(ids), list(freed),
-                                    bool(all_logits))
+                                    bool(all_logits), cache_ops=[CacheOp(*op) for op in ops])
                 self.send_header(header)
-                logits = self.run_step(header)
-                conn.send(("logits", number, logits.cpu().numpy()))
-            elif kind == "stats":
+                answers.put((number, self.run_step(header)))
+                in_flight = answers.unfinished_tasks
+                self.wire.settle(in_flight + 1)  # the sends of steps whose logits are back have been received
+                continue
+            answers.join()  # anything else waits for the steps in flight
+            self.wire.settle(0)
+            if kind == "stats":
                 _, number, reset = msg
                 self.send_header(StepHeader(STATS, number, reset=bool(reset)))
-                conn.send(("stats", number, self.gather_stats(bool(reset))))
+                stats = self.gather_stats(bool(reset))
+                with send_lock:
+                    conn.send(("stats", number, stats))
             elif kind == "close":
                 self.send_header(StepHeader(STOP))
                 self.wire.flush()
-                conn.send(("closed",))
+                answers.put(None)
+                with send_lock:
+                    conn.send(("closed",))
                 return
             else:
                 raise ValueError(f"unknown driver message {kind!r}")
@@ -490,6 +660,21 @@ def serve(args: WorkerArgs, rank: int, conn=None, claim: bool = True) -> None:
     t = args.timeouts
     torch.set_num_threads(max(1, args.threads))
     store = None
+
+    def fail(exc: BaseException) -> None:
+        """Record why this process fails (the store, rank 0's pipe) and exit at once."""
+        text = f"rank {rank}: {type(exc).__name__}: {exc}"
+        if not isinstance(exc, (ShardCommError, EOFError)):
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"k3 shard {text}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            store.set(keys.error(rank), text)
+            store.add(keys.error_count(), 1)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.send(("error", -1, text))
+        os._exit(1)
+
     try:
         store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=timedelta(seconds=t.startup))
         threading.Thread(target=_keep_alive, daemon=True, name="k3-shard-heartbeat",
@@ -507,21 +692,11 @@ def serve(args: WorkerArgs, rank: int, conn=None, claim: bool = True) -> None:
                                 world_size=args.world_size, timeout=timedelta(seconds=t.comm))
         if conn is not None:
             conn.send(("ready",))
-            shard.serve_driver(conn)
+            shard.serve_driver(conn, fail)
         else:
             shard.serve_peers()
     except BaseException as exc:  # noqa: BLE001 - every failure ends this process, with its reason recorded
-        text = f"rank {rank}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, (ShardCommError, EOFError)):
-            traceback.print_exc(file=sys.stderr)
-        print(f"k3 shard {text}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            store.set(keys.error(rank), text)
-            store.add(keys.error_count(), 1)
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.send(("error", -1, text))
-        os._exit(1)
+        fail(exc)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no process-group teardown: peers may be gone, and gloo's destructor would wait for them

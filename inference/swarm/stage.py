@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from inference.model import CheckpointError, TensorSelection, load_checkpoint, read_config
+from inference.model.checkpoint import read_manifest, tensor_sha256
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
@@ -100,10 +101,6 @@ def wire_bytes_per_token(config: ModelConfig, cut: int, dtype_bytes: int = 2) ->
     return (blocks_before(cut, config.attn_res_block_size) + 1) * config.hidden_size * dtype_bytes
 
 
-def tensor_sha256(t: Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def stage_fingerprint(config_hash: str, layers: LayerRange, tensor_hashes: dict[str, str]) -> str:
     """16 hex digits naming exactly the tensors a stage holds: sha256 over the config hash, the range and
     every (name, sha256 of the tensor bytes) in name order."""
@@ -114,13 +111,15 @@ def stage_fingerprint(config_hash: str, layers: LayerRange, tensor_hashes: dict[
 
 
 def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dtype = torch.float32,
-                     verify: bool = False) -> tuple[KimiK3Model, str, int]:
+                     verify: bool = False, verify_tensors: bool | None = None) -> tuple[KimiK3Model, str, int]:
     """The model with only the stage's tensors materialised (the rest stay on the meta device), through the one
     checkpoint loader filtered to the stage (`TensorSelection.stage`: only the shard files holding the block are
     opened). Returns (model, stage fingerprint, bytes held).
 
-    The stage fingerprint is computed from the tensors as held (after the cast to `dtype`). `verify` re-hashes
-    the whole checkpoint against the manifest's per-file sha256 (the manifest has no per-tensor hashes yet)."""
+    The stage fingerprint is computed from the tensors as held (after the cast to `dtype`). Every tensor the stage
+    reads is checked against the manifest's per-tensor sha256 (`verify_tensors`; None: when the manifest has
+    them, so a checkpoint made before they existed still loads); `verify` re-hashes the whole checkpoint
+    against the manifest's per-file sha256 (every file, so a stage host rarely wants it)."""
     from inference.sharding.worker import model_skeleton  # noqa: PLC0415 (meta/CPU skeleton builder)
 
     config = read_config(checkpoint)
@@ -128,7 +127,12 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
         raise CheckpointError(f"the checkpoint has {config.num_layers} layers, the range assumes {layers.num_layers}")
     model = model_skeleton(config, dtype)
     select = TensorSelection.stage(layers.start, layers.stop, layers.has_embedding, layers.has_head)
-    load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select)
+    if verify_tensors is None:
+        try:
+            verify_tensors = bool(read_manifest(checkpoint).get("tensors"))
+        except CheckpointError:  # no manifest at all: nothing to check against
+            verify_tensors = False
+    load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select, verify_tensors=verify_tensors)
     hashes, nbytes = {}, 0
     for key, t in model.state_dict().items():
         if not t.is_meta:

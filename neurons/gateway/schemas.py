@@ -75,12 +75,23 @@ class RequestBody(BaseModel):
     presence_penalty: Optional[float] = None  # accepted only as "off" (0)
     frequency_penalty: Optional[float] = None
     user: Optional[str] = Field(None, max_length=256)
+    # vLLM's extensions, which its clients and `vllm bench serve` send:
+    # logprob tokens as "token_id:N" instead of text (exact ids, whatever the bytes)
+    return_tokens_as_token_ids: bool = False
+    # keep special tokens (e.g. <|im_end|>) in the text
+    skip_special_tokens: bool = True
+    repetition_penalty: Optional[float] = None  # accepted only as "off" (1)
+    ignore_eos: bool = False  # accepted only as false: the subnet's miners always stop at the end of sequence
 
     @model_validator(mode="after")
     def _checks(self):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported (only 0)")
+        if self.repetition_penalty not in (None, 1.0):
+            raise ValueError("repetition_penalty is not supported (only 1)")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos is not supported: the subnet's miners always stop at the end of sequence")
         for i, text in enumerate(self.stop_strings):
             if not 1 <= len(text) <= MAX_STOP_CHARS:
                 raise ValueError(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters")

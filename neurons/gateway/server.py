@@ -3,7 +3,7 @@ subnet's best miners.
 
     POST /v1/chat/completions   messages -> the tokenizer's chat template -> token ids -> a miner
     POST /v1/completions        prompt text (tokenized here) or token ids -> a miner
-    GET  /v1/models, /v1/models/{id}
+    GET  /v1/models, /v1/models/{id}   with `max_model_len`: the largest context of the miners routed to
     GET  /health                unauthenticated liveness
 
 Every call but /health carries `Authorization: Bearer KEY`, checked against a key file (one key
@@ -20,6 +20,10 @@ outcome=, prompt_ids=)` hook, so organic traffic counts like any other measureme
 What the user gets is the validator's own reading of the miner's tokens: the text is decoded
 here from the token ids (a miner cannot send other text than the tokens it signed), and usage
 is the validator's own count.
+
+vLLM's request extensions that its clients (and `vllm bench serve`) send are honoured:
+`return_tokens_as_token_ids` (logprob tokens named `token_id:N`), `skip_special_tokens`, `top_k`;
+`repetition_penalty` only as 1 and `ignore_eos` only as false (the miners do not offer them).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
-from neurons.observability import request_middleware
+from neurons.observability import observed_app
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout,
                              MinerUnreachable)
 from protocol.errors import ErrorCode
@@ -112,17 +116,26 @@ class StopTrimmer:
         if self.stopped:
             return ""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
-            return out
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
+        return self._release(final=False)
 
     def flush(self) -> str:
-        out, self.pending = ("" if self.stopped else self.pending), ""
-        return out
+        return "" if self.stopped else self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        pending = self.pending
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        first = min(hits, default=len(pending))
+        # where a stop string could still begin: its start matches the text up to the end (not decided
+        # until more text comes, or the end); a longer stop beginning earlier beats a shorter one found later
+        open_at = len(pending) if final else next(
+            (j for j in range(max(0, len(pending) - self.hold), len(pending))
+             if any(len(s) > len(pending) - j and s.startswith(pending[j:]) for s in self.stops)), len(pending))
+        if hits and open_at >= first:
+            self.pending, self.stopped = "", True
+            return pending[:first]
+        cut = min(open_at, first)
+        self.pending = pending[cut:]
+        return pending[:cut]
 
 
 def _finish_reason(final: FinalEvent) -> str:
@@ -164,8 +177,8 @@ class OrganicGateway:
         self._hook_tasks: set[asyncio.Task] = set()
         self.guard = ConnectionGuard(GuardSettings(), "gateway")
         self.metrics = GatewayMetrics(settings.model_name)
-        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[
-            self.guard.middleware, request_middleware("gateway", self.metrics.observe_request), self._errors])
+        self.app = observed_app("gateway", self.guard, self._errors, observe=self.metrics.observe_request,
+                                client_max_size=settings.max_body_bytes)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.handle_chat, expect_handler=defer_continue),
             web.post("/v1/completions", self.handle_completions, expect_handler=defer_continue),
@@ -236,17 +249,32 @@ class OrganicGateway:
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": self.settings.model_name})
 
-    def _model_entry(self) -> dict:
-        return {"id": self.settings.model_name, "object": "model", "created": MODEL_CREATED, "owned_by": "k3-subnet"}
+    async def _model_entry(self) -> dict:
+        entry = {"id": self.settings.model_name, "object": "model", "created": MODEL_CREATED, "owned_by": "k3-subnet"}
+        context = await self._max_context()
+        if context is not None:
+            entry["max_model_len"] = context  # vLLM's field: clients size their requests by it
+        return entry
+
+    async def _max_context(self) -> Optional[int]:
+        """The largest context among the miners a request may go to (what routing would try): the
+        longest prompt plus max_tokens this gateway can serve right now; None when no miner answers."""
+        contexts = []
+        for target in (await self._ranked())[:self.settings.max_attempts]:
+            try:
+                contexts.append((await self._capabilities_of(target)).max_context)
+            except MinerError:
+                continue
+        return max(contexts, default=None)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         self._authenticate(request)
-        return web.json_response({"object": "list", "data": [self._model_entry()]})
+        return web.json_response({"object": "list", "data": [await self._model_entry()]})
 
     async def handle_model(self, request: web.Request) -> web.Response:
         self._authenticate(request)
         self._check_model(request.match_info["model"])
-        return web.json_response(self._model_entry())
+        return web.json_response(await self._model_entry())
 
     # ------------------------------------------------------------ generation endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
@@ -514,8 +542,9 @@ class OrganicGateway:
 
 
 # ---------------------------------------------------------------- answers
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _token_text(tokenizer, token_id: int, as_ids: bool = False) -> str:
+    """A logprob entry's token: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
 
 
 def _token_bytes(tokenizer, token_id: int) -> list[int]:
@@ -523,28 +552,30 @@ def _token_bytes(tokenizer, token_id: int) -> list[int]:
     return list(raw if raw is not None else tokenizer.decode([token_id]).encode())
 
 
-def _chat_logprobs(tokenizer, events: Sequence[TokenEvent], n: int) -> list[dict]:
+def _chat_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, as_ids: bool = False) -> list[dict]:
     out = []
     for event in events:
         for token, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
             out.append({
-                "token": _token_text(tokenizer, token), "logprob": lp, "bytes": _token_bytes(tokenizer, token),
-                "top_logprobs": [{"token": _token_text(tokenizer, t.token_id), "logprob": t.logprob,
+                "token": _token_text(tokenizer, token, as_ids), "logprob": lp,
+                "bytes": _token_bytes(tokenizer, token),
+                "top_logprobs": [{"token": _token_text(tokenizer, t.token_id, as_ids), "logprob": t.logprob,
                                   "bytes": _token_bytes(tokenizer, t.token_id)} for t in top[:n]],
             })
     return out
 
 
-def _completion_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, offset: int = 0) -> dict:
+def _completion_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, offset: int = 0,
+                         as_ids: bool = False) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for event in events:
         for token, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
-            text = _token_text(tokenizer, token)
-            tokens.append(text)
+            name = _token_text(tokenizer, token, as_ids)
+            tokens.append(name)
             values.append(lp)
-            tops.append({_token_text(tokenizer, t.token_id): t.logprob for t in top[:n]})
+            tops.append({_token_text(tokenizer, t.token_id, as_ids): t.logprob for t in top[:n]})
             offsets.append(offset)
-            offset += len(text)
+            offset += len(tokenizer.decode([token]))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -553,29 +584,31 @@ def _usage(plan: _Plan, result: GenerateResult) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _decoded_text(tokenizer, token_ids: Sequence[int], stops: Sequence[str]) -> str:
-    decoder = tokenizer.incremental_decoder(skip_special_tokens=True)
+def _decoded_text(tokenizer, token_ids: Sequence[int], stops: Sequence[str], skip_special_tokens: bool = True) -> str:
+    decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
     trimmer = StopTrimmer(stops)
     text = trimmer.push(decoder.push_many(token_ids) + decoder.flush())
     return text + trimmer.flush()
 
 
 def _whole_answer(plan: _Plan, result: GenerateResult, tokenizer, model_name: str, caps: Capabilities) -> dict:
-    text = _decoded_text(tokenizer, result.token_ids, plan.body.stop_strings)
+    body = plan.body
+    text = _decoded_text(tokenizer, result.token_ids, body.stop_strings, body.skip_special_tokens)
     events = [timed.event for timed in result.token_events]
+    as_ids = body.return_tokens_as_token_ids
     finish = _finish_reason(result.final)
     common = {"id": plan.response_id, "created": plan.created, "model": model_name,
               "system_fingerprint": caps.model_fingerprint, "usage": _usage(plan, result)}
     if plan.kind == "chat":
         logprobs = None
         if plan.user_logprobs is not None:
-            logprobs = {"content": _chat_logprobs(tokenizer, events, plan.user_logprobs)}
+            logprobs = {"content": _chat_logprobs(tokenizer, events, plan.user_logprobs, as_ids)}
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         return {"object": "chat.completion", "choices": [choice], **common}
     logprobs = None
     if plan.user_logprobs is not None:
-        logprobs = _completion_logprobs(tokenizer, events, plan.user_logprobs)
+        logprobs = _completion_logprobs(tokenizer, events, plan.user_logprobs, as_ids=as_ids)
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {"object": "text_completion", "choices": [choice], **common}
 
@@ -603,7 +636,7 @@ class _SseWriter:
 
     async def _open(self, target: MinerTarget, caps: Capabilities) -> None:
         self.fingerprint = caps.model_fingerprint
-        self.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+        self.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=self.plan.body.skip_special_tokens)
         self.trimmer = StopTrimmer(self.plan.body.stop_strings)
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid)})
         await response.prepare(self.request)
@@ -618,28 +651,32 @@ class _SseWriter:
         text = self.trimmer.push(self.decoder.push_many(event.token_ids))
         await self._piece(text, [event])
 
+    def _choice(self, text: str, events: list[TokenEvent], finish: Optional[str] = None) -> dict:
+        n, as_ids = self.plan.user_logprobs, self.plan.body.return_tokens_as_token_ids
+        if self.plan.kind == "chat":
+            logprobs = {"content": _chat_logprobs(self.tokenizer, events, n, as_ids)} if n is not None and events \
+                else None
+            delta = {"content": text} if text or finish is None else {}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = _completion_logprobs(self.tokenizer, events, n, self.offset, as_ids) if n is not None and events \
+            else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
     async def _piece(self, text: str, events: list[TokenEvent]) -> None:
         n = self.plan.user_logprobs
         if not text and (n is None or not events or self.trimmer.stopped):
             return
-        if self.plan.kind == "chat":
-            logprobs = {"content": _chat_logprobs(self.tokenizer, events, n)} if n is not None else None
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
-        else:
-            logprobs = _completion_logprobs(self.tokenizer, events, n, self.offset) if n is not None else None
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+        choice = self._choice(text, events)
         self.offset += len(text)
         await self.response.write(self._chunk([choice]))
 
     async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities) -> None:
         if self.response is None:  # a generation without tokens (e.g. max_tokens reached at once)
             await self._open(target, caps)
-        await self._piece(self.trimmer.push(self.decoder.flush()) + self.trimmer.flush(), [])
-        finish = _finish_reason(result.final)
-        if self.plan.kind == "chat":
-            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
-        else:
-            last = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+        # The text still held (a stop string's look-ahead, an unfinished UTF-8 character) belongs to
+        # tokens already sent: it goes with the finish reason, in the last chunk, without logprobs.
+        tail = self.trimmer.push(self.decoder.flush()) + self.trimmer.flush()
+        last = self._choice(tail, [], _finish_reason(result.final))
         await self.response.write(self._chunk([last]))
         if self.plan.body.include_usage:
             await self.response.write(self._chunk([], usage=_usage(self.plan, result)))

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from neurons.gateway.schemas import MAX_USER_LOGPROBS
-from neurons.settings import (Option, bind_defaults, byte_size, flag, non_negative_float, optional_text, port_number,
-                              positive_float)
+from neurons.settings import (Option, Section, Setting, byte_size, non_negative_float, port_number, positive_float,
+                              setting)
 from protocol.client import ClientTimeouts
 
 
@@ -17,23 +17,40 @@ class GatewaySetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys_file: Optional[str] = None
-    model_name: str = "kimi-k3"
-    max_attempts: int = 3
-    min_score: float = 0.0
-    rate_limit_requests: int = 60
-    rate_limit_window_s: float = 60.0
-    default_max_tokens: int = 1024
-    max_tokens_cap: int = 32768
-    max_body_bytes: int = 16 * 1024 * 1024
+    enabled: bool = setting(False, "serve the OpenAI-compatible organic gateway (real users' requests to the best "
+                            "miners)", flag="--gateway", env_key="GATEWAY_ENABLED")
+    host: str = setting("127.0.0.1", "address the gateway binds to", flag="--gateway-host")
+    port: int = setting(8000, "gateway port (0 picks a free one)", flag="--gateway-port", read=port_number)
+    api_keys_file: Optional[str] = setting(None, "file of API keys, one per line, '#' starts a comment; re-read when "
+                                           "it changes", flag="--gateway-api-keys", metavar="FILE")
+    model_name: str = setting("kimi-k3", "model name users ask for (and /v1/models lists)",
+                              flag="--gateway-model-name", metavar="NAME")
+    max_attempts: int = setting(3, "miners tried per request before giving up (failover before the first byte)",
+                                flag="--gateway-max-attempts")
+    min_score: float = setting(0.0, "miners at or below this score get no organic traffic", flag="--gateway-min-score",
+                               read=non_negative_float, metavar="X")
+    rate_limit_requests: int = setting(60, "requests per key per window (beyond: 429)", flag="--gateway-rate-limit")
+    rate_limit_window_s: float = setting(60.0, "rate-limit window", flag="--gateway-rate-limit-window-s",
+                                         read=positive_float)
+    default_max_tokens: int = setting(1024, "max_tokens of a chat request that gives none (bounded by the miner's "
+                                      "context)", flag="--gateway-default-max-tokens")
+    max_tokens_cap: int = setting(32768, "largest max_tokens a user may ask for", flag="--gateway-max-tokens")
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body (larger: 413)", flag="--gateway-max-body",
+                                  read=byte_size, metavar="SIZE")
     request_logprobs: int = 5  # asked of the miner on every request, so that tier 0 can check greedy tokens
     # Calls to miners; `total` is also the deadline of one user request, failovers included.
-    miner_timeouts: ClientTimeouts = field(default_factory=ClientTimeouts)
+    miner_timeouts: ClientTimeouts = Section(fields=dict(
+        connect=Setting("deadline to connect to a miner", flag="--gateway-connect-timeout-s", read=positive_float),
+        first_byte=Setting("deadline for a miner's first token (covers the prefill)",
+                           flag="--gateway-first-token-timeout-s", read=positive_float),
+        between_events=Setting("deadline between two tokens of a miner", flag="--gateway-between-tokens-timeout-s",
+                               read=positive_float),
+        total=Setting("deadline of one user request, failovers included", flag="--gateway-request-timeout-s",
+                      read=positive_float),
+    )).field(ClientTimeouts)
     capabilities_ttl_s: float = 300.0
-    miner_cooldown_s: float = 30.0
+    miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",
+                                      flag="--gateway-miner-cooldown-s", read=non_negative_float)
 
     def problems(self, need_key_file: bool = True) -> list[str]:
         out = []
@@ -57,40 +74,10 @@ class GatewaySettings:
         return self.miner_timeouts.total
 
 
+# How GatewaySettings sits in the validator's settings: one group, variables K3_ + the flag's words.
+GATEWAY = Section(group="organic gateway", env_prefix="K3_")
+
+
 def gateway_options() -> tuple[Option, ...]:
     """The gateway's flags (dest "gateway.*"), for the validator's option table."""
-    p, g = "K3_GATEWAY_", "organic gateway"
-    return bind_defaults(GatewaySettings, (
-        Option("gateway.enabled", "--gateway", f"{p}ENABLED", flag,
-               "serve the OpenAI-compatible organic gateway (real users' requests to the best miners)", group=g),
-        Option("gateway.host", "--gateway-host", f"{p}HOST", str, "address the gateway binds to", group=g),
-        Option("gateway.port", "--gateway-port", f"{p}PORT", port_number, "gateway port (0 picks a free one)", group=g),
-        Option("gateway.api_keys_file", "--gateway-api-keys", f"{p}API_KEYS", optional_text,
-               "file of API keys, one per line, '#' starts a comment; re-read when it changes", group=g, metavar="FILE"),
-        Option("gateway.model_name", "--gateway-model-name", f"{p}MODEL_NAME", str,
-               "model name users ask for (and /v1/models lists)", group=g, metavar="NAME"),
-        Option("gateway.max_attempts", "--gateway-max-attempts", f"{p}MAX_ATTEMPTS", int,
-               "miners tried per request before giving up (failover before the first byte)", group=g),
-        Option("gateway.min_score", "--gateway-min-score", f"{p}MIN_SCORE", non_negative_float,
-               "miners at or below this score get no organic traffic", group=g, metavar="X"),
-        Option("gateway.rate_limit_requests", "--gateway-rate-limit", f"{p}RATE_LIMIT", int,
-               "requests per key per window (beyond: 429)", group=g),
-        Option("gateway.rate_limit_window_s", "--gateway-rate-limit-window-s", f"{p}RATE_LIMIT_WINDOW_S",
-               positive_float, "rate-limit window", group=g),
-        Option("gateway.default_max_tokens", "--gateway-default-max-tokens", f"{p}DEFAULT_MAX_TOKENS", int,
-               "max_tokens of a chat request that gives none (bounded by the miner's context)", group=g),
-        Option("gateway.max_tokens_cap", "--gateway-max-tokens", f"{p}MAX_TOKENS", int,
-               "largest max_tokens a user may ask for", group=g),
-        Option("gateway.max_body_bytes", "--gateway-max-body", f"{p}MAX_BODY", byte_size,
-               "largest request body (larger: 413)", group=g, metavar="SIZE"),
-        Option("gateway.miner_timeouts.connect", "--gateway-connect-timeout-s", f"{p}CONNECT_TIMEOUT_S", positive_float,
-               "deadline to connect to a miner", group=g),
-        Option("gateway.miner_timeouts.first_byte", "--gateway-first-token-timeout-s", f"{p}FIRST_TOKEN_TIMEOUT_S",
-               positive_float, "deadline for a miner's first token (covers the prefill)", group=g),
-        Option("gateway.miner_timeouts.between_events", "--gateway-between-tokens-timeout-s",
-               f"{p}BETWEEN_TOKENS_TIMEOUT_S", positive_float, "deadline between two tokens of a miner", group=g),
-        Option("gateway.miner_timeouts.total", "--gateway-request-timeout-s", f"{p}REQUEST_TIMEOUT_S", positive_float,
-               "deadline of one user request, failovers included", group=g),
-        Option("gateway.miner_cooldown_s", "--gateway-miner-cooldown-s", f"{p}MINER_COOLDOWN_S", non_negative_float,
-               "a miner that could not be reached is tried last for this long", group=g),
-    ), prefix="gateway")
+    return GATEWAY.options(GatewaySettings, "gateway")

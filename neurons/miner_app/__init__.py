@@ -6,13 +6,13 @@ from neurons.miner_app.metrics import MinerMetrics
 from neurons.miner_app.server import (Admission, MinerServer, load_tokenizer_for, open_wallet, prompt_token_ids,
                                       sampling_params, serve, wire_token_event)
 from neurons.miner_app.settings import (METRICS_HOST, AccessSettings, MinerSettings, MinerSetupError, ServerSettings,
-                                        access_options, miner_options, read_miner_settings, server_options)
+                                        miner_options, read_miner_settings)
 
 __all__ = [
     "CallerBudget", "CallerBudgets", "Refusal", "ValidatorAccess", "engine_refusal", "public_message", "wire_code",
     "MinerMetrics",
     "Admission", "MinerServer", "load_tokenizer_for", "open_wallet", "prompt_token_ids", "sampling_params", "serve",
     "wire_token_event",
-    "METRICS_HOST", "AccessSettings", "MinerSettings", "MinerSetupError", "ServerSettings", "access_options",
-    "miner_options", "read_miner_settings", "server_options",
+    "METRICS_HOST", "AccessSettings", "MinerSettings", "MinerSetupError", "ServerSettings", "miner_options",
+    "read_miner_settings",
 ]

@@ -55,7 +55,7 @@ from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, Vali
                                       public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
-from neurons.observability import request_middleware
+from neurons.observability import observed_app
 from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
 from protocol.errors import ErrorCode
@@ -182,8 +182,8 @@ class MinerServer:
 
     # ------------------------------------------------------------ lifecycle
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.server.max_body_bytes, middlewares=[
-            self.guard.middleware, request_middleware("miner", self.metrics.observe_request), self._answer_errors])
+        app = observed_app("miner", self.guard, self._answer_errors, observe=self.metrics.observe_request,
+                           client_max_size=self.settings.server.max_body_bytes)
         app.add_routes([
             web.post(GENERATE_PATH, self.handle_generate, expect_handler=defer_continue),
             web.post(SCORE_PATH, self.handle_score, expect_handler=defer_continue),
@@ -206,7 +206,7 @@ class MinerServer:
         await GuardedSite(self._runner, self.guard, s.host, s.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         if s.metrics:
-            metrics_app = web.Application(client_max_size=1024, middlewares=[self.metrics_guard.middleware])
+            metrics_app = observed_app("miner-metrics", self.metrics_guard, client_max_size=1024)
             metrics_app.add_routes([web.get("/metrics", self.handle_metrics)])
             self._metrics_runner = web.AppRunner(metrics_app, access_log=None, shutdown_timeout=1.0,
                                                  **runner_options(self.metrics_guard.settings))

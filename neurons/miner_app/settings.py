@@ -1,21 +1,22 @@
-"""The miner's settings: what it serves, where, who may call it and how much; the flag table.
+"""The miner's settings: what it serves, where, who may call it and how much.
 
-Defaults live in the dataclasses; the flag table reads them from there."""
+Each setting is stated once, on its dataclass field (default, help, flag); the flag table is derived
+from the fields (neurons.settings.settings_options)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inference.serving import EngineSpec
-from neurons.settings import (ChainSettings, Option, WalletSettings, bind_defaults, build_settings, byte_size,
-                              chain_options, engine_options, expanded_path, flag, logging_options, non_negative_float,
-                              non_negative_int, optional_int, optional_text, port_number, positive_float, read_options,
-                              wallet_options)
+from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, WalletSettings,
+                              build_settings, byte_size, engine_section, expanded_path, non_negative_float,
+                              non_negative_int, port_number, positive_float, read_options, setting, settings_options)
 from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 
 METRICS_HOST = "127.0.0.1"  # Prometheus metrics are for the operator, never for the world
+ENV_PREFIX = "K3_MINER_"
 
 
 class MinerSetupError(RuntimeError):
@@ -24,25 +25,35 @@ class MinerSetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "0.0.0.0"
-    port: int = 8091
-    external_ip: str | None = None
-    external_port: int | None = None
-    publish: bool = True
-    publish_retry_s: float = 600.0
-    metrics: bool = True
-    metrics_port: int = 9091
-    nonce_store: str = "~/.k3-subnet/miner-nonces.sqlite"
-    max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes
-    max_output_tokens: int = DEFAULT_LIMITS.max_tokens
-    shutdown_grace_s: float = 30.0
-    first_event_timeout_s: float = 600.0
-    stall_timeout_s: float = 120.0
+    host: str = setting("0.0.0.0", "address to bind the API to")
+    port: int = setting(8091, "API port (0 picks a free one)", read=port_number, aliases=("--axon.port",))
+    external_ip: str | None = setting(None, "address published on chain, when validators reach you at another "
+                                      "address than --host (NAT, proxy); default: --host", metavar="IP")
+    external_port: int | None = setting(None, "port published on chain; default: the bound port", metavar="PORT")
+    publish: bool = setting(True, "publish the endpoint on chain at start (ServeAxon)")
+    publish_retry_s: float = setting(600.0, "when the published endpoint differs from ours (rate limited, not yet "
+                                     "registered), retry publishing at most this often", read=positive_float)
+    metrics: bool = setting(True, f"serve Prometheus /metrics on {METRICS_HOST}")
+    metrics_port: int = setting(9091, f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)",
+                                read=port_number)
+    nonce_store: str = setting("~/.k3-subnet/miner-nonces.sqlite", "SQLite file of seen request nonces (replay "
+                               "protection), shared by every worker of this miner; give each miner its own",
+                               read=expanded_path, metavar="FILE")
+    max_body_bytes: int = setting(DEFAULT_LIMITS.max_body_bytes, "largest request body, e.g. 64MiB (larger: 413)",
+                                  flag="--max-body", read=byte_size, metavar="SIZE")
+    max_output_tokens: int = setting(DEFAULT_LIMITS.max_tokens, "largest max_tokens a request may ask for")
+    shutdown_grace_s: float = setting(30.0, "on SIGINT/SIGTERM, how long open streams may finish before they are "
+                                      "ended", read=non_negative_float)
+    first_event_timeout_s: float = setting(600.0, "longest wait for a generation's first token (covers the prefill)",
+                                           read=positive_float)
+    stall_timeout_s: float = setting(120.0, "longest wait between two tokens before the stream is ended with an "
+                                     "error event", read=positive_float)
     # connection guard (protocol/http_server.py)
-    max_connections: int = 512
-    max_connections_per_address: int = 64
-    header_timeout_s: float = 5.0
-    body_timeout_s: float = 10.0
+    max_connections: int = setting(512, "open connections at most (also kept below the free file descriptors)")
+    max_connections_per_address: int = setting(64, "open connections at most per source address")
+    header_timeout_s: float = setting(5.0, "a connection's request headers must arrive within this, or it is closed",
+                                      read=positive_float)
+    body_timeout_s: float = setting(10.0, "a request body must arrive within this (408)", read=positive_float)
     idle_timeout_s: float = 15.0
 
     def guard(self, **overrides) -> GuardSettings:
@@ -58,24 +69,31 @@ class ServerSettings:
 class AccessSettings:
     """Who may call, and how much. Budgets are shares of the miner by stake, with floors."""
 
-    min_validator_stake: float = 1000.0
-    window_s: float = 60.0
-    requests_per_window: int = 1200  # all validators together; each gets its stake share
-    min_requests: int = 30  # per window, whatever the stake: small validators can still measure
-    min_streams: int = 1
-    overcommit: float = 2.0  # a validator may open up to share * overcommit of the capacity
-    max_streams: int = 0  # global cap; 0 = the engine's declared capacity
+    min_validator_stake: float = setting(1000.0, "least subnet stake (alpha) a caller with a validator permit needs",
+                                         read=non_negative_float)
+    window_s: float = setting(60.0, "length of the request-budget window", flag="--budget-window-s",
+                              read=positive_float)
+    requests_per_window: int = setting(1200, "requests per window for all validators together; each gets its share "
+                                       "of validator stake", flag="--budget-requests")
+    min_requests: int = setting(30, "requests per window every permitted validator gets, whatever its stake",
+                                flag="--budget-min-requests")
+    min_streams: int = setting(1, "concurrent streams every permitted validator gets, whatever its stake",
+                               flag="--budget-min-streams")
+    overcommit: float = setting(2.0, "a validator may hold up to (stake share x this) of the capacity in streams at "
+                                "once", flag="--budget-overcommit", read=positive_float)
+    max_streams: int = setting(0, "global cap on streams at once (0: the engine's capacity, --max-concurrent); "
+                               "beyond it: 429", read=non_negative_int)
 
 
 @dataclass(frozen=True)
 class MinerSettings:
-    chain: ChainSettings = field(default_factory=ChainSettings)
-    wallet: WalletSettings = field(default_factory=WalletSettings)
-    server: ServerSettings = field(default_factory=ServerSettings)
-    access: AccessSettings = field(default_factory=AccessSettings)
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    log_level: str = "INFO"
-    log_format: str = "text"
+    wallet: WalletSettings = WALLET.field(WalletSettings)
+    chain: ChainSettings = CHAIN.field(ChainSettings)
+    server: ServerSettings = Section(group="server").field(ServerSettings)
+    access: AccessSettings = Section(group="validators and budgets").field(AccessSettings)
+    engine: EngineSpec = engine_section().field(EngineSpec)
+    log_level: str = LOG_LEVEL.field("INFO")
+    log_format: str = LOG_FORMAT.field("text")
 
     def problems(self) -> list[str]:
         """Everything wrong with these settings, each with what to do about it."""
@@ -104,74 +122,9 @@ class MinerSettings:
         return out
 
 
-def server_options() -> tuple[Option, ...]:
-    p, g = "K3_MINER_", "server"
-    return (
-        Option("server.host", "--host", f"{p}HOST", str, "address to bind the API to", group=g),
-        Option("server.port", "--port", f"{p}PORT", port_number, "API port (0 picks a free one)", group=g,
-               aliases=("--axon.port",)),
-        Option("server.external_ip", "--external-ip", f"{p}EXTERNAL_IP", optional_text,
-               "address published on chain, when validators reach you at another address than --host "
-               "(NAT, proxy); default: --host", group=g, metavar="IP"),
-        Option("server.external_port", "--external-port", f"{p}EXTERNAL_PORT", optional_int,
-               "port published on chain; default: the bound port", group=g, metavar="PORT"),
-        Option("server.publish", "--publish", f"{p}PUBLISH", flag, "publish the endpoint on chain at start (ServeAxon)",
-               group=g),
-        Option("server.publish_retry_s", "--publish-retry-s", f"{p}PUBLISH_RETRY_S", positive_float,
-               "when the published endpoint differs from ours (rate limited, not yet registered), retry "
-               "publishing at most this often", group=g),
-        Option("server.metrics", "--metrics", f"{p}METRICS", flag, f"serve Prometheus /metrics on {METRICS_HOST}",
-               group=g),
-        Option("server.metrics_port", "--metrics-port", f"{p}METRICS_PORT", port_number,
-               f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)", group=g),
-        Option("server.nonce_store", "--nonce-store", f"{p}NONCE_STORE", expanded_path,
-               "SQLite file of seen request nonces (replay protection), shared by every worker of this miner; "
-               "give each miner its own", group=g, metavar="FILE"),
-        Option("server.max_body_bytes", "--max-body", f"{p}MAX_BODY", byte_size,
-               "largest request body, e.g. 64MiB (larger: 413)", group=g, metavar="SIZE"),
-        Option("server.max_output_tokens", "--max-output-tokens", f"{p}MAX_OUTPUT_TOKENS", int,
-               "largest max_tokens a request may ask for", group=g),
-        Option("server.shutdown_grace_s", "--shutdown-grace-s", f"{p}SHUTDOWN_GRACE_S", non_negative_float,
-               "on SIGINT/SIGTERM, how long open streams may finish before they are ended", group=g),
-        Option("server.first_event_timeout_s", "--first-event-timeout-s", f"{p}FIRST_EVENT_TIMEOUT_S", positive_float,
-               "longest wait for a generation's first token (covers the prefill)", group=g),
-        Option("server.stall_timeout_s", "--stall-timeout-s", f"{p}STALL_TIMEOUT_S", positive_float,
-               "longest wait between two tokens before the stream is ended with an error event", group=g),
-        Option("server.max_connections", "--max-connections", f"{p}MAX_CONNECTIONS", int,
-               "open connections at most (also kept below the free file descriptors)", group=g),
-        Option("server.max_connections_per_address", "--max-connections-per-address",
-               f"{p}MAX_CONNECTIONS_PER_ADDRESS", int, "open connections at most per source address", group=g),
-        Option("server.header_timeout_s", "--header-timeout-s", f"{p}HEADER_TIMEOUT_S", positive_float,
-               "a connection's request headers must arrive within this, or it is closed", group=g),
-        Option("server.body_timeout_s", "--body-timeout-s", f"{p}BODY_TIMEOUT_S", positive_float,
-               "a request body must arrive within this (408)", group=g),
-    )
-
-
-def access_options() -> tuple[Option, ...]:
-    p, g = "K3_MINER_", "validators and budgets"
-    return (
-        Option("access.min_validator_stake", "--min-validator-stake", f"{p}MIN_VALIDATOR_STAKE", non_negative_float,
-               "least subnet stake (alpha) a caller with a validator permit needs", group=g),
-        Option("access.window_s", "--budget-window-s", f"{p}BUDGET_WINDOW_S", positive_float,
-               "length of the request-budget window", group=g),
-        Option("access.requests_per_window", "--budget-requests", f"{p}BUDGET_REQUESTS", int,
-               "requests per window for all validators together; each gets its share of validator stake", group=g),
-        Option("access.min_requests", "--budget-min-requests", f"{p}BUDGET_MIN_REQUESTS", int,
-               "requests per window every permitted validator gets, whatever its stake", group=g),
-        Option("access.min_streams", "--budget-min-streams", f"{p}BUDGET_MIN_STREAMS", int,
-               "concurrent streams every permitted validator gets, whatever its stake", group=g),
-        Option("access.overcommit", "--budget-overcommit", f"{p}BUDGET_OVERCOMMIT", positive_float,
-               "a validator may hold up to (stake share x this) of the capacity in streams at once", group=g),
-        Option("access.max_streams", "--max-streams", f"{p}MAX_STREAMS", non_negative_int,
-               "global cap on streams at once (0: the engine's capacity, --max-concurrent); beyond it: 429", group=g),
-    )
-
-
 def miner_options() -> tuple[Option, ...]:
-    """Every flag of the miner, with its default from MinerSettings."""
-    return bind_defaults(MinerSettings, wallet_options() + chain_options() + server_options() + access_options()
-                         + engine_options() + logging_options())
+    """Every flag of the miner, derived from MinerSettings' fields."""
+    return settings_options(MinerSettings, ENV_PREFIX)
 
 
 def read_miner_settings(

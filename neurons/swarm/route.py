@@ -2,8 +2,8 @@
 whole-model engine (generate / score), so the miner protocol, the gateway and the benchmark run on it as is.
 
 A route is an ordered list of stages covering layers 0..L-1, embedding to head, planned from a
-`StageDirectory` (a static list of stage URLs here; the metagraph in production): stages are chosen by fewest
-hops, then measured step time, keeping the current stages when they are still alive. Tokens travel
+`StageDirectory` (a static list of stage URLs, or `MetagraphDirectory`: the stages announced on chain): stages
+are chosen by fewest hops, then measured step time, keeping the current stages when they are still alive. Tokens travel
 driver -> stage 1 -> ... -> stage N -> driver: each stage sends its output straight to the next, and the last
 one sends the head's result (a sampled token, or teacher-forced logprobs) to this driver's own small HTTP
 server. Prefill goes in chunks sent back to back, so the stages work on different chunks at once.
@@ -36,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
+from chain.interface import NeuronInfo
 from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
@@ -47,8 +48,9 @@ from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
                             REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
-                            RewindRequest, StageCapabilities, StageWireError, WireSampling, encode_frame, parse_model,
-                            split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
+                            RewindRequest, StageAnnouncement, StageCapabilities, StageWireError, WireSampling,
+                            encode_frame, parse_model, split_frame, state_sha256, verify_capabilities,
+                            verify_receipt_chain)
 
 log = logging.getLogger("k3.route")
 
@@ -127,19 +129,51 @@ class StaticDirectory(StageDirectory):
 
 
 class MetagraphDirectory(StageDirectory):
-    """The stage miners of a subnet: every neuron with a published endpoint that answers /stage/capabilities
-    signed by its own registered hotkey (whole-model miners answer 404 and are left out)."""
+    """The stage miners of a subnet, from the chain: every registered neuron whose commitment is a stage
+    announcement (`StageAnnouncement`: model, layer block, stage fingerprint) for this model and that publishes an
+    endpoint. Each is asked for its signed capabilities, which must be signed by that neuron's own hotkey and say
+    what it announced (whole-model miners announce nothing and are never contacted). `config_hash` (and
+    `model_fingerprint` when given) select the model; without a config hash every announced stage is taken."""
 
-    def __init__(self, chain, netuid: int, timeout_s: float = 3.0, config_hash: str | None = None):
+    def __init__(self, chain, netuid: int, timeout_s: float = 3.0, config_hash: str | None = None,
+                 model_fingerprint: str | None = None):
         self.chain = chain
         self.netuid = netuid
+        self.config_hash = config_hash
+        self.model_fingerprint = model_fingerprint
         self.fetch = StaticDirectory([], timeout_s, config_hash)
 
+    async def announced(self) -> list[tuple[NeuronInfo, StageAnnouncement]]:
+        """(neuron, announcement) for every neuron announcing a stage of this model at a published endpoint."""
+        deadline = self.fetch.timeout_s * 4
+        snapshot, commitments = await asyncio.wait_for(
+            asyncio.gather(self.chain.metagraph(self.netuid), self.chain.commitments(self.netuid)), deadline)
+        found = []
+        for n in snapshot.neurons:
+            c = commitments.get(n.hotkey)
+            a = StageAnnouncement.parse(c.data) if c is not None else None
+            if a is None or n.endpoint is None:
+                continue
+            if self.config_hash and a.config_hash != self.config_hash:
+                continue
+            if self.model_fingerprint and a.model_fingerprint != self.model_fingerprint:
+                continue
+            found.append((n, a))
+        return found
+
     async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
-        snapshot = await asyncio.wait_for(self.chain.metagraph(self.netuid), self.fetch.timeout_s * 4)
-        neurons = [n for n in snapshot.neurons if n.endpoint is not None]
-        found = await asyncio.gather(*(self.fetch._one(http, n.endpoint.url) for n in neurons))
-        return [s for s, n in zip(found, neurons) if s is not None and s.hotkey == n.hotkey]
+        announced = await self.announced()
+        found = await asyncio.gather(*(self.fetch._one(http, n.endpoint.url) for n, _ in announced))
+        stages = []
+        for s, (n, a) in zip(found, announced):
+            if s is None:
+                continue
+            if s.hotkey != n.hotkey or not a.matches(s.caps):
+                log.warning("uid %d at %s serves other layers, another model or another hotkey than it announced; "
+                            "ignored", n.uid, n.endpoint.url)
+                continue
+            stages.append(s)
+        return stages
 
 
 def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = frozenset(),

@@ -148,7 +148,8 @@ async def serve_validator_metrics(settings, validator, gateway=None) -> Optional
             out.append(engine_metrics.registry)
         return out
 
-    server = MetricsServer(registries, METRICS_HOST, settings.metrics_port, on_close=collector.close)
+    server = MetricsServer(registries, METRICS_HOST, settings.metrics_port, on_close=collector.close,
+                           component="validator-metrics")
     try:
         port = await server.start()
     except OSError as error:

@@ -271,11 +271,14 @@ class ValidatorLoop:
         self.last_report: Optional[RoundReport] = None
         last = store.last_weights()
         self.last_weights_block: Optional[int] = last.block
+        self.stage = None  # neurons.validator_app.stage_rounds.StageRounds, when it checks stage miners
         if store.round:
             log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
                      store.round, len(self.window), len(self.ema), last.block)
 
     async def close(self) -> None:
+        if self.stage is not None:
+            await self.stage.close()
         if self._owns_client:
             await self.client.close()
 
@@ -342,6 +345,8 @@ class ValidatorLoop:
             log.warning("round %d skipped: %s", number, report.skipped)
             return self._finish(report, started)
         serving = self.serving_miners(snapshot)
+        if self.stage is not None:  # swarm stage miners: checked and paid in stage_rounds; the rest go on
+            serving = await self.stage.run_round(serving, number)
         for neuron in serving:
             self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, neuron.endpoint.url)
         self.store.forget_miners(n.uid for n in serving)
@@ -744,7 +749,12 @@ class ValidatorLoop:
         return scores
 
     def current_weights(self) -> dict[int, float]:
-        return weights_from_ema(self.ema, self.config.weight_exponent)
+        weights = weights_from_ema(self.ema, self.config.weight_exponent)
+        if self.stage is not None:  # one vector with the stage miners (scoring.stage_rewards.one_vector)
+            from neurons.validator_app.stage_rounds import whole_model_work  # noqa: PLC0415
+
+            weights = self.stage.weights(weights, whole_model_work(self))
+        return weights
 
     # ------------------------------------------------------------ weights
     async def _chain(self, awaitable):
@@ -761,7 +771,7 @@ class ValidatorLoop:
     async def weights_due(self) -> tuple[bool, Optional[int], str]:
         """(due, block, why): weights are due once per epoch window, when none were set since the
         subnet's latest epoch and the weights rate limit has passed."""
-        if not self.ema:
+        if not self.ema and not (self.stage is not None and self.stage.miners):
             return False, None, "no scores yet"
         if time.monotonic() < self._weights_hold_until:
             return False, None, "holding after a chain refusal"
@@ -945,6 +955,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
                                              "canaries": store.stored_canaries()}, used=store.used_canaries())
         loop = ValidatorLoop(settings, chain=chain, wallet=wallet, store=store, tokenizer=tokenizer, reference=engine,
                              canaries=canaries, expected_fingerprint=expected)
+        from neurons.validator_app.stage_rounds import attach_stage_rounds  # noqa: PLC0415
+
+        attach_stage_rounds(loop, settings)
         if engine is not None and not settings.audits.canary_pool:
             missing = settings.audits.canaries - (canaries.remaining if canaries else 0)
             if missing > 0:
