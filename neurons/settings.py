@@ -623,7 +623,7 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
     remote_first_token_floor_s=Setting("remote: the first-token deadline's floor (queueing, short prompts)",
                                        read=positive_float),
     dtype=Setting("weights dtype of the in-process model", choices=("float32", "bfloat16")),
-    speculate=Setting("reference engine: speculative decoding with model-free drafts (ngram: prompt lookup; "
+    speculate=Setting("reference and sharded engines: speculative decoding with model-free drafts (ngram: prompt lookup; "
                       "suffix: a suffix index over prompt and output); the output is exactly the model's",
                       choices=("none", "ngram", "suffix")),
     draft_tokens=Setting("with --speculate: most tokens drafted per step (fewer when drafts are poor)"),

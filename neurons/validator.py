@@ -5,11 +5,14 @@
         --wallet-name validator --wallet-hotkey default --wallet-path ~/.bittensor/wallets \\
         --checkpoint ckpt/tiny --reference-engine --db ~/.k3-subnet/validator.sqlite
     python neurons/validator.py status --db ~/.k3-subnet/validator.sqlite [--json]
+    python neurons/validator.py self-check --checkpoint ckpt/tiny --dtype bfloat16 --audits 100
 
 `run` options: `python neurons/validator.py run --help` (every flag also has an environment
 variable; a flag wins). SIGINT or SIGTERM stops it after the current round's requests are cut;
 a restart resumes from --db. `status` prints the validator's current view per miner from the
-database (it works while the validator runs).
+database (it works while the validator runs). `self-check` runs this validator's tier-1 rules on
+answers of the checkpoint served in another precision (and with GPU-style kernels), against its own
+fp32 reference, and prints the false-positive rate (exit 1 on any hard failure or over 1% soft).
 """
 from __future__ import annotations
 
@@ -31,7 +34,18 @@ STATUS_OPTIONS = (
            default="~/.k3-subnet/validator.sqlite"),
     Option("json", "--json", None, flag, "print JSON instead of a table", group="status", default=False),
 )
-COMMANDS = ("run", "status")
+SELF_CHECK_OPTIONS = (
+    Option("checkpoint", "--checkpoint", "K3_VALIDATOR_CHECKPOINT", expanded_path,
+           "the model's checkpoint directory (it must fit in memory twice)", group="self-check", metavar="DIR",
+           default=None),
+    Option("dtype", "--dtype", None, str, "the honest miner's precision to check", group="self-check",
+           choices=("bfloat16", "float16", "float32"), default="bfloat16"),
+    Option("audits", "--audits", None, int, "audits per variant", group="self-check", metavar="N", default=100),
+)
+# the honest variants of scoring.envelope that a miner in each precision stands for
+SELF_CHECK_VARIANTS = {"bfloat16": ("bf16", "bf16-gpu-kernels"), "float16": ("fp16",),
+                       "float32": ("fp32-batched", "fp32-gpu-kernels")}
+COMMANDS = ("run", "status", "self-check")
 
 
 def validator_program() -> str:
@@ -44,14 +58,14 @@ def _number(value, digits: int = 3) -> str:
 
 def format_status(report: dict) -> str:
     header = ("uid", "hotkey", "ttft_s/1k", "tok/s", "burst_tok/s", "long_ctx", "quality", "fails", "score", "ema",
-              "weight", "last failure")
+              "weight", "last failure", "why weight 0")
     rows = []
     for m in report["miners"]:
         rows.append((str(m["uid"]), m["hotkey"][:12] + "…" if len(m["hotkey"] or "") > 12 else m["hotkey"] or "",
                      _number(m["ttft_per_1k_s"]), _number(m["decode_tps"], 1), _number(m["burst_tps"], 1),
                      _number(m["long_context_share"], 2), _number(m["quality"], 2), str(m["failures"]),
                      _number(m["score"], 4), _number(m["ema"], 4), _number(m["weight"], 4),
-                     (m["last_failure"] or "")[:70]))
+                     (m["last_failure"] or "")[:70], (m.get("zero_weight_reason") or "")[:70]))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [f"validator database {report['db']}: round {report['round']} "
              f"(completed {report['completed_round']}); weights last set at block {report['weights_block']} "
@@ -60,6 +74,13 @@ def format_status(report: dict) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     if not rows:
         lines.append("(no miners evaluated yet)")
+    stages = report.get("stage_miners") or []
+    if stages:
+        lines += ["", "swarm stage miners:",
+                  "uid  layers  challenges  failed  route audits  tokens  step_ms  weight  zeroed because"]
+        lines += [f"{s['uid']:<4} {s['layers']:<7} {s['challenges']:<11} {s['failed']:<7} {s['route_audits']:<13} "
+                  f"{s['tokens']:<7} {_number(s['step_ms'], 1):<8} {_number(s['weight'], 4):<7} "
+                  f"{(s['reason'] or '')[:90]}" for s in stages]
     return "\n".join(lines)
 
 
@@ -76,6 +97,29 @@ def status(argv: list[str]) -> int:
     return 0
 
 
+def self_check(argv: list[str]) -> int:
+    values = read_options(SELF_CHECK_OPTIONS, argv, prog="neurons/validator.py self-check",
+                          description="The false-positive rate of this validator's tier-1 rules on honest answers.")
+    if not values["checkpoint"] or not Path(values["checkpoint"], "config.json").exists():
+        print("error: --checkpoint must name a checkpoint directory (with config.json)", file=sys.stderr)
+        return 2
+    if values["audits"] < 1:
+        print("error: --audits must be at least 1", file=sys.stderr)
+        return 2
+    from scoring.envelope import measure_envelope, rate_table  # noqa: PLC0415 - loads torch
+
+    report = measure_envelope(values["checkpoint"], audits_per_variant=values["audits"], max_tokens=24,
+                              prompt_lengths=(16, 128), long_length=512, long_share=0.15, sharded=False,
+                              only=SELF_CHECK_VARIANTS[values["dtype"]])
+    print("\n".join(rate_table(report)))
+    answers = sum(len(r.answers) for r in report.honest)
+    hard = sum(r.rate("new_failures", True) * len(r.answers) for r in report.honest)
+    soft = sum(r.rate("new_failures", False) * len(r.answers) for r in report.honest)
+    print(f"\n{answers} honest {values['dtype']} audits against the fp32 reference: {hard:.0f} hard and {soft:.0f} "
+          f"soft failures (false-positive rate {(hard + soft) / max(1, answers):.4f})")
+    return 1 if hard or soft > 0.01 * answers else 0
+
+
 def run(argv: list[str]) -> int:
     settings = read_validator_settings(argv, prog=f"{validator_program()} run", description=__doc__)
     return run_neuron(settings, lambda: run_validator(settings), ValidatorSetupError, "k3.validator",
@@ -90,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    return run(rest) if command == "run" else status(rest)
+    return {"run": run, "status": status, "self-check": self_check}[command](rest)
 
 
 if __name__ == "__main__":

@@ -91,12 +91,52 @@ class ScoringConfig:
     the expected count at the request's temperature from the reference's own top-k (E = 0 at
     temperature 0). None applies the spec's "more than 3" literally."""
     max_greedy_mismatches: int = 3
-    """(not in the spec) At temperature 0, tier 1 fails when more than this many output tokens
-    are not the reference top-1 away from near-ties: teacher-forced on the miner's own prefix, an
-    honest greedy token is always the argmax. On the tiny random model this is what catches a
-    truncated context, which barely moves its probabilities."""
+    """(not in the spec) At temperature 0, tier 1 fails (soft) when more than this many output tokens
+    trail the reference top-1 by more than `greedy_gap_soft`: teacher-forced on the miner's own prefix,
+    an honest greedy token is the argmax up to the rounding of its numerics."""
     eos_ratio: float = 100.0
-    """Tier 1 fails when the miner did not stop although p(eos)/p(chosen) > this."""
+    """(spec value, now only recorded) p(eos)/p(chosen) above this at a token counts as an avoided EOS in
+    the stored audit row. It no longer fails an audit by itself: an honest sampler passes such a
+    position one time in a hundred or more, so the test below uses the whole answer's chance instead."""
+    eos_no_stop_p_soft: float = 1e-4
+    """(not in the spec) At temperature > 0, tier 1 fails (soft) when the chance that an honest sampler at
+    the request's temperature went through every position of the answer without stopping is under this
+    (a lower bound from the reference's top list: the stated false-positive rate is at most this)."""
+    eos_no_stop_p_hard: float = 1e-12
+    """(not in the spec) ...and hard under this (on a trusted reference)."""
+    logprob_gap_soft: float = 0.75
+    """(not in the spec) Tier 1 fails (soft) when the miner's reported logprobs of its own tokens differ
+    from the reference's by more than this many nats on average. Honest numerics (bf16, fp16, other
+    kernels, batching, chunking, sharding) stay far below (scripts/bench_verification.py); another model,
+    re-quantised experts or a truncated context are far above."""
+    logprob_gap_hard: float = 1.5
+    """(not in the spec) ...and hard above this on a trusted reference, at any temperature."""
+    exact_precisions: tuple[str, ...] = ("fp32", "float32")
+    """(not in the spec) Precisions a miner may declare (Capabilities.precision) that claim fp32 numerics.
+    A miner is judged by the envelope of what it declares: fp32 with any kernel, thread count, batch,
+    chunking or sharding reproduces the reference's logprobs to under 1e-4 nats (the envelope), so a
+    claim of fp32 carries the tighter bound below; bf16, fp16 and anything else get the wide one."""
+    logprob_gap_soft_exact: float = 0.005
+    """(not in the spec) Tier 1 fails (soft, never hard) when a miner that declares an exact precision
+    reports logprobs further than this from the reference's on average: 50x the worst honest fp32 variant
+    measured, and under what a truncated context moves them on both tiny models (0.01-0.6 nats), which
+    stays inside bf16's rounding there. A deployment that rounds more than fp32 must say so."""
+    greedy_gap_soft: float = 2.0
+    """(not in the spec) At temperature 0 a token counts as a mismatch when it trails the reference's top-1
+    by more than this many nats (honest bf16 flips at near-ties trail by far less)."""
+    greedy_gap_hard: float = 6.0
+    """(not in the spec) A token trailing the reference's top-1 by more than this is far outside the
+    envelope of honest numerics..."""
+    greedy_hard_count: int = 3
+    """...and this many such tokens in one answer make a hard failure (on a trusted reference)."""
+    surprisal_z_soft: float = 5.0
+    """(not in the spec) At temperature > 0 the sampled tokens' surprisal under the reference (among its
+    top list) is standardised; an honest sampler gives about N(0, 1), so |z| above this fails (soft;
+    about 6e-7 per audit for an exact sampler, the envelope's numerics shifts included)..."""
+    surprisal_z_hard: float = 10.0
+    """...and hard above this on a trusted reference."""
+    surprisal_min_positions: int = 8
+    """(not in the spec) The surprisal test needs this many sampled tokens inside the reference top list."""
     quality_min_positions: int = 16
     """Tier-1 quality needs at least this many sampled output positions (else no quality)."""
     quality_sample_positions: int = 64
@@ -161,10 +201,16 @@ class ScoringConfig:
     """A miner failing at least this share of its audits is zeroed..."""
     audit_min_count: int = 10
     """...once it has at least this many audits."""
+    long_audit_min_count: int = 2
+    """(not in the spec) Long-context audits are also judged on their own: the same failure rate over
+    at least this many of them zeroes the miner (each is audited, and a swap on long prompts only
+    would otherwise hide among passed short audits)."""
     min_completed_requests: int = 25
-    """Fewer verified completed requests than this in the window..."""
-    few_requests_cap: float = 0.25
-    """...caps the gate at this."""
+    """The evidence a full EMA step needs: with n requests measured in the window, a round moves the
+    EMA by ema_alpha * min(1, n / this). (The spec caps S at 0.25 under 25 completed requests; that cap
+    jumped 4x in whichever round a miner crossed 25, so two identical miners crossing in different
+    rounds ended far apart. Scaling the EMA step keeps "little evidence, little weight" without the
+    jump; counting every measured request keeps a miner that stops answering from freezing its EMA.)"""
     one_hotkey_per_coldkey: bool = True
     """Several hotkeys of one coldkey keep only the best score."""
     ema_alpha: float = 0.2
@@ -253,8 +299,7 @@ class ScoringConfig:
         float_range("planted_depth_range", 0.0, 1.0)
         float_range("burst_capacity_fraction", 0.0, 10.0)
         for name in ("greedy_fraction", "audit_rate", "audit_rate_new_or_suspect", "long_context_audit_rate",
-                     "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "few_requests_cap",
-                     "ema_alpha"):
+                     "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "ema_alpha"):
             fraction(name)
         if not 0 <= self.request_logprobs <= 20:
             out.append(f"request_logprobs must lie in 0..20, got {self.request_logprobs}")

@@ -12,14 +12,22 @@ Per miner, over the window, from its verified requests:
   tokens over the sum of burst wall times);
 - L: share of long-context requests correct within budget, weighted by prompt length.
 Each is scaled by the best miner's value (F: best / F) among miners not zeroed by a gate and
-clipped to [floor, ceiling]; a miner without data for a component gets the floor, and a
-component nobody has data for is 1 for all. perf = 0.30 D + 0.20 F + 0.30 C + 0.20 L.
+clipped to [floor, ceiling]; a component a miner has no data for is left out of its perf
+(the weighted mean of the components it was measured on). perf = 0.30 D + 0.20 F + 0.30 C + 0.20 L.
 
 S = gate * reliability * quality * perf, where reliability is the share of requests answered
 (final event, clean at tier 0; 429s past the declared capacity left out), quality the mean
 tier-1 quality (a failed audit counts 0), and the gate 0 for a hard failure within
-`hard_failure_s` or an audit failure rate >= 15% over >= 10 audits, capped at 0.25 under 25
-answered requests; of several uids on one coldkey only the best keeps its S.
+`hard_failure_s` or an audit failure rate >= 15% over >= 10 audits (long-context audits also
+on their own, over >= `long_audit_min_count`); of several uids on one coldkey only the best keeps its S.
+
+Evidence instead of a cap: with n requests measured in the window (answered or not) and
+N = `min_completed_requests`, the round moves the EMA by alpha * min(1, n / N) towards S
+(`MinerScore.evidence`). A new miner's weight grows with the evidence behind it, not with one
+lucky short round, and S itself is never capped, so no 4x jump happens the round a miner crosses
+N: two identical miners with the same evidence get the same EMA, round by round. Counting every
+measured request (not only the answered ones) keeps a miner that stops answering from freezing
+its EMA: its timeouts are evidence too.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ class MinerScore:
     audit_failures: int = 0
     hard_failures: int = 0
     zeroed: bool = False  # zeroed by a hard failure or the audit failure rate: its EMA restarts at 0
+    evidence: float = 1.0  # min(1, requests / min_completed_requests): the share of a full EMA step
     reasons: list[str] = field(default_factory=list)
 
 
@@ -118,10 +127,17 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         if score.audits >= config.audit_min_count and score.audit_failures >= config.audit_failure_rate * score.audits:
             score.gate, score.zeroed = 0.0, True
             score.reasons.append(f"failed {score.audit_failures} of {score.audits} audits")
-        if score.answered < config.min_completed_requests:
-            score.gate = min(score.gate, config.few_requests_cap)
-            score.reasons.append(f"only {score.answered} answered requests (< {config.min_completed_requests}): "
-                                 f"capped at {config.few_requests_cap}")
+        # Long-context audits judged on their own: a swap on long prompts only must not hide among
+        # many passed short audits.
+        long_audits = sum(m.audits for m in rows if m.kind == "long_context")
+        long_failed = sum(m.audit_failures for m in rows if m.kind == "long_context")
+        if long_audits >= config.long_audit_min_count and long_failed >= config.audit_failure_rate * long_audits:
+            score.gate, score.zeroed = 0.0, True
+            score.reasons.append(f"failed {long_failed} of {long_audits} long-context audits")
+        score.evidence = evidence_share(score.requests, config)
+        if score.evidence < 1.0:
+            score.reasons.append(f"only {score.requests} requests in the window (< {config.min_completed_requests}): "
+                                 f"the EMA moves {score.evidence:.2f} of a full step")
         scores[uid] = score
         raw[uid] = (decode, ttft, burst, long_share)
 
@@ -140,8 +156,14 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         s.F = _scaled(ttft, best_f, config, lower_is_better=True)
         s.C = _scaled(burst, best_c, config)
         s.L = _scaled(long_share, best_l, config)
-        s.perf = (config.weight_decode * s.D + config.weight_ttft * s.F + config.weight_burst * s.C
-                  + config.weight_long_context * s.L)
+        # A component the miner has no data for (no burst this window, say) is left out, not floored:
+        # perf is the weighted mean of the components it was measured on.
+        parts = [(w, c) for w, c, value in ((config.weight_decode, s.D, decode), (config.weight_ttft, s.F, ttft),
+                                            (config.weight_burst, s.C, burst),
+                                            (config.weight_long_context, s.L, long_share))
+                 if value is not None and w > 0]
+        total_weight = sum(w for w, _ in parts)
+        s.perf = sum(w * c for w, c in parts) / total_weight if total_weight > 0 else 0.0
         s.score = s.gate * s.reliability * s.quality * s.perf
 
     if config.one_hotkey_per_coldkey:
@@ -160,6 +182,13 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
     return scores
 
 
+def evidence_share(requests: int, config: ScoringConfig) -> float:
+    """The share of a full EMA step that `requests` measured requests in the window earn."""
+    if config.min_completed_requests <= 0:
+        return 1.0
+    return min(1.0, max(0, requests) / config.min_completed_requests)
+
+
 class EmaEntry(NamedTuple):
     hotkey: str
     value: float
@@ -167,20 +196,21 @@ class EmaEntry(NamedTuple):
 
 def update_ema(previous: Mapping[int, tuple[str, float]], scores: Mapping[int, MinerScore],
                alpha: float) -> dict[int, EmaEntry]:
-    """One round of EMA(S) per uid. A new uid, or a uid whose hotkey changed, starts from 0; a
-    miner zeroed by a gate (hard failure, audit failure rate) drops to 0 at once. Uids absent
-    from `scores` (deregistered) are dropped."""
+    """One round of EMA(S) per uid: EMA += alpha * evidence * (S - EMA). A new uid, or a uid whose
+    hotkey changed, starts from 0; a miner zeroed by a gate (hard failure, audit failure rate) drops
+    to 0 at once. Uids absent from `scores` (deregistered) are dropped."""
     if not 0 < alpha <= 1:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
     out = {}
     for uid, s in scores.items():
         old = previous.get(uid)
+        step = alpha * min(1.0, max(0.0, s.evidence))
         if s.zeroed:
             value = 0.0
         elif old is None or old[0] != s.hotkey:
-            value = alpha * s.score
+            value = step * s.score
         else:
-            value = alpha * s.score + (1.0 - alpha) * float(old[1])
+            value = step * s.score + (1.0 - step) * float(old[1])
         out[uid] = EmaEntry(s.hotkey, value)
     return out
 
@@ -198,4 +228,4 @@ def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponen
     return {uid: p / total for uid, p in powered.items()}
 
 
-__all__ = ["MinerScore", "EmaEntry", "score_miners", "update_ema", "weights_from_ema"]
+__all__ = ["MinerScore", "EmaEntry", "evidence_share", "score_miners", "update_ema", "weights_from_ema"]

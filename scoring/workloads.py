@@ -77,10 +77,31 @@ def request_id(rng: random.Random) -> str:
 
 
 def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
+    return _log_uniform_at(rng.random(), low, high)
+
+
+def _log_uniform_at(u: float, low: int, high: int) -> int:
+    """The log-uniform integer in [low, high] at quantile u."""
     if high <= low:
         return low
-    value = int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+    value = int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
     return min(max(value, low), high)
+
+
+class _Shape:
+    """The shape of one item (prompt size, max_tokens, temperature) as quantiles drawn from the
+    round's shape stream: four draws per item whatever its kind, so that every miner of a round,
+    planned from the same shape seed, gets the same sizes, lengths and temperatures in the same
+    order (content and request ids still differ per miner)."""
+
+    def __init__(self, rng: random.Random):
+        self.size, self.new, self.greedy, self.temperature = (rng.random() for _ in range(4))
+
+    def temperature_for(self, config: ScoringConfig) -> float:
+        if self.greedy < config.greedy_fraction:
+            return 0.0
+        low, high = config.temperature_range
+        return round(low + self.temperature * (high - low), 3)
 
 
 def _stochastic_round(rng: random.Random, x: float) -> int:
@@ -200,8 +221,11 @@ def _task_content(rng: random.Random, task: str, size: int, builder: _PromptBuil
 
 # ------------------------------------------------------------------ items
 class _Planner:
-    def __init__(self, rng: random.Random, capabilities: Capabilities, config: ScoringConfig, tokenizer):
+    def __init__(self, rng: random.Random, capabilities: Capabilities, config: ScoringConfig, tokenizer,
+                 shape_rng: Optional[random.Random] = None):
         self.rng = rng
+        self.shapes = shape_rng or rng
+        self.shape = _Shape(self.shapes)
         self.caps = capabilities
         self.config = config
         self.tokenizer = tokenizer
@@ -232,7 +256,7 @@ class _Planner:
 
     def chat_size(self) -> int:
         low, high = self.config.chat_prompt_tokens
-        return _log_uniform_int(self.rng, low, min(high, self.max_prompt))
+        return _log_uniform_at(self.shape.size, low, min(high, self.max_prompt))
 
     def task(self, task: str) -> tuple[str, list[int], Expectation]:
         content, ids, expect = _task_content(self.rng, task, self.chat_size(), self.builder, self.config)
@@ -245,18 +269,20 @@ class _Planner:
 
     def chat(self, kind: str = "chat", burst_id: Optional[str] = None, burst_size: int = 1) -> WorkItem:
         rng = self.rng
+        self.shape = _Shape(self.shapes)
         content, ids, _ = self.task(rng.choice(TASKS))
-        max_tokens = _log_uniform_int(rng, self.min_new, self.max_new)
-        request = self.request(content, ids, max_tokens, draw_temperature(rng, self.config))
+        max_tokens = _log_uniform_at(self.shape.new, self.min_new, self.max_new)
+        request = self.request(content, ids, max_tokens, self.shape.temperature_for(self.config))
         return WorkItem(kind, request, tuple(ids), Expectation(), burst_id, burst_size)
 
     def probe(self, canaries: Optional["CanaryPool"]) -> WorkItem:
         rng = self.rng
+        self.shape = _Shape(self.shapes)
         weights = list(self.config.probe_weights)
         if canaries is None or canaries.remaining == 0:
             weights[0] = 0.0
         probe = rng.choices(PROBE_KINDS, weights=weights)[0]
-        max_tokens = _log_uniform_int(rng, self.min_new, self.max_new)
+        max_tokens = _log_uniform_at(self.shape.new, self.min_new, self.max_new)
         if probe == "canary":
             canary = canaries.take(rng, max_prompt_tokens=self.caps.max_context - max_tokens)
             if canary is not None:
@@ -276,10 +302,11 @@ class _Planner:
 
     def long_context(self) -> WorkItem:
         rng, config = self.rng, self.config
+        self.shape = _Shape(self.shapes)
         sizes = self.long_context_sizes()
         if not sizes:
             raise WorkloadError(f"the miner's context of {self.caps.max_context} tokens is too small for long-context work")
-        size = rng.choice(sizes)
+        size = sizes[min(len(sizes) - 1, int(self.shape.size * len(sizes)))]
         subject, value = corpus.person_name(rng), corpus.access_code(rng)
         head = "Read the document below, then answer the question at the end.\n\n"
         tail = "\n\n" + corpus.planted_question(subject)
@@ -292,8 +319,9 @@ class _Planner:
         fact = corpus.planted_fact(subject, value)
         content, ids = self.builder.with_fact(head, body, tail, fact, size, rng.uniform(*config.planted_depth_range))
         depth = len(self.tokenizer.encode(content[: content.index(fact)])) / len(ids)
-        max_tokens = rng.randint(*config.long_context_max_tokens)
-        request = self.request(content, ids, max_tokens, draw_temperature(rng, config))
+        low, high = config.long_context_max_tokens
+        max_tokens = min(high, low + int(self.shape.new * (high - low + 1)))
+        request = self.request(content, ids, max_tokens, self.shape.temperature_for(config))
         expect = Expectation(answer=value, subject=subject, depth=max(0.0, min(1.0, depth)))
         return WorkItem("long_context", request, tuple(ids), expect)
 
@@ -303,7 +331,7 @@ class _Planner:
 
     def burst_size(self) -> int:
         low, high = self.config.burst_streams
-        fraction = self.rng.uniform(*self.config.burst_capacity_fraction)
+        fraction = self.shapes.uniform(*self.config.burst_capacity_fraction)
         return min(max(round(fraction * self.caps.max_concurrent_streams), low), high)
 
 
@@ -312,21 +340,29 @@ def _with(expect: Expectation, **changes) -> Expectation:
 
 
 def plan_round(rng: random.Random, capabilities: Capabilities, config: ScoringConfig, *, tokenizer,
-               canaries: Optional["CanaryPool"] = None) -> list[WorkItem]:
+               canaries: Optional["CanaryPool"] = None, shape_seed: Optional[int] = None) -> list[WorkItem]:
     """One round of work for one miner, in random order. Streams of a burst share a `burst_id`
-    and must be sent together (`group_bursts`). Canaries are taken from `canaries` (marked used)."""
-    planner = _Planner(rng, capabilities, config, tokenizer)
+    and must be sent together (`group_bursts`). Canaries are taken from `canaries` (marked used).
+
+    With `shape_seed` (one per round, the same for every miner) the round's shapes come from that
+    seed: how many items of each kind, prompt sizes, max_tokens, temperatures and burst sizes are
+    the same for every miner with the same declared limits, so that miners are compared on the same
+    work; prompt content, request ids and sampling seeds still come from `rng`."""
+    shapes = random.Random(shape_seed) if shape_seed is not None else rng
+    planner = _Planner(rng, capabilities, config, tokenizer, shape_rng=shapes)
     total = config.round_requests
     items: list[WorkItem] = []
-    items += [planner.chat() for _ in range(_stochastic_round(rng, total * config.mix_chat))]
-    items += [planner.long_context() for _ in range(_stochastic_round(rng, total * config.mix_long_context))]
-    items += [planner.probe(canaries) for _ in range(_stochastic_round(rng, total * config.mix_probe))]
+    counts = [_stochastic_round(shapes, total * share)
+              for share in (config.mix_chat, config.mix_long_context, config.mix_probe)]
+    items += [planner.chat() for _ in range(counts[0])]
+    items += [planner.long_context() for _ in range(counts[1])]
+    items += [planner.probe(canaries) for _ in range(counts[2])]
     # Bursts: whole bursts of a size set by the miner's capacity; the last one is sent with the
     # probability that makes the expected number of burst streams exactly total * mix_burst.
     remaining = total * config.mix_burst
     while remaining > 0:
         size = planner.burst_size()
-        if size <= remaining or rng.random() < remaining / size:
+        if size <= remaining or shapes.random() < remaining / size:
             burst = planner.burst(size)
             items += burst
             remaining -= len(burst)

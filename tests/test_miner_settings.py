@@ -172,7 +172,7 @@ def test_the_cheating_script_adds_its_options_to_the_miners():
     module = importlib.import_module("neurons.miner_app.cheats")
     settings, extras = read_miner_settings(REQUIRED + ["--cheat", "buffer", "--token-delay-ms", "20"], {},
                                            extra=module.CHEAT_OPTIONS)
-    assert extras == {"cheat": {"kind": "buffer", "token_delay_ms": 20.0}}
+    assert extras == {"cheat": {"kind": "buffer", "token_delay_ms": 20.0, "long_tokens": 512}}
     assert settings.chain.netuid == 7
 
 

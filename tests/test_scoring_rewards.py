@@ -112,7 +112,9 @@ def test_gates():
     assert scores[4].gate == 0.0 and scores[4].zeroed and "failed 2 of 10 audits" in scores[4].reasons[0]
     assert scores[5].gate == 1.0
     assert scores[6].gate == 1.0
-    assert scores[7].gate == 0.25 and not scores[7].zeroed and "24 answered" in scores[7].reasons[0]
+    # 24 requests, under the 25 a full EMA step needs: S is not capped, the EMA step shrinks
+    assert scores[7].gate == 1.0 and not scores[7].zeroed and scores[7].evidence == 24 / 25
+    assert "only 24 requests" in scores[7].reasons[0] and scores[1].evidence == 1.0
     # A zeroed cheater does not set the bar: uid 2's 99 tok/s is not the best used for D.
     assert scores[1].D == 1.0 and scores[1].F == 1.0
 

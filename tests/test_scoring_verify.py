@@ -315,7 +315,9 @@ async def test_tier1_other_weights_fail(runs, models, tokenizer, keys):
     assert audit.passed is False
     assert "outside_top_k" in checks(audit.failures)
     assert audit.quality < 0.5
-    assert not audit.hard  # sampled, so not conclusive alone: it counts toward the audit failure rate
+    # sampled, yet its logprobs are nats away from the reference's: far outside the honest-numerics
+    # envelope, so hard on the validator's own reference at any temperature
+    assert audit.hard and "logprob_gap" in checks(f for f in audit.failures if f.hard)
 
 
 async def test_tier1_truncated_context_fails(runs, models, tokenizer):
@@ -330,9 +332,12 @@ async def test_tier1_truncated_context_fails(runs, models, tokenizer):
         honest = await audit_tier1(item.prompt_ids[-TRUNCATE_TO:], result, reference, CONFIG,
                                    stop_ids=tokenizer.stop_ids)
     assert honest.passed is True and honest.greedy_mismatches == 0  # it is honest about the short prompt
-    assert audit.passed is False
-    assert audit.greedy_mismatches > CONFIG.max_greedy_mismatches
-    assert [(f.check, f.hard) for f in audit.failures if f.check == "greedy_mismatch"] == [("greedy_mismatch", True)]
+    # Its logprobs sit far outside what fp32 numerics give (bit-equal here, < 1e-4 in the envelope)...
+    assert audit.statistics.logprob_gap_mean > 0.1 and honest.statistics.logprob_gap_mean < 1e-4
+    # ...but on the random tiny model, whose far context barely matters, inside what honest bf16 gives
+    # (up to 0.51 nats, scripts/bench_verification.py): the envelope rules cannot tell it from bf16.
+    # Truncation is caught where context matters (the trained tiny model) and by the long-context gate.
+    assert audit.statistics.logprob_gap_mean < CONFIG.logprob_gap_soft
 
 
 async def test_tier1_detects_eos_avoidance(runs, models, tokenizer):
@@ -399,10 +404,12 @@ def test_canaries_match_mismatch_and_near_ties(runs, tmp_path):
     assert item.request.temperature == 0.0 and item.request.max_tokens >= len(canary.tokens) == CONFIG.canary_tokens
     assert item.prompt_ids == canary.prompt_ids
 
-    match = check_tier2(canary, honest, CONFIG)
+    match = check_tier2(canary, honest, CONFIG, exact=True)
     assert match.passed and match.compared == len(canary.tokens) and match.near_tie_at is None
-    mismatch = check_tier2(canary, cheat, CONFIG)
-    assert not mismatch.passed and [(f.check, f.hard) for f in mismatch.failures] == [("canary_mismatch", True)]
+    mismatch = check_tier2(canary, cheat, CONFIG, exact=True)
+    assert not mismatch.passed and [f.check for f in mismatch.failures] == ["canary_mismatch"]
+    # hard only where the reference was sure by more than greedy_gap_hard at the divergence
+    assert mismatch.failures[0].hard == (canary.margins[mismatch.mismatch_at] > CONFIG.greedy_gap_hard)
 
     # Near-tie: the reference's greedy token at 5 differs from the miner's, with a 0.05 margin.
     at = 5
@@ -412,18 +419,27 @@ def test_canaries_match_mismatch_and_near_ties(runs, tmp_path):
                               margins=tuple(0.05 if i == at else m for i, m in enumerate(canary.margins)),
                               runner_up_ids=tuple(honest.token_ids[at] if i == at else r
                                                   for i, r in enumerate(canary.runner_up_ids)))
-    near = check_tier2(tie, honest, CONFIG)
+    near = check_tier2(tie, honest, CONFIG, exact=True)
     assert near.passed and near.near_tie_at == at and near.compared == at
-    clear = check_tier2(dataclasses.replace(tie, margins=canary.margins), honest, CONFIG)
-    assert not clear.passed and clear.mismatch_at == at
     wrong_runner_up = dataclasses.replace(tie, runner_up_ids=tuple((r + 1) % 256 for r in tie.runner_up_ids))
     assert not check_tier2(wrong_runner_up, honest, CONFIG).passed
+    # The honest-numerics envelope: a flip to the runner-up at a 1-nat margin is what bf16 does (no failure),
+    # a miner that declares fp32 does not flip there (soft), and at 7 nats nothing honest flips (hard).
+    def at_margin(m):
+        return dataclasses.replace(tie, margins=tuple(m if i == at else x for i, x in enumerate(canary.margins)))
+    assert check_tier2(at_margin(1.0), honest, CONFIG).passed
+    soft = check_tier2(at_margin(1.0), honest, CONFIG, exact=True)
+    assert not soft.passed and soft.mismatch_at == at and not soft.failures[0].hard
+    for exact in (False, True):
+        sure = check_tier2(at_margin(7.0), honest, CONFIG, exact=exact)
+        assert not sure.passed and sure.failures[0].hard and "margin 7.000" in sure.failures[0].reason
 
     # The pool file round-trips; each canary is used once.
     path = tmp_path / "canaries.json"
     pool.to_file(path)
     loaded = CanaryPool.from_file(path, used=pool.used)
     assert loaded.to_json() == pool.to_json() and len(loaded) == 2 and loaded.remaining == 1
+    assert loaded.canaries[canary.canary_id].logprobs == canary.logprobs and len(canary.logprobs) == len(canary.tokens)
     rng = random.Random(0)
     last = loaded.take(rng)
     assert last.canary_id != canary.canary_id
@@ -441,6 +457,10 @@ def test_canary_pool_rejects_bad_files(tmp_path):
         CanaryPool.from_file(bad)
     with pytest.raises(CanaryPoolError, match="cannot read"):
         CanaryPool.from_file(tmp_path / "missing.json")
+    bad.write_text('{"format": "k3-canaries", "version": 1, "canaries": [{"id": "a", "prompt_ids": [1], '
+                   '"tokens": [1, 2], "margins": [0.5, 0.5], "logprobs": [-0.1, 0.3]}]}')
+    with pytest.raises(CanaryPoolError, match="one logprob"):
+        CanaryPool.from_file(bad)
     with pytest.raises(CanaryPoolError, match="twice"):
         CanaryPool([Canary("a", (1,), (2,), (1.0,)), Canary("a", (3,), (4,), (1.0,))])
 

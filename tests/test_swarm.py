@@ -32,6 +32,7 @@ from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest
 from inference.serving.sampling import SamplingParams
+from neurons.swarm.cheats import stop_hosts
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine, StaticDirectory
 from protocol.auth import sign_request
@@ -85,16 +86,7 @@ def swarm(tmp_path_factory):
         yield {"root": root, "ckpt": ckpt, "wallets": wallets, "procs": procs, "info": info, "model": model,
                "config": ModelConfig.tiny(), "tokenizer": load_tokenizer(ckpt, ModelConfig.tiny())}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_hosts(procs)
 
 
 def make_engine(swarm, names, prefill_chunk=8):

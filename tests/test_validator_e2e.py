@@ -2,9 +2,9 @@
 wallets, real miner processes (neurons/miner.py and scripts/cheating_miner.py) on a tiny random
 checkpoint, the validator's own reference engine on the same checkpoint, and SQLite stores.
 
-Seven miners: three honest ones of different speeds (throttled with --token-delay-ms) and four
-cheaters: other weights (a checkpoint of another seed), a truncated context (last 512 prompt
-tokens), a buffered stream, inflated usage counts.
+Eight miners: three honest fp32 ones of different speeds (throttled with --token-delay-ms), an honest
+one in bf16, and four cheaters: other weights (a checkpoint of another seed), a truncated context
+(last 512 prompt tokens), a buffered stream, inflated usage counts.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import secrets
 import signal
 import socket
@@ -33,9 +34,14 @@ from neurons.gateway import GatewaySettings
 from neurons.settings import ChainSettings, WalletSettings
 from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorLoop, ValidatorSettings,
                                    ValidatorState, WeightSettings, run_validator)
+from neurons.validator_app.rounds import reference_capabilities
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
+from scoring.config import ScoringConfig
+from scoring.rewards import evidence_share
+from scoring.verify import CanaryPool
+from scoring.workloads import canary_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig.tiny()
@@ -47,36 +53,46 @@ WEIGHTS_RATE_LIMIT = 5
 VALIDATOR_STAKE = 10_000.0
 
 # The tiny-model test profile: short chats, long-context prompts of about 1k-1.5k tokens (so that
-# keeping only the last 512 is visible), every request greedy: on the random tiny model a truncated
-# context shows as greedy tokens that are not the reference's top-1 (about 9 in 10 such requests
-# have one; an honest miner has none, away from near-ties), and quality margins for a model whose
-# honest numbers match the reference almost exactly.
+# keeping only the last 512 is visible), every request greedy, and quality margins for a model whose
+# honest fp32 numbers match the reference almost exactly. The verification rules are the production
+# ones: a truncated context shows as logprobs off the reference by more than fp32 numerics allow.
 TEST_PROFILE = {
     "round_requests": 6, "mix_chat": 0.19, "mix_long_context": 0.34, "mix_burst": 0.34, "mix_probe": 0.13,
     "burst_capacity_fraction": [0.5, 0.5],
     "chat_prompt_tokens": [16, 128], "chat_max_tokens": [36, 48], "canary_tokens": 32, "copy_text_tokens": [8, 24],
     "long_context_sizes": [1500], "long_context_max_tokens": [32, 32], "buffering_min_tokens": 32,
-    "greedy_fraction": 1.0, "max_greedy_mismatches": 0, "quality_full_margin": 0.005, "quality_zero_margin": 0.02,
+    "greedy_fraction": 1.0,
 }
 
 # Short work only (no long contexts), for the tests about timing, chain errors and restarts.
 SHORT_PROFILE = {**TEST_PROFILE, "long_context_sizes": [600], "mix_long_context": 0.0, "mix_chat": 0.53}
 
 HONEST = {"honest_fast": 0.0, "honest_mid": 100.0, "honest_slow": 220.0}  # name -> token delay (ms)
+# Honest in other numerics: the same checkpoint served in bf16 (as a GPU deployment would run it). Its
+# logprobs differ from the fp32 reference's by tenths of a nat and its greedy tokens flip at near-ties;
+# it must never be zeroed.
+OTHER_NUMERICS = {"honest_bf16": "bfloat16"}
 # The token delay is applied as tokens are relayed while the engine runs ahead, so it only shows
 # when it is longer than an engine step. The main scenario evaluates one miner at a time, so that
 # the miners sharing this machine do not slow each other down; when other work loads the machine
 # anyway, a lower CPU priority makes the slower miners' engines slower too.
 NICE = {"honest_fast": 0, "honest_mid": 3, "honest_slow": 6}
 CHEATS = {"cheat_weights": None, "cheat_truncate": "truncate", "cheat_buffer": "buffer", "cheat_inflate": "inflate"}
-# The check each cheat must be caught by (any one of them), as recorded in the store.
+# The check each cheat must be caught by (any one of them), as recorded in the store: a hard failure,
+# except for the truncated context. On the tiny models the far context moves the logprobs by 0.01-0.6 nats,
+# inside what honest bf16 rounding does, so no hard failure can be fair; the fp32 this miner declares
+# (envelope under 1e-4 nats) exposes it as soft failures on exactly the prompts it truncated, and the
+# long-context audits judged on their own zero it.
 CAUGHT_BY = {
-    "cheat_weights": {"greedy_mismatch", "canary_mismatch", "reference_logprob_floor", "outside_top_k"},
-    "cheat_truncate": {"greedy_mismatch"},
+    "cheat_weights": {"logprob_gap", "greedy_mismatch", "canary_mismatch", "reference_logprob_floor", "outside_top_k"},
+    "cheat_truncate": {"logprob_gap", "greedy_mismatch", "canary_mismatch"},
     "cheat_buffer": {"buffered_stream"},
     "cheat_inflate": {"usage_completion"},
 }
-MINERS = tuple(HONEST) + tuple(CHEATS)
+CAUGHT_SOFT = {"cheat_truncate"}
+TRUNCATE_KEEP = 512  # scripts/cheating_miner.py --cheat truncate keeps the last 512 prompt tokens
+MINERS = tuple(HONEST) + tuple(OTHER_NUMERICS) + tuple(CHEATS)
+SERVING_HONESTLY = tuple(HONEST) + tuple(OTHER_NUMERICS)
 VALIDATORS = ("validator", "validator_cli")
 
 
@@ -111,6 +127,8 @@ def _miner_command(world: World, name: str) -> list[str]:
                "--shutdown-grace-s", "0", "--log-level", "WARNING"]
     if name in HONEST:
         command += ["--cheat", "none", "--token-delay-ms", str(HONEST[name])]
+    elif name in OTHER_NUMERICS:
+        command += ["--cheat", "none", "--dtype", OTHER_NUMERICS[name]]
     elif CHEATS[name] is not None:
         command += ["--cheat", CHEATS[name]]
     return command
@@ -294,16 +312,30 @@ def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
     names = uid_names(world)
     store = ValidatorStore(evaluation.db, readonly=True)
     try:
+        prompt_tokens = {r["request_id"]: r["prompt_tokens"] for r in store.measurement_rows()}
         for name in CHEATS:
             uid = world.uids[name]
-            hard = {f["check_name"] for f in store.failures(uid) if f["hard"]}
+            failures = store.failures(uid)
+            hard = {f["check_name"] for f in failures if f["hard"]}
             assert evaluation.weights[uid] == 0.0, (name, evaluation.weights)
-            assert hard & CAUGHT_BY[name], f"{name} was not caught by {CAUGHT_BY[name]}; hard failures: {hard}"
             assert store.load_ema()[uid].value == 0.0
-        for name in HONEST:
+            if name not in CAUGHT_SOFT:
+                assert hard & CAUGHT_BY[name], f"{name} was not caught by {CAUGHT_BY[name]}; hard failures: {hard}"
+                continue
+            # caught where it cheated, and only there: every failure is on a prompt longer than it kept
+            checks = {f["check_name"] for f in failures}
+            assert checks & CAUGHT_BY[name], f"{name} was not caught by {CAUGHT_BY[name]}; failures: {checks}"
+            on_requests = [f for f in failures if f["request_id"] in prompt_tokens]
+            assert all(prompt_tokens[f["request_id"]] > TRUNCATE_KEEP for f in on_requests), \
+                [dict(f) for f in on_requests]
+            final = evaluation.reports[-1].scores[uid]
+            assert final.zeroed and any("long-context audits" in r or "hard failure" in r for r in final.reasons), \
+                final.reasons
+        for name in SERVING_HONESTLY:
             hard = [dict(f) for f in store.failures(world.uids[name]) if f["hard"]]
             assert not hard, f"honest miner {name} has hard failures: {hard}"
             assert evaluation.weights[world.uids[name]] > 0, names
+            assert not any(r.scores[world.uids[name]].zeroed for r in evaluation.reports), name  # never zeroed
     finally:
         store.close()
 
@@ -322,7 +354,7 @@ def test_weights_set_on_chain_with_the_version_key(world, evaluation):
     assert last.version_key == version_key() and last.block is not None
     on_chain = {uid: w for uid, w in evaluation.chain_row.items() if w > 0}
     expected = {uid for uid, w in evaluation.weights.items() if w > 0}
-    assert set(on_chain) == expected == {world.uids[name] for name in HONEST}
+    assert set(on_chain) == expected == {world.uids[name] for name in SERVING_HONESTLY}
     # u16 max-upscaled: the best honest miner holds 65535, the others in proportion.
     best = max(evaluation.weights.values())
     for uid in expected:
@@ -352,7 +384,7 @@ def test_status_command_prints_every_miner(world, evaluation):
                            env=_env(), capture_output=True, text=True, timeout=120)
     assert table.returncode == 0, table.stderr
     for column in ("uid", "hotkey", "ttft_s/1k", "tok/s", "burst_tok/s", "long_ctx", "quality", "fails", "score",
-                   "ema", "weight", "last failure"):
+                   "ema", "weight", "last failure", "why weight 0"):
         assert column in table.stdout
     lines = table.stdout.splitlines()
     for name in MINERS:
@@ -366,6 +398,11 @@ def test_status_command_prints_every_miner(world, evaluation):
     for name in CHEATS:
         m = by_uid[world.uids[name]]
         assert m["weight"] == 0.0 and m["failures"] > 0 and m["last_failure"]
+        # the reason for its zero weight is shown (a hard failure, or the long-context audit rate)
+        assert m["zero_weight_reason"] and ("hard failure" in m["zero_weight_reason"]
+                                            or "long-context audits" in m["zero_weight_reason"]), m
+    for name in SERVING_HONESTLY:
+        assert by_uid[world.uids[name]]["zero_weight_reason"] is None
     fast = by_uid[world.uids["honest_fast"]]
     assert fast["decode_tps"] > 0 and fast["quality"] > 0.9 and fast["weight"] > 0
     missing = subprocess.run([sys.executable, "neurons/validator.py", "status", "--db", str(evaluation.db) + ".nope"],
@@ -379,7 +416,9 @@ def test_ranked_miners_for_the_gateway(world, evaluation):
         ranked = state.ranked_miners()
     finally:
         state.store.close()
-    assert [m.uid for m in ranked] == [world.uids[name] for name in HONEST]
+    assert {m.uid for m in ranked} == {world.uids[name] for name in SERVING_HONESTLY}
+    fp32 = {world.uids[name] for name in HONEST}
+    assert [m.uid for m in ranked if m.uid in fp32] == [world.uids[name] for name in HONEST]  # by speed
     assert all(m.url.startswith("http://127.0.0.1:") for m in ranked)
     assert math.isclose(sum(m.weight for m in ranked), 1.0)
 
@@ -548,12 +587,13 @@ def store_rounds(db: Path) -> int:
 
 
 # ---------------------------------------------------------------- killed and restarted
-def _cli_command(world: World, db: Path) -> list[str]:
-    """A validator without a reference engine: its audits go to two other miners on other coldkeys."""
+def _cli_command(world: World, db: Path, canary_pool: Path) -> list[str]:
+    """A validator without a reference engine: its audits go to two other miners on other coldkeys, and a
+    canary pool (from a reference deployment) settles what they cannot."""
     return [sys.executable, "neurons/validator.py", "run", "--network", f"devnet:{world.devnet}",
             "--netuid", str(world.netuid), "--wallet-name", "validator_cli", "--wallet-hotkey", "default",
             "--wallet-path", str(world.root / "wallets"), "--checkpoint", str(world.checkpoint),
-            "--db", str(db), "--uids",
+            "--db", str(db), "--canary-pool", str(canary_pool), "--uids",
             f"{world.uids['honest_fast']},{world.uids['cheat_inflate']}", "--requests-per-miner", "3",
             "--round-interval-s", "3", "--round-deadline-s", "60", "--metagraph-refresh-s", "0.5",
             "--scoring-profile", "local_testnet", "--scoring-overrides", json.dumps(SHORT_PROFILE),
@@ -585,10 +625,28 @@ def _rounds(db: Path) -> tuple[int, int]:
         store.close()
 
 
-def test_sigkill_and_restart_lose_nothing(world, tmp_path):
+def write_canary_pool(reference, path: Path, count: int = 8) -> Path:
+    """A k3-canaries file computed by a reference engine (what a reference deployment hands CPU validators)."""
+    model, tokenizer, fingerprint = reference
+
+    async def make():
+        engine = LocalEngine(model, tokenizer, EngineSettings(max_context=MAX_CONTEXT), model_fingerprint=fingerprint)
+        await engine.start()
+        try:
+            config = ScoringConfig.local_testnet(canary_tokens=TEST_PROFILE["canary_tokens"])
+            prompts = canary_prompts(random.Random(11), count, reference_capabilities(engine), config, tokenizer)
+            return await CanaryPool.from_engine(engine, prompts, config, model_fingerprint=fingerprint)
+        finally:
+            await engine.stop()
+
+    asyncio.run(make()).to_file(path)
+    return path
+
+
+def test_sigkill_and_restart_lose_nothing(world, reference, tmp_path):
     db = tmp_path / "cli.sqlite"
     log = tmp_path / "validator.log"
-    command = _cli_command(world, db)
+    command = _cli_command(world, db, write_canary_pool(reference, tmp_path / "canaries.json"))
     with open(log, "w") as out:
         first = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -642,8 +700,9 @@ def test_sigkill_and_restart_lose_nothing(world, tmp_path):
         assert score["requests"] > measured_before
         if score["zeroed"]:
             assert score["ema"] == 0.0
-        else:  # the EMA continued from the stored value, not from zero
-            assert math.isclose(score["ema"], alpha * score["score"] + (1 - alpha) * before_ema[uid].value,
+        else:  # the EMA continued from the stored value, not from zero (a step scaled by the evidence)
+            step = alpha * evidence_share(int(score["requests"]), ScoringConfig.local_testnet())
+            assert math.isclose(score["ema"], step * score["score"] + (1 - step) * before_ema[uid].value,
                                 rel_tol=1e-9)
     assert resumed[world.uids["cheat_inflate"]]["zeroed"]
     assert "resuming at round" in log.read_text()

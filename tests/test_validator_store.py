@@ -131,6 +131,7 @@ def test_ranked_miners_and_status_view(tmp_path):
     assert [m.uid for m in state.ranked_miners(limit=1)] == [2]
     view = status_report(state.store)
     assert {m["uid"] for m in view["miners"]} == {1, 2, 4, 7}
+    assert {m["zero_weight_reason"] for m in view["miners"]} == {"not scored yet"}  # no scores saved, no weights
     state.store.close()
 
 
@@ -158,6 +159,7 @@ def test_settings_from_flags_and_environment(tmp_path):
     bad = read_validator_settings(["--netuid", "3", "--scoring-overrides", '{"no_such_field": 1}', "--uids", "x"])
     problems = " ".join(bad.problems())
     assert "--checkpoint is required" in problems and "no_such_field" in problems and "--uids" in problems
+    assert "neither --reference-engine nor --canary-pool" in problems  # nothing trusted to settle audits
     with pytest.raises(ValidatorSetupError, match="chat_max_tokens"):
         read_validator_settings(["--netuid", "1", "--scoring-overrides", '{"chat_max_tokens": [8, 4]}']).scoring_config()
 

@@ -9,13 +9,30 @@ local swarm run with a cheating stage). Each saves compute or hides a cheaper mo
 - `SessionLiarStage`: skips its last layer only for some sessions (a fraction chosen by the session id);
 - `LongPositionLiarStage`: skips its last layer only at positions >= `from_position`;
 - `ReplayStage`: computes an output once per forward length and replays it for every later input of that
-  length.
+  length;
+- `ForwardingStage`: computes nothing; hands each session to another stage miner of its block (one of
+  `forward_to`, chosen per session) over the stage wire and signs that stage's output as its own work.
 
 The driver-side attack (receipts the stages never signed) lives in the tests: it needs no stage.
+
+As processes: `python -m neurons.swarm.cheats --checkpoint DIR --wallet-path P --stage NAME:KIND:A-B[:DTYPE
+[:WIRE_DTYPE]] ...` serves one stage per --stage in one process (KIND: `honest` or a key of `CHEATS`; the
+hotkey is wallet NAME/default), each on its own port (`--port` with one stage); `--ready-file` gets
+stage_miner's JSON for one stage, {NAME: that JSON} for several; with `--network`/`--netuid` every stage announces
+itself on chain as stage_miner does (endpoint and `StageAnnouncement`).
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
 import hashlib
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -132,11 +149,85 @@ class ReplayStage(_Cheat):
         return out
 
 
+class ForwardingStage(_Cheat):
+    """Hands every session to another stage miner of its block (one of `forward_to`, by the session id) and
+    returns that stage's output under its own receipt; computes itself only while no such stage answers."""
+
+    forward_to: tuple[str, ...] = ()
+    keypair = None  # the hotkey it relays under: its own
+    timeout_s = 10.0
+
+    def setup(self) -> None:
+        self._loop = None
+        self._relay = None
+        self._targets: list = []
+        self._remote: dict[str, list] = {}  # session -> [target, route id, next step]
+
+    async def _connect(self):
+        import aiohttp  # noqa: PLC0415
+
+        from neurons.swarm.relay import StageRelay, StageSink  # noqa: PLC0415
+
+        sink = StageSink(self.keypair)
+        await sink.start()
+        return StageRelay(self.keypair, sink, aiohttp.ClientSession(), self.timeout_s)
+
+    async def _discover(self):
+        from neurons.swarm.route import StaticDirectory  # noqa: PLC0415
+
+        found = await StaticDirectory(list(self.forward_to), timeout_s=2.0).stages(self._relay.http)
+        return [s for s in found if (s.start, s.stop) == (self.layers.start, self.layers.stop)
+                and s.hotkey != self.keypair.ss58_address]
+
+    def forward(self, session_id, position, inputs, mode="none", targets=None, top_k=0):
+        from neurons.swarm.relay import LoopThread, encode_input  # noqa: PLC0415
+        from protocol.stage import WireSampling  # noqa: PLC0415
+        from scoring.stage_checks import decode_wire_state  # noqa: PLC0415
+
+        with self._lock:
+            session = self.get(session_id)
+            n = self.check_forward(session, position, inputs, mode, targets, top_k)
+            if self._loop is None:
+                self._loop = LoopThread()
+                self._relay = self._loop.call(self._connect(), 30.0)
+            if session_id not in self._remote and position == 0:
+                self._targets = self._loop.call(self._discover(), 30.0)  # whoever serves the block now
+                if self._targets:
+                    target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
+                    s = session.sampling
+                    wire = WireSampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
+                                        logprobs=int(s.logprobs))
+                    rid = secrets.token_hex(8)
+                    self._loop.call(self._relay.open(target, session_id, rid, wire, session.seed), self.timeout_s)
+                    self._remote[session_id] = [target, rid, 0]
+            if session_id not in self._remote:
+                return super().forward(session_id, position, inputs, mode, targets, top_k)
+            target, rid, step = self._remote[session_id]
+            specs, body = encode_input(inputs)
+            hop = self._loop.call(self._relay.forward(target, session_id, rid, step, position, specs, body, mode,
+                                                      targets, top_k), self.timeout_s + 1)
+            self._remote[session_id][2] += 1
+            session.position = position + n
+            session.step += 1
+            session.last_used = time.monotonic()
+            self.forwards += 1
+            self.tokens += n
+            return decode_wire_state(list(hop.output_specs), hop.output_body)
+
+    def close(self, session_id: str) -> None:
+        super().close(session_id)
+        remote = self._remote.pop(session_id, None)
+        if remote is not None:
+            self._loop.call(self._relay.close(remote[0], session_id), self.timeout_s)
+
+
 CHEATS = {"other-weights": OtherWeightsStage, "skip-layer": SkipLayerStage, "echo": EchoStage,
-          "session-liar": SessionLiarStage, "long-position-liar": LongPositionLiarStage, "replay": ReplayStage}
+          "session-liar": SessionLiarStage, "long-position-liar": LongPositionLiarStage, "replay": ReplayStage,
+          "forwarder": ForwardingStage}
 
 __all__ = ["CHEATS", "WireRounding", "OtherWeightsStage", "SkipLayerStage", "EchoStage", "SessionLiarStage",
-           "LongPositionLiarStage", "ReplayStage", "LayerRange", "load_stage_model"]
+           "LongPositionLiarStage", "ReplayStage", "ForwardingStage", "LayerRange", "load_stage_model", "main", "start_hosts",
+           "stop_hosts"]
 
 
 class WireRounding:
@@ -156,3 +247,147 @@ class WireRounding:
             r = lambda t: t.to(self.dtype).float()  # noqa: E731
             return ResidualState(out.lengths, [r(b) for b in out.blocks], r(out.partial))
         return out
+
+
+# ------------------------------------------------------------------ stage processes (honest or cheating)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m neurons.swarm.cheats",
+                                description="Serve stage miners, honest or cheating, one port each, in one process.")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--wallet-path", required=True, help="wallets NAME/default of every --stage")
+    p.add_argument("--stage", action="append", required=True, metavar="NAME:KIND:A-B[:DTYPE[:WIRE]]",
+                   help=f"KIND: honest or one of {sorted(CHEATS)}; DTYPE, WIRE: float32 (default) or bfloat16")
+    p.add_argument("--forward-to", action="append", default=[], metavar="URL",
+                   help="stage URLs a forwarder hands its sessions to (those serving its block)")
+    p.add_argument("--one-in", type=int, default=3, help="session-liar: lies for one session in this many")
+    p.add_argument("--from-position", type=int, default=48, help="long-position-liar: lies from this position")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="with one --stage: its port (default: a free one each)")
+    p.add_argument("--network", default="", help="chain to announce every stage on, as stage_miner does "
+                                                  "(its hotkey registered there); empty: announce nothing")
+    p.add_argument("--netuid", type=int, default=None)
+    p.add_argument("--hop-timeout-s", type=float, default=5.0)
+    p.add_argument("--max-tokens-per-forward", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ready-file", default="")
+    return p
+
+
+def _stage(args, spec: str, keypair):
+    from inference.model.checkpoint import read_config  # noqa: PLC0415
+    from inference.swarm.stage import StageLimits  # noqa: PLC0415
+
+    parts = spec.split(":")
+    if len(parts) < 3 or (parts[1] != "honest" and parts[1] not in CHEATS) \
+            or any(d not in _DTYPES for d in parts[3:5]):
+        raise SystemExit(f"--stage {spec!r}: expected NAME:KIND:A-B[:DTYPE[:WIRE]], KIND honest or one of "
+                         f"{sorted(CHEATS)}, dtypes {sorted(_DTYPES)}")
+    name, kind, layers = parts[:3]
+    dtype, wire = (parts[3:] + ["float32", "float32"])[:2] if len(parts) > 3 else ("float32", "float32")
+    limits = StageLimits(max_tokens_per_forward=args.max_tokens_per_forward)
+    rng = LayerRange.parse(layers, read_config(args.checkpoint).num_layers)
+    if kind == "honest":
+        stage = Stage.from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits)
+    else:
+        kw = {"session-liar": {"one_in": args.one_in}, "long-position-liar": {"from_position": args.from_position},
+              "forwarder": {"forward_to": tuple(args.forward_to), "keypair": keypair}}.get(kind, {})
+        stage = CHEATS[kind].from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits, **kw)
+    return name, kind, stage, wire
+
+
+async def serve(args) -> None:
+    import bittensor as bt  # noqa: PLC0415
+
+    from neurons.swarm.stage_miner import announce, announcement_for, serve_until_signalled  # noqa: PLC0415
+    from neurons.swarm.stage_server import StageServer, StageServerSettings  # noqa: PLC0415
+
+    if args.port and len(args.stage) != 1:
+        raise SystemExit("--port takes one --stage")
+    servers, info = [], {}
+    for spec in args.stage:
+        wallet = bt.Wallet(spec.split(":")[0], "default", path=os.path.expanduser(args.wallet_path))
+        name, kind, stage, wire = _stage(args, spec, wallet.hotkey)
+        server = StageServer(stage, wallet.hotkey, StageServerSettings(
+            host=args.host, port=args.port, hop_timeout_s=args.hop_timeout_s, wire_dtype=wire))
+        server.warm_up()
+        await server.start()
+        servers.append(server)
+        if args.network:
+            from chain import connect  # noqa: PLC0415
+
+            async with connect(args.network) as chain:
+                await announce(chain, wallet, args.netuid, args.host, server.port,
+                               announcement_for(args.checkpoint, stage))
+        info[name] = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(stage.layers),
+                      "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms, "kind": kind}
+    await serve_until_signalled(next(iter(info.values())) if len(info) == 1 else info, args.ready_file)
+    for server in servers:
+        await server.close()
+
+
+def start_hosts(checkpoint, wallet_path, hosts: dict[str, list[str]], run_dir, extra: dict[str, list[str]] = {},
+                timeout_s: float = 240.0, threads: int = 1) -> tuple[dict, dict]:
+    """Start one stage host process per entry of `hosts` (name -> its --stage specs, plus `extra[name]`
+    arguments), all at once, and wait until each listens; (processes, {stage name: its ready info}). The
+    caller stops them with `stop_hosts`. Logs go to run_dir/NAME.log."""
+    import subprocess  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs, info = {}, {}
+    try:
+        for name, specs in hosts.items():
+            ready = Path(run_dir) / f"{name}.ready"
+            cmd = [sys.executable, "-m", "neurons.swarm.cheats", "--checkpoint", str(checkpoint), "--wallet-path",
+                   str(wallet_path), "--threads", str(threads), "--ready-file", str(ready)]
+            cmd += [a for spec in specs for a in ("--stage", spec)] + list(extra.get(name, []))
+            log = Path(run_dir) / f"{name}.log"
+            procs[name] = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        deadline = time.monotonic() + timeout_s
+        for name, specs in hosts.items():
+            ready, log = Path(run_dir) / f"{name}.ready", Path(run_dir) / f"{name}.log"
+            while not ready.exists():
+                if procs[name].poll() is not None:
+                    raise RuntimeError(f"stage host {name} exited: {log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage host {name} not ready in {timeout_s} s")
+                time.sleep(0.2)
+            got = json.loads(ready.read_text())
+            info.update({specs[0].split(":")[0]: got} if len(specs) == 1 else got)
+    except BaseException:
+        stop_hosts(procs)
+        raise
+    return procs, info
+
+
+def stop_hosts(procs: dict) -> None:
+    """SIGTERM every process still running (SIGCONT first: a test may have stopped one), then wait; SIGKILL
+    what does not end within 10 s."""
+    import subprocess  # noqa: PLC0415
+
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

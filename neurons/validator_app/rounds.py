@@ -54,7 +54,7 @@ from neurons.validator_app.store import ValidatorStore
 from neurons.validator_app.weights import submitted_weights
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
-from scoring.audits import AuditorCandidate, choose_auditors, consensus_reference, draw_audit
+from scoring.audits import AuditorCandidate, check_auditor, choose_auditors, consensus_reference, draw_audit
 from scoring.canaries import canary_escalation
 from scoring.config import ScoringConfig
 from scoring.metrics import Measurement, measure_burst, measure_request
@@ -260,6 +260,8 @@ class ValidatorLoop:
         self.ema: dict[int, EmaEntry] = store.load_ema()
         self.metagraph = MetagraphWatch(chain, self.netuid, settings.chain.timeout_s)
         self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
+        # escalation canary request id -> [(auditor, its verdict)]: settled when the canary is judged
+        self._pending_resolution: dict[str, list[tuple[AuditorCandidate, bool]]] = {}
         self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
         self.cpu = CpuStats()
         self._global_slots: Optional[_Slots] = None
@@ -269,11 +271,14 @@ class ValidatorLoop:
         self.last_report: Optional[RoundReport] = None
         last = store.last_weights()
         self.last_weights_block: Optional[int] = last.block
+        self.stage = None  # neurons.validator_app.stage_rounds.StageRounds, when it checks stage miners
         if store.round:
             log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
                      store.round, len(self.window), len(self.ema), last.block)
 
     async def close(self) -> None:
+        if self.stage is not None:
+            await self.stage.close()
         if self._owns_client:
             await self.client.close()
 
@@ -329,6 +334,8 @@ class ValidatorLoop:
 
     async def run_round(self) -> RoundReport:
         number = self.store.begin_round()
+        # one shape seed per round: every miner gets the same sizes, lengths, temperatures and bursts
+        self.round_shape_seed = self.rng.getrandbits(64)
         report = RoundReport(number, time.time())
         started = time.monotonic()
         snapshot = await self.refresh_metagraph()
@@ -338,6 +345,8 @@ class ValidatorLoop:
             log.warning("round %d skipped: %s", number, report.skipped)
             return self._finish(report, started)
         serving = self.serving_miners(snapshot)
+        if self.stage is not None:  # swarm stage miners: checked and paid in stage_rounds; the rest go on
+            serving = await self.stage.run_round(serving, number)
         for neuron in serving:
             self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, neuron.endpoint.url)
         self.store.forget_miners(n.uid for n in serving)
@@ -462,7 +471,8 @@ class ValidatorLoop:
                 report.errors += 1
                 return report
             try:
-                items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries)
+                items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries,
+                                   shape_seed=getattr(self, "round_shape_seed", None))
             except WorkloadError as error:
                 self._record_unreachable(neuron, number, f"cannot plan work for its declared limits: {error}",
                                          check="capabilities")
@@ -581,12 +591,20 @@ class ValidatorLoop:
                                       kind=item.kind, tier=2, reference="canary", passed=int(t2.passed),
                                       positions=t2.compared, failures="; ".join(map(str, t2.failures)),
                                       cpu_s=cpu_s), number)
+            self._settle_auditors(item, neuron, t2.passed, number)
         now = time.time()
         new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, now, self.config)
         if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
             reference, name = self._reference_for(neuron, caps, item, result)
             if reference is not None:
-                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference)
+                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference, caps.precision)
+                auditors = getattr(reference, "auditors", None)
+                if auditors and audit.passed is not None or auditors and audit.escalate:
+                    failed = await self._check_auditors(reference, auditors, caps, number)
+                    if failed:
+                        audit = AuditResult(passed=None, disagreement=True, auditor_verdicts=audit.auditor_verdicts,
+                                            error="an auditor failed its canary check: "
+                                                  + ", ".join(c.hotkey for c in failed), positions=audit.positions)
                 verification.audit = audit
                 report.audits += 1
                 self.store.add_audit(dict(
@@ -596,20 +614,27 @@ class ValidatorLoop:
                     greedy_mismatches=audit.greedy_mismatches, outside_top_k=audit.outside_top_k,
                     disagreement=int(audit.disagreement), error=audit.error,
                     failures="; ".join(map(str, audit.failures)), cpu_s=audit_cpu_s, wall_s=wall_s), number)
-                if audit.disagreement:
+                if audit.disagreement or audit.escalate:
                     canary, escalation = canary_escalation(self.canaries, self.rng, caps, self.config, self.tokenizer)
                     if canary is not None:
                         self.store.mark_canaries_used([canary.canary_id])
                     if escalation is not None:
                         escalations.append(escalation)
+                        if auditors and len(audit.auditor_verdicts) == len(auditors):
+                            self._pending_resolution[escalation.request.request_id] = list(
+                                zip(auditors, audit.auditor_verdicts))
+                    elif auditors:
+                        log.warning("uid %d: miner auditors %s need a canary to settle, and none is left",
+                                    neuron.uid, ", ".join(c.hotkey for c in auditors))
         return verification, cpu_s
 
-    async def _audit(self, item: WorkItem, result: GenerateResult, reference) -> tuple[AuditResult, float, float]:
+    async def _audit(self, item: WorkItem, result: GenerateResult, reference,
+                     precision: Optional[str] = None) -> tuple[AuditResult, float, float]:
         wall, cpu = time.monotonic(), time.process_time()
         try:
             audit = await asyncio.wait_for(
                 audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
-                            rng=self.rng),
+                            rng=self.rng, declared_precision=precision),
                 self.settings.audits.timeout_s)
         except TimeoutError:
             audit = AuditResult(passed=None, error=f"the reference took over {self.settings.audits.timeout_s:g} s")
@@ -637,7 +662,49 @@ class ValidatorLoop:
                                  self.rng)
         if not chosen:
             return None, "none"
-        return consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
+        reference, name = consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
+        reference.auditors = chosen
+        return reference, name
+
+    async def _check_auditors(self, reference, auditors: list[AuditorCandidate], caps: Capabilities,
+                              number: int) -> list[AuditorCandidate]:
+        """Each miner auditor scores a canary's text (indistinguishable from an audit); those that rank
+        its known greedy tokens wrong are recorded as failed audits and returned (their verdict is void)."""
+        if self.canaries is None:
+            return []
+        failed = []
+        for ref, auditor in zip(reference.references, auditors):
+            canary = self.canaries.take(self.rng)
+            if canary is None:
+                break
+            self.store.mark_canaries_used([canary.canary_id])
+            failure = await check_auditor(ref, canary, self.config)
+            if failure is not None:
+                failed.append(auditor)
+                self._record_against(auditor, failure.check, failure.reason, number)
+        return failed
+
+    def _settle_auditors(self, item: WorkItem, neuron: NeuronInfo, canary_passed: bool, number: int) -> None:
+        """An escalation canary settled what miner auditors said: whoever was wrong has it recorded."""
+        pending = self._pending_resolution.pop(item.request.request_id, None)
+        for auditor, verdict in pending or ():
+            if verdict != canary_passed:
+                what = "failed" if canary_passed else "passed"
+                self._record_against(auditor, "auditor_wrong",
+                                     f"audited uid {neuron.uid} ({neuron.hotkey}) and {what} it; the escalation canary "
+                                     f"{'passed' if canary_passed else 'failed'}", number)
+
+    def _record_against(self, auditor: AuditorCandidate, check: str, reason: str, number: int) -> None:
+        """A failed audit against an auditor (counts towards its audit failure rate, not its requests)."""
+        now = time.time()
+        m = Measurement(uid=auditor.uid, hotkey=auditor.hotkey, at=now, kind="chat",
+                        request_id=f"auditor-{secrets.token_hex(8)}", outcome="excused", audits=1, audit_failures=1,
+                        failures=f"{check}: {reason}"[:1000])
+        self.window.add(m)
+        self.store.add_measurements([(m, None)], number)
+        self.store.add_failures([dict(at=now, uid=auditor.uid, hotkey=auditor.hotkey, check=check, reason=reason)],
+                                number)
+        log.warning("auditor uid %d (%s): %s: %s", auditor.uid, auditor.hotkey, check, reason)
 
     # ------------------------------------------------------------ canaries on the reference
     def _refill_canaries_soon(self, miners: int) -> None:
@@ -682,7 +749,12 @@ class ValidatorLoop:
         return scores
 
     def current_weights(self) -> dict[int, float]:
-        return weights_from_ema(self.ema, self.config.weight_exponent)
+        weights = weights_from_ema(self.ema, self.config.weight_exponent)
+        if self.stage is not None:  # one vector with the stage miners (scoring.stage_rewards.one_vector)
+            from neurons.validator_app.stage_rounds import whole_model_work  # noqa: PLC0415
+
+            weights = self.stage.weights(weights, whole_model_work(self))
+        return weights
 
     # ------------------------------------------------------------ weights
     async def _chain(self, awaitable):
@@ -699,7 +771,7 @@ class ValidatorLoop:
     async def weights_due(self) -> tuple[bool, Optional[int], str]:
         """(due, block, why): weights are due once per epoch window, when none were set since the
         subnet's latest epoch and the weights rate limit has passed."""
-        if not self.ema:
+        if not self.ema and not (self.stage is not None and self.stage.miners):
             return False, None, "no scores yet"
         if time.monotonic() < self._weights_hold_until:
             return False, None, "holding after a chain refusal"
@@ -883,6 +955,9 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
                                              "canaries": store.stored_canaries()}, used=store.used_canaries())
         loop = ValidatorLoop(settings, chain=chain, wallet=wallet, store=store, tokenizer=tokenizer, reference=engine,
                              canaries=canaries, expected_fingerprint=expected)
+        from neurons.validator_app.stage_rounds import attach_stage_rounds  # noqa: PLC0415
+
+        attach_stage_rounds(loop, settings)
         if engine is not None and not settings.audits.canary_pool:
             missing = settings.audits.canaries - (canaries.remaining if canaries else 0)
             if missing > 0:

@@ -51,6 +51,9 @@ class RoundSettings:
                                   "unpredictable, as production needs)")
     uids: Optional[str] = setting(None, "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others "
                                   "keep their window scores (default: every serving miner)", metavar="UIDS")
+    stage_challenges: int = setting(2, "challenges per swarm stage miner per round, against this validator's own "
+                                    "copy of the weights (with --reference-engine; plus one relayed route audit); 0: "
+                                    "stage miners are not checked", read=non_negative_int)
 
     def only_uids(self) -> Optional[set[int]]:
         if not self.uids:
@@ -169,6 +172,11 @@ class ValidatorSettings:
                        "scripts/make_checkpoint.py or point it at the model's directory")
         if self.reference_engine:
             out += [p for p in self.engine.problems() if "checkpoint" not in p]
+        elif not self.audits.canary_pool:
+            out.append("neither --reference-engine nor --canary-pool: tier-1 audits would rest on other miners alone, "
+                       "who could frame honest miners or shield a partner with nothing to settle it, and tier-2 "
+                       "canaries could not run; run the model as this validator's reference (--reference-engine, "
+                       "--engine remote for a GPU server) or give it a canary pool from a reference deployment")
         r, w = self.rounds, self.weights
         try:
             r.only_uids()

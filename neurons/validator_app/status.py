@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import json
+import time
 
 from neurons.validator_app.store import ValidatorStore
 
 STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
-                  "failures", "last_failure", "score", "ema", "weight")
+                  "failures", "last_failure", "score", "ema", "weight", "zero_weight_reason")
+# the score reasons that zero a miner (scoring.rewards.score_miners)
+_ZEROING = ("hard failure", "failed ", "coldkey ")
+
+
+def zero_weight_reason(score, ema, weight: float, weights_set: bool) -> str | None:
+    """Why a miner holds no weight, in one line (None when it holds some)."""
+    if weight > 0:
+        return None
+    if score is None:
+        return "not scored yet"
+    reasons = json.loads(score["reasons"]) if score["reasons"] else []
+    zeroing = [r for r in reasons if r.startswith(_ZEROING)]
+    if zeroing:
+        return "; ".join(zeroing)
+    if not score["requests"]:
+        return "no requests in the window"
+    if not score["score"]:
+        parts = [f"{name} {score[name]:.2f}" for name in ("reliability", "quality", "perf")
+                 if score[name] is not None and score[name] <= 0]
+        return "score 0: " + (", ".join(parts) or "gate 0")
+    if not ema:
+        return "EMA still 0"
+    return "scored since the weights were last set" if weights_set else "no weights set yet"
 
 
 def status_report(store: ValidatorStore) -> dict:
@@ -45,9 +69,36 @@ def status_report(store: ValidatorStore) -> dict:
             "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
             "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, hotkey) else 0.0,
         })
+        rows[-1]["zero_weight_reason"] = zero_weight_reason(score, rows[-1]["ema"], rows[-1]["weight"],
+                                                            last.block is not None)
     return {
         "db": str(store.path), "round": int(meta.get("round", 0)),
         "completed_round": int(meta.get("completed_round", 0)),
         "weights_set_at": last.set_at, "weights_block": last.block, "version_key": last.version_key,
         "miners": rows,
+        "stage_miners": stage_miner_rows(store, last),
     }
+
+
+def stage_miner_rows(store: ValidatorStore, last, blame_s: float = 24 * 3600.0) -> list[dict]:
+    """Swarm stage miners: layers, challenges passed and failed, work credited, measured step time, the weight
+    last set, and why a zeroed one is zeroed (its latest blame)."""
+    now = time.time()
+    checks = store.stage_checks(since=now - blame_s)
+    rows = []
+    for uid, sm in store.stage_miners().items():
+        mine = [c for c in checks if c["hotkey"] == sm["hotkey"]]
+        challenges = [c for c in mine if c["kind"] == "challenge"]
+        blames = [c for c in mine if c["blame"]]
+        steps = [c["step_ms"] for c in challenges if c["step_ms"]]
+        rows.append({
+            "uid": uid, "hotkey": sm["hotkey"], "url": sm["url"], "layers": sm["layers"],
+            "challenges": len(challenges), "failed": sum(1 for c in challenges if not c["passed"]),
+            "route_audits": sum(1 for c in mine if c["kind"] in ("route_audit", "bisection")),
+            "tokens": sum(int(c["tokens"] or 0) for c in mine if c["passed"]),
+            "step_ms": sorted(steps)[len(steps) // 2] if steps else sm["step_ms"],
+            "blamed": bool(blames),
+            "reason": f"{blames[-1]['kind']}: {blames[-1]['reason']}" if blames else None,
+            "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, sm["hotkey"]) else 0.0,
+        })
+    return rows

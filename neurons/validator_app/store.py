@@ -11,6 +11,9 @@ Tables (schema version `SCHEMA_VERSION`, kept in `meta` and mirrored in SQLite's
 - `miners`: the last seen hotkey, coldkey, endpoint and capabilities of each uid;
 - `weights` and `weight_attempts`: the last weights set on chain, and every attempt to set them;
 - `canaries`: the canary pool the validator computed itself, and which canaries were used;
+- `stage_miners`, `stage_checks`: swarm stage miners seen, and every stage challenge, route audit, bisection
+  verdict, decoy sighting and credited route work, with its reason (`blame = 1`: the stage is zeroed;
+  neurons/validator_app/stage_rounds.py);
 - `meta`: schema version, round counters, when weights were last set;
 - `schema_migrations`: each migration applied to this file, when, and by which release.
 
@@ -122,6 +125,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, summary TEXT NOT NULL, "
         "applied_at REAL NOT NULL, code_version TEXT NOT NULL)",
         "CREATE INDEX failures_check ON failures (check_name, at)",
+    )),
+    Migration(3, "swarm stage miners and their checks (challenges, route audits, bisection, blame)", (
+        "CREATE TABLE stage_miners (uid INTEGER PRIMARY KEY, hotkey TEXT NOT NULL, coldkey TEXT, url TEXT, "
+        "layers TEXT NOT NULL, fingerprint TEXT, step_ms REAL, seen_at REAL NOT NULL)",
+        "CREATE TABLE stage_checks (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, round INTEGER NOT NULL, "
+        "uid INTEGER, hotkey TEXT NOT NULL, layers TEXT, kind TEXT NOT NULL, passed INTEGER NOT NULL, "
+        "blame INTEGER NOT NULL DEFAULT 0, reason TEXT, tokens INTEGER, steps INTEGER, median_rel_l2 REAL, "
+        "bad_fraction REAL, step_ms REAL, cpu_s REAL, wall_s REAL, commitment TEXT, seed TEXT, nonce TEXT)",
+        "CREATE INDEX stage_checks_hotkey ON stage_checks (hotkey, at)",
     )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version if MIGRATIONS else 1
@@ -350,6 +362,7 @@ class ValidatorStore:
             dropped = conn.execute("DELETE FROM measurements WHERE at < ?", (before,)).rowcount
             conn.execute("DELETE FROM failures WHERE at < ?", (before,))
             conn.execute("DELETE FROM audits WHERE at < ?", (before,))
+            conn.execute("DELETE FROM stage_checks WHERE at < ?", (before,))
         return dropped
 
     # ------------------------------------------------------------ failures and audits
@@ -514,6 +527,38 @@ class ValidatorStore:
 
     def used_canaries(self) -> set[str]:
         return {r[0] for r in self._conn.execute("SELECT id FROM canaries WHERE used = 1")}
+
+    # ------------------------------------------------------------ swarm stage miners
+    _STAGE_CHECK_FIELDS = ("at", "round", "uid", "hotkey", "layers", "kind", "passed", "blame", "reason", "tokens",
+                           "steps", "median_rel_l2", "bad_fraction", "step_ms", "cpu_s", "wall_s", "commitment",
+                           "seed", "nonce")
+
+    def add_stage_check(self, row: Mapping) -> None:
+        values = [row.get(f) for f in self._STAGE_CHECK_FIELDS]
+        values[0] = values[0] or time.time()
+        values[1] = values[1] or 0
+        with self._transaction() as conn:
+            conn.execute(f"INSERT INTO stage_checks ({', '.join(self._STAGE_CHECK_FIELDS)}) VALUES "
+                         f"({', '.join('?' for _ in self._STAGE_CHECK_FIELDS)})", values)
+
+    def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None) -> list[sqlite3.Row]:
+        return self._conn.execute("SELECT * FROM stage_checks WHERE at >= ? AND (? IS NULL OR hotkey = ?) ORDER BY id",
+                                  (since or 0.0, hotkey, hotkey)).fetchall()
+
+    def stage_blame(self, hotkey: str, since: float, kind: Optional[str] = None) -> list[sqlite3.Row]:
+        """The checks that blamed `hotkey` since `since` (of one kind, when given)."""
+        return [r for r in self.stage_checks(since, hotkey) if r["blame"] and (kind is None or r["kind"] == kind)]
+
+    def save_stage_miners(self, rows: Iterable[Mapping]) -> None:
+        now = time.time()
+        with self._transaction() as conn:
+            conn.executemany("INSERT OR REPLACE INTO stage_miners (uid, hotkey, coldkey, url, layers, fingerprint, "
+                             "step_ms, seen_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             [(r["uid"], r["hotkey"], r.get("coldkey"), r.get("url"), r["layers"],
+                               r.get("fingerprint"), r.get("step_ms"), now) for r in rows])
+
+    def stage_miners(self) -> dict[int, sqlite3.Row]:
+        return {int(r["uid"]): r for r in self._conn.execute("SELECT * FROM stage_miners ORDER BY uid")}
 
     # ------------------------------------------------------------ reading for status
     def meta(self) -> dict[str, str]:
