@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         # a swarm stage miner: one block of layers (neurons/swarm/stage_miner.py lists its flags)
         from neurons.swarm.stage_miner import main as stage_main  # noqa: PLC0415
 
-        return stage_main(argv)
+        return stage_main(argv, prog=program_name("k3-miner", "neurons.miner"))
     settings, _ = read_miner_settings(argv, prog=program_name("k3-miner", "neurons.miner"), description=__doc__)
     return run_neuron(settings, lambda: serve(settings), MinerSetupError, "k3.miner",
                       describe_values(miner_options(), dataclasses.asdict(settings)))

@@ -1,9 +1,11 @@
 """`python -m neurons.swarm.stage_miner --checkpoint DIR --serve-layers A-B ...`: serve one layer block.
 
-Loads only the block's tensors, measures its single-token step time, and serves the stage wire on
---host/--port, signed with the wallet's hotkey. With --ready-file it writes {"url", "hotkey", "pid",
-"layers", "fingerprint"} there once it listens (for scripts and tests that start it with --port 0).
-SIGTERM/SIGINT stop it.
+(Also `python neurons/miner.py --serve-layers A-B ...` / `k3-miner --serve-layers A-B ...`.) Loads only the
+block's tensors, measures its single-token step time, and serves the stage wire on --host/--port, signed
+with the wallet's hotkey (btcli's -w/-H/--wallet-path, BT_WALLET...). Every flag can also be set by the
+environment variable shown in --help; a flag wins. With --ready-file it writes {"url", "hotkey", "pid",
+"layers", "fingerprint", "step_ms", "metrics_url"} there once it listens (for scripts and tests that start
+it with --port 0). With --metrics, Prometheus metrics on 127.0.0.1:--metrics-port. SIGTERM/SIGINT stop it.
 
 With --network and --netuid it announces itself on that chain (its hotkey must be registered there): its
 endpoint (ServeAxon: --external-ip/--external-port, default the listening address) and, as its hotkey's
@@ -13,8 +15,8 @@ chain is left as it is (no quota spent); a rate-limited re-publish keeps the old
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -26,56 +28,25 @@ import torch
 
 from chain.interface import ChainError, RateLimited
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
-from inference.swarm.stage import LayerRange, Stage, StageLimits
+from inference.swarm.stage import LayerRange, Stage
+from neurons.observability import MetricsServer, setup_logging
+from neurons.settings import WalletSettings, describe_values, open_wallet, program_name
+from neurons.swarm.settings import METRICS_HOST, StageMinerSettings, read_stage_miner_settings, stage_miner_options
 from neurons.swarm.stage_server import StageServer, StageServerSettings
-from protocol.stage import DEFAULT_MAX_BODY_BYTES, StageAnnouncement
+from protocol.stage import StageAnnouncement
 
 log = logging.getLogger("k3.stage_miner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stage_miner", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (only the block's tensors are read)")
-    p.add_argument("--serve-layers", required=True, help="inclusive layer range A-B (0 includes the embedding, "
-                                                         "the last layer the head)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--public-url", default="", help="URL others reach this stage at (default http://host:port)")
-    p.add_argument("--network", default="", help="chain to announce on (devnet:PATH, local, finney, ws://...); "
-                                                  "empty: announce nothing")
-    p.add_argument("--netuid", type=int, default=None)
-    p.add_argument("--external-ip", default="", help="IP published on chain (default: --host)")
-    p.add_argument("--external-port", type=int, default=0, help="port published on chain (default: the listening one)")
-    p.add_argument("--wallet-name", default="default")
-    p.add_argument("--wallet-hotkey", default="default")
-    p.add_argument("--wallet-path", default="~/.bittensor/wallets")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    p.add_argument("--wire-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--max-sessions", type=int, default=16)
-    p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--max-tokens-per-forward", type=int, default=512)
-    p.add_argument("--idle-expiry-s", type=float, default=300.0)
-    p.add_argument("--max-snapshots", type=int, default=16, help="KDA state snapshots kept per session (rewind)")
-    p.add_argument("--rewind-window", type=int, default=1024, help="positions of recorded inputs kept per session")
-    p.add_argument("--hop-timeout-s", type=float, default=5.0)
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--ready-file", default="")
-    p.add_argument("--log-level", default="WARNING")
-    return p
-
-
-def load_wallet(args):
+def load_wallet(settings: WalletSettings):
     """The wallet, with its hotkey opened (a SystemExit naming the key when it cannot be)."""
-    import bittensor as bt  # noqa: PLC0415 (slow import)
-
-    wallet = bt.Wallet(args.wallet_name, args.wallet_hotkey, path=os.path.expanduser(args.wallet_path))
     try:
+        wallet = open_wallet(settings)
         wallet.hotkey
     except Exception as e:  # noqa: BLE001 (the SDK raises several kinds for a missing/locked key)
-        raise SystemExit(f"stage_miner: cannot open hotkey {args.wallet_name}/{args.wallet_hotkey} under "
-                         f"{args.wallet_path}: {e}") from None
+        raise SystemExit(f"stage_miner: cannot open hotkey {settings.name}/{settings.hotkey} under "
+                         f"{settings.path}: {e}") from None
     return wallet
 
 
@@ -108,30 +79,40 @@ async def announce(chain, wallet, netuid: int, ip: str, port: int, announcement:
             log.warning("announcement not re-published (%s); the chain keeps %r", e, current and current.data)
 
 
-async def run(args) -> None:
-    config = read_config(args.checkpoint)
-    layers = LayerRange.parse(args.serve_layers, config.num_layers)
-    limits = StageLimits(max_sessions=args.max_sessions, max_context=args.max_context,
-                         max_tokens_per_forward=args.max_tokens_per_forward, idle_expiry_s=args.idle_expiry_s,
-                         max_snapshots=args.max_snapshots, rewind_window=args.rewind_window)
-    stage = Stage.from_checkpoint(args.checkpoint, layers, _DTYPES[args.dtype], limits)
-    wallet = load_wallet(args)
+async def run(settings: StageMinerSettings) -> None:
+    b, s, c = settings.block, settings.server, settings.chain
+    config = read_config(b.checkpoint)
+    layers = LayerRange.parse(b.serve_layers, config.num_layers)
+    stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits())
+    wallet = load_wallet(settings.wallet)
     server = StageServer(stage, wallet.hotkey, StageServerSettings(
-        host=args.host, port=args.port, public_url=args.public_url, max_body_bytes=args.max_body_bytes,
-        hop_timeout_s=args.hop_timeout_s, wire_dtype=args.wire_dtype))
+        host=s.host, port=s.port, public_url=s.public_url, max_body_bytes=s.max_body_bytes,
+        hop_timeout_s=s.hop_timeout_s, wire_dtype=b.wire_dtype))
     server.warm_up()
     await server.start()
-    if args.network:
-        from chain import connect  # noqa: PLC0415
+    metrics = None
+    try:
+        if s.metrics:
+            metrics = MetricsServer(lambda: [server.metrics.registry], METRICS_HOST, s.metrics_port,
+                                    component="stage-metrics")
+            await metrics.start()
+        if c.network:
+            from chain import connect  # noqa: PLC0415
 
-        port = args.external_port or server.port
-        async with connect(args.network) as chain:
-            await announce(chain, wallet, args.netuid, args.external_ip or args.host, port,
-                           announcement_for(args.checkpoint, stage))
-    info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
-            "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms}
-    await serve_until_signalled(info, args.ready_file)
-    await server.close()
+            port = s.external_port or server.port
+            async with connect(c.network) as chain:
+                await announce(chain, wallet, c.netuid, s.external_ip or s.host, port,
+                               announcement_for(b.checkpoint, stage))
+        info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
+                "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
+                "metrics_url": f"http://{METRICS_HOST}:{metrics.port}/metrics" if metrics else None}
+        log.info("stage %s (layers %s) serving on %s%s", server.hotkey, layers, server.url,
+                 f"; metrics on {info['metrics_url']}" if metrics else "")
+        await serve_until_signalled(info, s.ready_file)
+    finally:
+        if metrics is not None:
+            await metrics.close()
+        await server.close()
 
 
 async def serve_until_signalled(info: dict, ready_file: str) -> None:
@@ -149,18 +130,23 @@ async def serve_until_signalled(info: dict, ready_file: str) -> None:
     await stop.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if args.network and args.netuid is None:
-        p.error("--network needs --netuid")
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The stage miner; `prog` names it in usage and error lines (the miner's entry point passes its own)."""
+    prog = prog or program_name("k3-miner", "neurons.swarm.stage_miner")
+    settings = read_stage_miner_settings(argv, prog=prog, description=__doc__)
+    problems = settings.problems()
+    if problems:
+        for problem in problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    log.debug("settings: %s", describe_values(stage_miner_options(), dataclasses.asdict(settings)))
+    if settings.block.threads:
+        torch.set_num_threads(settings.block.threads)
     try:
-        asyncio.run(run(args))
-    except (CheckpointError, ChainError, ValueError) as e:
-        print(f"stage_miner: {e}", file=sys.stderr)
+        asyncio.run(run(settings))
+    except (CheckpointError, ChainError, ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -9,6 +9,10 @@ head's result to the route driver; failures go to the driver as an error result 
 
 GET /stage/capabilities returns the stage's capabilities signed by its hotkey (layer range, fingerprint of
 exactly its tensors, capacity, measured step time); GET /stage/health is a cheap liveness probe.
+
+Every answer carries X-Request-Id and makes one access-log line (neurons.observability.observed_app, component
+"stage", the caller's hotkey once verified); `metrics` (neurons/swarm/metrics.py) counts forwards, tokens,
+refusals and failures, and times each forward's compute.
 """
 from __future__ import annotations
 
@@ -27,8 +31,11 @@ from inference.model.k3 import ResidualState
 from inference.serving.sampling import SamplingParams
 from inference.swarm.stage import HeadOutput, Stage, StageError
 from inference.version import __version__
+from neurons.observability import observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
+from neurons.swarm.metrics import StageMetrics
 from protocol.auth import AuthFailure, sign_request, verify_request
+from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORK_PATH, FORWARD_PATH,
                             FRAME_CONTENT_TYPE, HEALTH_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH, REWIND_PATH,
@@ -48,6 +55,8 @@ class StageServerSettings:
     hop_timeout_s: float = 5.0  # sending to the next hop (connect + its 202)
     wire_dtype: str = "float32"  # what this stage sends on: float32 or bfloat16
     expiry_interval_s: float = 5.0
+    # drivers and neighbouring stages are few addresses with many connections each
+    guard: GuardSettings = GuardSettings(max_connections=512, max_connections_per_address=256)
 
 
 async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str, body: bytes, timeout_s: float,
@@ -63,8 +72,10 @@ async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str,
 
 class StageServer:
     def __init__(self, stage: Stage, keypair, settings: StageServerSettings = StageServerSettings(),
-                 nonce_store=None):
+                 nonce_store=None, metrics: StageMetrics | None = None):
         self.stage = stage
+        self.metrics = metrics or StageMetrics(str(stage.layers))
+        self.metrics.sessions_open.labels(self.metrics.layers).set_function(lambda: len(self.stage.sessions))
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
         self.settings = settings
@@ -86,7 +97,9 @@ class StageServer:
         return self.settings.public_url or f"http://{self.settings.host}:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=self.settings.max_body_bytes + MAX_HEADER_BYTES + 64)
+        guard = ConnectionGuard(self.settings.guard, "stage wire")
+        app = observed_app("stage", guard, observe=self.metrics.observe_request,
+                           client_max_size=self.settings.max_body_bytes + MAX_HEADER_BYTES + 64)
         app.router.add_get(HEALTH_PATH, self.handle_health)
         app.router.add_get(CAPABILITIES_PATH, self.handle_capabilities)
         app.router.add_post(OPEN_PATH, self._wrap(self.handle_open))
@@ -95,11 +108,10 @@ class StageServer:
         app.router.add_post(FORK_PATH, self._wrap(self.handle_fork))
         app.router.add_post(CLOSE_PATH, self._wrap(self.handle_close))
         self._http = aiohttp.ClientSession()
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, **runner_options(guard.settings))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        await GuardedSite(self._runner, guard, self.settings.host, self.settings.port).start()
+        self.port = self._runner.addresses[0][1]
         self._expiry = asyncio.create_task(self._expire_loop())
 
     async def close(self) -> None:
@@ -149,17 +161,30 @@ class StageServer:
                 body = await request.read()
                 caller = verify_request(request.headers, body, request.method, request.raw_path, self.hotkey,
                                         self.nonce_store)
+                request["caller"] = caller  # for the access log
                 return await handler(caller, body)
             except web.HTTPRequestEntityTooLarge:
-                self.refused += 1
+                self._refuse("body_too_large")
                 return _error(413, "body_too_large", f"bodies are limited to {self.settings.max_body_bytes} bytes")
             except AuthFailure as e:
-                self.refused += 1
+                self._refuse(e.code)
                 return web.Response(status=e.status, body=e.to_json(), content_type="application/json")
             except (StageWireError, StageError) as e:
-                self.refused += 1
+                self._refuse(e.code)
                 return _error(e.status, e.code, e.message)
         return run
+
+    def _refuse(self, reason: str) -> None:
+        self.refused += 1
+        self.metrics.refused(reason)
+
+    def _timed_forward(self, header: ForwardHeader, inputs):
+        """stage.forward in the compute thread; its compute time goes to the metrics."""
+        t0 = time.perf_counter()
+        out = self.stage.forward(header.session, header.position, inputs, header.mode, header.targets, header.top_k)
+        tokens = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
+        self.metrics.forward(header.mode, tokens, time.perf_counter() - t0)
+        return out
 
     def _owned(self, caller: str, session_id: str):
         session = self.stage.get(session_id)
@@ -263,8 +288,7 @@ class StageServer:
         reply_to = Hop(**session.reply_to)
         loop = asyncio.get_running_loop()
         try:
-            out = await loop.run_in_executor(self._executor, self.stage.forward, header.session, header.position,
-                                             inputs, header.mode, header.targets, header.top_k)
+            out = await loop.run_in_executor(self._executor, self._timed_forward, header, inputs)
         except StageError as e:
             self._queued[header.session] = self.stage.sessions[header.session].position \
                 if header.session in self.stage.sessions else 0
@@ -304,6 +328,7 @@ class StageServer:
                                f"{hop.url} answered {status}: {answer[:300].decode(errors='replace')}", hop.hotkey)
 
     async def _report(self, reply_to: Hop, header: ForwardHeader, code: str, message: str, blame: str) -> None:
+        self.metrics.failed(code)
         frame = encode_frame(ResultHeader(route_id=header.route_id, session=header.session, step=header.step,
                                           receipts=list(header.receipts),
                                           error=ResultError(code=code, message=message[:1000], stage=self.hotkey,
