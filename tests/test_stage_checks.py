@@ -3,6 +3,8 @@ in bf16 (weights and wire) are never blamed, each cheater of neurons/swarm/cheat
 stated number of challenges, the receipt-chain audit catches a driver's forged, stale, gapped or tampered
 receipts, and bisection of a recorded route names the one cheating stage wherever it sits in a 4-stage chain.
 Receipts are signed with real sr25519 keys; the validator's reference is its own copy of the weights."""
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -111,7 +113,9 @@ CHEATERS = [
     (EchoStage, (3, 6), 1, {}),
     (ReplayStage, (6, 9), 1, {}),
     (SessionLiarStage, (3, 6), 12, {"one_in": 3}),
-    (LongPositionLiarStage, (6, 9), 12, {"from_position": 48}),
+    # caught only by a challenge of >= 60 tokens (12 lying positions past 48 in a window of 16): lengths are
+    # log-uniform in [16, 96], so P = ln(96/60)/ln(6) = 0.26 per challenge; 24 challenges miss with 0.07%
+    (LongPositionLiarStage, (6, 9), 24, {"from_position": 48}),
 ]
 
 
@@ -119,7 +123,7 @@ CHEATERS = [
 def test_each_cheater_is_blamed_within_its_limit(tiny_checkpoint, validator_model, cls, block, limit, kw):
     layers = LayerRange(block[0], block[1], 13)
     stage = cls.from_checkpoint(tiny_checkpoint, layers, **kw)
-    rng = np.random.default_rng(hash((cls.__name__, block)) % (1 << 32))
+    rng = np.random.default_rng(zlib.crc32(f"{cls.__name__}{block}".encode()))  # the same draws every run
     seen: dict = {}
     for k in range(1, limit + 1):
         r = challenge(stage, validator_model, layers, rng, seen)
