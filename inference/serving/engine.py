@@ -60,6 +60,14 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     request_id: str = ""
 
+    def check(self) -> None:
+        """Refuse (EngineError invalid_request) a request no engine can serve: bad sampling or an empty prompt."""
+        problems = self.sampling.problems()
+        if not self.prompt_token_ids:
+            problems.append("the prompt is empty")
+        if problems:
+            raise EngineError("invalid_request", "; ".join(problems))
+
 
 @dataclass
 class TokenEvent:
@@ -423,12 +431,8 @@ class LocalEngine(Engine):
         self._wake.set()
 
     def generate(self, request: GenerationRequest) -> EventStream:
+        request.check()
         p = request.sampling
-        problems = p.problems()
-        if not request.prompt_token_ids:
-            problems.append("the prompt is empty")
-        if problems:
-            raise EngineError("invalid_request", "; ".join(problems))
         self._check_tokens(request.prompt_token_ids)
         seq = _Sequence("generate", request.prompt_token_ids, p, request.request_id)
         seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)

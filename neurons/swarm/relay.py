@@ -30,7 +30,7 @@ from bittensor.http_auth import InMemoryNonceStore
 from inference.swarm.stage import HeadOutput, StageError
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import StageInfo
-from neurons.swarm.stage_server import post_signed
+from neurons.swarm.stage_server import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORWARD_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH,
@@ -84,11 +84,7 @@ class StageSink:
         app = web.Application(client_max_size=self.max_body_bytes + MAX_HEADER_BYTES + 64)
         app.router.add_post(FORWARD_PATH, self._handle)
         app.router.add_post(RESULT_PATH, self._handle)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_result_site(app, self.host, self.port, shutdown_timeout=1.0)
 
     async def close(self) -> None:
         for _, fut in self._pending.values():

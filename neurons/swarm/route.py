@@ -43,7 +43,7 @@ from inference.serving.engine import (Engine, EngineCapabilities, EngineError, E
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, find_stop
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_head_output, encode_ids
-from neurons.swarm.stage_server import post_signed
+from neurons.swarm.stage_server import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
@@ -287,11 +287,7 @@ class RouteDriver:
         self._http = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post(RESULT_PATH, self.handle_result)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_result_site(app, self.host, self.port, shutdown_timeout=2.0)
 
     async def stop(self) -> None:
         for p in self._pending.values():
@@ -554,12 +550,8 @@ class RouteEngine(Engine):
             raise EngineError("over_capacity", f"this route driver serves at most {self.max_concurrent} requests")
 
     def generate(self, request: GenerationRequest) -> EventStream:
+        request.check()
         p = request.sampling
-        problems = p.problems()
-        if not request.prompt_token_ids:
-            problems.append("the prompt is empty")
-        if problems:
-            raise EngineError("invalid_request", "; ".join(problems))
         self._check(request.prompt_token_ids, len(request.prompt_token_ids) + p.max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._generate(request, queue))

@@ -59,6 +59,17 @@ class StageServerSettings:
     guard: GuardSettings = GuardSettings(max_connections=512, max_connections_per_address=256)
 
 
+async def start_result_site(app: web.Application, host: str, port: int,
+                            shutdown_timeout: float) -> tuple[web.AppRunner, int]:
+    """Serve `app` (a driver's or relay's small result endpoint) on host:port; returns the runner and the bound
+    port (port 0 picks a free one)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str, body: bytes, timeout_s: float,
                       content_type: str = FRAME_CONTENT_TYPE) -> tuple[int, bytes]:
     """POST `body` to `hop` signed for its hotkey; (status, response bytes). Raises asyncio.TimeoutError or
