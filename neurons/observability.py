@@ -86,18 +86,19 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ours is k3.access
 
 
-def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]], setup_error: type[Exception],
-               logger: str, described: str = "") -> int:
+def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]],
+               setup_error: type[Exception] | tuple[type[Exception], ...], logger: str, described: str = "",
+               prog: str = "") -> int:
     """An entry point's life: logging as `settings` say (log_level, log_format), `described` (the settings as
-    flags) logged at DEBUG, then `main()` to its end. Its exit status, or 2 with the message on stderr when it
-    raises `setup_error` (a setting that cannot work)."""
+    flags) logged at DEBUG, then `main()` to its end. Its exit status, or 2 with the message on stderr (after
+    "`prog`: " when given) when it raises `setup_error` (a setting that cannot work; or a tuple of them)."""
     setup_logging(settings.log_level, settings.log_format)
     if described:
         logging.getLogger(logger).debug("settings: %s", described)
     try:
         return asyncio.run(main())
     except setup_error as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{prog + ': ' if prog else ''}error: {error}", file=sys.stderr)
         return 2
 
 

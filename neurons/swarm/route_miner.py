@@ -12,9 +12,7 @@ there once it serves. SIGTERM/SIGINT stop it.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import os
 import sys
 
@@ -23,18 +21,17 @@ from chain.interface import ChainError
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.model.tokenizer import load_tokenizer
 from neurons.miner_app import MinerServer
-from neurons.observability import setup_logging
+from neurons.observability import run_neuron
 from neurons.settings import describe_values, open_wallet, program_name
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
 from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options
 from neurons.swarm.stage_miner import serve_until_signalled
 from protocol.auth import SQLiteNonceStore
 
-log = logging.getLogger("k3.route_miner")
 MODULE = "neurons.swarm.route_miner"
 
 
-async def run(settings: RouteMinerSettings) -> None:
+async def run(settings: RouteMinerSettings) -> int:
     r, c = settings.route, settings.chain
     config = read_config(r.checkpoint)
     try:
@@ -67,24 +64,19 @@ async def run(settings: RouteMinerSettings) -> None:
     finally:
         await chain.close()
         nonce_store.close()
+    return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     prog = prog or program_name(f"python -m {MODULE}", MODULE)
     settings = read_route_miner_settings(argv, prog=prog, description=__doc__)
     problems = settings.problems()
+    for problem in problems:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
     if problems:
-        for problem in problems:
-            print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
-    log.debug("settings: %s", describe_values(route_miner_options(), dataclasses.asdict(settings)))
-    try:
-        asyncio.run(run(settings))
-    except (CheckpointError, ChainError, ValueError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_neuron(settings, lambda: run(settings), (CheckpointError, ChainError, ValueError, OSError),
+                      "k3.route_miner", describe_values(route_miner_options(), dataclasses.asdict(settings)), prog)
 
 
 if __name__ == "__main__":
