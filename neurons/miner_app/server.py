@@ -55,7 +55,7 @@ from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, Vali
                                       public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
-from neurons.observability import observed_app
+from neurons.observability import CALLER, observed_app
 from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
 from protocol.errors import ErrorCode
@@ -387,7 +387,7 @@ class MinerServer:
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
             raise Refusal(failure.code, failure.message, status=failure.status) from None
-        request["caller"] = hotkey
+        request[CALLER] = hotkey
         self.budgets.take_request(hotkey, budget)
         return Admission(hotkey, budget, body)
 
