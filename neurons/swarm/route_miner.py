@@ -6,14 +6,22 @@ model and layer block, their axons say where) and a `RouteEngine` serves generat
 validators and the gateway talk to it as to any whole-model miner. The checkpoint directory is read for the
 config and the tokenizer only (no weights are loaded). It publishes its own endpoint like a miner. With
 --ready-file it writes {"url", "hotkey", "pid", "route"} there once it serves. SIGTERM/SIGINT stop it.
+
+`--trust-db FILE` makes it follow a validator's trust (the local testnet's): stages blamed in that validator's
+SQLite store (read-only, at every refresh of the stage list) are left out of its routes
+(`neurons.validator_app.stage_rounds.TrustedDirectory`), so its traffic moves to a spare once a stage is blamed. `--route-log FILE` appends one JSON line
+{"at", "route": [stage hotkeys]} per route it plans (what the local testnet shows and its tests check).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
+import sqlite3
 import sys
+import time
 from pathlib import Path
 
 from chain import connect
@@ -23,9 +31,41 @@ from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, Server
 from neurons.settings import ChainSettings, WalletSettings, open_wallet
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
 from neurons.swarm.stage_miner import serve_until_signalled
+from neurons.validator_app.stage_rounds import TrustedDirectory
+from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 from protocol.auth import SQLiteNonceStore
 
 log = logging.getLogger("k3.route_miner")
+
+
+class StoreFile:
+    """A validator's store read afresh at every call (the validator writes it; it may not exist yet)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser()
+
+    def stage_checks(self, since=None, hotkey=None) -> list:
+        if not self.path.exists():
+            return []
+        try:
+            with ValidatorStore(self.path, readonly=True) as store:
+                return [dict(r) for r in store.stage_checks(since, hotkey)]
+        except (ValidatorStoreError, sqlite3.Error) as error:  # being created or migrated right now: trust as before
+            log.warning("trust store %s unreadable: %s", self.path, error)
+            return []
+
+
+class LoggedRouteDriver(RouteDriver):
+    """A route driver that appends every route it plans to a JSON-lines file."""
+
+    route_log = ""
+
+    async def plan(self, refresh: bool = False):
+        route = await super().plan(refresh)
+        if self.route_log:
+            with open(self.route_log, "a") as f:
+                f.write(json.dumps({"at": time.time(), "route": [s.hotkey for s in route]}) + "\n")
+        return route
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--max-concurrent", type=int, default=8)
+    p.add_argument("--trust-db", default="", metavar="FILE",
+                   help="a validator's store: leave the stages it blamed out of routes (read at each refresh)")
+    p.add_argument("--route-log", default="", metavar="FILE", help="append each route planned there (JSON lines)")
     p.add_argument("--ready-file", default="")
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -69,8 +112,11 @@ async def run(args) -> None:
     try:
         directory = MetagraphDirectory(chain, args.netuid, config_hash=config.config_hash(),
                                        model_fingerprint=model_fp or None)
-        driver = RouteDriver(directory, wallet.hotkey, config, host=args.host, hop_timeout_s=args.hop_timeout_s,
+        if args.trust_db:
+            directory = TrustedDirectory(directory, StoreFile(args.trust_db))
+        driver = LoggedRouteDriver(directory, wallet.hotkey, config, host=args.host, hop_timeout_s=args.hop_timeout_s,
                              refresh_s=args.refresh_s)
+        driver.route_log = args.route_log
         engine = RouteEngine(driver, load_tokenizer(args.checkpoint, config), model_fingerprint=model_fp,
                              max_context=args.max_context, max_concurrent=args.max_concurrent,
                              prefill_chunk=args.prefill_chunk)
