@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -162,6 +163,24 @@ def ensure_checkpoints(args) -> None:
     cheat = checkpoint_dir(args, cheat_weights=True)
     if args.cheat == "weights" and not (cheat / "config.json").exists():
         make_random_checkpoint(ModelConfig.tiny(), cheat, seed=1, progress=True)
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive loopback ports after it that were free a moment ago (for --base-port)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no block of free ports")
 
 
 def make_wallet(path: Path, name: str) -> bt.Wallet:
@@ -563,7 +582,9 @@ def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_d
     """The validator, checking the stage miners (--stage-challenges per stage per round, against its own copy
     of the weights) and the route miner as a whole-model miner."""
     return validator_command(n, args, chain_spec, netuid, run_dir) + [
-        "--stage-challenges", str(args.stage_challenges), "--canaries", "0"]
+        "--stage-challenges", str(args.stage_challenges), "--canaries", "0",
+        # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
+        "--weights-retry-max-s", "4"]
 
 
 def wait_ready(neurons: list[Neuron], run_dir: Path, timeout_s: float = 180.0) -> dict[str, dict]:
@@ -701,8 +722,10 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
     for n, h in zip(stages, health):
         hotkey = n.wallet.hotkey.ss58_address
         info, r, v = meta.by_hotkey(hotkey), ready[n.name], by_hotkey.get(hotkey, {})
+        role = f"cheat: {n.cheat}" if n.cheat else \
+            ("spare " if n.name.startswith("spare") else "") + ("bf16" if n.dtype == "bfloat16" else "fp32")
         rows.append({"name": n.name, "hotkey": hotkey, "uid": info.uid if info else None, "layers": r["layers"],
-                     "kind": n.kind, "cheat": n.cheat, "dtype": n.dtype, "url": r["url"],
+                     "kind": n.kind, "role": role, "cheat": n.cheat, "dtype": n.dtype, "url": r["url"],
                      "step_ms": v.get("step_ms") or r.get("step_ms") or 0.0, "fingerprint": r["fingerprint"],
                      "announced": commitments[hotkey].data if hotkey in commitments else None,
                      "alive": n.process is not None and n.process.poll() is None,
@@ -717,12 +740,12 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
 def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:
     on_route = {r["hotkey"] for r in route}
     t = Table(title="k3-subnet swarm", caption=caption)
-    for col in ("stage", "uid", "layers", "kind", "port", "step ms", "tokens", "verified", "challenges", "on route",
+    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "verified", "challenges", "on route",
                 "up", "weight", "incentive", "zeroed because"):
         t.add_column(col, overflow="fold")
     for s in stages:
         reason = s.get("reason") or ""
-        t.add_row(s["name"], str(s["uid"]), s["layers"], s.get("kind", ""), s["url"].rsplit(":", 1)[-1],
+        t.add_row(s["name"], str(s["uid"]), s["layers"], s.get("role", ""), s["url"].rsplit(":", 1)[-1],
                   f"{s['step_ms']:.1f}", str(s.get("tokens", "-")), str(s.get("verified_tokens", "-")),
                   f"{s.get('challenges', 0)} ({s.get('failed', 0)} failed)",
                   "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO",
@@ -865,7 +888,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
                 return await swarm_stages(chain, netuid, stages, ready, run_dir)
 
         summary["stages"] = asyncio.run(final())
-        Console().print(swarm_table(summary["stages"], done["route"]))
+        Console(width=None if sys.stdout.isatty() else 200).print(swarm_table(summary["stages"], done["route"]))
     finally:
         print("[localnet] stopping every process it started")
         stop_all(neurons)

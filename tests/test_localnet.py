@@ -1,34 +1,15 @@
-"""End to end: short local testnets as an operator runs them (devnet, miners, a validator; the swarm with and without cheating stages)."""
+"""End to end: short local testnets as an operator runs them (devnet, miners, a validator; the swarm, honest
+and with cheating stages)."""
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 
+from neurons.localnet import free_port_block
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports")
 
 
 def test_localnet_sets_weights_and_the_cheater_earns_nothing(tmp_path):
