@@ -3,6 +3,7 @@
     scripts/localnet.sh                          # devnet, 3 miners, 1 validator, until Ctrl-C
     k3-localnet --run-dir /tmp/k3-run            # the same from an installed package (pip install k3-subnet)
     scripts/localnet.sh --duration 300 --miners 4 --cheat buffer
+    scripts/localnet.sh --swarm 3 --cheat-stage other-weights --cheat-stage replay --duration 300 --stop-when-caught
     scripts/localnet.sh --network local --netuid 2 --wallet-path ~/.bittensor/wallets \\
         --validator-wallet val --miner-wallets m1,m2,m3     # a real subtensor node (wallets registered with btcli)
 
@@ -436,8 +437,14 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
     return state
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM outside the dashboard (while processes start): leave through the `finally` that stops them."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None, prog: str = "k3-localnet") -> int:
     args = parse_args(argv, prog)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     t_launch = time.monotonic()
     run_dir = args.run_dir or Path("runs").resolve() / time.strftime("localnet-%Y%m%d-%H%M%S")
     log_dir = run_dir / "logs"
@@ -584,7 +591,10 @@ def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_d
     return validator_command(n, args, chain_spec, netuid, run_dir) + [
         "--stage-challenges", str(args.stage_challenges), "--canaries", "0",
         # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
-        "--weights-retry-max-s", "4"]
+        "--weights-retry-max-s", "4",
+        # the route miner takes 8 streams per caller: leave room beside the validator's own requests to it for the
+        # organic traffic (signed by the same hotkey, as the validator's gateway's is)
+        "--miner-concurrency", "4"]
 
 
 def wait_ready(neurons: list[Neuron], run_dir: Path, timeout_s: float = 180.0) -> dict[str, dict]:
@@ -828,6 +838,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
             live.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, exit_on_sigterm)  # asyncio put back the default
     view = read_validator(run_dir)
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
                  stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
