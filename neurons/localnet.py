@@ -764,9 +764,12 @@ def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Tab
     return t
 
 
+MIN_ORGANIC = 3  # organic requests served before --stop-when-caught may stop
+
+
 def caught_everyone(rows: list[dict], view: dict, organic: list[dict]) -> bool:
-    """Every cheating stage blamed and at weight 0 in weights set after its blame, no honest stage blamed, and an
-    organic request served after the last blame through a route of unblamed stages."""
+    """Every cheating stage blamed and at weight 0 in weights set after its blame, no honest stage blamed, at least
+    MIN_ORGANIC organic requests served, one of them after the last blame through a route of unblamed stages."""
     cheaters = [r for r in rows if r["cheat"]]
     status = view.get("status") or {}
     set_at = status.get("weights_set_at") or 0.0
@@ -776,7 +779,8 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict]) -> bool:
         return False
     last = max(r["blame"]["at"] for r in cheaters)
     blamed = {r["hotkey"] for r in cheaters}
-    return any(o["ok"] and o["at"] > last and not blamed & set(o["route"]) for o in organic)
+    served = [o for o in organic if o["ok"]]
+    return len(served) >= MIN_ORGANIC and any(o["at"] > last and not blamed & set(o["route"]) for o in served)
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
