@@ -136,3 +136,38 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
 
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
+
+
+def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys):
+    """The layout `--cheat-stage` asks for, without starting anything: cheater i on block (N // 2 + i) mod N, an
+    honest spare per cheated block, one honest bf16 stage; the kinds are the stage cheaters there are; bad
+    combinations are refused with a message."""
+    import pytest
+
+    from neurons.localnet import STAGE_CHEATS, parse_args, swarm_neurons
+    from neurons.swarm.cheats import CHEATS
+
+    assert set(STAGE_CHEATS) == set(CHEATS)
+    args = parse_args(["--swarm", "3", "--cheat-stage", "echo", "--cheat-stage", "replay", "--cheat-stage", "forwarder"])
+    stages = [n for n in swarm_neurons(args, tmp_path / "wallets") if n.role == "stage"]
+    by_name = {n.name: n for n in stages}
+    assert [(by_name[f"stage{i}"].layers, by_name[f"stage{i}"].cheat) for i in range(3)] == \
+        [("0-2", "forwarder"), ("3-8", "echo"), ("9-12", "replay")]
+    assert sorted(n.layers for n in stages if n.name.startswith("spare")) == ["0-2", "3-8", "9-12"]
+    assert [n.name for n in stages if n.dtype == "bfloat16"] == ["spare2"]  # every stage0..2 cheats here
+    assert len({n.port for n in stages}) == len(stages)
+
+    one = [n for n in swarm_neurons(parse_args(["--swarm", "3", "--cheat-stage", "skip-layer"]), tmp_path / "w1")
+           if n.role == "stage"]
+    assert [(n.name, n.layers, n.cheat, n.dtype) for n in one] == [
+        ("stage0", "0-2", "", "float32"), ("stage1", "3-8", "skip-layer", "float32"),
+        ("stage2", "9-12", "", "bfloat16"), ("spare", "3-8", "", "float32")]
+
+    for argv, message in ((["--cheat-stage", "echo"], "go with --swarm"),
+                          (["--swarm", "2", "--cheat-stage", "echo", "--cheat-stage", "echo", "--cheat-stage", "echo"],
+                           "one cheater per block"),
+                          (["--swarm", "3", "--stop-when-caught"], "needs at least one --cheat-stage"),
+                          (["--swarm", "3", "--cheat-stage", "lazy"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
