@@ -3,6 +3,7 @@
     scripts/localnet.sh                          # devnet, 3 miners, 1 validator, until Ctrl-C
     k3-localnet --run-dir /tmp/k3-run            # the same from an installed package (pip install k3-subnet)
     scripts/localnet.sh --duration 300 --miners 4 --cheat buffer
+    scripts/localnet.sh --swarm 3 --cheat-stage other-weights --cheat-stage replay --duration 300 --stop-when-caught
     scripts/localnet.sh --network local --netuid 2 --wallet-path ~/.bittensor/wallets \\
         --validator-wallet val --miner-wallets m1,m2,m3     # a real subtensor node (wallets registered with btcli)
 
@@ -19,6 +20,14 @@ behind the signed miner protocol, finding the stages from the chain), and a vali
 completion through the route, checks it against the single-process model, shows the stages and the route, and
 then runs until --duration ends or Ctrl-C. Each stage miner announces its layer block on chain itself.
 
+`--swarm N --cheat-stage KIND` (repeatable: `--cheat-stage echo --cheat-stage replay`) makes the stage miner of a
+block a cheater (KIND as in neurons/swarm/cheats.py: other-weights, skip-layer, echo, session-liar,
+long-position-liar, replay, forwarder), gives every cheated block an honest spare, and runs one honest stage in
+bf16. The validator challenges the stage miners (against its own copy of the weights), organic requests go
+through the route miner all along (it leaves stages the validator blamed out of its routes), and the dashboard
+shows each stage's layers, tokens, weight and, for a blamed one, weight 0 with the reason. `--stop-when-caught`
+ends the run once every cheater is blamed and zeroed on chain and organic traffic goes through the spares.
+
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
 setup service, after which the miners and the validator run as containers of their own. Run again on a
@@ -32,6 +41,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +62,8 @@ from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 
 CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
+# how a swarm stage miner can cheat (neurons.swarm.cheats.CHEATS; named here so --help needs no torch)
+STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay", "forwarder")
 # The directory holding the packages: a checkout (with pyproject.toml) or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 VALIDATOR_STAKE = 10_000.0
@@ -65,6 +77,9 @@ class Neuron:
     wallet: bt.Wallet
     port: int = 0
     kind: str = ""  # what the dashboard shows: reference, sharded x2, cheat: ...
+    layers: str = ""  # a swarm stage: its block A-B
+    cheat: str = ""  # a swarm stage: how it cheats (a key of neurons.swarm.cheats.CHEATS), "" when honest
+    dtype: str = "float32"  # a swarm stage: weights and wire dtype
     process: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -106,7 +121,21 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--swarm", type=int, default=0, metavar="N",
                     help="devnet: serve the tiny model as a swarm of N stage miners (plus a spare and a route miner)")
     ap.add_argument("--swarm-tokens", type=int, default=8, help="--swarm: tokens of the completion served")
+    ap.add_argument("--cheat-stage", action="append", choices=STAGE_CHEATS, default=[], metavar="KIND",
+                    help="--swarm: one stage miner cheats this way (repeat for several, each on another block; "
+                         "each cheated block gets an honest spare): " + ", ".join(STAGE_CHEATS))
+    ap.add_argument("--stage-challenges", type=int, default=2,
+                    help="--swarm: the validator's challenges per stage miner per round")
+    ap.add_argument("--stop-when-caught", action="store_true",
+                    help="--swarm with --cheat-stage: stop once every cheating stage is blamed and at weight 0 on "
+                         "chain and an organic request went through the spares (exit 1 if --duration ends first)")
     args = ap.parse_args(argv)
+    if (args.cheat_stage or args.stop_when_caught) and not args.swarm:
+        ap.error("--cheat-stage and --stop-when-caught go with --swarm N")
+    if len(args.cheat_stage) > args.swarm:
+        ap.error(f"--cheat-stage: at most one cheater per block ({args.swarm} blocks)")
+    if args.stop_when_caught and not args.cheat_stage:
+        ap.error("--stop-when-caught needs at least one --cheat-stage")
     if args.swarm and (args.chain != "devnet" or args.setup_only or args.swarm < 2):
         ap.error("--swarm N runs on the embedded devnet (no --network, no --setup-only) with N >= 2")
     if args.miners < 2:
@@ -135,6 +164,24 @@ def ensure_checkpoints(args) -> None:
     cheat = checkpoint_dir(args, cheat_weights=True)
     if args.cheat == "weights" and not (cheat / "config.json").exists():
         make_random_checkpoint(ModelConfig.tiny(), cheat, seed=1, progress=True)
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive loopback ports after it that were free a moment ago (for --base-port)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no block of free ports")
 
 
 def make_wallet(path: Path, name: str) -> bt.Wallet:
@@ -390,8 +437,14 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
     return state
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM outside the dashboard (while processes start): leave through the `finally` that stops them."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None, prog: str = "k3-localnet") -> int:
     args = parse_args(argv, prog)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     t_launch = time.monotonic()
     run_dir = args.run_dir or Path("runs").resolve() / time.strftime("localnet-%Y%m%d-%H%M%S")
     log_dir = run_dir / "logs"
@@ -457,39 +510,91 @@ SWARM_PROMPT = [(11 * j + 5) % 256 for j in range(21)]
 
 
 def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
-    """The validator, stage0..stage{N-1} (kind "layers A-B"), a spare for the middle block, and the route miner."""
+    """The validator, stage0..stage{N-1} (one per block), the spares, and the route miner.
+
+    Without --cheat-stage: one spare, for the middle block, every stage honest in fp32. With --cheat-stage K1
+    [--cheat-stage K2 ...]: cheater i serves block (N // 2 + i) mod N in place of its honest stage, each cheated
+    block has an honest spare ("spare", "spare1", ...) that takes over once the cheater is blamed, and one honest
+    stage serves its block in bf16 with a bf16 wire (the last honest stage0..N-1, else the last spare)."""
     from inference.planning.swarm_plan import stage_blocks  # noqa: PLC0415
 
     config = ModelConfig.tiny()
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, args.swarm)
-    port = iter(range(args.base_port, args.base_port + args.swarm + 2))
+    cheats = list(args.cheat_stage or [])
+    mid = len(blocks) // 2
+    cheated = {(mid + i) % len(blocks): kind for i, kind in enumerate(cheats)}
+    port = iter(range(args.base_port, args.base_port + 2 * args.swarm + 2))
     neurons = [Neuron("validator", "validator", make_wallet(wallet_dir, "validator"))]
-    for i, (a, b) in enumerate(blocks):
+    layers = [f"{a}-{b - 1}" for a, b in blocks]
+    for i, block in enumerate(layers):
+        cheat = cheated.get(i, "")
         neurons.append(Neuron(f"stage{i}", "stage", make_wallet(wallet_dir, f"stage{i}"), port=next(port),
-                              kind=f"layers {a}-{b - 1}"))
-    spare = neurons[1 + len(blocks) // 2]
-    neurons.append(Neuron("spare", "stage", make_wallet(wallet_dir, "spare"), port=next(port),
-                          kind=spare.kind + " (spare)"))
+                              kind=f"layers {block}" + (f" cheat: {cheat}" if cheat else ""), layers=block,
+                              cheat=cheat))
+    spares = []
+    for j, i in enumerate(sorted(cheated) or [mid]):
+        name = "spare" if j == 0 else f"spare{j}"
+        spares.append(Neuron(name, "stage", make_wallet(wallet_dir, name), port=next(port),
+                             kind=f"layers {layers[i]} (spare)", layers=layers[i]))
+    neurons += spares
+    if cheats:
+        honest = [n for n in neurons[1:] if n.role == "stage" and not n.cheat and n.name.startswith("stage")]
+        bf16 = honest[-1] if honest else spares[-1]
+        bf16.dtype, bf16.kind = "bfloat16", bf16.kind + " bf16"
     neurons.append(Neuron("route", "miner", make_wallet(wallet_dir, "route"), port=next(port), kind="route"))
     return neurons
 
 
-def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, extra: list[str]) -> list[str]:
-    layers = n.kind.split()[1]
+def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
+                  extra: list[str] = ()) -> list[str]:
+    """An honest stage miner (neurons.swarm.stage_miner), or a cheating one (neurons.swarm.cheats: the same
+    stage server and announcement, a dishonest block)."""
+    common = ["--network", chain_spec, "--netuid", str(netuid), "--wallet-path", str(Path(n.wallet.path)),
+              "--port", str(n.port), "--threads", "1", "--ready-file", str(run_dir / f"{n.name}.ready")]
+    if n.cheat:
+        cmd = [sys.executable, "-m", "neurons.swarm.cheats", "--checkpoint", str(checkpoint_dir(args)),
+               "--stage", f"{n.name}:{n.cheat}:{n.layers}", *common]
+        if n.cheat == "forwarder":  # it hands its sessions to the honest stages of its block
+            cmd += [a for s in neurons if s.role == "stage" and s.layers == n.layers and not s.cheat
+                    for a in ("--forward-to", f"http://127.0.0.1:{s.port}")]
+        return cmd + list(extra)
     return [sys.executable, "-m", "neurons.swarm.stage_miner", "--checkpoint", str(checkpoint_dir(args)),
-            "--serve-layers", layers, "--network", chain_spec, "--netuid", str(netuid),
-            "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
-            "--host", "127.0.0.1", "--port", str(n.port), "--threads", "1",
-            "--ready-file", str(run_dir / f"{n.name}.ready"), *extra]
+            "--serve-layers", n.layers, "--wallet-name", n.wallet.name, "--wallet-hotkey", "default",
+            "--host", "127.0.0.1", "--dtype", n.dtype, "--wire-dtype", n.dtype, *common, *extra]
 
 
 def route_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
+    """The route miner; it follows the local validator's trust (stages blamed in its store are left out)."""
     return [sys.executable, "-m", "neurons.swarm.route_miner", "--network", chain_spec, "--netuid", str(netuid),
             "--checkpoint", str(checkpoint_dir(args)),
             "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
             "--host", "127.0.0.1", "--port", str(n.port), "--nonce-store", str(run_dir / "route-nonces.sqlite"),
-            "--min-validator-stake", str(MINER_MIN_VALIDATOR_STAKE), "--refresh-s", "5",
+            "--min-validator-stake", str(MINER_MIN_VALIDATOR_STAKE), "--refresh-s", "2",
+            "--trust-db", str(run_dir / "validator.sqlite"), "--route-log", str(run_dir / ROUTE_LOG),
             "--ready-file", str(run_dir / f"{n.name}.ready")]
+
+
+ROUTE_LOG = "routes.jsonl"  # the route miner's log of every route it plans
+
+
+def planned_routes(run_dir: Path) -> list[dict]:
+    """Every route the route miner planned so far: [{at, route: [stage hotkeys]}]."""
+    path = run_dir / ROUTE_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
+    """The validator, checking the stage miners (--stage-challenges per stage per round, against its own copy
+    of the weights) and the route miner as a whole-model miner."""
+    return validator_command(n, args, chain_spec, netuid, run_dir) + [
+        "--stage-challenges", str(args.stage_challenges), "--canaries", "0",
+        # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
+        "--weights-retry-max-s", "4",
+        # the route miner takes 8 streams per caller: leave room beside the validator's own requests to it for the
+        # organic traffic (signed by the same hotkey, as the validator's gateway's is)
+        "--miner-concurrency", "4"]
 
 
 def wait_ready(neurons: list[Neuron], run_dir: Path, timeout_s: float = 180.0) -> dict[str, dict]:
@@ -527,36 +632,230 @@ def reference_greedy(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-async def swarm_completion(route: Neuron, url: str, caller, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy completion through the route miner, signed by `caller` (the validator's hotkey)."""
+async def swarm_completion(route: Neuron, url: str, caller, prompt: list[int], max_tokens: int,
+                           client=None, request_id: str = "") -> dict:
+    """One greedy completion through the route miner, signed by `caller` (the validator's hotkey); "route" is
+    the route the miner planned for it (its capabilities right after)."""
     from protocol.client import MinerClient  # noqa: PLC0415
     from protocol.schemas import GenerateRequest  # noqa: PLC0415
 
     started = time.monotonic()
-    async with MinerClient(caller) as client:
-        caps = await client.capabilities(url, route.wallet.hotkey.ss58_address)
-        result = await client.generate(url, route.wallet.hotkey.ss58_address, GenerateRequest(
-            request_id=f"swarm-{int(time.time())}", prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0))
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(MinerClient(caller))
+        hotkey = route.wallet.hotkey.ss58_address
+        result = await client.generate(url, hotkey, GenerateRequest(
+            request_id=request_id or f"swarm-{time.time_ns()}", prompt_token_ids=prompt, max_tokens=max_tokens,
+            temperature=0.0))
+        caps = await client.capabilities(url, hotkey)
     return {"tokens": list(result.token_ids), "seconds": time.monotonic() - started,
             "route": (caps.layout or {}).get("route", [])}
 
 
-def swarm_table(stages: list[dict], route: list[dict]) -> Table:
+async def organic_traffic(route: Neuron, url: str, caller, stop: asyncio.Event, sent: list[dict], run_dir: Path,
+                          pause_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Organic requests through the route miner, one after another until `stop`: each appended to `sent` as
+    {at, ok, seconds, route | error}; route: the stage hotkeys of the last route the miner planned before the
+    answer came back."""
+    from protocol.client import MinerClient  # noqa: PLC0415
+
+    async with MinerClient(caller) as client:
+        i = 0
+        while not stop.is_set():
+            entry = {"at": time.time(), "ok": False}
+            prompt = [(7 * i + 13 * j + 1) % 256 for j in range(12 + i % 9)]
+            try:
+                done = await asyncio.wait_for(swarm_completion(route, url, caller, prompt, 4, client,
+                                                               f"organic-{i}-{time.time_ns()}"), timeout_s)
+                routes = [r for r in planned_routes(run_dir) if r["at"] <= time.time()]
+                entry.update(ok=True, seconds=done["seconds"], route=routes[-1]["route"] if routes else [])
+            except Exception as exc:  # noqa: BLE001 (any failure of an organic request is what we record)
+                entry.update(seconds=time.time() - entry["at"], error=f"{type(exc).__name__}: {exc}"[:300])
+            sent.append(entry)
+            i += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause_s)
+
+
+def read_validator(run_dir: Path) -> dict:
+    """The validator's view from its store: `validator.py status`'s report and every stage check (empty while
+    the store does not exist yet)."""
+    from neurons.validator_app import status_report  # noqa: PLC0415
+    from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415
+
+    db = run_dir / "validator.sqlite"
+    if not db.exists():
+        return {}
+    try:
+        with ValidatorStore(db, readonly=True) as store:
+            return {"status": status_report(store), "checks": [dict(r) for r in store.stage_checks()]}
+    except Exception:  # noqa: BLE001 (the validator may be creating or migrating it right now)
+        return {}
+
+
+def blame_timeline(checks: list[dict], hotkey: str) -> dict:
+    """For one stage: its checks until the first blame: challenges (and checks of every kind) up to and
+    including the blaming one, seconds from the start of its first check, and the reason."""
+    mine = [c for c in checks if c["hotkey"] == hotkey]
+    first = next((c for c in mine if c["blame"]), None)
+    if first is None:
+        return {"blamed": False, "challenges": sum(1 for c in mine if c["kind"] == "challenge"), "checks": len(mine)}
+    before = [c for c in mine if c["id"] <= first["id"]]
+    begun = min(c["at"] - (c["wall_s"] or 0.0) for c in before)
+    return {"blamed": True, "challenges": sum(1 for c in before if c["kind"] == "challenge"), "checks": len(before),
+            "seconds": first["at"] - begun, "at": first["at"], "kind": first["kind"],
+            "reason": f"{first['kind']}: {first['reason']}"}
+
+
+async def stage_health(url: str, timeout_s: float = 2.0) -> dict:
+    """A stage's own counters (GET /stage/health: tokens computed, sessions, step time); {} when unreachable."""
+    import aiohttp  # noqa: PLC0415
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url.rstrip("/") + "/stage/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return await r.json() if r.status == 200 else {}
+    except Exception:  # noqa: BLE001 (a stopped stage)
+        return {}
+
+
+async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str, dict], run_dir: Path,
+                       view: dict | None = None) -> list[dict]:
+    """Every stage miner as the chain, its process and the validator see it: uid, layers, kind, what it
+    announced, step time, tokens it computed (routes and probes), the validator's verified tokens, challenges,
+    weight, and for a blamed stage the reason (and its blame timeline)."""
+    meta, commitments = await chain.metagraph(netuid), await chain.commitments(netuid)
+    view = read_validator(run_dir) if view is None else view
+    by_hotkey = {s["hotkey"]: s for s in (view.get("status") or {}).get("stage_miners", [])}
+    health = await asyncio.gather(*(stage_health(ready[n.name]["url"]) for n in stages))
+    rows = []
+    for n, h in zip(stages, health):
+        hotkey = n.wallet.hotkey.ss58_address
+        info, r, v = meta.by_hotkey(hotkey), ready[n.name], by_hotkey.get(hotkey, {})
+        role = f"cheat: {n.cheat}" if n.cheat else \
+            ("spare " if n.name.startswith("spare") else "") + ("bf16" if n.dtype == "bfloat16" else "fp32")
+        rows.append({"name": n.name, "hotkey": hotkey, "uid": info.uid if info else None, "layers": r["layers"],
+                     "kind": n.kind, "role": role, "cheat": n.cheat, "dtype": n.dtype, "url": r["url"],
+                     "step_ms": v.get("step_ms") or r.get("step_ms") or 0.0, "fingerprint": r["fingerprint"],
+                     "announced": commitments[hotkey].data if hotkey in commitments else None,
+                     "alive": n.process is not None and n.process.poll() is None,
+                     "tokens": h.get("tokens"), "verified_tokens": v.get("tokens", 0),
+                     "challenges": v.get("challenges", 0), "failed": v.get("failed", 0),
+                     "weight": v.get("weight", 0.0), "blamed": v.get("blamed", False), "reason": v.get("reason"),
+                     "blame": blame_timeline(view.get("checks", []), hotkey),
+                     "incentive": info.incentive if info else 0.0})
+    return rows
+
+
+def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:
     on_route = {r["hotkey"] for r in route}
-    t = Table(title="k3-subnet swarm")
-    for col in ("stage", "uid", "layers", "port", "step ms", "on route", "up", "incentive"):
-        t.add_column(col)
+    t = Table(title="k3-subnet swarm", caption=caption)
+    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "verified", "challenges", "on route",
+                "up", "weight", "incentive", "zeroed because"):
+        t.add_column(col, overflow="fold")
     for s in stages:
-        t.add_row(s["name"], str(s["uid"]), s["layers"], s["url"].rsplit(":", 1)[-1], f"{s['step_ms']:.1f}",
-                  "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO", f"{s['incentive']:.3f}")
+        reason = s.get("reason") or ""
+        t.add_row(s["name"], str(s["uid"]), s["layers"], s.get("role", ""), s["url"].rsplit(":", 1)[-1],
+                  f"{s['step_ms']:.1f}", str(s.get("tokens", "-")), str(s.get("verified_tokens", "-")),
+                  f"{s.get('challenges', 0)} ({s.get('failed', 0)} failed)",
+                  "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO",
+                  f"{s.get('weight', 0.0):.3f}" + (" BLAMED" if s.get("blamed") else ""), f"{s['incentive']:.3f}",
+                  reason[:70])
     return t
 
 
+MIN_ORGANIC = 3  # organic requests served before --stop-when-caught may stop
+
+
+def caught_everyone(rows: list[dict], view: dict, organic: list[dict]) -> bool:
+    """Every cheating stage blamed and at weight 0 in weights set after its blame, no honest stage blamed, at least
+    MIN_ORGANIC organic requests served, one of them after the last blame through a route of unblamed stages."""
+    cheaters = [r for r in rows if r["cheat"]]
+    status = view.get("status") or {}
+    set_at = status.get("weights_set_at") or 0.0
+    if not cheaters or any(r["blamed"] for r in rows if not r["cheat"]):
+        return False
+    if not all(r["blame"]["blamed"] and r["weight"] == 0.0 and set_at > r["blame"]["at"] for r in cheaters):
+        return False
+    last = max(r["blame"]["at"] for r in cheaters)
+    blamed = {r["hotkey"] for r in cheaters}
+    served = [o for o in organic if o["ok"]]
+    return len(served) >= MIN_ORGANIC and any(o["at"] > last and not blamed & set(o["route"]) for o in served)
+
+
+async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
+                      ready: dict[str, dict], caller) -> dict:
+    """The live swarm dashboard until --duration, Ctrl-C, a process dying or (--stop-when-caught) every
+    cheater caught; with --cheat-stage, organic requests go through the route miner all along."""
+    stages = [n for n in neurons if n.role == "stage"]
+    route = next(n for n in neurons if n.name == "route")
+    console, started = Console(), time.monotonic()
+    stop, organic = asyncio.Event(), []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    traffic = asyncio.create_task(organic_traffic(route, ready["route"]["url"], caller, stop, organic,
+                                                     run_dir)) \
+        if args.cheat_stage else None
+    state: dict = {"caught": False, "rows": []}
+    live = None if args.no_dashboard else Live(console=console, refresh_per_second=1)
+    if live:
+        live.start()
+    try:
+        async with connect(chain_spec) as chain:
+            while not stop.is_set():
+                elapsed = time.monotonic() - started
+                view = await asyncio.to_thread(read_validator, run_dir)
+                try:
+                    rows = await swarm_stages(chain, netuid, stages, ready, run_dir, view)
+                except Exception as exc:  # noqa: BLE001 (a locked devnet database for a moment: keep the last view)
+                    console.print(f"[localnet] dashboard refresh failed: {exc}")
+                    rows = state["rows"]
+                ok = sum(1 for o in organic if o["ok"])
+                last_route = next((o["route"] for o in reversed(organic) if o["ok"]), [])
+                names = {r["hotkey"]: r["name"] for r in rows}
+                caption = (f"running {elapsed:.0f} s; organic requests {ok} served / {len(organic)} sent; last route "
+                           + " > ".join(names.get(h, h[:8]) for h in last_route))
+                state.update(rows=rows, caught=caught_everyone(rows, view, organic) if rows else False)
+                if live:
+                    live.update(swarm_table(rows, [{"hotkey": h} for h in last_route], caption))
+                else:
+                    console.print(caption + " | " + " | ".join(
+                        f"{r['name']} w={r['weight']:.3f}{' BLAMED' if r['blamed'] else ''}" for r in rows))
+                dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
+                if dead:
+                    console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
+                    break
+                if args.stop_when_caught and state["caught"]:
+                    console.print(f"[localnet] every cheating stage blamed and zeroed after {elapsed:.0f} s: stopping")
+                    break
+                if args.duration and elapsed >= args.duration:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2.0)
+    finally:
+        stop.set()
+        if traffic is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(traffic, 70)
+        if live:
+            live.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, exit_on_sigterm)  # asyncio put back the default
+    view = read_validator(run_dir)
+    state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
+                 stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
+                                        if c["kind"] == "challenge" and c["cpu_s"] is not None])
+    return state
+
+
 def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[str]] | None = None) -> int:
-    """`--swarm N`: the devnet, N stage miners (+ a spare), the route miner and a validator; one completion through
-    the route compared with the single-process model. `stage_flags` adds command-line flags per stage miner, by
-    name ("stage0", ..., "spare"), e.g. a cheating stage's. Returns the exit status (1 when the route's answer
-    differs from the model's)."""
+    """`--swarm N`: the devnet, N stage miners (+ spares, cheaters with --cheat-stage), the route miner and a
+    validator; one completion through the route (compared with the single-process model when every stage is
+    honest), then the dashboard. `stage_flags` adds command-line flags per stage miner, by name ("stage0", ...,
+    "spare"). Returns the exit status: 1 when the honest route's answer differs from the model's, or with
+    --stop-when-caught when the run ended before every cheater was caught."""
     stage_flags = stage_flags or {}
     log_dir = run_dir / "logs"
     ensure_checkpoints(args)
@@ -566,53 +865,51 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     print(f"[localnet] chain {chain_spec}, netuid {netuid}")
     stages = [n for n in neurons if n.role == "stage"]
     route, validator = neurons[-1], neurons[0]
-    summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir)}
+    summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
+                     "cheat_stages": list(args.cheat_stage or [])}
     status = 0
     try:
         for n in stages:
-            start(n, stage_command(n, args, chain_spec, netuid, run_dir, list(stage_flags.get(n.name, ()))), log_dir)
+            start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons, stage_flags.get(n.name, ())),
+                  log_dir)
         ready = wait_ready(stages, run_dir)
-        print(f"[localnet] {len(stages)} stage miners serving and announced on chain")
+        print(f"[localnet] {len(stages)} stage miners serving and announced on chain: "
+              + ", ".join(f"{n.name} ({n.kind})" for n in stages))
         start(route, route_command(route, args, chain_spec, netuid, run_dir), log_dir)
         ready.update(wait_ready([route], run_dir))
-        start(validator, validator_command(validator, args, chain_spec, netuid, run_dir), log_dir)
+        start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir), log_dir)
         print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
         done = asyncio.run(swarm_completion(route, ready["route"]["url"], validator.wallet.hotkey, SWARM_PROMPT,
                                             args.swarm_tokens))
         want = reference_greedy(checkpoint_dir(args), SWARM_PROMPT, args.swarm_tokens)
-        # the miner protocol's capabilities are the route miner's at its start: its ready file names the route
         done.update(reference=want, match=done["tokens"] == want, route=done["route"] or ready["route"]["route"])
         print(f"[localnet] completion through {len(done['route'])} stages in {done['seconds']:.2f} s: "
               f"{done['tokens']} ({'equals' if done['match'] else 'DIFFERS FROM'} the single-process model's {want})")
-        status = 0 if done["match"] else 1
+        if not args.cheat_stage:  # with cheaters (and a bf16 stage) on the route the answer may differ
+            status = 0 if done["match"] else 1
         summary["completion"] = done
-        if args.duration:
-            summary.update(asyncio.run(watch(args, chain_spec, netuid, run_dir, neurons, t_launch)))
-        summary["stages"] = asyncio.run(swarm_stages(chain_spec, netuid, stages, ready))
-        Console().print(swarm_table(summary["stages"], done["route"]))
+        if args.duration or args.stop_when_caught:
+            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready,
+                                              validator.wallet.hotkey))
+            summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
+                           routes=watched["routes"],
+                           stage_challenge_cpu_s=watched["stage_challenge_cpu_s"])
+            if args.stop_when_caught and not watched["caught"]:
+                print("[localnet] the run ended before every cheating stage was blamed and zeroed")
+                status = 1
+
+        async def final():
+            async with connect(chain_spec) as chain:
+                return await swarm_stages(chain, netuid, stages, ready, run_dir)
+
+        summary["stages"] = asyncio.run(final())
+        Console(width=None if sys.stdout.isatty() else 200).print(swarm_table(summary["stages"], done["route"]))
     finally:
         print("[localnet] stopping every process it started")
         stop_all(neurons)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2, default=str))
     return status
-
-
-async def swarm_stages(chain_spec: str, netuid: int, stages: list[Neuron], ready: dict[str, dict]) -> list[dict]:
-    """Every stage miner as the chain and its process see it: uid, layers, what it announced, step time,
-    weight."""
-    async with connect(chain_spec) as chain:
-        meta, commitments = await chain.metagraph(netuid), await chain.commitments(netuid)
-    rows = []
-    for n in stages:
-        hotkey = n.wallet.hotkey.ss58_address
-        info, r = meta.by_hotkey(hotkey), ready[n.name]
-        rows.append({"name": n.name, "hotkey": hotkey, "uid": info.uid if info else None, "layers": r["layers"],
-                     "url": r["url"], "step_ms": r.get("step_ms") or 0.0, "fingerprint": r["fingerprint"],
-                     "announced": commitments[hotkey].data if hotkey in commitments else None,
-                     "alive": n.process is not None and n.process.poll() is None,
-                     "incentive": info.incentive if info else 0.0})
-    return rows
 
 
 if __name__ == "__main__":

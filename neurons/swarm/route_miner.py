@@ -9,12 +9,23 @@ miner's wallet, chain, server and validator flags (btcli's -w/-H/--wallet-path, 
 its own settings from K3_ROUTE_*; --help lists each with its variable). With --metrics, the miner's Prometheus
 metrics on 127.0.0.1:--metrics-port. With --ready-file it writes {"url", "hotkey", "pid", "route", "health"}
 there once it serves. SIGTERM/SIGINT stop it.
+
+`--trust-db FILE` makes it follow a validator's trust (the local testnet's): stages blamed in that validator's
+SQLite store (read-only, at every refresh of the stage list) are left out of its routes
+(`neurons.validator_app.stage_rounds.TrustedDirectory`), so its traffic moves to a spare once a stage is blamed.
+`--route-log FILE` appends one JSON line {"at", "route": [stage hotkeys]} per route it plans (what the local
+testnet shows and its tests check).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
+import sqlite3
 import sys
+import time
+from pathlib import Path
 
 from chain import connect
 from chain.interface import ChainError
@@ -26,9 +37,42 @@ from neurons.settings import describe_values, open_wallet, program_name
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
 from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options
 from neurons.swarm.stage_miner import serve_until_signalled
+from neurons.validator_app.stage_rounds import TrustedDirectory
+from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 from protocol.auth import SQLiteNonceStore
 
 MODULE = "neurons.swarm.route_miner"
+log = logging.getLogger("k3.route_miner")
+
+
+class StoreFile:
+    """A validator's store read afresh at every call (the validator writes it; it may not exist yet)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser()
+
+    def stage_checks(self, since=None, hotkey=None) -> list:
+        if not self.path.exists():
+            return []
+        try:
+            with ValidatorStore(self.path, readonly=True) as store:
+                return [dict(r) for r in store.stage_checks(since, hotkey)]
+        except (ValidatorStoreError, sqlite3.Error) as error:  # being created or migrated right now: trust as before
+            log.warning("trust store %s unreadable: %s", self.path, error)
+            return []
+
+
+class LoggedRouteDriver(RouteDriver):
+    """A route driver that appends every route it plans to a JSON-lines file."""
+
+    route_log = ""
+
+    async def plan(self, refresh: bool = False):
+        route = await super().plan(refresh)
+        if self.route_log:
+            with open(self.route_log, "a") as f:
+                f.write(json.dumps({"at": time.time(), "route": [s.hotkey for s in route]}) + "\n")
+        return route
 
 
 async def run(settings: RouteMinerSettings) -> int:
@@ -45,8 +89,11 @@ async def run(settings: RouteMinerSettings) -> int:
     try:
         directory = MetagraphDirectory(chain, c.netuid, config_hash=config.config_hash(),
                                        model_fingerprint=model_fp or None)
-        driver = RouteDriver(directory, wallet.hotkey, config, host=settings.server.host,
-                             hop_timeout_s=r.hop_timeout_s, refresh_s=c.metagraph_refresh_s)
+        if r.trust_db:
+            directory = TrustedDirectory(directory, StoreFile(r.trust_db))
+        driver = LoggedRouteDriver(directory, wallet.hotkey, config, host=settings.server.host,
+                                   hop_timeout_s=r.hop_timeout_s, refresh_s=c.metagraph_refresh_s)
+        driver.route_log = r.route_log
         engine = RouteEngine(driver, load_tokenizer(r.checkpoint, config), model_fingerprint=model_fp,
                              max_context=r.max_context, max_concurrent=r.max_concurrent,
                              prefill_chunk=r.prefill_chunk)

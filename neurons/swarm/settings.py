@@ -158,6 +158,9 @@ class RouteSettings:
                                   metavar="N")
     ready_file: str = setting("", "once serving, write {url, hotkey, pid, route, health} there as JSON",
                               metavar="FILE")
+    trust_db: str = setting("", "a validator's store: leave the stages it blamed out of routes (read at each "
+                            "refresh of the stage list)", metavar="FILE")
+    route_log: str = setting("", "append each route planned there (JSON lines: at, route)", metavar="FILE")
 
 
 # The chain is the miner's (--network/-n, --netuid, BT_NETWORK); one refresh period serves both the stage list and
