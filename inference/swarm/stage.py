@@ -43,8 +43,9 @@ from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
+from inference.speculative.verify import accept_drafts
 
-HEAD_MODES = ("none", "sample", "score")
+HEAD_MODES = ("none", "sample", "score", "verify")
 
 
 # ------------------------------------------------------------------ layer ranges
@@ -178,6 +179,9 @@ class HeadOutput:
     top: list[tuple[int, float]] = field(default_factory=list)  # sample: top alternatives
     logprobs: list[float | None] = field(default_factory=list)  # score: per row (None where no target)
     row_tops: list[list[tuple[int, float]]] = field(default_factory=list)  # score: per row top_k
+    # verify: the emitted tokens (accepted drafts, then the correction or bonus) as (id, logprob, top)
+    verified: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    accepted: int = 0  # verify: how many drafted tokens were accepted
 
 
 @dataclass
@@ -210,9 +214,16 @@ def _slice_input(payload, lo: int, hi: int):
     return ResidualState((hi - lo,), [b[lo:hi] for b in payload.blocks], payload.partial[lo:hi])
 
 
-def _position_seed(seed: int, position: int) -> int:
+def _position_seed(seed: int, position: int | str) -> int:
     digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def end_mark(cache) -> None:
+    """Drop a cache's speculative rewind log, keeping everything (a rewind to its own length ends the mark;
+    works for `SequenceCache` and the sharded runtime's `ShardCache`)."""
+    if cache.marked:
+        cache.rewind(cache.length)
 
 
 class Stage:
@@ -370,6 +381,13 @@ class Stage:
             raise StageError(400, "bad_mode", f"mode must be one of {HEAD_MODES}")
         if not 0 <= top_k <= MAX_LOGPROBS:
             raise StageError(400, "bad_top_k", f"top_k must lie in 0..{MAX_LOGPROBS}")
+        if mode == "verify":
+            if n < 2 or targets is None or len(targets) != n - 1:
+                raise StageError(400, "bad_targets", "verifying takes the last token then k >= 1 drafted ones, "
+                                                     f"and the k drafts as targets ({n} tokens, "
+                                                     f"{'no' if targets is None else len(targets)} targets)")
+            if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in targets):
+                raise StageError(400, "bad_targets", f"drafted tokens must lie in 0..{cfg.vocab_size - 1}")
         if mode == "score":
             if targets is None or len(targets) != n:
                 raise StageError(400, "bad_targets", f"scoring needs one target per token ({n}), -1 for none")
@@ -391,6 +409,9 @@ class Stage:
             try:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
+                    end_mark(session.cache)
+                    if mode == "verify":  # drafts the driver will likely take back: rewinding into them is cheap
+                        session.cache.mark("snapshot")
                     state = self._run(session, inputs)
                     out = self._head(session, position, state, mode, targets, top_k) if self.layers.has_head else state
                 n = int(state.partial.shape[0])
@@ -421,6 +442,14 @@ class Stage:
         n = int(state.partial.shape[0])
         if mode == "none":
             return HeadOutput("none")
+        if mode == "verify":
+            logits = self.model.head(state, list(range(n)))
+            # one generator per verify step, seeded by where the step starts (steps start at increasing
+            # positions, so no two steps of a generation share random numbers)
+            generator = torch.Generator().manual_seed(_position_seed(session.seed, f"verify:{position}"))
+            verdict = accept_drafts(list(targets), logits.float(), session.sampling, generator)
+            return HeadOutput("verify", accepted=verdict.accepted,
+                              verified=[(t.token_id, t.logprob, list(t.top)) for t in verdict.tokens])
         if mode == "sample":
             logits = self.model.head(state, [n - 1])[0]
             params = replace(session.sampling, seed=_position_seed(session.seed, position + n))
@@ -465,6 +494,12 @@ class Stage:
                 raise StageError(400, "bad_position", f"can rewind only to 0..{session.position}, not {position!r}")
             if position == session.position:
                 return position
+            if session.cache.marked and session.cache.marked_at <= position:
+                with torch.inference_mode():  # into the last (verify) forward: its rewind log has the state
+                    session.cache.rewind(position)
+                self._trim(session, position)
+                return position
+            end_mark(session.cache)
             if position == 0:
                 session.cache = self._new_cache()
                 session.snapshots.clear()
@@ -485,22 +520,25 @@ class Stage:
                     lo, hi = max(pos, start), min(end, position)
                     if lo < hi:
                         self._run(session, _slice_input(payload, lo - pos, hi - pos))
-            # drop what lies beyond the new position
-            for p in [p for p in session.snapshots if p > position]:
-                del session.snapshots[p]
-            kept = []
-            for pos, payload in session.inputs:
-                end = pos + self._input_len(payload)
-                if end <= position:
-                    kept.append((pos, payload))
-                elif pos < position:
-                    kept.append((pos, _slice_input(payload, 0, position - pos)))
-            session.inputs = kept
-            session.position = position
-            if position not in session.snapshots:
-                session.snapshots[position] = self._kda_snapshot(session.cache)
-            session.last_used = time.monotonic()
+            self._trim(session, position)
             return position
+
+    def _trim(self, session: StageSession, position: int) -> None:
+        """After the state went back to `position`: drop the snapshots and recorded inputs beyond it."""
+        for p in [p for p in session.snapshots if p > position]:
+            del session.snapshots[p]
+        kept = []
+        for pos, payload in session.inputs:
+            end = pos + self._input_len(payload)
+            if end <= position:
+                kept.append((pos, payload))
+            elif pos < position:
+                kept.append((pos, _slice_input(payload, 0, position - pos)))
+        session.inputs = kept
+        session.position = position
+        if position not in session.snapshots:
+            session.snapshots[position] = self._kda_snapshot(session.cache)
+        session.last_used = time.monotonic()
 
     def _replay_start(self, session: StageSession, position: int) -> int | None:
         """The latest snapshot position <= target from which recorded inputs reach the target (0 counts when
