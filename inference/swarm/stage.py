@@ -230,10 +230,15 @@ class Stage:
     """Layers [start, stop) of one model and the sessions that run through them. Thread-safe: calls are
     serialised by one lock (the stage server runs compute in a worker thread)."""
 
-    def __init__(self, model: KimiK3Model, layers: LayerRange, fingerprint: str = "",
+    def __init__(self, model, layers: LayerRange, fingerprint: str = "",
                  limits: StageLimits = StageLimits()):
+        """`model`: a KimiK3Model holding (at least) the block's tensors, or a block-restricted
+        `inference.sharding.ShardedModel` (layers == the block) serving it over local ranks."""
         self.model = model
         self.config: ModelConfig = model.config
+        self.sharded = hasattr(model, "forward_block")
+        if self.sharded and tuple(model.layer_range or (0, model.config.num_layers)) != (layers.start, layers.stop):
+            raise ValueError(f"the sharded model serves layers {model.layer_range}, the stage {layers}")
         self.layers = layers
         self.fingerprint = fingerprint
         self.limits = limits
@@ -247,12 +252,28 @@ class Stage:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
-                        limits: StageLimits = StageLimits()) -> "Stage":
+                        limits: StageLimits = StageLimits(), shard_ranks: int = 1,
+                        threads_per_rank: int | None = None) -> "Stage":
+        """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
+        runtime, expert parallel: layer homes rotate over the ranks and every MoE layer's experts are spread
+        over all of them). The fingerprint is the same either way (computed from the block's tensors as
+        loaded here once, then dropped)."""
         config = read_config(checkpoint)
         if not isinstance(layers, LayerRange):
             layers = LayerRange.parse(layers, config.num_layers)
         model, fp, _ = load_stage_model(checkpoint, layers, dtype)
+        if shard_ranks > 1:
+            from inference.sharding.driver import ShardedModel  # noqa: PLC0415 (spawns processes; only when asked)
+
+            del model
+            model = ShardedModel(checkpoint, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
+                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank)
         return cls(model, layers, fp, limits)
+
+    def shutdown(self) -> None:
+        """Stop a sharded block's processes (nothing to do for an in-process block)."""
+        if self.sharded:
+            self.model.close()
 
     # ------------------------------------------------------------ shapes
     @property
@@ -288,7 +309,9 @@ class Stage:
             self.sessions[session_id] = session
             return session
 
-    def _new_cache(self) -> SequenceCache:
+    def _new_cache(self):
+        if self.sharded:
+            return self.model.new_cache()  # a handle; the state lives in the shard processes
         return self.model.new_cache(range(self.layers.start, self.layers.stop))
 
     def _evict_one(self) -> None:
@@ -327,6 +350,9 @@ class Stage:
         """A copy of a session under a new id (same position, state, snapshots and recorded inputs)."""
         with self._lock:
             src = self.get(session_id)
+            if self.sharded:
+                raise StageError(501, "fork_unsupported", "this stage's block is sharded over local processes; "
+                                                          "its sessions cannot be copied (open and prefill one)")
             if new_id in self.sessions:
                 raise StageError(409, "session_exists", f"session {new_id!r} is already open here")
             if len(self.sessions) >= self.limits.max_sessions:
@@ -412,9 +438,11 @@ class Stage:
                     end_mark(session.cache)
                     if mode == "verify":  # drafts the driver will likely take back: rewinding into them is cheap
                         session.cache.mark("snapshot")
-                    state = self._run(session, inputs)
-                    out = self._head(session, position, state, mode, targets, top_k) if self.layers.has_head else state
-                n = int(state.partial.shape[0])
+                    n = self._input_len(inputs)
+                    rows = self._head_rows(mode, n, targets) if self.layers.has_head else None
+                    state, logits = self._run(session, inputs, rows)
+                    out = self._head(session, position, n, logits, mode, targets, top_k) \
+                        if self.layers.has_head else state
                 self._record(session, position, inputs, n)
                 elapsed = (time.perf_counter() - t0) * 1000.0
                 if n == 1:
@@ -427,23 +455,45 @@ class Stage:
                 session.busy = False
                 session.last_used = time.monotonic()
 
-    def _run(self, session: StageSession, inputs) -> ResidualState:
-        if self.layers.has_embedding:
-            state = self.model.embed(inputs.to(torch.long))
-        else:
-            state = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
-                                  inputs.partial.float())
+    @staticmethod
+    def _head_rows(mode: str, n: int, targets: Sequence[int] | None) -> list[int] | None:
+        """The rows whose next-token logits the head's answer needs (None: no head work)."""
+        if mode == "sample":
+            return [n - 1]
+        if mode == "verify":
+            return list(range(n))
+        if mode == "score":
+            return [r for r, t in enumerate(targets) if t >= 0]
+        return None
+
+    def _run(self, session: StageSession, inputs, rows: list[int] | None = None
+             ) -> tuple[ResidualState | None, Tensor | None]:
+        """The block's layers on the new tokens: (the state leaving them, the head's logits of `rows`). A
+        sharded block runs in its shard set and returns only what leaves it (the state, or the logits)."""
+        if not self.layers.has_embedding:
+            inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
+                                   inputs.partial.float())
+        if self.sharded:
+            want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
+            out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
+                                           session.cache, all_logits=want_rows)
+            if not self.layers.has_head:
+                return out, None
+            if rows is None:
+                return None, None
+            return None, (out[rows] if want_rows else out[None])
+        state = self.model.embed(inputs.to(torch.long)) if self.layers.has_embedding else inputs
         state = self.model.run_layers(self.layers.start, self.layers.stop, state, [session.cache])
         session.cache.advance(int(state.partial.shape[0]))
-        return state
+        logits = self.model.head(state, rows) if rows else None
+        return state, logits
 
-    def _head(self, session: StageSession, position: int, state: ResidualState, mode: str,
+    def _head(self, session: StageSession, position: int, n: int, logits: Tensor | None, mode: str,
               targets: Sequence[int] | None, top_k: int) -> HeadOutput:
-        n = int(state.partial.shape[0])
+        """The last stage's answer from the logits of `_head_rows(mode, n, targets)`."""
         if mode == "none":
             return HeadOutput("none")
         if mode == "verify":
-            logits = self.model.head(state, list(range(n)))
             # one generator per verify step, seeded by where the step starts (steps start at increasing
             # positions, so no two steps of a generation share random numbers)
             generator = torch.Generator().manual_seed(_position_seed(session.seed, f"verify:{position}"))
@@ -451,14 +501,13 @@ class Stage:
             return HeadOutput("verify", accepted=verdict.accepted,
                               verified=[(t.token_id, t.logprob, list(t.top)) for t in verdict.tokens])
         if mode == "sample":
-            logits = self.model.head(state, [n - 1])[0]
             params = replace(session.sampling, seed=_position_seed(session.seed, position + n))
-            chosen = TokenSampler(params).choose(logits)
+            chosen = TokenSampler(params).choose(logits[0])
             return HeadOutput("sample", token_id=chosen.token_id, logprob=chosen.logprob, top=chosen.top)
         rows = [r for r, t in enumerate(targets) if t >= 0]
         out = HeadOutput("score", logprobs=[None] * n, row_tops=[[] for _ in range(n)])
         if rows:
-            lp = torch.log_softmax(self.model.head(state, rows), dim=-1)
+            lp = torch.log_softmax(logits.float(), dim=-1)
             for j, r in enumerate(rows):
                 out.logprobs[r] = float(lp[j, targets[r]])
                 if top_k:
@@ -470,7 +519,8 @@ class Stage:
         """After a forward: remember its input (for replay) and the KDA state at the new position."""
         session.position = position + n
         session.inputs.append((position, inputs))
-        session.snapshots[session.position] = self._kda_snapshot(session.cache)
+        if not self.sharded:  # a sharded block's state lives in its shards: it replays from 0 instead
+            session.snapshots[session.position] = self._kda_snapshot(session.cache)
         while len(session.snapshots) > self.limits.max_snapshots:
             session.snapshots.popitem(last=False)
         floor = session.position - self.limits.rewind_window
@@ -536,7 +586,7 @@ class Stage:
                 kept.append((pos, _slice_input(payload, 0, position - pos)))
         session.inputs = kept
         session.position = position
-        if position not in session.snapshots:
+        if position not in session.snapshots and not self.sharded:
             session.snapshots[position] = self._kda_snapshot(session.cache)
         session.last_used = time.monotonic()
 

@@ -50,6 +50,8 @@ class BlockSettings:
     dtype: str = setting("float32", "weights dtype of the block", choices=DTYPES)
     wire_dtype: str = setting("float32", "dtype of the activations this stage sends on", choices=DTYPES)
     threads: int = setting(0, "torch threads (0: leave torch's default)", read=non_negative_int)
+    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime, expert "
+                               "parallel, gloo on CPU); 1: in this process", read=positive_int, metavar="N")
     max_sessions: int = setting(_LIMITS.max_sessions, "sessions held at once (when full, an idle one may be evicted)",
                                 read=positive_int, metavar="N")
     max_context: int = setting(_LIMITS.max_context, "largest session, in tokens", read=positive_int, metavar="N")
