@@ -19,6 +19,15 @@ replay the positions between the snapshot and the target. Snapshots are taken af
 step ends at every position) and kept for the last `max_snapshots` forwards; recorded inputs are kept for the
 last `rewind_window` positions. A rewind outside the window is refused.
 
+A forward in mode "verify" (speculative decoding across the route) carries the last token and k drafts; the
+cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cache's own rewind (no replay),
+and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens.
+
+The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N)`: the sharded
+runtime restricted to the block, `ShardedModel(layers=...)`); its session state then lives in the shards,
+so there are no snapshots here: a rewind is the marked cache's rewind, or a replay from position 0 of the
+recorded inputs; fork is refused.
+
 Sampling at the head: the token at position p is drawn with a generator seeded from (session seed, p), so a
 token does not depend on how many draws came before it; a rewound or re-prefilled session (after a stage was
 replaced) draws the same tokens again. Greedy is argmax, as everywhere.

@@ -11,6 +11,15 @@ server. Prefill goes in chunks sent back to back, so the stages work on differen
 Every result carries the stages' signed receipts; the driver checks that they chain (the output hash of each
 stage is the input hash of the next, starting from the hash of what the driver sent) and keeps the last ones.
 
+Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`): per request a
+model-free drafter (inference.speculative) proposes k tokens with adaptive k; the driver sends [last token,
+d_1..d_k] through the route as one forward in mode "verify", the last stage judges the drafts against its
+logits (greedy: argmax; sampled: the speculative-sampling rule, so the distribution is unchanged) and answers
+the accepted drafts plus one token; when it rejected some, the driver sends the rewind message to every stage
+(in parallel) so that each session's KDA, convolution and MLA state returns to the last accepted position. The
+final event reports the drafted and accepted tokens. One verify step costs one traversal plus, on a
+rejection, one parallel rewind round trip.
+
 Churn: a hop that cannot be reached, answers an error, or a step that does not come back within
 hop_timeout_s x (N + 1) marks the stage at fault (the one a stage names as its unreachable next hop, or the
 ones that fail a health probe); the driver plans a new route without it (a spare for its block, or another
