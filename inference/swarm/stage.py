@@ -449,7 +449,7 @@ class Stage:
                         session.cache.mark("snapshot")
                     n = self._input_len(inputs)
                     rows = self._head_rows(mode, n, targets) if self.layers.has_head else None
-                    state, logits = self._run(session, inputs, rows)
+                    state, logits = self._compute(session, inputs, rows)
                     out = self._head(session, position, n, logits, mode, targets, top_k) \
                         if self.layers.has_head else state
                 self._record(session, position, inputs, n)
@@ -475,27 +475,37 @@ class Stage:
             return [r for r, t in enumerate(targets) if t >= 0]
         return None
 
-    def _run(self, session: StageSession, inputs, rows: list[int] | None = None
-             ) -> tuple[ResidualState | None, Tensor | None]:
+    def _compute(self, session: StageSession, inputs, rows: list[int] | None
+                 ) -> tuple[ResidualState | None, Tensor | None]:
         """The block's layers on the new tokens: (the state leaving them, the head's logits of `rows`). A
         sharded block runs in its shard set and returns only what leaves it (the state, or the logits)."""
+        if not self.sharded:
+            state = self._run(session, inputs)
+            return state, (self.model.head(state, rows) if rows else None)
         if not self.layers.has_embedding:
             inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
                                    inputs.partial.float())
+        want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
+        out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
+                                       session.cache, all_logits=want_rows)
+        if not self.layers.has_head:
+            return out, None
+        if rows is None:
+            return None, None
+        return None, (out[rows] if want_rows else out[None])
+
+    def _run(self, session: StageSession, inputs) -> ResidualState | None:
+        """The block's layers on the new tokens; the state leaving them (None from a sharded head block)."""
         if self.sharded:
-            want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
-            out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
-                                           session.cache, all_logits=want_rows)
-            if not self.layers.has_head:
-                return out, None
-            if rows is None:
-                return None, None
-            return None, (out[rows] if want_rows else out[None])
-        state = self.model.embed(inputs.to(torch.long)) if self.layers.has_embedding else inputs
+            return self._compute(session, inputs, None)[0]
+        if self.layers.has_embedding:
+            state = self.model.embed(inputs.to(torch.long))
+        else:
+            state = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
+                                  inputs.partial.float())
         state = self.model.run_layers(self.layers.start, self.layers.stop, state, [session.cache])
         session.cache.advance(int(state.partial.shape[0]))
-        logits = self.model.head(state, rows) if rows else None
-        return state, logits
+        return state
 
     def _head(self, session: StageSession, position: int, n: int, logits: Tensor | None, mode: str,
               targets: Sequence[int] | None, top_k: int) -> HeadOutput:

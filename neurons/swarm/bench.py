@@ -231,6 +231,7 @@ async def run_speculation_bench(args) -> list[dict]:
     from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
     from inference.model.config import ModelConfig  # noqa: PLC0415
     from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.serving.engine import Engine  # noqa: PLC0415,F401 (before inference.speculative)
     from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix="bench_swarm_spec_"))
