@@ -27,6 +27,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from chain.cli import DeprecatedFlag
 from chain.devnet import DEFAULT_BLOCK_INTERVAL, HYPERPARAMETERS, DevnetChain, coerce_hyperparameter
 from chain.interface import ChainError
 
@@ -205,18 +206,6 @@ WALLET_FLAGS = (
     (("--wallet-hotkey", "-H", "--wallet.hotkey"), "--hotkey", "BT_WALLET_HOTKEY", "wallet_hotkey", "hotkey name"),
     (("--wallet-path", "--wallet.path"), None, "BT_WALLET_PATH", "wallet_path", "wallets directory"),
 )
-
-
-class DeprecatedFlag(argparse.Action):
-    """An old flag spelling: still sets the value, and says on stderr what to use instead (k3-chain, k3-localnet)."""
-
-    def __init__(self, option_strings, dest, new: str, **kwargs):
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def parser() -> argparse.ArgumentParser:

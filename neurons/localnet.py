@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from chain import connect
-from chain.__main__ import DeprecatedFlag
+from chain.cli import DeprecatedFlag
 from chain.devnet import DevnetChain
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig

@@ -31,6 +31,10 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # A client's request id is echoed when it is a plain token; anything else gets a new id.
 _SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=/-]{0,63}")
 access_log = logging.getLogger("k3.access")
+# What a request carries for the access log (aiohttp's typed request keys): its id, and its caller once known
+# (a verified hotkey, an API key's id), stored by the app as `request[CALLER] = ...`.
+REQUEST_ID = web.RequestKey("request_id", str)
+CALLER = web.RequestKey("caller", str)
 
 # Attributes every LogRecord has; anything else on a record is an event field (logging's `extra=`).
 _RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -82,18 +86,19 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ours is k3.access
 
 
-def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]], setup_error: type[Exception],
-               logger: str, described: str = "") -> int:
+def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]],
+               setup_error: type[Exception] | tuple[type[Exception], ...], logger: str, described: str = "",
+               prog: str = "") -> int:
     """An entry point's life: logging as `settings` say (log_level, log_format), `described` (the settings as
-    flags) logged at DEBUG, then `main()` to its end. Its exit status, or 2 with the message on stderr when it
-    raises `setup_error` (a setting that cannot work)."""
+    flags) logged at DEBUG, then `main()` to its end. Its exit status, or 2 with the message on stderr (after
+    "`prog`: " when given) when it raises `setup_error` (a setting that cannot work; or a tuple of them)."""
     setup_logging(settings.log_level, settings.log_format)
     if described:
         logging.getLogger(logger).debug("settings: %s", described)
     try:
         return asyncio.run(main())
     except setup_error as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{prog + ': ' if prog else ''}error: {error}", file=sys.stderr)
         return 2
 
 
@@ -107,9 +112,9 @@ def request_id_for(request: web.Request) -> str:
 
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: every response (a stream, an error aiohttp makes) carries the request's id."""
-    if "request_id" not in request:
-        request["request_id"] = request_id_for(request)
-    response.headers[REQUEST_ID_HEADER] = request["request_id"]
+    if REQUEST_ID not in request:
+        request[REQUEST_ID] = request_id_for(request)
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
 
 
 def observed_app(component: str, guard: ConnectionGuard, *middlewares, observe=None, **app_options) -> web.Application:
@@ -124,11 +129,11 @@ def observed_app(component: str, guard: ConnectionGuard, *middlewares, observe=N
 def request_middleware(component: str, observe: Callable[[web.Request, int, float], None] | None = None):
     """aiohttp middleware (first after the guard): a request id for every request (`request_id_for`), one
     access-log line when it ends, and `observe(request, status, seconds)` for metrics.
-    The caller is what the app stored in request["caller"] (a verified hotkey, an API key id)."""
+    The caller is what the app stored in request[CALLER] (a verified hotkey, an API key id)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        request_id = request["request_id"] = request_id_for(request)
+        request_id = request[REQUEST_ID] = request_id_for(request)
         started = time.perf_counter()
         status = 500
         try:
@@ -148,7 +153,7 @@ def request_middleware(component: str, observe: Callable[[web.Request, int, floa
                     observe(request, status, seconds)
                 except Exception as error:  # metrics must never fail a request
                     logging.getLogger("k3.metrics").warning("observing %s failed: %r", request.path, error)
-            caller = request.get("caller") or "-"
+            caller = request.get(CALLER) or request.get("caller") or "-"  # "caller": apps not yet on CALLER
             access_log.info("%s %s %d %.1f ms", request.method, request.path, status, seconds * 1000, extra={
                 "component": component, "request_id": request_id, "caller": caller, "method": request.method,
                 "path": request.path, "status": status, "duration_ms": round(seconds * 1000, 3)})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -423,9 +424,11 @@ class Section:
     env_prefix: str | None = None
     fields: Mapping[str, Setting | Section] = dataclasses.field(default_factory=dict)
 
-    def field(self, cls: type) -> Any:
-        """The dataclass field holding a `cls` made with its defaults."""
-        return dataclasses.field(default_factory=cls, metadata={_SECTION: self})
+    def field(self, cls: type, **defaults: Any) -> Any:
+        """The dataclass field holding a `cls` made with its defaults, or with `defaults` in place of some (a program
+        that reuses another's settings class with other defaults: the route miner's server is the miner's)."""
+        factory = functools.partial(cls, **defaults) if defaults else cls
+        return dataclasses.field(default_factory=factory, metadata={_SECTION: self})
 
     def options(self, settings: type | Any, dest: str = "", env_prefix: str = "", group: str = "general"
                 ) -> tuple[Option, ...]:

@@ -68,3 +68,18 @@ def test_layer_lists_that_do_not_cover_the_layers():
     hf["text_config"]["linear_attn_config"]["full_attn_layers"] = [0, 4]
     with pytest.raises(ConfigError, match="1-based"):
         ModelConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("document", [
+    {},
+    {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+     "intermediate_size": 512, "vocab_size": 512},
+    {"num_hidden_layers": "two"},
+])
+def test_a_config_that_is_not_kimi_k3_is_a_config_error(tmp_path, document):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(document))
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(tmp_path)
+    assert "config.json" in str(info.value)

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from neurons.observability import observed_app, request_middleware, setup_logging
+from neurons.observability import CALLER, observed_app, request_middleware, setup_logging
 from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 
 
@@ -52,7 +52,7 @@ async def test_the_access_log_has_request_id_caller_status_and_duration(log_stre
     seen = []
 
     async def hello(request):
-        request["caller"] = "5Caller"
+        request[CALLER] = "5Caller"
         return web.json_response({"ok": True}, status=201)
 
     app = web.Application(middlewares=[request_middleware("test", lambda r, s, t: seen.append((r.path, s, t)))])

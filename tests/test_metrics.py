@@ -1,7 +1,10 @@
 """Metrics of every process, scraped from real servers: a miner (in-process MinerServer on the tiny
 model, real engine, devnet chain), a validator (run_validator with its organic gateway and /metrics)
-scoring it and relaying one user request through the gateway. Every metric the Grafana dashboard
-(deploy/grafana/k3-subnet.json) queries must be exported by one of them."""
+scoring it and relaying one user request through the gateway, and a swarm stage miner (StageServer on the
+tiny model's layers with its /metrics server, as `neurons.swarm.stage_miner --metrics` runs them) that a route
+driver sent prefill, decode and score forwards through. Every metric the Grafana dashboard
+(deploy/grafana/k3-subnet.json) queries must be exported by one of them, and every label a stage panel groups
+by must be on the stage's series."""
 from __future__ import annotations
 
 import asyncio
@@ -49,12 +52,29 @@ def names(text: str) -> set[str]:
     return {name for name, _ in samples(text)} | declared
 
 
-def dashboard_metrics() -> set[str]:
-    """The metric names in the dashboard's queries (PromQL functions and label names left out)."""
+STAGE = "k3_stage_"  # the stage miner's metrics (neurons/swarm/metrics.py); the others are the miner's and validator's
+
+
+def dashboard_exprs() -> list[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
     assert len(exprs) >= 30
-    return {m for e in exprs for m in re.findall(r"\bk3[_:][A-Za-z0-9_:]+", e)}
+    return exprs
+
+
+def metrics_in(expr: str) -> set[str]:
+    """The metric names in a PromQL expression (functions and label names left out)."""
+    return set(re.findall(r"\bk3[_:][A-Za-z0-9_:]+", expr))
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric names in the dashboard's queries."""
+    return {m for e in dashboard_exprs() for m in metrics_in(e)}
+
+
+def grouped_by(expr: str) -> set[str]:
+    """The labels an expression aggregates by (`sum by (a, b)`), less histogram_quantile's `le`."""
+    return {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")} - {"le"}
 
 
 async def scrape(port: int) -> str:
@@ -198,12 +218,77 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
     assert any(name == "k3_miner_auth_failures_total" and value >= 1 for (name, _), value in m.items())
     assert any(name == "k3_gateway_rate_limited_total" and value == 1 for (name, _), value in v.items())
     exported = names(validator_text) | names(miner_text)
-    missing = sorted(metric for metric in dashboard_metrics() if metric not in exported)
+    missing = sorted(metric for metric in dashboard_metrics() if not metric.startswith(STAGE) and metric not in exported)
     assert not missing, f"the dashboard queries metrics no process exports: {missing}"
     return traced
 
 
+def test_a_stage_miner_exports_what_the_dashboards_stage_row_shows(tiny_checkpoint, make_wallets, tmp_path):
+    """One stage serving every layer of the tiny model, driven through prefill, decode and score, and refused once."""
+    from inference.model.config import ModelConfig
+    from inference.model.tokenizer import load_tokenizer
+    from inference.serving.engine import FinalEvent, GenerationRequest
+    from inference.serving.sampling import SamplingParams
+    from inference.swarm.stage import LayerRange, Stage
+    from neurons.observability import MetricsServer
+    from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
+    from neurons.swarm.settings import METRICS_HOST
+    from neurons.swarm.stage_server import StageServer
+    from protocol.stage import FORWARD_PATH
+
+    wallets = make_wallets(tmp_path / "wallets", ("stage", "driver"))
+    config = ModelConfig.tiny()
+
+    async def main() -> str:
+        every_layer = LayerRange.parse(f"0-{config.num_layers - 1}", config.num_layers)
+        server = StageServer(Stage.from_checkpoint(tiny_checkpoint, every_layer), wallets["stage"].hotkey)
+        server.warm_up()  # as the stage miner does: the first forward is not slow
+        await server.start()
+        metrics = MetricsServer(lambda: [server.metrics.registry], METRICS_HOST, 0, component="stage-metrics")
+        await metrics.start()
+        engine = RouteEngine(RouteDriver(StaticDirectory([server.url]), wallets["driver"].hotkey, config,
+                                         hop_timeout_s=15.0), load_tokenizer(tiny_checkpoint, config), prefill_chunk=8)
+        try:
+            await engine.start()
+            prompt = [(7 * j + 3) % 256 for j in range(10)]
+            events = [e async for e in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=3,
+                                                                                                ignore_eos=True)))]
+            assert isinstance(events[-1], FinalEvent) and len(events) == 4
+            assert await engine.score(prompt)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(server.url + FORWARD_PATH, data=b"unsigned") as response:
+                    assert response.status == 401
+            return await scrape(metrics.port)
+        finally:
+            await engine.stop()
+            await metrics.close()
+            await server.close()
+
+    text = asyncio.run(asyncio.wait_for(main(), 120))
+    got = samples(text)
+    for kind in ("prefill", "decode", "score"):
+        assert got[("k3_stage_forwards_total", (("kind", kind), ("layers", "0-12")))] >= 1, kind
+    assert any(name == "k3_stage_refusals_total" and value >= 1 for (name, _), value in got.items())
+
+    exported = names(text)
+    stage_exprs = [e for e in dashboard_exprs() if any(m.startswith(STAGE) for m in metrics_in(e))]
+    shown = {m for e in stage_exprs for m in metrics_in(e)}
+    families = {re.sub(r"_total$", "", name) for name in re.findall(rf"^# TYPE ({STAGE}\w+) ", text, flags=re.M)
+                if not name.endswith("_created")}  # prometheus_client's creation-time gauges
+    assert len(families) >= 8 and families <= {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in shown}, (
+        f"a stage metric has no panel: {families}")
+    missing = sorted(m for m in shown if m not in exported)
+    assert not missing, f"the dashboard's stage row queries metrics the stage miner does not export: {missing}"
+    labels = {name: set(dict(key)) for name, key in got}  # a family with no child yet (no failure) has no labels to see
+    checked = [(expr, metric) for expr in stage_exprs for metric in metrics_in(expr) if metric in labels]
+    assert len(checked) >= 8
+    for expr, metric in checked:
+        assert grouped_by(expr) <= labels[metric], (expr, metric, labels[metric])
+
+
 def test_the_dashboard_check_can_fail():
     assert "k3:time_to_first_token_seconds_bucket" in dashboard_metrics()
+    assert grouped_by("histogram_quantile(0.95, sum by (le, layers, kind) (rate(x[5m])))") == {"layers", "kind"}
+    assert {"k3_stage_forwards_total", "k3_stage_step_duration_seconds_bucket"} <= dashboard_metrics()
     assert names("# TYPE k3_x counter\nk3_x_total 1.0\n") == {"k3_x_total"}
     assert "k3_no_such_metric" not in names("# TYPE k3_x counter\nk3_x_total 1.0\n")

@@ -1,6 +1,7 @@
 """The miner's HTTP server in-process (aiohttp AppRunner on loopback) against a real devnet file,
 real wallets, a real tiny checkpoint and the real reference engine (wrapped only to count calls)."""
 import asyncio
+import dataclasses
 import itertools
 import json
 import re
@@ -285,6 +286,28 @@ async def test_score_capabilities_health_and_metrics(world, start_miner):
     assert metric_value(metrics, "k3_miner_requests_total", endpoint="score", status="200") == 1
     assert metric_value(metrics, "k3_miner_requests_total", endpoint="capabilities", status="200") == 1
     assert "k3:time_to_first_token_seconds" in metrics and "k3_miner_streams_active" in metrics
+
+
+class ChangingLayoutEngine(CountingEngine):
+    """The real engine, whose declared layout changes while it serves (as a route's does after churn)."""
+
+    layout = {"stages": "first"}
+
+    def capabilities(self):
+        caps = self.inner.capabilities()
+        return dataclasses.replace(caps, layout=dict(self.layout))
+
+
+async def test_capabilities_follow_the_engine_after_start(world, start_miner):
+    engine = ChangingLayoutEngine(local_engine(world))
+    miner = await start_miner(engine=engine)
+    async with MinerClient(world.key("validator")) as client:
+        before = await client.capabilities(miner.url, miner.hotkey)
+        engine.layout = {"stages": "after a spare took over"}
+        after = await client.capabilities(miner.url, miner.hotkey)
+    assert before.layout == {"stages": "first"}
+    assert after.layout == {"stages": "after a spare took over"}
+    assert after.model_fingerprint == before.model_fingerprint == world.fingerprint
 
 
 # ---------------------------------------------------------------- authentication and the gate

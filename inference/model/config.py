@@ -153,7 +153,16 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_hf_config(read_document(path, ConfigError, "config"))
+        document = read_document(path, ConfigError, "config")
+        try:
+            return cls.from_hf_config(document)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError(
+                f"{path} is not a Kimi K3 config.json ({type(exc).__name__}: {exc}); "
+                "it needs the release's keys (num_hidden_layers, hidden_size, linear_attn_config, ...)"
+            ) from None
 
     # ------------------------------------------------------------ HF config io
     @classmethod

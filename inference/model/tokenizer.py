@@ -15,7 +15,7 @@ user content can never forge a role or end-of-turn token. Special ids only come 
 (or `add_bos`).
 
 Chat format: the release's `chat_template` (a Jinja template in `tokenizer_config.json`), rendered as
-transformers renders it: a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the
+transformers renders it: a sandboxed Jinja environment with trim_blocks, lstrip_blocks and loop controls, the
 `raise_exception`, `strftime_now` and `tojson` helpers, and the variables messages, add_generation_prompt,
 bos_token, eos_token and tools. A checkpoint without one gets `KIMI_CHAT_TEMPLATE` (the Kimi format:
 `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message, `<|im_assistant|>assistant<|im_middle|>`
@@ -102,10 +102,14 @@ class ChatTemplate:
         def raise_exception(message):
             raise TokenizerError(f"chat template: {message}")
 
-        def tojson(value, indent=None):  # transformers' tojson: no HTML escaping, unicode kept
-            return json.dumps(value, ensure_ascii=False, indent=indent)
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # transformers' tojson: no HTML escaping, unicode kept, json.dumps' layout options
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+        # transformers' environment also enables {% break %} / {% continue %} (jinja2.ext.loopcontrols)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

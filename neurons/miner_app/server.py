@@ -55,7 +55,7 @@ from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, Vali
                                       public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
-from neurons.observability import observed_app
+from neurons.observability import CALLER, observed_app
 from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
 from protocol.errors import ErrorCode
@@ -152,12 +152,6 @@ class MinerServer:
             max_prompt_tokens=min(DEFAULT_LIMITS.max_prompt_tokens, caps.max_context),
             max_score_tokens=min(DEFAULT_LIMITS.max_score_tokens, caps.max_context),
         )
-        self._capabilities_body = encode_model(Capabilities(
-            model_id=caps.model_id, model_fingerprint=caps.model_fingerprint, vocab_size=caps.vocab_size,
-            max_context=caps.max_context, max_concurrent_streams=self.capacity, engine=caps.engine_kind,
-            layout=dict(caps.layout), precision=caps.precision or "unknown", software_version=__version__,
-            limits=self.limits,
-        ))
         self.metrics = MinerMetrics()
         self.metrics.streams_active.set_function(lambda: self.budgets.streams_in_flight)
         self.metrics.metagraph_age.set_function(lambda: self.metagraph.age_s or 0.0)
@@ -393,7 +387,7 @@ class MinerServer:
         except AuthFailure as failure:
             self.metrics.auth_failures.labels(failure.code).inc()
             raise Refusal(failure.code, failure.message, status=failure.status) from None
-        request["caller"] = hotkey
+        request[CALLER] = hotkey
         self.budgets.take_request(hotkey, budget)
         return Admission(hotkey, budget, body)
 
@@ -451,7 +445,21 @@ class MinerServer:
 
     async def handle_capabilities(self, request: web.Request) -> web.Response:
         await self._admit(request, body_limit=0)
-        return _json(self._capabilities_body)
+        return _json(self.capabilities_document())
+
+    def capabilities_document(self) -> bytes:
+        """What the miner declares, read from the engine at each request: a route's stages change with churn.
+
+        The fingerprint, the capacity and the limits stay those checked at start (requests are bounded by them).
+        """
+        caps = self.engine.capabilities()
+        fixed = self.engine_capabilities
+        return encode_model(Capabilities(
+            model_id=fixed.model_id, model_fingerprint=fixed.model_fingerprint, vocab_size=fixed.vocab_size,
+            max_context=fixed.max_context, max_concurrent_streams=self.capacity, engine=fixed.engine_kind,
+            layout=dict(caps.layout), precision=caps.precision or fixed.precision or "unknown",
+            software_version=__version__, limits=self.limits,
+        ))
 
     async def handle_score(self, request: web.Request) -> web.Response:
         admission = await self._admit(request, streams=True)

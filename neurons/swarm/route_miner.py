@@ -4,99 +4,79 @@ over a route of stage miners, behind the signed miner protocol.
 A `RouteDriver` finds the subnet's stage miners from the chain (`MetagraphDirectory`: their commitments announce
 model and layer block, their axons say where) and a `RouteEngine` serves generate / score across them, so
 validators and the gateway talk to it as to any whole-model miner. The checkpoint directory is read for the
-config and the tokenizer only (no weights are loaded). It publishes its own endpoint like a miner. With
---ready-file it writes {"url", "hotkey", "pid", "route"} there once it serves. SIGTERM/SIGINT stop it.
+config and the tokenizer only (no weights are loaded). It publishes its own endpoint like a miner, and takes the
+miner's wallet, chain, server and validator flags (btcli's -w/-H/--wallet-path, -n/--network, --netuid, BT_*;
+its own settings from K3_ROUTE_*; --help lists each with its variable). With --metrics, the miner's Prometheus
+metrics on 127.0.0.1:--metrics-port. With --ready-file it writes {"url", "hotkey", "pid", "route", "health"}
+there once it serves. SIGTERM/SIGINT stop it.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
+import dataclasses
 import os
 import sys
-from pathlib import Path
 
 from chain import connect
+from chain.interface import ChainError
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.model.tokenizer import load_tokenizer
-from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-from neurons.settings import ChainSettings, WalletSettings, open_wallet
+from neurons.miner_app import MinerServer
+from neurons.observability import run_neuron
+from neurons.settings import describe_values, open_wallet, program_name
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
+from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options
 from neurons.swarm.stage_miner import serve_until_signalled
 from protocol.auth import SQLiteNonceStore
 
-log = logging.getLogger("k3.route_miner")
+MODULE = "neurons.swarm.route_miner"
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="route_miner", description=__doc__.splitlines()[0])
-    p.add_argument("--network", required=True, help="devnet:PATH, local, finney, ws://...")
-    p.add_argument("--netuid", type=int, required=True)
-    p.add_argument("--checkpoint", required=True, help="the model's directory (config and tokenizer are read)")
-    p.add_argument("--wallet-name", default="default")
-    p.add_argument("--wallet-hotkey", default="default")
-    p.add_argument("--wallet-path", default="~/.bittensor/wallets")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--external-ip", default=None)
-    p.add_argument("--nonce-store", default="~/.k3-subnet/route-miner-nonces.sqlite")
-    p.add_argument("--min-validator-stake", type=float, default=1000.0)
-    p.add_argument("--hop-timeout-s", type=float, default=5.0)
-    p.add_argument("--refresh-s", type=float, default=30.0, help="how often the stage list is re-read from chain")
-    p.add_argument("--prefill-chunk", type=int, default=128)
-    p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--max-concurrent", type=int, default=8)
-    p.add_argument("--ready-file", default="")
-    p.add_argument("--log-level", default="WARNING")
-    return p
-
-
-async def run(args) -> None:
-    config = read_config(args.checkpoint)
+async def run(settings: RouteMinerSettings) -> int:
+    r, c = settings.route, settings.chain
+    config = read_config(r.checkpoint)
     try:
-        model_fp = fingerprint(args.checkpoint)
+        model_fp = fingerprint(r.checkpoint)
     except CheckpointError:
         model_fp = ""
-    settings = MinerSettings(
-        chain=ChainSettings(network=args.network, netuid=args.netuid, metagraph_refresh_s=args.refresh_s),
-        wallet=WalletSettings(args.wallet_name, args.wallet_hotkey, args.wallet_path),
-        server=ServerSettings(host=args.host, port=args.port, external_ip=args.external_ip, metrics=False,
-                              nonce_store=str(Path(args.nonce_store).expanduser()), shutdown_grace_s=2.0),
-        access=AccessSettings(min_validator_stake=args.min_validator_stake))
+    miner_settings = settings.miner_settings()
     wallet = open_wallet(settings.wallet)
-    chain = connect(args.network)
-    nonce_store = SQLiteNonceStore(settings.server.nonce_store)
+    chain = connect(c.network)
+    nonce_store = SQLiteNonceStore(os.path.expanduser(settings.server.nonce_store))
     try:
-        directory = MetagraphDirectory(chain, args.netuid, config_hash=config.config_hash(),
+        directory = MetagraphDirectory(chain, c.netuid, config_hash=config.config_hash(),
                                        model_fingerprint=model_fp or None)
-        driver = RouteDriver(directory, wallet.hotkey, config, host=args.host, hop_timeout_s=args.hop_timeout_s,
-                             refresh_s=args.refresh_s)
-        engine = RouteEngine(driver, load_tokenizer(args.checkpoint, config), model_fingerprint=model_fp,
-                             max_context=args.max_context, max_concurrent=args.max_concurrent,
-                             prefill_chunk=args.prefill_chunk)
-        server = MinerServer(settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
+        driver = RouteDriver(directory, wallet.hotkey, config, host=settings.server.host,
+                             hop_timeout_s=r.hop_timeout_s, refresh_s=c.metagraph_refresh_s)
+        engine = RouteEngine(driver, load_tokenizer(r.checkpoint, config), model_fingerprint=model_fp,
+                             max_context=r.max_context, max_concurrent=r.max_concurrent,
+                             prefill_chunk=r.prefill_chunk)
+        server = MinerServer(miner_settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
                              nonce_store=nonce_store)
         await server.start()
         try:
             info = {"url": server.url, "hotkey": wallet.hotkey.ss58_address, "pid": os.getpid(),
                     "route": [s.describe() for s in driver.current], "health": engine.health().status}
-            await serve_until_signalled(info, args.ready_file)
+            if server.metrics_port:
+                info["metrics_url"] = f"http://127.0.0.1:{server.metrics_port}/metrics"
+            await serve_until_signalled(info, r.ready_file)
         finally:
             await server.close(grace_s=0.0)
     finally:
         await chain.close()
         nonce_store.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    try:
-        asyncio.run(run(args))
-    except (CheckpointError, ValueError) as e:
-        print(f"route_miner: {e}", file=sys.stderr)
-        return 2
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    prog = prog or program_name(f"python -m {MODULE}", MODULE)
+    settings = read_route_miner_settings(argv, prog=prog, description=__doc__)
+    problems = settings.problems()
+    for problem in problems:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    return run_neuron(settings, lambda: run(settings), (CheckpointError, ChainError, ValueError, OSError),
+                      "k3.route_miner", describe_values(route_miner_options(), dataclasses.asdict(settings)), prog)
 
 
 if __name__ == "__main__":

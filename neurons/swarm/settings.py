@@ -1,18 +1,23 @@
-"""The swarm stage miner's settings: which layer block it serves, where, as whom, and whether it announces itself.
+"""The swarm's settings: the stage miner's (which layer block it serves, where, as whom, and whether it announces
+itself) and the route miner's (one whole model over the subnet's stage miners, behind the miner protocol).
 
 Each setting is stated once, on its dataclass field (neurons.settings.setting); the wallet and the logging
 groups are the shared ones (btcli's --wallet-name/-w, --wallet-hotkey/-H, --wallet-path and BT_* variables,
-the template's dotted aliases), the chain group spells --network/-n and --netuid as the miner does, but is
-optional here: without --network the stage announces nothing."""
+the template's dotted aliases). The stage miner's chain group spells --network/-n and --netuid as the miner
+does, but is optional: without --network the stage announces nothing. The route miner needs the chain (its
+stages are found there) and is a miner server: its server and validator groups are the miner's own settings
+classes, with defaults for a process that usually shares a host (127.0.0.1, a free port, metrics off)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from inference.serving import EngineSpec
 from inference.swarm.stage import StageLimits
-from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, Option, Section, WalletSettings,
-                              build_settings, byte_size, network_spec, non_negative_float, non_negative_int,
-                              port_number, positive_float, read_options, setting, settings_options)
+from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
+from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
+                              WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
+                              non_negative_int, port_number, positive_float, read_options, setting, settings_options)
 from protocol.stage import DEFAULT_MAX_BODY_BYTES
 
 METRICS_HOST = "127.0.0.1"  # Prometheus metrics are for the operator, never for the world
@@ -134,3 +139,67 @@ def read_stage_miner_settings(argv: Sequence[str] | None = None, environ: Mappin
     """Settings from flags, else environment, else defaults; a bad value exits with status 2 and a message."""
     values = read_options(stage_miner_options(), argv, environ, prog=prog, description=description)
     return build_settings(StageMinerSettings, values)
+
+
+# ---------------------------------------------------------------- the route miner
+ROUTE_ENV_PREFIX = "K3_ROUTE_"
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    """The model the route serves (config and tokenizer only: no weights are loaded) and how it drives the stages."""
+
+    checkpoint: str = setting("", "the model's checkpoint directory (its config and tokenizer are read, no weights)",
+                              required=True, metavar="DIR")
+    hop_timeout_s: float = setting(5.0, "deadline of one hop; a step waits hop timeout x (stages + 1) before the "
+                                   "route driver blames a stage and routes around it", read=positive_float)
+    prefill_chunk: int = setting(128, "prompt tokens per prefill forward (chunks are sent back to back)",
+                                 read=positive_int, metavar="N")
+    max_context: int = setting(4096, "largest prompt plus output, in tokens", read=positive_int, metavar="N")
+    max_concurrent: int = setting(8, "generations served at once (the miner's declared capacity)", read=positive_int,
+                                  metavar="N")
+    ready_file: str = setting("", "once serving, write {url, hotkey, pid, route, health} there as JSON",
+                              metavar="FILE")
+
+
+# The chain is the miner's (--network/-n, --netuid, BT_NETWORK); one refresh period serves both the stage list and
+# the validators' stakes, also spelled --refresh-s (the route miner's first flag for it).
+ROUTE_CHAIN = Section(group="chain", env_prefix="K3_", fields=dict(metagraph_refresh_s=Setting(
+    "seconds between reads of the subnet: the stage miners' announcements and the validators' stakes",
+    read=positive_float, aliases=("--refresh-s",))))
+
+
+@dataclass(frozen=True)
+class RouteMinerSettings:
+    wallet: WalletSettings = WALLET.field(WalletSettings)
+    chain: ChainSettings = ROUTE_CHAIN.field(ChainSettings, metagraph_refresh_s=30.0)
+    route: RouteSettings = Section(group="route").field(RouteSettings)
+    server: ServerSettings = Section(group="server").field(
+        ServerSettings, host="127.0.0.1", port=0, metrics=False, metrics_port=9093,
+        nonce_store="~/.k3-subnet/route-miner-nonces.sqlite", shutdown_grace_s=2.0)
+    access: AccessSettings = Section(group="validators and budgets").field(AccessSettings)
+    log_level: str = LOG_LEVEL.field("WARNING")
+    log_format: str = LOG_FORMAT.field("text")
+
+    def miner_settings(self) -> MinerSettings:
+        """The miner server's settings (its engine is the route; `engine` only names the checkpoint read)."""
+        return MinerSettings(wallet=self.wallet, chain=self.chain, server=self.server, access=self.access,
+                             engine=EngineSpec(checkpoint=self.route.checkpoint), log_level=self.log_level,
+                             log_format=self.log_format)
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these settings (the miner's checks: netuid, reachable address, ports, budgets, a
+        checkpoint directory), each with what to do about it."""
+        return self.miner_settings().problems()
+
+
+def route_miner_options() -> tuple[Option, ...]:
+    """Every flag of the route miner, derived from RouteMinerSettings' fields."""
+    return settings_options(RouteMinerSettings, ROUTE_ENV_PREFIX)
+
+
+def read_route_miner_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                              prog: str | None = None, description: str | None = None) -> RouteMinerSettings:
+    """Settings from flags, else environment, else defaults; a bad value exits with status 2 and a message."""
+    values = read_options(route_miner_options(), argv, environ, prog=prog, description=description)
+    return build_settings(RouteMinerSettings, values)

@@ -31,7 +31,7 @@ from inference.model.k3 import ResidualState
 from inference.serving.sampling import SamplingParams
 from inference.swarm.stage import HeadOutput, Stage, StageError
 from inference.version import __version__
-from neurons.observability import observed_app
+from neurons.observability import CALLER, observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
 from neurons.swarm.metrics import StageMetrics
 from protocol.auth import AuthFailure, sign_request, verify_request
@@ -172,7 +172,7 @@ class StageServer:
                 body = await request.read()
                 caller = verify_request(request.headers, body, request.method, request.raw_path, self.hotkey,
                                         self.nonce_store)
-                request["caller"] = caller  # for the access log
+                request[CALLER] = caller  # for the access log
                 return await handler(caller, body)
             except web.HTTPRequestEntityTooLarge:
                 self._refuse("body_too_large")
