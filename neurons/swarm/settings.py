@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from inference.serving import EngineSpec
+from inference.speculative.speculation import MAX_DRAFT_TOKENS
 from inference.swarm.stage import StageLimits
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
@@ -158,6 +159,11 @@ class RouteSettings:
     max_context: int = setting(4096, "largest prompt plus output, in tokens", read=positive_int, metavar="N")
     max_concurrent: int = setting(8, "generations served at once (the miner's declared capacity)", read=positive_int,
                                   metavar="N")
+    speculate: str = setting("none", "speculative decoding across the route with model-free drafts (ngram: prompt "
+                             "lookup; suffix: a suffix index over prompt and output), verified exactly by the last "
+                             "stage; rejected drafts are rewound on every stage", choices=("none", "ngram", "suffix"))
+    draft_tokens: int = setting(8, "with --speculate: most tokens drafted per step (fewer when drafts are poor)",
+                                read=positive_int, metavar="N")
     ready_file: str = setting("", "once serving, write {url, hotkey, pid, route, health} there as JSON",
                               metavar="FILE")
 
@@ -190,7 +196,10 @@ class RouteMinerSettings:
     def problems(self) -> list[str]:
         """Everything wrong with these settings (the miner's checks: netuid, reachable address, ports, budgets, a
         checkpoint directory), each with what to do about it."""
-        return self.miner_settings().problems()
+        out = self.miner_settings().problems()
+        if not 1 <= self.route.draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"--draft-tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.route.draft_tokens})")
+        return out
 
 
 def route_miner_options() -> tuple[Option, ...]:
