@@ -149,7 +149,9 @@ class ForwardHeader(_Msg):
     session: str = Field(min_length=1, max_length=128, pattern=_ID)
     step: int = Field(ge=0, le=2**31 - 1)
     position: int = Field(ge=0, le=2**31 - 1)
-    mode: Literal["none", "sample", "score"] = "none"
+    # verify (speculative decoding): the tokens are the last one then k drafts, `targets` the k drafts; the
+    # head accepts or rejects them and answers the emitted tokens (the driver then rewinds every stage)
+    mode: Literal["none", "sample", "score", "verify"] = "none"
     targets: Optional[list[int]] = Field(None, max_length=MAX_TOKENS)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from inference.model import check_forward_batch, fingerprint, read_config, verify_manifest
-from inference.model.k3 import check_rewind
+from inference.model.k3 import ResidualState, check_rewind
 from inference.model.kda import REWIND_MODES
 from inference.planning import Plan, PlanError, RoutingStats
 from inference.sharding.messages import (MARK, REWIND, CacheOp, LinkEmulation, ShardTimeouts, StoreKeys, WorkerArgs,
@@ -139,9 +139,15 @@ class ShardedModel:
                  mode: str = "both", replicas: int = 0, dtype: str = "float32", device: str = "cpu",
                  store: str | None = None, timeouts: ShardTimeouts = ShardTimeouts(),
                  threads_per_rank: int | None = None, verify: bool = False, start: bool = True,
-                 link: LinkEmulation = LinkEmulation()):
+                 link: LinkEmulation = LinkEmulation(), layers: tuple[int, int] | None = None):
+        """`layers` [start, stop): serve only this block of layers (a swarm stage), driven by `forward_block`;
+        the ranks load only the block's tensors of what the plan gives them."""
         self.checkpoint = str(Path(checkpoint).resolve())
         self.config = read_config(self.checkpoint)
+        if layers is not None and not 0 <= layers[0] < layers[1] <= self.config.num_layers:
+            raise ValueError(f"layers {layers} is not a block [start, stop) of 0..{self.config.num_layers}")
+        self.layer_range = None if layers is None or tuple(layers) == (0, self.config.num_layers) else \
+            (int(layers[0]), int(layers[1]))
         if verify:
             verify_manifest(self.checkpoint)
         self.fingerprint = fingerprint(self.checkpoint)
@@ -232,6 +238,7 @@ class ShardedModel:
                 fingerprint=self.fingerprint, dtype=self._dtype_name, device=self.device,
                 threads=self.threads_per_rank, timeouts=self.timeouts, parent_pid=os.getpid(),
                 local=not self.external, link=self.link,
+                layer_range=list(self.layer_range) if self.layer_range else None,
             )
             with self._store_lock:
                 for r in range(self.world_size):
@@ -436,11 +443,17 @@ class ShardedModel:
             tickets = [self.submit(*mb) for mb in micro_batches]
             return [self.collect(t) for t in tickets]
 
-    def submit(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False) -> int:
+    def submit(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False,
+               state: np.ndarray | None = None) -> int:
         """Start a step without waiting for it; returns the ticket that `collect` takes. Steps run in the
         order they were submitted; the caches count the tokens at once (a later step of the same sequence
-        may be submitted before this one is collected)."""
+        may be submitted before this one is collected). `state`: a block not starting at layer 0 takes the
+        residual state entering it ([sources, T, D] fp32; `token_ids` then only count the tokens)."""
         with self._lock:
+            starts_later = self.layer_range is not None and self.layer_range[0] > 0
+            if starts_later != (state is not None):
+                raise ValueError("a block starting after layer 0 takes a residual state, the embedding takes token "
+                                 "ids only")
             self._check_batch(token_ids, caches)
             freed = []
             while self._freed:
@@ -451,8 +464,8 @@ class ShardedModel:
             ids = torch.cat([t.to(torch.long).cpu() for t in token_ids]).numpy()
             ops = [(op.slot, op.kind, op.value) for c in caches for op in c.ops]
             number = next(self._messages)
-            self._send(("step", number, [c.slot for c in caches], lengths, ids, freed, bool(all_logits), ops),
-                       "a step")
+            msg = ("step", number, [c.slot for c in caches], lengths, ids, freed, bool(all_logits), ops)
+            self._send(msg if state is None else msg + (state,), "a step")
             for cache, n in zip(caches, lengths):
                 cache.ops.clear()
                 cache.advance(n)
@@ -461,6 +474,33 @@ class ShardedModel:
 
     def collect(self, ticket: int) -> list[Tensor]:
         """The logits of a submitted step (waiting for it, and for the steps submitted before it)."""
+        with self._lock:
+            if ticket in self._in_flight:
+                lengths, all_logits, _ = self._in_flight[ticket]
+            logits = self._collect_raw(ticket)
+            return list(torch.split(logits, lengths)) if all_logits else list(logits)
+
+    def forward_block(self, inputs: Tensor | ResidualState, cache: ShardCache,
+                      all_logits: bool = False) -> ResidualState | Tensor:
+        """One sequence's new tokens through this shard set's block of layers (`layers` [start, stop)):
+        token ids [T] when the block starts at 0, else the ResidualState entering `start`. Returns the state
+        leaving layer stop - 1, or, when the block ends with the head, fp32 logits [T, V] (all_logits) or [V]."""
+        start, stop = self.layer_range or (0, self.config.num_layers)
+        with self._lock:
+            if isinstance(inputs, ResidualState):
+                n = int(inputs.partial.shape[0])
+                packed = torch.stack(list(inputs.blocks) + [inputs.partial]).float().contiguous().numpy()
+                ticket = self.submit([torch.zeros(n, dtype=torch.long)], [cache], all_logits, state=packed)
+            else:
+                n = int(inputs.shape[0])
+                ticket = self.submit([inputs], [cache], all_logits)
+            out = self._collect_raw(ticket)
+        if stop < self.config.num_layers:
+            return ResidualState((n,), list(out[:-1].unbind(0)), out[-1])
+        return out if all_logits else out[0]
+
+    def _collect_raw(self, ticket: int) -> Tensor:
+        """What rank 0 answered for a submitted step, as one tensor (logits rows, or a block's state)."""
         with self._lock:
             if ticket not in self._in_flight:
                 raise ValueError(f"step {ticket} was not submitted, was collected already, or was lost in a restart")
@@ -474,8 +514,7 @@ class ShardedModel:
                 _, number, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
                 self._results[number] = logits
             del self._in_flight[ticket]
-            logits = torch.from_numpy(np.ascontiguousarray(self._results.pop(ticket)))
-            return list(torch.split(logits, lengths)) if all_logits else list(logits)
+            return torch.from_numpy(np.ascontiguousarray(self._results.pop(ticket)))
 
     def _receive_in_flight(self) -> None:
         """Take every answer still owed by rank 0 (kept for `collect`), so the next message is a reply to

@@ -232,6 +232,10 @@ class WorkerArgs:
     parent_pid: int | None = None  # local shards exit when this process disappears
     local: bool = True
     link: LinkEmulation = LinkEmulation()
+    # [start, stop): the shard set serves only these layers (a swarm stage's block); None: the whole model.
+    # A block not starting at 0 takes the residual state entering `start` from the driver; one not ending at
+    # the last layer answers the state leaving `stop - 1` instead of logits.
+    layer_range: list[int] | None = None
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

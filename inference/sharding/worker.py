@@ -113,10 +113,15 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
     return assign
 
 
-def shard_selection(plan: Plan, rank: int) -> TensorSelection:
-    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head."""
-    return TensorSelection.shard(plan.layers_homed_on(rank), plan.experts_on(rank),
-                                 embedding=rank == plan.embedding_rank, head=rank == plan.lm_head_rank)
+def shard_selection(plan: Plan, rank: int, layer_range: tuple[int, int] | None = None) -> TensorSelection:
+    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head.
+    `layer_range` [start, stop): only what those layers need (the embedding only when start is 0, the head
+    only when stop is the last layer + 1)."""
+    start, stop = layer_range or (0, len(plan.layer_home))
+    return TensorSelection.shard([i for i in plan.layers_homed_on(rank) if start <= i < stop],
+                                 {i: e for i, e in plan.experts_on(rank).items() if start <= i < stop},
+                                 embedding=rank == plan.embedding_rank and start == 0,
+                                 head=rank == plan.lm_head_rank and stop == len(plan.layer_home))
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -149,10 +154,11 @@ def model_skeleton(config: ModelConfig, dtype: torch.dtype, on: str | None = Non
 
 def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: str,
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                      skeleton: str | None = None) -> KimiK3Model:
+                      skeleton: str | None = None, layer_range: tuple[int, int] | None = None) -> KimiK3Model:
     """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
     model = model_skeleton(config, dtype, skeleton)
-    load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank), device=device)
+    load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank, layer_range),
+                    device=device)
     return model
 
 
@@ -345,12 +351,14 @@ class ShardRank:
             raise ValueError(f"the plan has {self.plan.num_ranks} devices, the shard set {args.world_size} ranks")
         self.device = device
         self.dtype = dtype_of(args.dtype)
+        self.start, self.stop = args.layer_range or (0, self.config.num_layers)
         t0 = time.perf_counter()
-        self.model = build_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype, device)
+        self.model = build_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype, device,
+                                       layer_range=(self.start, self.stop))
         self.load_seconds = time.perf_counter() - t0
         self.recorder = RoutingRecorder(self.config.num_experts, self.config.experts_per_token)
         self.model.routing_observer = self.recorder.observe
-        self.homed = self.plan.layers_homed_on(rank)
+        self.homed = [i for i in self.plan.layers_homed_on(rank) if self.start <= i < self.stop]
         self.tables = {layer: ExpertTable.from_holders(h) for layer, h in self.plan.expert_placement.items()}
         self.held = {}
         for layer, table in self.tables.items():
@@ -388,8 +396,12 @@ class ShardRank:
 
     # ------------------------------------------------------------ one step
     @torch.inference_mode()
-    def run_step(self, h: StepHeader) -> PendingRecv | ReadyValue | None:
+    def run_step(self, h: StepHeader, state_in: Tensor | None = None) -> PendingRecv | ReadyValue | None:
         """Embed, every layer, head. On rank 0: the logits [R, V] fp32 to come (`.result()`), None elsewhere.
+
+        With a layer range: the layers [start, stop) only. A range not starting at 0 begins from `state_in`
+        (rank 0: the state entering `start`, [sources, T, D]); a range not ending at the last layer gives rank 0
+        the state leaving it ([sources, T, D]) instead of logits.
 
         Rank 0 does not wait for them here: it may start the next micro-batch while the later stages still
         work on this one. Every other rank waits for its sends one step later (`Wire.settle`)."""
@@ -405,9 +417,17 @@ class ShardRank:
                     raise RuntimeError(f"rank {me}: a cache op for sequence slot {op.slot}, which has no state here")
                 op.apply(self.caches[op.slot])
         lengths = tuple(h.lengths)
-        cur = plan.embedding_rank
-        state = self.model.embed(h.ids.to(self.device), lengths) if me == cur else None
-        for i, layer in enumerate(self.model.layers):
+        if self.start == 0:
+            cur = plan.embedding_rank
+            state = self.model.embed(h.ids.to(self.device), lengths) if me == cur else None
+        else:
+            cur = 0
+            state = None
+            if me == 0:
+                t = state_in.to(self.device, torch.float32)
+                state = ResidualState(lengths, list(t[:-1].unbind(0)), t[-1])
+        for i in range(self.start, self.stop):
+            layer = self.model.layers[i]
             home = plan.layer_home[i]
             state = self._hop(state, cur, home, i, lengths, f"the residual state into layer {i}")
             cur = home
@@ -421,6 +441,8 @@ class ShardRank:
                 state = layer.add_mlp(state, m)
             elif layer.is_moe and me in self.tables[i].ranks:
                 self._serve_experts(i, home)
+        if self.stop < cfg.num_layers:
+            return self._block_end(state, cur, lengths, h)
         # the head needs one row per sequence (its last new token), or every row for scoring
         rows = None
         if not h.all_logits:
@@ -457,6 +479,19 @@ class ShardRank:
         if me != 0:
             self.wire.settle(1)
         return result
+
+    def _block_end(self, state: ResidualState | None, cur: int, lengths: tuple[int, ...],
+                   h: StepHeader) -> ReadyValue | None:
+        """A layer range ending before the head: the state leaving it goes to rank 0 (the driver's answer)."""
+        state = self._hop(state, cur, 0, self.stop, lengths, f"the residual state leaving layer {self.stop - 1}")
+        for slot, n in zip(h.slots, lengths):
+            if slot in self.caches:
+                self.caches[slot].advance(n)
+        self.wire.end_step()
+        if self.rank != 0:
+            self.wire.settle(1)
+            return None
+        return ReadyValue(torch.stack(state.blocks + [state.partial]).float())
 
     def _hop(self, state: ResidualState | None, src: int, dst: int, layer: int, lengths: tuple[int, ...],
              what: str) -> ResidualState | None:
@@ -585,11 +620,12 @@ class ShardRank:
             msg = conn.recv()
             kind = msg[0]
             if kind == "step":
-                _, number, slots, lengths, ids, freed, all_logits, ops = msg
+                _, number, slots, lengths, ids, freed, all_logits, ops = msg[:8]
+                state_in = torch.from_numpy(msg[8]) if len(msg) > 8 and msg[8] is not None else None
                 header = StepHeader(STEP, number, list(slots), list(lengths), torch.from_numpy(ids), list(freed),
                                     bool(all_logits), cache_ops=[CacheOp(*op) for op in ops])
                 self.send_header(header)
-                answers.put((number, self.run_step(header)))
+                answers.put((number, self.run_step(header, state_in)))
                 in_flight = answers.unfinished_tasks
                 self.wire.settle(in_flight + 1)  # the sends of steps whose logits are back have been received
                 continue

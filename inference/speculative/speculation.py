@@ -136,12 +136,15 @@ class SequenceSpeculation:
     def judge(self, draft: Draft, logits: torch.Tensor, sampler: TokenSampler) -> Verdict:
         """Accept or reject `draft` with the verify logits [k+1, V]; updates the statistics."""
         verdict = accept_drafts(draft.tokens, logits, self.params, sampler.generator, draft.probs)
-        k = len(draft.tokens)
-        self.proposed += k
-        self.accepted += verdict.accepted
-        self.verify_steps += 1
-        self.length.observe(verdict.accepted, verdict.accepted + (1 if verdict.accepted < k else 0))
+        self.record_verdict(len(draft.tokens), verdict.accepted)
         return verdict
+
+    def record_verdict(self, drafted: int, accepted: int) -> None:
+        """Count a verify step judged elsewhere (a swarm route's last stage judges the drafts it verifies)."""
+        self.proposed += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        self.length.observe(accepted, accepted + (1 if accepted < drafted else 0))
 
     def observe_plain(self, chosen: int) -> None:
         """After a plain step that chose `chosen`: judge the drafter's unused guess for free. Counting a

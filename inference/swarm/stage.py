@@ -19,6 +19,15 @@ replay the positions between the snapshot and the target. Snapshots are taken af
 step ends at every position) and kept for the last `max_snapshots` forwards; recorded inputs are kept for the
 last `rewind_window` positions. A rewind outside the window is refused.
 
+A forward in mode "verify" (speculative decoding across the route) carries the last token and k drafts; the
+cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cache's own rewind (no replay),
+and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens.
+
+The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N)`: the sharded
+runtime restricted to the block, `ShardedModel(layers=...)`); its session state then lives in the shards,
+so there are no snapshots here: a rewind is the marked cache's rewind, or a replay from position 0 of the
+recorded inputs; fork is refused.
+
 Sampling at the head: the token at position p is drawn with a generator seeded from (session seed, p), so a
 token does not depend on how many draws came before it; a rewound or re-prefilled session (after a stage was
 replaced) draws the same tokens again. Greedy is argmax, as everywhere.
@@ -43,8 +52,9 @@ from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
+from inference.speculative.verify import accept_drafts
 
-HEAD_MODES = ("none", "sample", "score")
+HEAD_MODES = ("none", "sample", "score", "verify")
 
 
 # ------------------------------------------------------------------ layer ranges
@@ -178,6 +188,9 @@ class HeadOutput:
     top: list[tuple[int, float]] = field(default_factory=list)  # sample: top alternatives
     logprobs: list[float | None] = field(default_factory=list)  # score: per row (None where no target)
     row_tops: list[list[tuple[int, float]]] = field(default_factory=list)  # score: per row top_k
+    # verify: the emitted tokens (accepted drafts, then the correction or bonus) as (id, logprob, top)
+    verified: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    accepted: int = 0  # verify: how many drafted tokens were accepted
 
 
 @dataclass
@@ -210,19 +223,31 @@ def _slice_input(payload, lo: int, hi: int):
     return ResidualState((hi - lo,), [b[lo:hi] for b in payload.blocks], payload.partial[lo:hi])
 
 
-def _position_seed(seed: int, position: int) -> int:
+def _position_seed(seed: int, position: int | str) -> int:
     digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def end_mark(cache) -> None:
+    """Drop a cache's speculative rewind log, keeping everything (a rewind to its own length ends the mark;
+    works for `SequenceCache` and the sharded runtime's `ShardCache`)."""
+    if cache.marked:
+        cache.rewind(cache.length)
 
 
 class Stage:
     """Layers [start, stop) of one model and the sessions that run through them. Thread-safe: calls are
     serialised by one lock (the stage server runs compute in a worker thread)."""
 
-    def __init__(self, model: KimiK3Model, layers: LayerRange, fingerprint: str = "",
+    def __init__(self, model, layers: LayerRange, fingerprint: str = "",
                  limits: StageLimits = StageLimits()):
+        """`model`: a KimiK3Model holding (at least) the block's tensors, or a block-restricted
+        `inference.sharding.ShardedModel` (layers == the block) serving it over local ranks."""
         self.model = model
         self.config: ModelConfig = model.config
+        self.sharded = hasattr(model, "forward_block")
+        if self.sharded and tuple(model.layer_range or (0, model.config.num_layers)) != (layers.start, layers.stop):
+            raise ValueError(f"the sharded model serves layers {model.layer_range}, the stage {layers}")
         self.layers = layers
         self.fingerprint = fingerprint
         self.limits = limits
@@ -236,12 +261,28 @@ class Stage:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
-                        limits: StageLimits = StageLimits()) -> "Stage":
+                        limits: StageLimits = StageLimits(), shard_ranks: int = 1,
+                        threads_per_rank: int | None = None) -> "Stage":
+        """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
+        runtime, expert parallel: layer homes rotate over the ranks and every MoE layer's experts are spread
+        over all of them). The fingerprint is the same either way (computed from the block's tensors as
+        loaded here once, then dropped)."""
         config = read_config(checkpoint)
         if not isinstance(layers, LayerRange):
             layers = LayerRange.parse(layers, config.num_layers)
         model, fp, _ = load_stage_model(checkpoint, layers, dtype)
+        if shard_ranks > 1:
+            from inference.sharding.driver import ShardedModel  # noqa: PLC0415 (spawns processes; only when asked)
+
+            del model
+            model = ShardedModel(checkpoint, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
+                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank)
         return cls(model, layers, fp, limits)
+
+    def shutdown(self) -> None:
+        """Stop a sharded block's processes (nothing to do for an in-process block)."""
+        if self.sharded:
+            self.model.close()
 
     # ------------------------------------------------------------ shapes
     @property
@@ -277,7 +318,9 @@ class Stage:
             self.sessions[session_id] = session
             return session
 
-    def _new_cache(self) -> SequenceCache:
+    def _new_cache(self):
+        if self.sharded:
+            return self.model.new_cache()  # a handle; the state lives in the shard processes
         return self.model.new_cache(range(self.layers.start, self.layers.stop))
 
     def _evict_one(self) -> None:
@@ -316,6 +359,9 @@ class Stage:
         """A copy of a session under a new id (same position, state, snapshots and recorded inputs)."""
         with self._lock:
             src = self.get(session_id)
+            if self.sharded:
+                raise StageError(501, "fork_unsupported", "this stage's block is sharded over local processes; "
+                                                          "its sessions cannot be copied (open and prefill one)")
             if new_id in self.sessions:
                 raise StageError(409, "session_exists", f"session {new_id!r} is already open here")
             if len(self.sessions) >= self.limits.max_sessions:
@@ -370,6 +416,13 @@ class Stage:
             raise StageError(400, "bad_mode", f"mode must be one of {HEAD_MODES}")
         if not 0 <= top_k <= MAX_LOGPROBS:
             raise StageError(400, "bad_top_k", f"top_k must lie in 0..{MAX_LOGPROBS}")
+        if mode == "verify":
+            if n < 2 or targets is None or len(targets) != n - 1:
+                raise StageError(400, "bad_targets", "verifying takes the last token then k >= 1 drafted ones, "
+                                                     f"and the k drafts as targets ({n} tokens, "
+                                                     f"{'no' if targets is None else len(targets)} targets)")
+            if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in targets):
+                raise StageError(400, "bad_targets", f"drafted tokens must lie in 0..{cfg.vocab_size - 1}")
         if mode == "score":
             if targets is None or len(targets) != n:
                 raise StageError(400, "bad_targets", f"scoring needs one target per token ({n}), -1 for none")
@@ -391,9 +444,14 @@ class Stage:
             try:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    state = self._run(session, inputs)
-                    out = self._head(session, position, state, mode, targets, top_k) if self.layers.has_head else state
-                n = int(state.partial.shape[0])
+                    end_mark(session.cache)
+                    if mode == "verify":  # drafts the driver will likely take back: rewinding into them is cheap
+                        session.cache.mark("snapshot")
+                    n = self._input_len(inputs)
+                    rows = self._head_rows(mode, n, targets) if self.layers.has_head else None
+                    state, logits = self._compute(session, inputs, rows)
+                    out = self._head(session, position, n, logits, mode, targets, top_k) \
+                        if self.layers.has_head else state
                 self._record(session, position, inputs, n)
                 elapsed = (time.perf_counter() - t0) * 1000.0
                 if n == 1:
@@ -406,7 +464,40 @@ class Stage:
                 session.busy = False
                 session.last_used = time.monotonic()
 
-    def _run(self, session: StageSession, inputs) -> ResidualState:
+    @staticmethod
+    def _head_rows(mode: str, n: int, targets: Sequence[int] | None) -> list[int] | None:
+        """The rows whose next-token logits the head's answer needs (None: no head work)."""
+        if mode == "sample":
+            return [n - 1]
+        if mode == "verify":
+            return list(range(n))
+        if mode == "score":
+            return [r for r, t in enumerate(targets) if t >= 0]
+        return None
+
+    def _compute(self, session: StageSession, inputs, rows: list[int] | None
+                 ) -> tuple[ResidualState | None, Tensor | None]:
+        """The block's layers on the new tokens: (the state leaving them, the head's logits of `rows`). A
+        sharded block runs in its shard set and returns only what leaves it (the state, or the logits)."""
+        if not self.sharded:
+            state = self._run(session, inputs)
+            return state, (self.model.head(state, rows) if rows else None)
+        if not self.layers.has_embedding:
+            inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
+                                   inputs.partial.float())
+        want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
+        out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
+                                       session.cache, all_logits=want_rows)
+        if not self.layers.has_head:
+            return out, None
+        if rows is None:
+            return None, None
+        return None, (out[rows] if want_rows else out[None])
+
+    def _run(self, session: StageSession, inputs) -> ResidualState | None:
+        """The block's layers on the new tokens; the state leaving them (None from a sharded head block)."""
+        if self.sharded:
+            return self._compute(session, inputs, None)[0]
         if self.layers.has_embedding:
             state = self.model.embed(inputs.to(torch.long))
         else:
@@ -416,20 +507,26 @@ class Stage:
         session.cache.advance(int(state.partial.shape[0]))
         return state
 
-    def _head(self, session: StageSession, position: int, state: ResidualState, mode: str,
+    def _head(self, session: StageSession, position: int, n: int, logits: Tensor | None, mode: str,
               targets: Sequence[int] | None, top_k: int) -> HeadOutput:
-        n = int(state.partial.shape[0])
+        """The last stage's answer from the logits of `_head_rows(mode, n, targets)`."""
         if mode == "none":
             return HeadOutput("none")
+        if mode == "verify":
+            # one generator per verify step, seeded by where the step starts (steps start at increasing
+            # positions, so no two steps of a generation share random numbers)
+            generator = torch.Generator().manual_seed(_position_seed(session.seed, f"verify:{position}"))
+            verdict = accept_drafts(list(targets), logits.float(), session.sampling, generator)
+            return HeadOutput("verify", accepted=verdict.accepted,
+                              verified=[(t.token_id, t.logprob, list(t.top)) for t in verdict.tokens])
         if mode == "sample":
-            logits = self.model.head(state, [n - 1])[0]
             params = replace(session.sampling, seed=_position_seed(session.seed, position + n))
-            chosen = TokenSampler(params).choose(logits)
+            chosen = TokenSampler(params).choose(logits[0])
             return HeadOutput("sample", token_id=chosen.token_id, logprob=chosen.logprob, top=chosen.top)
         rows = [r for r, t in enumerate(targets) if t >= 0]
         out = HeadOutput("score", logprobs=[None] * n, row_tops=[[] for _ in range(n)])
         if rows:
-            lp = torch.log_softmax(self.model.head(state, rows), dim=-1)
+            lp = torch.log_softmax(logits.float(), dim=-1)
             for j, r in enumerate(rows):
                 out.logprobs[r] = float(lp[j, targets[r]])
                 if top_k:
@@ -441,7 +538,8 @@ class Stage:
         """After a forward: remember its input (for replay) and the KDA state at the new position."""
         session.position = position + n
         session.inputs.append((position, inputs))
-        session.snapshots[session.position] = self._kda_snapshot(session.cache)
+        if not self.sharded:  # a sharded block's state lives in its shards: it replays from 0 instead
+            session.snapshots[session.position] = self._kda_snapshot(session.cache)
         while len(session.snapshots) > self.limits.max_snapshots:
             session.snapshots.popitem(last=False)
         floor = session.position - self.limits.rewind_window
@@ -465,6 +563,12 @@ class Stage:
                 raise StageError(400, "bad_position", f"can rewind only to 0..{session.position}, not {position!r}")
             if position == session.position:
                 return position
+            if session.cache.marked and session.cache.marked_at <= position:
+                with torch.inference_mode():  # into the last (verify) forward: its rewind log has the state
+                    session.cache.rewind(position)
+                self._trim(session, position)
+                return position
+            end_mark(session.cache)
             if position == 0:
                 session.cache = self._new_cache()
                 session.snapshots.clear()
@@ -485,22 +589,25 @@ class Stage:
                     lo, hi = max(pos, start), min(end, position)
                     if lo < hi:
                         self._run(session, _slice_input(payload, lo - pos, hi - pos))
-            # drop what lies beyond the new position
-            for p in [p for p in session.snapshots if p > position]:
-                del session.snapshots[p]
-            kept = []
-            for pos, payload in session.inputs:
-                end = pos + self._input_len(payload)
-                if end <= position:
-                    kept.append((pos, payload))
-                elif pos < position:
-                    kept.append((pos, _slice_input(payload, 0, position - pos)))
-            session.inputs = kept
-            session.position = position
-            if position not in session.snapshots:
-                session.snapshots[position] = self._kda_snapshot(session.cache)
-            session.last_used = time.monotonic()
+            self._trim(session, position)
             return position
+
+    def _trim(self, session: StageSession, position: int) -> None:
+        """After the state went back to `position`: drop the snapshots and recorded inputs beyond it."""
+        for p in [p for p in session.snapshots if p > position]:
+            del session.snapshots[p]
+        kept = []
+        for pos, payload in session.inputs:
+            end = pos + self._input_len(payload)
+            if end <= position:
+                kept.append((pos, payload))
+            elif pos < position:
+                kept.append((pos, _slice_input(payload, 0, position - pos)))
+        session.inputs = kept
+        session.position = position
+        if position not in session.snapshots and not self.sharded:
+            session.snapshots[position] = self._kda_snapshot(session.cache)
+        session.last_used = time.monotonic()
 
     def _replay_start(self, session: StageSession, position: int) -> int | None:
         """The latest snapshot position <= target from which recorded inputs reach the target (0 counts when

@@ -118,16 +118,45 @@ async def _measure(engine, prompt, n, repeats) -> dict:
     return {"ttft_ms": min(ttfts), "min_ms": gaps[0] * 1000.0, "median_ms": gaps[len(gaps) // 2] * 1000.0}
 
 
-async def run_bench(args) -> list[dict]:
+async def start_delayed_route(ckpt: Path, config, tokenizer, work: Path, args):
+    """`args.stages` stage miners cut at block boundaries, each behind a `DelayLink` (and one in front of the
+    route driver), and a RouteEngine over them (not started). Returns (ranges, links with the driver's last,
+    processes, engine)."""
     import bittensor as bt  # noqa: PLC0415
 
+    from neurons.swarm.linkproxy import DelayLink  # noqa: PLC0415
+    from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory  # noqa: PLC0415
+
+    ranges = [f"{a}-{b - 1}" for a, b in block_cuts(config.num_layers, config.attn_res_block_size, args.stages)]
+    names = [f"stage{i}" for i in range(len(ranges))] + ["driver"]
+    wallets = {}
+    for name in names:
+        w = bt.Wallet(name, "default", path=str(work / "wallets"))
+        w.create_new_hotkey(use_password=False, suppress=True)
+        wallets[name] = w
+    links = [DelayLink(free_port()) for _ in names]
+    for link in links:
+        await link.start()
+    try:
+        procs, infos = launch_stages(ckpt, ranges, work / "wallets", names[:-1], work,
+                                     ports=[link.target[1] for link in links[:-1]],
+                                     public_urls=[link.url for link in links[:-1]], threads=args.threads,
+                                     extra=["--hop-timeout-s", "30"])
+    except BaseException:
+        for link in links:
+            await link.close()
+        raise
+    driver = RouteDriver(StaticDirectory([i["url"] for i in infos], timeout_s=30.0), wallets["driver"].hotkey,
+                         config, port=links[-1].target[1], public_url=links[-1].url, hop_timeout_s=30.0)
+    return ranges, links, procs, RouteEngine(driver, tokenizer, prefill_chunk=args.prefill_chunk)
+
+
+async def run_bench(args) -> list[dict]:
     from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
     from inference.model.config import ModelConfig  # noqa: PLC0415
     from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
     from inference.serving.builders import load_reference_model  # noqa: PLC0415
     from inference.serving.engine import EngineSettings, LocalEngine  # noqa: PLC0415
-    from neurons.swarm.linkproxy import DelayLink  # noqa: PLC0415
-    from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix="bench_swarm_"))
     ckpt = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
@@ -144,26 +173,9 @@ async def run_bench(args) -> list[dict]:
         rows.append({"setup": "single process", "rtt_ms": 0.0,
                      **await _measure(local, prompt, args.new_tokens, args.repeats)})
 
-    ranges = [f"{a}-{b - 1}" for a, b in block_cuts(config.num_layers, config.attn_res_block_size, args.stages)]
-    names = [f"stage{i}" for i in range(len(ranges))] + ["driver"]
-    wallets = {}
-    for name in names:
-        w = bt.Wallet(name, "default", path=str(work / "wallets"))
-        w.create_new_hotkey(use_password=False, suppress=True)
-        wallets[name] = w
-    stage_ports = [free_port() for _ in ranges]
-    links = [DelayLink(p) for p in stage_ports]
-    driver_port = free_port()
-    driver_link = DelayLink(driver_port)
-    for link in links + [driver_link]:
-        await link.start()
-    procs, infos = launch_stages(ckpt, ranges, work / "wallets", names[:-1], work, ports=stage_ports,
-                                 public_urls=[link.url for link in links], threads=args.threads,
-                                 extra=["--hop-timeout-s", "30"])
+    ranges, links, procs, engine = await start_delayed_route(ckpt, config, tokenizer, work, args)
+    driver_link, links = links[-1], links[:-1]
     try:
-        driver = RouteDriver(StaticDirectory([i["url"] for i in infos], timeout_s=30.0), wallets["driver"].hotkey,
-                             config, port=driver_port, public_url=driver_link.url, hop_timeout_s=30.0)
-        engine = RouteEngine(driver, tokenizer, prefill_chunk=args.prefill_chunk)
         async with engine:
             await _one_generation(engine, prompt, args.new_tokens)  # warm
             # rounds over every RTT, so that changes in the machine's load spread over all of them
@@ -193,6 +205,85 @@ async def run_bench(args) -> list[dict]:
     return rows
 
 
+async def _speculative_generation(engine, prompt: list[int], n: int) -> dict:
+    """One greedy generation: TTFT, decode tokens/s (tokens after the first over the time after the first),
+    and the final event's draft counts."""
+    from inference.serving.engine import FinalEvent, GenerationRequest  # noqa: PLC0415
+    from inference.serving.sampling import SamplingParams  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    stamps, final = [], None
+    async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
+        if isinstance(ev, FinalEvent):
+            final = ev
+            break
+        stamps.append(time.perf_counter())
+    return {"ttft_ms": (stamps[0] - t0) * 1000.0, "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "proposed": final.draft_proposed, "accepted": final.draft_accepted, "steps": final.verify_steps}
+
+
+PROMPTS = {"repeating": [65, 66] * 10, "novel": [(13 * j + 7) % 256 for j in range(20)]}
+
+
+async def run_speculation_bench(args) -> list[dict]:
+    """Speculation on vs off over one N-stage route, side by side: for every RTT and prompt, generations with
+    `--speculate` drafts and without alternate (interleaved rounds), the best decode tokens/s of each."""
+    from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
+    from inference.model.config import ModelConfig  # noqa: PLC0415
+    from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from inference.serving.engine import Engine  # noqa: PLC0415,F401 (before inference.speculative)
+    from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
+
+    work = Path(tempfile.mkdtemp(prefix="bench_swarm_spec_"))
+    ckpt = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
+    if not args.checkpoint:
+        make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
+    config = read_config(ckpt)
+    ranges, links, procs, engine = await start_delayed_route(ckpt, config, load_tokenizer(ckpt, config), work, args)
+    spec = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
+    rows = []
+    try:
+        async with engine:
+            await _speculative_generation(engine, PROMPTS["novel"], args.new_tokens)  # warm
+            runs: dict[tuple, list[dict]] = {}
+            for _ in range(args.repeats):
+                for rtt in args.rtts_ms:
+                    for link in links:
+                        link.delay_s = rtt / 2000.0
+                    for prompt in PROMPTS:
+                        for kind in ("none", args.speculate):
+                            engine.speculation = spec if kind != "none" else None
+                            runs.setdefault((rtt, prompt, kind), []).append(
+                                await _speculative_generation(engine, PROMPTS[prompt], args.new_tokens))
+            for (rtt, prompt, kind), rs in runs.items():
+                best = max(rs, key=lambda r: r["tps"])
+                rows.append({"stages": len(ranges), "rtt_ms": rtt, "prompt": prompt, "speculate": kind,
+                             "ttft_ms": min(r["ttft_ms"] for r in rs), "tps": best["tps"],
+                             "tps_median": sorted(r["tps"] for r in rs)[len(rs) // 2],
+                             "proposed": best["proposed"], "accepted": best["accepted"], "steps": best["steps"]})
+    finally:
+        stop_processes(procs)
+        for link in links:
+            await link.close()
+    return rows
+
+
+def print_speculation_table(rows: list[dict], args) -> None:
+    print(f"# bench_swarm --speculate {args.speculate}: tiny model, {rows[0]['stages'] if rows else '?'} stages, "
+          f"prompts of 20 tokens, {args.new_tokens} generated (greedy), best of {args.repeats}; "
+          f"{os.cpu_count()}-core CPU, torch threads {args.threads} per stage; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| RTT per link (ms) | prompt | speculate | decode tokens/s (best) | median | speed-up | "
+          "drafts accepted / proposed | verify steps | TTFT (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    plain = {(r["rtt_ms"], r["prompt"]): r["tps"] for r in rows if r["speculate"] == "none"}
+    for r in rows:
+        ratio = r["tps"] / plain[(r["rtt_ms"], r["prompt"])]
+        drafts = f"{r['accepted']} / {r['proposed']}" if r["speculate"] != "none" else "-"
+        print(f"| {r['rtt_ms']:g} | {r['prompt']} | {r['speculate']} | {r['tps']:.1f} | {r['tps_median']:.1f} | "
+              f"{ratio:.2f}x | {drafts} | {r['steps']} | {r['ttft_ms']:.0f} |")
+
+
 def print_table(rows: list[dict], args) -> None:
     print(f"# bench_swarm: tiny model, prompt {args.prompt_tokens} tokens, {args.new_tokens} generated, "
           f"{args.repeats} repeats; {os.cpu_count()}-core CPU, torch threads {args.threads} per stage; "
@@ -217,11 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix"),
+                   help="compare speculative decoding with these drafts against plain decoding on the route")
+    p.add_argument("--draft-tokens", type=int, default=8, help="with --speculate: most tokens drafted per step")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = asyncio.run(run_bench(args))
-    print_table(rows, args)
+    if args.speculate != "none":
+        rows = asyncio.run(run_speculation_bench(args))
+        print_speculation_table(rows, args)
+    else:
+        rows = asyncio.run(run_bench(args))
+        print_table(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -63,11 +63,15 @@ def decode_inputs(tensors: list[tuple[TensorSpec, memoryview]], first_stage: boo
 
 def encode_head_output(out: HeadOutput) -> bytes:
     return json.dumps({"mode": out.mode, "token_id": out.token_id, "logprob": out.logprob, "top": out.top,
-                       "logprobs": out.logprobs, "row_tops": out.row_tops}, separators=(",", ":")).encode()
+                       "logprobs": out.logprobs, "row_tops": out.row_tops, "verified": out.verified,
+                       "accepted": out.accepted}, separators=(",", ":")).encode()
 
 
 def decode_head_output(body: bytes) -> HeadOutput:
     d = json.loads(bytes(body).decode())
     return HeadOutput(d["mode"], token_id=d["token_id"], logprob=d["logprob"],
                       top=[(int(a), float(b)) for a, b in d["top"]],
-                      logprobs=d["logprobs"], row_tops=[[(int(a), float(b)) for a, b in r] for r in d["row_tops"]])
+                      logprobs=d["logprobs"], row_tops=[[(int(a), float(b)) for a, b in r] for r in d["row_tops"]],
+                      verified=[(int(t), float(lp), [(int(a), float(b)) for a, b in top])
+                                for t, lp, top in d.get("verified", [])],
+                      accepted=int(d.get("accepted", 0)))

@@ -11,6 +11,15 @@ server. Prefill goes in chunks sent back to back, so the stages work on differen
 Every result carries the stages' signed receipts; the driver checks that they chain (the output hash of each
 stage is the input hash of the next, starting from the hash of what the driver sent) and keeps the last ones.
 
+Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`): per request a
+model-free drafter (inference.speculative) proposes k tokens with adaptive k; the driver sends [last token,
+d_1..d_k] through the route as one forward in mode "verify", the last stage judges the drafts against its
+logits (greedy: argmax; sampled: the speculative-sampling rule, so the distribution is unchanged) and answers
+the accepted drafts plus one token; when it rejected some, the driver sends the rewind message to every stage
+(in parallel) so that each session's KDA, convolution and MLA state returns to the last accepted position. The
+final event reports the drafted and accepted tokens. One verify step costs one traversal plus, on a
+rejection, one parallel rewind round trip.
+
 Churn: a hop that cannot be reached, answers an error, or a step that does not come back within
 hop_timeout_s x (N + 1) marks the stage at fault (the one a stage names as its unreachable next hop, or the
 ones that fail a health probe); the driver plans a new route without it (a spare for its block, or another
@@ -41,6 +50,7 @@ from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, find_stop
+from inference.speculative.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_head_output, encode_ids
 from neurons.swarm.stage_server import post_signed, start_result_site
@@ -493,7 +503,13 @@ class RouteEngine(Engine):
     """generate / score over routes of stage miners."""
 
     def __init__(self, driver: RouteDriver, tokenizer, *, model_fingerprint: str = "", max_context: int = 4096,
-                 max_concurrent: int = 8, prefill_chunk: int = 128, max_recoveries: int = 3):
+                 max_concurrent: int = 8, prefill_chunk: int = 128, max_recoveries: int = 3,
+                 speculation: SpeculationConfig | None = None):
+        """`speculation` (the route miner's --speculate ngram|suffix, --draft-tokens): draft model-free and
+        verify the drafts across the route, exactly (greedy output equals plain greedy output)."""
+        if speculation is not None and speculation.problems():
+            raise ValueError("; ".join(speculation.problems()))
+        self.speculation = speculation if speculation is not None and speculation.enabled else None
         self.driver = driver
         self.config: ModelConfig = driver.config
         self.tokenizer = tokenizer
@@ -592,6 +608,7 @@ class RouteEngine(Engine):
         first_at = prefill_at = None
         rs: RouteSession | None = None
         attempt = 0
+        spec = SequenceSpeculation.for_request(self.speculation, p, committed) if self.speculation else None
         try:
             out: HeadOutput | None = None
             while True:
@@ -601,31 +618,34 @@ class RouteEngine(Engine):
                         out = (await self.driver.run(rs, self._chunks(rs, committed, "sample"), 0))[-1]
                         prefill_at = prefill_at or time.perf_counter()
                     while True:
-                        token = out.token_id
-                        index = len(generated)
-                        generated.append(token)
-                        now = time.perf_counter()
-                        first_at = first_at or now
-                        is_eos = token in self._stop_ids and not p.ignore_eos
-                        piece, stop_hit = "", False
-                        if not is_eos:
-                            before = len(text)
-                            text += decoder.push(token)
-                            if len(generated) >= p.max_tokens:
-                                text += decoder.flush()
-                            stop_hit = bool(p.stop) and find_stop(text, p.stop, before) != -1
-                            piece = text[before:]
-                        queue.put_nowait(TokenEvent(index, token, piece, out.logprob, list(out.top)))
-                        reason = "eos" if is_eos else "stop" if stop_hit else \
-                            "length" if len(generated) >= p.max_tokens else None
-                        if reason:
-                            ms = lambda a: None if a is None else (a - t0) * 1000.0  # noqa: E731
-                            queue.put_nowait(FinalEvent(reason, len(request.prompt_token_ids), len(generated), 0.0,
-                                                        ms(first_at), (time.perf_counter() - t0) * 1000.0,
-                                                        ms(prefill_at)))
-                            return
-                        committed.append(token)
-                        out = (await self.driver.run(rs, [([token], "sample", None)], 0))[0]
+                        # a plain step emits one token; a verify step the accepted drafts and one more
+                        emitted = out.verified if out.mode == "verify" else [(out.token_id, out.logprob, out.top)]
+                        for token, logprob, top in emitted:
+                            index = len(generated)
+                            generated.append(token)
+                            now = time.perf_counter()
+                            first_at = first_at or now
+                            is_eos = token in self._stop_ids and not p.ignore_eos
+                            piece, stop_hit = "", False
+                            if not is_eos:
+                                before = len(text)
+                                text += decoder.push(token)
+                                if len(generated) >= p.max_tokens:
+                                    text += decoder.flush()
+                                stop_hit = bool(p.stop) and find_stop(text, p.stop, before) != -1
+                                piece = text[before:]
+                            queue.put_nowait(TokenEvent(index, token, piece, logprob, list(top)))
+                            reason = "eos" if is_eos else "stop" if stop_hit else \
+                                "length" if len(generated) >= p.max_tokens else None
+                            if reason:
+                                ms = lambda a: None if a is None else (a - t0) * 1000.0  # noqa: E731
+                                counts = spec.final_counts() if spec is not None else {}
+                                queue.put_nowait(FinalEvent(reason, len(request.prompt_token_ids), len(generated),
+                                                            0.0, ms(first_at), (time.perf_counter() - t0) * 1000.0,
+                                                            ms(prefill_at), **counts))
+                                return
+                            committed.append(token)
+                        out = await self._step(rs, committed, spec, p.max_tokens - len(generated))
                 except RouteFailure as failure:
                     attempt += 1
                     await self._recover(failure, rs, attempt)
@@ -640,6 +660,31 @@ class RouteEngine(Engine):
         finally:
             if rs is not None:
                 asyncio.ensure_future(self.driver.close(rs))
+
+    async def _step(self, rs: RouteSession, committed: list[int], spec: SequenceSpeculation | None,
+                    room: int) -> HeadOutput:
+        """One decode step across the route from the last committed token (not yet fed), with `room` tokens
+        left to generate. With speculation and a draft: one forward of [last, d_1..d_k] in verify mode, the
+        last stage judging the drafts; when it rejects some, every stage is rewound to the last accepted
+        position (the rewind message), so their KDA, convolution and MLA state is as if the rejected drafts
+        had never been seen."""
+        token = committed[-1]
+        if spec is not None:
+            per_forward = min([MAX_DRAFT_TOKENS + 1] + [s.caps.capacity.get("tokens_per_forward", MAX_DRAFT_TOKENS + 1)
+                                                        for s in rs.route])
+            limit = min(room - 1, self.max_context - len(committed), per_forward - 1)
+            draft = spec.drafts(committed, limit)
+            if draft.tokens:
+                start = rs.position
+                out = (await self.driver.run(rs, [([token] + draft.tokens, "verify", list(draft.tokens))], 0))[0]
+                spec.record_verdict(len(draft.tokens), out.accepted)
+                if out.accepted < len(draft.tokens):
+                    await self.driver.rewind(rs, start + 1 + out.accepted)
+                return out
+        out = (await self.driver.run(rs, [([token], "sample", None)], 0))[0]
+        if spec is not None:
+            spec.observe_plain(out.token_id)
+        return out
 
     async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
         if len(token_ids) < 2:

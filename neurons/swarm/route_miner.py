@@ -75,6 +75,13 @@ class LoggedRouteDriver(RouteDriver):
         return route
 
 
+def speculation_config(drafter: str, draft_tokens: int):
+    # imported here: inference.speculative and inference.serving import each other, serving must come first
+    from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
+
+    return SpeculationConfig(drafter=drafter, max_draft_tokens=draft_tokens)
+
+
 async def run(settings: RouteMinerSettings) -> int:
     r, c = settings.route, settings.chain
     config = read_config(r.checkpoint)
@@ -96,7 +103,8 @@ async def run(settings: RouteMinerSettings) -> int:
         driver.route_log = r.route_log
         engine = RouteEngine(driver, load_tokenizer(r.checkpoint, config), model_fingerprint=model_fp,
                              max_context=r.max_context, max_concurrent=r.max_concurrent,
-                             prefill_chunk=r.prefill_chunk)
+                             prefill_chunk=r.prefill_chunk,
+                             speculation=speculation_config(r.speculate, r.draft_tokens))
         server = MinerServer(miner_settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
                              nonce_store=nonce_store)
         await server.start()

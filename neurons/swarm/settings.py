@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from inference.serving import EngineSpec
+from inference.speculative.speculation import MAX_DRAFT_TOKENS
 from inference.swarm.stage import StageLimits
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
@@ -55,6 +56,8 @@ class BlockSettings:
     dtype: str = setting("float32", "weights dtype of the block", choices=DTYPES)
     wire_dtype: str = setting("float32", "dtype of the activations this stage sends on", choices=DTYPES)
     threads: int = setting(0, "torch threads (0: leave torch's default)", read=non_negative_int)
+    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime, expert "
+                               "parallel, gloo on CPU); 1: in this process", read=positive_int, metavar="N")
     max_sessions: int = setting(_LIMITS.max_sessions, "sessions held at once (when full, an idle one may be evicted)",
                                 read=positive_int, metavar="N")
     max_context: int = setting(_LIMITS.max_context, "largest session, in tokens", read=positive_int, metavar="N")
@@ -156,6 +159,11 @@ class RouteSettings:
     max_context: int = setting(4096, "largest prompt plus output, in tokens", read=positive_int, metavar="N")
     max_concurrent: int = setting(8, "generations served at once (the miner's declared capacity)", read=positive_int,
                                   metavar="N")
+    speculate: str = setting("none", "speculative decoding across the route with model-free drafts (ngram: prompt "
+                             "lookup; suffix: a suffix index over prompt and output), verified exactly by the last "
+                             "stage; rejected drafts are rewound on every stage", choices=("none", "ngram", "suffix"))
+    draft_tokens: int = setting(8, "with --speculate: most tokens drafted per step (fewer when drafts are poor)",
+                                read=positive_int, metavar="N")
     ready_file: str = setting("", "once serving, write {url, hotkey, pid, route, health} there as JSON",
                               metavar="FILE")
     trust_db: str = setting("", "a validator's store: leave the stages it blamed out of routes (read at each "
@@ -191,7 +199,10 @@ class RouteMinerSettings:
     def problems(self) -> list[str]:
         """Everything wrong with these settings (the miner's checks: netuid, reachable address, ports, budgets, a
         checkpoint directory), each with what to do about it."""
-        return self.miner_settings().problems()
+        out = self.miner_settings().problems()
+        if not 1 <= self.route.draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"--draft-tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.route.draft_tokens})")
+        return out
 
 
 def route_miner_options() -> tuple[Option, ...]:

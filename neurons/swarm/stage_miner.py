@@ -83,7 +83,17 @@ async def run(settings: StageMinerSettings) -> None:
     b, s, c = settings.block, settings.server, settings.chain
     config = read_config(b.checkpoint)
     layers = LayerRange.parse(b.serve_layers, config.num_layers)
-    stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits())
+    stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits(), shard_ranks=b.shard_ranks,
+                                  threads_per_rank=b.threads or None)
+    try:
+        await serve_stage(settings, stage)
+    finally:
+        stage.shutdown()
+
+
+async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
+    b, s, c = settings.block, settings.server, settings.chain
+    layers = stage.layers
     wallet = load_wallet(settings.wallet)
     server = StageServer(stage, wallet.hotkey, StageServerSettings(
         host=s.host, port=s.port, public_url=s.public_url, max_body_bytes=s.max_body_bytes,
@@ -105,6 +115,7 @@ async def run(settings: StageMinerSettings) -> None:
                                announcement_for(b.checkpoint, stage))
         info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
                 "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
+                "shard_pids": sorted(stage.model.pids.values()) if stage.sharded else [],
                 "metrics_url": f"http://{METRICS_HOST}:{metrics.port}/metrics" if metrics else None}
         log.info("stage %s (layers %s) serving on %s%s", server.hotkey, layers, server.url,
                  f"; metrics on {info['metrics_url']}" if metrics else "")

@@ -1,0 +1,130 @@
+"""A stage block sharded over the operator's own processes (`--shard-ranks N`): the sharded runtime restricted to
+the block's layers (ShardedModel(layers=(A, B + 1)), expert parallel over gloo ranks), taking and giving the
+residual state at the block's edges.
+
+- in process: a sharded block's output states equal the unsharded block's within 1e-4 (fp32) through prefill,
+  decode, a verify forward and both kinds of rewind (into the verify forward, and a replay from 0);
+- real processes: a route through a plain stage miner and a stage miner whose head block runs on 2 local ranks
+  gives the single-process model's greedy tokens (and logprobs within 1e-4), plain and with speculation.
+"""
+import asyncio
+import os
+
+import bittensor as bt
+import pytest
+import torch
+from conftest import reference_greedy
+
+from inference.model.checkpoint import fingerprint, make_random_checkpoint
+from inference.model.config import ModelConfig
+from inference.model.tokenizer import load_tokenizer
+from inference.serving.builders import load_reference_model
+from inference.serving.engine import FinalEvent, GenerationRequest
+from inference.serving.sampling import SamplingParams
+from inference.speculative.drafters import ReplayDrafter
+from inference.speculative.speculation import SpeculationConfig
+from inference.swarm.stage import Stage, StageError
+from neurons.swarm.bench import launch_stages, stop_processes
+from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
+
+PROMPT = [(11 * j + 5) % 256 for j in range(21)]
+REPEATING = [65, 66] * 10
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("swarm_sharded") / "ckpt"
+    make_random_checkpoint(ModelConfig.tiny(), path, seed=0)
+    return path
+
+
+def states_close(a, b) -> float:
+    assert len(a.blocks) == len(b.blocks)
+    return max(float((x - y).abs().max()) for x, y in zip(a.blocks + [a.partial], b.blocks + [b.partial]))
+
+
+def test_sharded_block_equals_unsharded_block(ckpt):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    sharded = Stage.from_checkpoint(ckpt, "0-4", shard_ranks=2, threads_per_rank=1)  # a non-block cut (size 3)
+    try:
+        plain = Stage.from_checkpoint(ckpt, "0-4")
+        assert sharded.sharded and not plain.sharded and sharded.fingerprint == plain.fingerprint
+        assert sharded.model.layout()["processes"] == 2
+        steps = [(0, PROMPT, "none", None), (21, [3, 4, 5], "verify", [4, 5]), ("rewind", 22),
+                 (22, [9], "none", None), ("rewind", 10), (10, [7, 8], "none", None), (12, [1], "none", None)]
+        for s in (sharded, plain):
+            s.open("x")
+        for step in steps:
+            if step[0] == "rewind":
+                assert sharded.rewind("x", step[1]) == plain.rewind("x", step[1]) == step[1]
+                continue
+            position, ids, mode, targets = step
+            a = sharded.forward("x", position, torch.tensor(ids), mode=mode, targets=targets)
+            b = plain.forward("x", position, torch.tensor(ids), mode=mode, targets=targets)
+            assert states_close(a, b) < 1e-4, step
+        with pytest.raises(StageError) as e:
+            sharded.fork("x", "y")
+        assert e.value.status == 501
+    finally:
+        sharded.shutdown()
+        torch.set_num_threads(threads)
+    assert sharded.model.health().status != "ok"  # closed
+
+
+@pytest.fixture(scope="module")
+def swarm(ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded_route")
+    for name in ("a", "f", "driver"):
+        bt.Wallet(name, "default", path=str(root / "wallets")).create_new_hotkey(use_password=False, suppress=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    procs, infos = launch_stages(ckpt, ["0-3"], root / "wallets", ["a"], root, extra=["--hop-timeout-s", "10"],
+                                 timeout_s=300.0)
+    try:
+        sharded_procs, sharded_infos = launch_stages(ckpt, ["4-12"], root / "wallets", ["f"], root,
+                                                     extra=["--hop-timeout-s", "10", "--shard-ranks", "2"],
+                                                     timeout_s=300.0)
+    except BaseException:
+        stop_processes(procs)
+        raise
+    try:
+        model, _, _ = load_reference_model(ckpt, verify=False)
+        yield {"urls": [infos[0]["url"], sharded_infos[0]["url"]], "info": sharded_infos[0], "model": model,
+               "driver": bt.Wallet("driver", "default", path=str(root / "wallets")).hotkey, "ckpt": ckpt}
+    finally:
+        stop_processes(procs + sharded_procs)
+        torch.set_num_threads(threads)
+
+
+async def generate(swarm, prompt, n, speculation=None):
+    driver = RouteDriver(StaticDirectory(swarm["urls"]), swarm["driver"], ModelConfig.tiny(), hop_timeout_s=10.0)
+    engine = RouteEngine(driver, load_tokenizer(swarm["ckpt"], ModelConfig.tiny()), prefill_chunk=8,
+                         model_fingerprint=fingerprint(swarm["ckpt"]), speculation=speculation)
+    tokens, lps, final = [], [], None
+    async with engine:
+        async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
+            if isinstance(ev, FinalEvent):
+                final = ev
+            else:
+                tokens.append(ev.token_id)
+                lps.append(ev.logprob)
+    return tokens, lps, final
+
+
+def test_route_through_a_sharded_stage_miner_equals_single_process(swarm):
+    pids = swarm["info"]["shard_pids"]
+    assert len(pids) == 2 and all(os.path.exists(f"/proc/{p}") for p in pids)  # the block's 2 local ranks
+    plain, plain_lp = reference_greedy(swarm["model"], PROMPT, 12)
+    wrong = SpeculationConfig(max_draft_tokens=3, fixed_draft_tokens=3, drafter_factory=lambda ids: ReplayDrafter(
+        len(ids), plain, ModelConfig.tiny().vocab_size, wrong_every=1))  # every draft rejected: a rewind a step
+    cases = [(PROMPT, None), (PROMPT, wrong), (REPEATING, SpeculationConfig(drafter="ngram", max_draft_tokens=6))]
+    for prompt, speculation in cases:
+        want, want_lp = (plain, plain_lp) if prompt is PROMPT else reference_greedy(swarm["model"], prompt, 12)
+        got, lps, final = asyncio.run(generate(swarm, prompt, 12, speculation))
+        assert got == want
+        assert max(abs(a - b) for a, b in zip(lps, want_lp)) < 1e-4
+        if speculation is wrong:
+            assert final.draft_proposed > 0 and final.draft_accepted == 0
+        elif speculation is not None:
+            assert final.draft_accepted > 0
