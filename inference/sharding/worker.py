@@ -55,7 +55,11 @@ from torch import Tensor, nn
 
 from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
                              fingerprint, load_checkpoint, read_config)
+from inference.model.fp8 import quantize_dense
+from inference.model.k3 import DecoderLayer
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
+from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, mlp_part, split_head, split_layer,
+                                            vocab_slice)
 from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
                                          StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
                                          packed_nbytes, state_sources, unpack)
@@ -114,9 +118,11 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
 
 
 def shard_selection(plan: Plan, rank: int) -> TensorSelection:
-    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head."""
-    return TensorSelection.shard(plan.layers_homed_on(rank), plan.experts_on(rank),
-                                 embedding=rank == plan.embedding_rank, head=rank == plan.lm_head_rank)
+    """The tensors `rank` holds under `plan`: its home layers and the layers whose dense work it shares (whole:
+    `split_shard_model` cuts them to its part), the experts placed on it, embedding and head."""
+    layers = sorted(set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank)))
+    return TensorSelection.shard(layers, plan.experts_on(rank), embedding=rank == plan.embedding_rank,
+                                 head=rank in plan.head_group())
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -153,7 +159,20 @@ def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: st
     """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
     model = model_skeleton(config, dtype, skeleton)
     load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank), device=device)
+    if plan.dense_dtype == "fp8":  # before any split: the per-row scales are the whole layer's
+        quantize_dense(model)
+    split_shard_model(model, plan, rank)
     return model
+
+
+def split_shard_model(model: KimiK3Model, plan: Plan, rank: int) -> None:
+    """Cut the dense weights of every split layer (and a split LM head) this rank takes part in to its part."""
+    for layer, group in plan.dense_groups.items():
+        if rank in group:
+            split_layer(model.layers[layer], group.index(rank), len(group))
+    group = plan.head_group()
+    if len(group) > 1 and rank in group:
+        model.lm_head = split_head(model.lm_head, group.index(rank), len(group))
 
 
 def tensor_nbytes(model: nn.Module, resident: bool) -> int:
@@ -359,6 +378,21 @@ class ShardRank:
             self.held[layer] = mask
         self.caches: dict[int, SequenceCache] = {}
         self.wire = Wire(rank, device, args.timeouts.comm, args.link)
+        # dense split: the home drives each split block through a DenseGroup; the others serve their part
+        self.helped = self.plan.layers_split_with(rank)
+        self.cache_layers = sorted(set(self.homed) | set(self.helped))
+        for layer in self.homed:
+            group = self.plan.dense_group(layer)
+            if len(group) > 1:
+                attach_group(self.model.layers[layer],
+                             lambda what, g=group, i=layer: DenseGroup(g, self.wire.send, self.wire.recv,
+                                                                       f"layer {i} {what}"))
+        head_group = self.plan.head_group()
+        self.head_widths = [len(vocab_slice(self.config.vocab_size, p, len(head_group)))
+                            for p in range(len(head_group))]
+        if len(head_group) > 1 and rank == self.plan.lm_head_rank:
+            self.model.lm_head = GroupHead(self.model.lm_head, DenseGroup(head_group, self.wire.send, self.wire.recv,
+                                                                          "LM head"), self.head_widths)
 
     def info(self) -> dict:
         return {
@@ -366,6 +400,7 @@ class ShardRank:
             "homed_layers": self.homed,
             "experts": {str(layer): ids for layer, ids in self.plan.experts_on(self.rank).items()},
             "embedding": self.rank == self.plan.embedding_rank, "lm_head": self.rank == self.plan.lm_head_rank,
+            "dense_split_layers": self.helped, "dense_dtype": self.plan.dense_dtype,
             "resident_bytes": tensor_nbytes(self.model, resident=True),
             "model_bytes": tensor_nbytes(self.model, resident=False),
             "load_seconds": round(self.load_seconds, 3),
@@ -396,10 +431,10 @@ class ShardRank:
         cfg, plan, me = self.config, self.plan, self.rank
         for slot in h.freed:
             self.caches.pop(slot, None)
-        if self.homed:
+        if self.cache_layers:
             for slot in h.slots:
                 if slot not in self.caches:
-                    self.caches[slot] = self.model.new_cache(layers=self.homed)
+                    self.caches[slot] = self.model.new_cache(layers=self.cache_layers)
             for op in h.cache_ops:  # speculative decoding's marks and rewinds, before this step's tokens
                 if op.slot not in self.caches:
                     raise RuntimeError(f"rank {me}: a cache op for sequence slot {op.slot}, which has no state here")
@@ -419,6 +454,8 @@ class ShardRank:
                 else:
                     m = layer.mlp(x)
                 state = layer.add_mlp(state, m)
+            elif i in self.helped:
+                self._serve_split_layer(i, home, lengths, [self.caches[s] for s in h.slots])
             elif layer.is_moe and me in self.tables[i].ranks:
                 self._serve_experts(i, home)
         # the head needs one row per sequence (its last new token), or every row for scoring
@@ -441,6 +478,8 @@ class ShardRank:
                               "the residual state into the head")
             if me == head:
                 logits = self.model.head(state)
+        if me != head and me in plan.head_group():
+            self._serve_split_head(head, h.logit_rows if rows is not None else sum(lengths))
         result = None
         if head != 0:
             if me == head:
@@ -473,6 +512,27 @@ class ShardRank:
             t = self.wire.recv(src, (n, sum(lengths), self.config.hidden_size), torch.float32, what)
             return ResidualState(lengths, list(t[:-1].unbind(0)), t[-1])
         return None
+
+    def _serve_split_layer(self, i: int, home: int, lengths: tuple[int, ...], caches: list[SequenceCache]) -> None:
+        """This rank's part of layer i's split dense work, in the home's order: attention, the routed experts it
+        holds (if any), then the dense MLP or shared experts."""
+        layer = self.model.layers[i]
+        shape = (sum(lengths), self.config.hidden_size)
+        x = self.wire.recv(home, shape, self.dtype, f"layer {i} attention input")
+        y = DecoderLayer.attention(layer, x, lengths, [layer._layer_cache(c) for c in caches])
+        self.wire.send(home, y.float(), f"layer {i} attention partial sum")
+        if layer.is_moe and self.rank in self.tables[i].ranks:
+            self._serve_experts(i, home)
+        mlp = mlp_part(layer)
+        if mlp is not None:
+            what = "shared experts" if layer.is_moe else "dense MLP"
+            x = self.wire.recv(home, shape, self.dtype, f"layer {i} {what} input")
+            self.wire.send(home, mlp(x).float(), f"layer {i} {what} partial sum")
+
+    def _serve_split_head(self, head: int, rows: int) -> None:
+        """This rank's vocabulary slice of the LM head for the head rank's `rows` normalised rows."""
+        x = self.wire.recv(head, (rows, self.config.hidden_size), self.dtype, "LM head input")
+        self.wire.send(head, self.model.lm_head(x).float(), "LM head columns")
 
     def _home_experts(self, layer: int, moe, x: Tensor) -> Tensor:
         """Route on the home rank, dispatch latent rows to the holders, add up their partial sums: [T, latent]."""
