@@ -438,6 +438,15 @@ class Plan:
             for layer, home in enumerate(self.layer_home):
                 groups[layer] = self._host_group(self.stage_of(layer), home, parts, f"layer {layer}")
             head_group = self._host_group(self.stages[-1], self.lm_head_rank, parts, "the LM head")
+        return self.with_dense_groups(config, groups, head_group, dtype)
+
+    def with_dense_groups(self, config: ModelConfig, groups: dict[int, tuple[int, ...]],
+                          head_group: tuple[int, ...] = (), dense_dtype: str | None = None) -> "Plan":
+        """This plan with the given dense-split groups (layer -> ranks, home first; the LM head's) and dense
+        dtype, its memory recomputed and the whole validated."""
+        dtype = self.dense_dtype if dense_dtype is None else dense_dtype
+        groups = {int(layer): tuple(g) for layer, g in groups.items() if len(g) > 1}
+        head_group = tuple(head_group) if len(head_group) > 1 else ()
         plan = dataclasses.replace(self, dense_groups=groups, lm_head_group=head_group, dense_dtype=dtype,
                                    prediction={})
         plan.memory = compute_memory(config, plan.devices, plan.layer_home, plan.expert_placement,

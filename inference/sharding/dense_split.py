@@ -116,6 +116,35 @@ def split_layer(layer: nn.Module, part: int, parts: int) -> None:
         split_mlp(mlp, part, parts)
 
 
+def to_meta(module: nn.Module) -> None:
+    """Drop every tensor of `module` to the meta device (shapes kept, memory freed), in place."""
+    for sub in module.modules():
+        for name, t in sub._parameters.items():
+            if t is not None:
+                sub._parameters[name] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
+        for name, t in sub._buffers.items():
+            if t is not None:
+                sub._buffers[name] = torch.empty_like(t, device="meta")
+
+
+def keep_only_split_part(layer: nn.Module) -> None:
+    """On a rank that shares a layer's dense work without being its home: free what only the home uses
+    (norms, Attention Residuals projections, router, latent projections), keeping the split attention and MLP."""
+    keep = {id(layer.self_attn)}
+    mlp = mlp_part(layer)
+    if mlp is not None:
+        keep.add(id(mlp))
+    for module in layer.children():
+        if id(module) in keep:
+            continue
+        if layer.is_moe and module is layer.block_sparse_moe:
+            for child in module.children():
+                if id(child) not in keep and child is not module.experts:
+                    to_meta(child)
+            continue
+        to_meta(module)
+
+
 def mlp_part(layer: nn.Module) -> nn.Module | None:
     """The layer's dense MLP, or its shared experts (None for a MoE layer without them)."""
     if not layer.is_moe:
@@ -212,4 +241,4 @@ class GroupHead(nn.Module):
 
 
 __all__ = ["split_layer", "split_kda", "split_mla", "split_mlp", "split_head", "vocab_slice", "mlp_part",
-           "attach_group", "DenseGroup", "GroupMLP", "GroupHead"]
+           "attach_group", "to_meta", "keep_only_split_part", "DenseGroup", "GroupMLP", "GroupHead"]

@@ -58,8 +58,8 @@ from inference.model import (CheckpointError, KimiK3Model, ModelConfig, Residual
 from inference.model.fp8 import quantize_dense
 from inference.model.k3 import DecoderLayer
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
-from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, mlp_part, split_head, split_layer,
-                                            vocab_slice)
+from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, keep_only_split_part, mlp_part,
+                                            split_head, split_layer, to_meta, vocab_slice)
 from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
                                          StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
                                          packed_nbytes, state_sources, unpack)
@@ -143,13 +143,7 @@ def model_skeleton(config: ModelConfig, dtype: torch.dtype, on: str | None = Non
     if on != "cpu":
         raise ValueError(f"skeleton device must be 'meta' or 'cpu', got {on!r}")
     model = KimiK3Model(config, dtype=dtype, random_init=False).eval()
-    for module in model.modules():
-        for name, t in module._parameters.items():
-            if t is not None:
-                module._parameters[name] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
-        for name, t in module._buffers.items():
-            if t is not None:
-                module._buffers[name] = torch.empty_like(t, device="meta")
+    to_meta(model)
     return model
 
 
@@ -170,9 +164,14 @@ def split_shard_model(model: KimiK3Model, plan: Plan, rank: int) -> None:
     for layer, group in plan.dense_groups.items():
         if rank in group:
             split_layer(model.layers[layer], group.index(rank), len(group))
+            if group[0] != rank:
+                keep_only_split_part(model.layers[layer])
     group = plan.head_group()
     if len(group) > 1 and rank in group:
         model.lm_head = split_head(model.lm_head, group.index(rank), len(group))
+        if group[0] != rank:  # the final norm and output AttnRes site run on the head rank
+            for module in (model.model.norm, model.model.output_attn_res_norm, model.model.output_attn_res_proj):
+                to_meta(module)
 
 
 def tensor_nbytes(model: nn.Module, resident: bool) -> int:
