@@ -427,17 +427,37 @@ class Plan:
 
     def with_dense_split(self, config: ModelConfig, parts: int, dense_dtype: str | None = None) -> "Plan":
         """This plan with every layer's dense work (and the LM head) split over `parts` ranks of its home's host
-        and stage: the home, then the next ranks of that host in the stage (wrapping). PlanError if a stage has
-        fewer than `parts` ranks on a host, or the heads / hidden units do not divide by `parts`."""
+        and stage: the home, then the ranks of that host in the stage with the most memory left (greedy, layer
+        by layer, so the moved weights land where they fit). PlanError if a stage has fewer than `parts` ranks
+        on a host, the heads / hidden units do not divide by `parts`, or a device overflows."""
         if parts < 1:
             raise PlanError("a dense split needs at least 1 part")
         dtype = self.dense_dtype if dense_dtype is None else dense_dtype
         groups: dict[int, tuple[int, ...]] = {}
         head_group: tuple[int, ...] = ()
         if parts > 1:
-            for layer, home in enumerate(self.layer_home):
-                groups[layer] = self._host_group(self.stage_of(layer), home, parts, f"layer {layer}")
-            head_group = self._host_group(self.stages[-1], self.lm_head_rank, parts, "the LM head")
+            base = compute_memory(config, self.devices, self.layer_home, self.expert_placement, self.embedding_rank,
+                                  self.lm_head_rank, self.concurrency, self.context, self.memory_policy,
+                                  dense_dtype=dtype)
+            free = {m.rank: m.free for m in base}
+            scale = DENSE_DTYPE_SCALE[dtype]
+            jobs = [(layer, self.stage_of(layer), home, layer_weights(config, layer).total_bytes)
+                    for layer, home in enumerate(self.layer_home)]
+            jobs.append((None, self.stages[-1], self.lm_head_rank, lm_head_bytes(config)))
+            for layer, stage, home, nbytes in sorted(jobs, key=lambda j: -j[3]):  # biggest first
+                what = "the LM head" if layer is None else f"layer {layer}"
+                self._host_group(stage, home, parts, what)  # enough ranks on the host, or PlanError
+                host = [r for r in stage.ranks if self.devices[r].host == self.devices[home].host and r != home]
+                peers = sorted(sorted(host, key=lambda r: (-free[r], r))[: parts - 1])
+                share = int(nbytes * scale) // parts
+                free[home] += int(nbytes * scale) - share
+                for r in peers:
+                    free[r] -= share
+                group = (home, *peers)
+                if layer is None:
+                    head_group = group
+                else:
+                    groups[layer] = group
         return self.with_dense_groups(config, groups, head_group, dtype)
 
     def with_dense_groups(self, config: ModelConfig, groups: dict[int, tuple[int, ...]],
