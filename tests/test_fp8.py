@@ -112,3 +112,19 @@ def test_sharded_fp8_dense_split_equals_the_single_process_fp8_model(tiny_checkp
                 assert x.argmax(-1).tolist() == y.argmax(-1).tolist()
             nxt = [(y[-1] if y.dim() == 2 else y).argmax().reshape(1) for y in want]
             got, want = sharded(nxt, caches), reference(nxt, ref_caches)
+
+
+def test_the_fp8_dense_miner_is_measured_beside_the_baselines(tiny_checkpoint):
+    from scoring.envelope import build_variants
+    from scoring.envelope_fp8 import FP8_VARIANT, measure_with_fp8
+
+    report = measure_with_fp8(tiny_checkpoint, only=["fp32-batched", FP8_VARIANT], audits_per_variant=4,
+                              max_tokens=6, sharded=False)
+    names = [r.variant.name for r in report.results]
+    assert names == ["fp32-batched", FP8_VARIANT]
+    fp32, fp8 = report.results
+    assert fp8.variant.honest and fp8.variant.precision == "fp8" and len(fp8.statistics) == 4
+    gap = [s.logprob_gap_mean for s in fp8.statistics if s.logprob_gap_mean is not None]
+    exact = [s.logprob_gap_mean for s in fp32.statistics if s.logprob_gap_mean is not None]
+    assert gap and max(gap) > max(exact)  # rounder numerics: further from the fp32 reference
+    assert build_variants.__name__ == "build_variants"  # the measurement's hook is undone
