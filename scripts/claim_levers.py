@@ -5,11 +5,13 @@ Plans `--model` on `--cluster` for one stream (the planner, latency objective), 
 (`Plan.with_dense_split`: each layer's attention, shared experts and the LM head split over 2 or 4 devices of its
 host; `dense_dtype: fp8`), prices each with the cost model, and prices speculative decoding on top at the given
 draft acceptances (k chosen by the model, `CostModel.speculative_token_time`). Every row's plan is written to
-`--plans DIR` (default deploy/plans): the sharded runtime executes those files (`ShardedModel(checkpoint, plan=...)`).
+`--plans DIR` (default deploy/plans, compact JSON): the sharded runtime executes those files
+(`ShardedModel(checkpoint, plan=...)`, given the checkpoint and one process per planned device).
 
     python scripts/claim_levers.py [--model kimi_k3] [--cluster rtx5090_80] [--acceptance 0.35,0.6,0.8] [--plans DIR]
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -52,10 +54,10 @@ def main() -> int:
             cells += f"{r['tokens_per_s']:>12.1f} ({r['draft_tokens']})".rjust(18)
         where = "-"
         if args.plans:
-            out = Path(args.plans) / f"{args.model}_{args.cluster}_split{split}_{dtype}.yaml"
+            out = Path(args.plans) / f"{args.model}_{args.cluster}_split{split}_{dtype}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             plan.prediction = dict(plan.prediction or {}, lever=name, single_stream_tokens_per_s=float(plain_tps))
-            plan.save(out)
+            out.write_text(json.dumps(plan.to_dict(), separators=(",", ":")) + "\n")  # compact: 0.4 MB, loads fast
             where = str(out.relative_to(ROOT)) if out.resolve().is_relative_to(ROOT) else str(out)
         print(f"{name:<24}{plain_tps:>13.1f}{cells}  {where}")
     return 0

@@ -732,3 +732,13 @@ def test_cost_model_prices_the_plan_layout_like_the_what_if():
     # a plan with split groups costs what the dense_split what-if on the unsplit plan says
     assert split.token_time().total == pytest.approx(base.variant(dense_split=2).token_time().total)
     assert fp8.token_time().total == pytest.approx(base.variant(dense_weight_scale=0.5).token_time().total)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "plans").glob("*.json")), ids=lambda p: p.stem)
+def test_shipped_claim_plans_load_validate_and_price_as_recorded(path):
+    plan = Plan.load(path)
+    plan.validate(K3)
+    split = int(path.stem.split("_split")[1].split("_")[0])
+    assert plan.dense_split == split and plan.dense_dtype == path.stem.rsplit("_", 1)[1]
+    tps = 1 / CostModel(K3, plan).token_time(components=False).total
+    assert tps == pytest.approx(plan.prediction["single_stream_tokens_per_s"], rel=1e-9)

@@ -8,7 +8,9 @@ runs every step on the same deterministic schedule as every other rank (`ShardRa
 state moves to each layer's home, the home runs attention and routing and sends each expert holder the
 latent rows it must compute, the holders answer with weighted partial sums, the head rank returns logits to
 rank 0, which answers the driver (`inference.sharding.driver.ShardedModel`). Message layouts:
-`inference.sharding.messages`.
+`inference.sharding.messages`. A layer with a `dense_split` group (and a split LM head) runs its attention
+heads, shared experts and vocabulary split over the group's ranks (`inference.sharding.dense_split`): the home
+sends each block's input, every rank of the group computes its part and returns a partial sum.
 
 Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
 driver's store: the driver restarts the whole set, so a half-broken world never lingers.
