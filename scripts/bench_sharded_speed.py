@@ -12,8 +12,13 @@
      1-rank shard set, so the prediction's sharding terms (hops, link latency, pipelining) are what is checked.
   3. Speculative decoding through the serving engine on the 2-stage shard set (one stream, greedy, ngram and
      suffix drafts), with the cost model's speed-up at the measured acceptance (`speculative_token_time`).
+  4. Dense split: 1 process, 2 ranks as a 2-stage pipeline, and 2 ranks splitting every layer's attention,
+     shared experts and the LM head (`Plan.simple(..., "expert", dense_split=2)`, routed experts expert-parallel),
+     decoding 1 and `--streams` streams, on loopback and emulated 25 GbE, with the cost model's prediction
+     for each (per-layer overhead fitted on the 1-rank set, as in 2).
 
     .venv/bin/python scripts/bench_sharded_speed.py [--checkpoint DIR] [--streams 16] [--steps 8]
+        [--sections pipelined,speculation,split] [--split-links "loopback,25 GbE"]
 """
 from __future__ import annotations
 
@@ -129,7 +134,13 @@ def main() -> None:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of: {', '.join(LINKS)}")
     parser.add_argument("--spec-tokens", type=int, default=48, help="tokens per speculative run (0: skip)")
+    parser.add_argument("--sections", default="pipelined,speculation,split",
+                        help="comma-separated, of: pipelined, speculation, split")
+    parser.add_argument("--split-links", default="loopback,25 GbE", help="links for the dense-split rows")
     opts = parser.parse_args()
+    sections = set(opts.sections.split(","))
+    if sections - {"pipelined", "speculation", "split"}:
+        parser.error(f"unknown sections {sorted(sections - {'pipelined', 'speculation', 'split'})}")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +154,10 @@ def main() -> None:
         print(f"gloo loopback: alpha {gloo['alpha'] * 1e6:.0f} us one way, {gloo['bandwidth'] / 1e9:.2f} GB/s; "
               f"CPU copy {cpu[0] / 1e9:.1f} GB/s, matmul {cpu[1] / 1e9:.1f} GFLOP/s; load {os.getloadavg()}")
         stage_counts = [int(s) for s in opts.stages.split(",")]
-        micro_sizes = sorted({opts.streams} | {-(-opts.streams // s) for s in stage_counts})
+        micro_sizes = sorted(({opts.streams} | {-(-opts.streams // s) for s in stage_counts}
+                              if "pipelined" in sections else set())
+                             | ({1, opts.streams} if "split" in sections else set())
+                             | ({1} if "speculation" in sections else set()))
         context = opts.prompt + 1 + opts.steps // 2
         # calibration: a 1-rank shard set (the same driver, pipe and worker, no hops) per micro-batch size
         fitted = {}
@@ -156,7 +170,7 @@ def main() -> None:
               + ", ".join(f"{b}: {p.launch_overhead_s * 1e3:.2f}" for b, p in fitted.items()))
 
         rows = []
-        for stages in stage_counts:
+        for stages in (stage_counts if "pipelined" in sections else []):
             for link_name in opts.links.split(","):
                 link = LINKS[link_name]
                 plan = link_plan(config, stages, link, gloo, cpu)
@@ -174,17 +188,18 @@ def main() -> None:
                                      same="yes" if tokens == results[(1, 1)][1] else "no",
                                      measured_ms=round_s * 1e3, predicted_ms=predicted["round_s"] * 1e3,
                                      error=round_s / predicted["round_s"], bound=predicted["bound"]))
-        print_table(f"pipelined decode, {opts.streams} streams, {opts.steps} rounds, pipeline stages over gloo "
-                    "(real processes, 1 thread each); micro = micro-batches x streams; ratio = tokens/s over the "
-                    "same micro-batches one at a time; same tokens = as the one-batch run; error = measured / "
-                    "predicted round", rows,
-                    [("stages", "stages", "d"), ("link", "link          ", "s"), ("micro", "micro ", "s"),
-                     ("in_flight", "in flight", "d"),
-                     ("tps", "tokens/s", ".1f"), ("ratio", "ratio", ".2f"), ("same", "same tokens", "s"),
-                     ("measured_ms", "measured ms", ".1f"), ("predicted_ms", "predicted ms", ".1f"),
-                     ("error", "error", ".2f"), ("bound", "bound          ", "s")])
+        if rows:
+            print_table(f"pipelined decode, {opts.streams} streams, {opts.steps} rounds, pipeline stages over gloo "
+                        "(real processes, 1 thread each); micro = micro-batches x streams; ratio = tokens/s over the "
+                        "same micro-batches one at a time; same tokens = as the one-batch run; error = measured / "
+                        "predicted round", rows,
+                        [("stages", "stages", "d"), ("link", "link          ", "s"), ("micro", "micro ", "s"),
+                         ("in_flight", "in flight", "d"),
+                         ("tps", "tokens/s", ".1f"), ("ratio", "ratio", ".2f"), ("same", "same tokens", "s"),
+                         ("measured_ms", "measured ms", ".1f"), ("predicted_ms", "predicted ms", ".1f"),
+                         ("error", "error", ".2f"), ("bound", "bound          ", "s")])
 
-        if opts.spec_tokens:
+        if opts.spec_tokens and "speculation" in sections:
             tokenizer = load_tokenizer(ckpt, config)
             with ShardedModel(ckpt, shards=2, mode="pipeline", threads_per_rank=1, timeouts=TIMEOUTS) as model:
                 spec_rows = speedup_table(Borrowed(model), tokenizer, opts.spec_tokens, repeats=1)
@@ -206,7 +221,49 @@ def main() -> None:
                          ("accepted_per_verify", "acc/verify", ".2f"), ("tokens_per_s", "tokens/s", ".1f"),
                          ("speedup", "speed-up", ".2f"), ("predicted", "predicted", ".2f"), ("g", "g", ".2f"),
                          ("k", "k", "d"), ("same_output", "same", "")])
+        if "split" in sections:
+            split_rows = dense_split_rows(ckpt, config, opts, gloo, cpu, fitted, context)
+            print_table("dense split inside a host: one process, 2 ranks as 2 pipeline stages, 2 ranks splitting "
+                        "each layer's attention, shared experts and LM head (routed experts expert-parallel); "
+                        "ms per decode round (every stream one token); error = measured / predicted", split_rows,
+                        [("layout", "layout                 ", "s"), ("link", "link          ", "s"),
+                         ("streams", "streams", "d"), ("tps", "tokens/s", ".1f"), ("measured_ms", "measured ms", ".1f"),
+                         ("predicted_ms", "predicted ms", ".1f"), ("error", "error", ".2f"),
+                         ("same", "same tokens", "s")])
         print(f"\nload average at the end: {os.getloadavg()}")
+
+
+SPLIT_LAYOUTS = {"1 process": dict(shards=1, mode="pipeline"), "2 ranks, pipeline": dict(shards=2, mode="pipeline"),
+                 "2 ranks, dense split": dict(shards=2, mode="expert", dense_split=2)}
+
+
+def split_plan(config, layout: dict, link: LinkEmulation, gloo: dict, cpu: tuple[float, float]):
+    """The layout's plan with the measured loopback (plus the emulated link) and this CPU, for the cost model."""
+    bandwidth = gloo["bandwidth"] if link.gbps <= 0 else min(gloo["bandwidth"], link.gbps * 1e9 / 8)
+    plan = local_plan(config, layout["mode"], layout["shards"], 0, gloo["alpha"] + link.latency_ms / 1e3, bandwidth,
+                      *cpu)
+    return plan.with_dense_split(config, layout.get("dense_split", 1))
+
+
+def dense_split_rows(ckpt, config, opts, gloo, cpu, fitted, context) -> list[dict]:
+    rows = []
+    sizes = [1, opts.streams]
+    for link_name in opts.split_links.split(","):
+        link = LINKS[link_name]
+        reference = {}
+        for name, layout in SPLIT_LAYOUTS.items():
+            if name == "1 process" and link_name != opts.split_links.split(",")[0]:
+                continue  # no links to emulate
+            with ShardedModel(ckpt, threads_per_rank=1, timeouts=TIMEOUTS, link=link, **layout) as model:
+                results = {b: decode_streams(model, b, 1, opts.steps, opts.prompt) for b in sizes}
+            plan = split_plan(config, layout, link, gloo, cpu)
+            for b, (round_s, tokens) in results.items():
+                reference.setdefault(b, tokens)
+                predicted = CostModel(config, plan, fitted[b]).decode_round(b, 1, context)["round_s"]
+                rows.append(dict(layout=name, link=link_name if layout["shards"] > 1 else "-", streams=b,
+                                 tps=b / round_s, measured_ms=round_s * 1e3, predicted_ms=predicted * 1e3,
+                                 error=round_s / predicted, same="yes" if tokens == reference[b] else "no"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -672,3 +672,73 @@ def test_script_exits_2_with_a_clear_message(tmp_path, capsys):
     assert rc == 2 and "no cluster file" in capsys.readouterr().err
     rc = script.main(["--model", "tiny", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--concurrency", "0"])
     assert rc == 2 and "positive" in capsys.readouterr().err
+
+
+# =================================================================== dense split and dense dtype (issue 17)
+def test_dense_split_plans_are_valid_round_trip_and_move_memory(tmp_path):
+    plan, _ = plan_cluster(TINY, tiny_cluster(hosts=2, per_host=2, memory="256 MB"), 1, 1024, prompt_tokens=64,
+                           options=PlannerOptions(dense_split=2, dense_dtype="fp8"))
+    assert plan.dense_dtype == "fp8" and plan.dense_split == 2
+    for layer in range(TINY.num_layers):
+        group = plan.dense_group(layer)
+        assert group[0] == plan.layer_home[layer] and len(group) == 2
+        assert len({plan.devices[r].host for r in group}) == 1
+        assert set(group) <= set(plan.stage_of(layer).ranks)
+    _check_memory(plan, TINY)
+    path = tmp_path / "split.yaml"
+    plan.save(path)
+    back = Plan.load(path)
+    back.validate(TINY)
+    assert back.dense_groups == plan.dense_groups and back.lm_head_group == plan.lm_head_group
+    unsplit = dataclasses.replace(plan, dense_groups={}, lm_head_group=(), dense_dtype="bf16").with_dense_groups(
+        TINY, {})
+    # the same total dense bytes (halved by fp8), spread over more devices
+    assert sum(m.weights_dense for m in plan.memory) < sum(m.weights_dense for m in unsplit.memory)
+    assert max(m.weights_dense for m in plan.memory) < max(m.weights_dense for m in unsplit.memory)
+
+
+def test_dense_split_groups_are_checked():
+    plan = Plan.simple(TINY, 4, "both", stages=2, memory_bytes=1 << 30)  # stages [0, 1] and [2, 3]
+    home = plan.layer_home[0]
+    other = next(r for r in plan.stages[0].ranks if r != home)
+    outside = plan.stages[1].ranks[0]
+    for groups, message in (({0: (other, home)}, "start with its home"),
+                            ({0: (home, outside)}, "leaves stage"),
+                            ({0: (home, home)}, "distinct"),
+                            ({0: (home, other, 2, 3)}, "leaves stage")):
+        with pytest.raises(PlanError, match=message):
+            plan.with_dense_groups(TINY, groups)
+    with pytest.raises(PlanError, match="divide"):
+        Plan.simple(TINY, 3, "expert", memory_bytes=1 << 30, dense_split=3)  # 4 heads over 3
+    with pytest.raises(PlanError, match="needs 2"):
+        Plan.simple(TINY, 2, "pipeline", memory_bytes=1 << 30, dense_split=2)  # one rank per stage
+    two_hosts = dataclasses.replace(plan, devices=[dataclasses.replace(d, host=f"h{d.rank}") for d in plan.devices])
+    with pytest.raises(PlanError, match="spans hosts"):
+        two_hosts.with_dense_groups(TINY, {0: (home, other)})
+    with pytest.raises(PlanError, match="dense_dtype"):
+        plan.with_dense_groups(TINY, {}, dense_dtype="int4")
+
+
+def test_cost_model_prices_the_plan_layout_like_the_what_if():
+    cluster = tiny_cluster(hosts=1, per_host=4, memory="256 MB")
+    plan, _ = plan_cluster(TINY, cluster, 1, 1024, prompt_tokens=64, options=PlannerOptions(stages=1))
+    base = CostModel(TINY, plan)
+    split = CostModel(TINY, plan.with_dense_split(TINY, 2))
+    fp8 = CostModel(TINY, plan.with_dense_split(TINY, 1, "fp8"))
+    t0, t2, t8 = (m.token_time().breakdown for m in (base, split, fp8))
+    assert t2["dense_reads"] < t0["dense_reads"] and t8["dense_reads"] < t0["dense_reads"]
+    assert t2["home_hops"] > t0["home_hops"]  # the split's input broadcasts and partial sums
+    assert t8["home_hops"] == t0["home_hops"]
+    # a plan with split groups costs what the dense_split what-if on the unsplit plan says
+    assert split.token_time().total == pytest.approx(base.variant(dense_split=2).token_time().total)
+    assert fp8.token_time().total == pytest.approx(base.variant(dense_weight_scale=0.5).token_time().total)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "plans").glob("*.json")), ids=lambda p: p.stem)
+def test_shipped_claim_plans_load_validate_and_price_as_recorded(path):
+    plan = Plan.load(path)
+    plan.validate(K3)
+    split = int(path.stem.split("_split")[1].split("_")[0])
+    assert plan.dense_split == split and plan.dense_dtype == path.stem.rsplit("_", 1)[1]
+    tps = 1 / CostModel(K3, plan).token_time(components=False).total
+    assert tps == pytest.approx(plan.prediction["single_stream_tokens_per_s"], rel=1e-9)

@@ -51,10 +51,21 @@ def _free_port() -> int:
 
 # One local set per placement kind, plus the 2-rank pipeline with rank 1 launched the documented way for
 # another host (torchrun, `python -m inference.sharding.worker`), rank 0 spawned by the driver.
+def split_last_stage_plan() -> Plan:
+    """Two pipeline stages ([0] and [1, 2]); in the second every layer's attention, shared experts and the LM
+    head are split over both ranks (dense split), its routed experts spread over them (expert parallel)."""
+    plan = Plan.simple(CONFIG, 3, "both", memory_bytes=1 << 30)
+    last = plan.stages[-1]
+    groups = {layer: plan._host_group(last, plan.layer_home[layer], 2, f"layer {layer}") for layer in last.layers}
+    return plan.with_dense_groups(CONFIG, groups, plan._host_group(last, plan.lm_head_rank, 2, "the LM head"))
+
+
 CONFIGS = {
     "pipeline-2-torchrun": dict(shards=2, mode="pipeline"),
     "expert-3-replicas": dict(shards=3, mode="expert", replicas=16),
     "both-3": dict(shards=3, mode="both"),
+    "expert-2-dense-split": dict(shards=2, mode="expert", dense_split=2),
+    "pipeline-and-dense-split-3": dict(plan=split_last_stage_plan()),
 }
 
 
@@ -123,6 +134,7 @@ def test_logits_match_the_single_process_model(sharded, reference_outputs, tmp_p
     for step, (a, b) in enumerate(zip(expected, got)):
         assert [t.shape for t in a] == [t.shape for t in b], f"step {step}"
         worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(a, b)))
+        assert [x.argmax(-1).tolist() for x in a] == [y.argmax(-1).tolist() for y in b], f"greedy tokens, step {step}"
     assert worst <= ATOL, f"{sharded.test_name}: sharded logits differ by {worst:.2e}"
 
     # routing statistics gathered from every home rank: the planner's format, the same counts as the
@@ -151,11 +163,21 @@ def test_each_rank_holds_only_its_part(sharded, reference):
     replicas = sum(sharded.plan.replica_count(layer) for layer in sharded.plan.expert_placement)
     assert len(sharded.ranks) == sharded.world_size
     for info in sharded.ranks:
-        assert info["model_bytes"] == whole
+        if not sharded.plan.dense_groups:  # a split layer's skeleton has its part's shapes only
+            assert info["model_bytes"] == whole
         assert 0 < info["resident_bytes"] < 0.75 * whole, info
         assert info["homed_layers"] == sharded.plan.layers_homed_on(info["rank"])
-    # together the ranks hold the model exactly once, plus the replicas
-    assert sum(info["resident_bytes"] for info in sharded.ranks) == whole + replicas * expert
+    # together the ranks hold the model exactly once, plus the replicas, plus (dense split) the parts every
+    # rank of a group keeps whole: KDA's f_a_proj and o_norm; MLA's low-rank q_a and kv_a projections and norms
+    copies = 0
+    for layer, group in sharded.plan.dense_groups.items():
+        attn = model.layers[layer].self_attn
+        whole_parts = ((attn.q_a_proj, attn.q_a_layernorm, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm)
+                       if model.layers[layer].is_mla else (attn.f_a_proj, attn.o_norm))
+        copies += (len(group) - 1) * sum(p.numel() * p.element_size() for m in whole_parts for p in m.parameters())
+    assert sum(info["resident_bytes"] for info in sharded.ranks) == whole + replicas * expert + copies
+    for info in sharded.ranks:
+        assert info["dense_split_layers"] == sharded.plan.layers_split_with(info["rank"])
     assert len({info["pid"] for info in sharded.ranks}) == sharded.world_size
 
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from inference.model import ModelConfig
-from inference.planning.plan import Plan, RoutingStats, attn_res_sources, layer_weights, lm_head_bytes
+from inference.planning.plan import (DENSE_DTYPE_SCALE, Plan, RoutingStats, attn_res_sources, layer_weights,
+                                     lm_head_bytes)
 
 
 @dataclass(frozen=True)
@@ -304,14 +305,34 @@ class CostModel:
                 return False
         return True
 
-    def _split_sync(self, b: int) -> float:
-        """Two partial-sum exchanges per layer (after attention, after the MLP) when split."""
-        n = self.params.dense_split
+    def split_of(self, layer: int | None) -> int:
+        """Ranks sharing a layer's dense work (None: the LM head's): the plan's dense_split group, or the
+        `dense_split` what-if when that is larger."""
+        group = self.plan.head_group() if layer is None else self.plan.dense_group(layer)
+        return max(self.params.dense_split, len(group))
+
+    @property
+    def dense_scale(self) -> float:
+        """Dense weight bytes relative to bf16: the plan's dense_dtype times the `dense_weight_scale` what-if."""
+        return self.params.dense_weight_scale * DENSE_DTYPE_SCALE[self.plan.dense_dtype]
+
+    def _block_sync(self, n: int, rows: int, out_width: int) -> float:
+        """One split block as the runtime runs it (inference.sharding.dense_split): the home sends the block's
+        input to the n - 1 other ranks and each sends back its fp32 part (`out_width` values per row), over the
+        host's link; messages to different peers share it unless it is per peer."""
         if n == 1:
             return 0.0
         link = self.plan.links.intra_host
-        nbytes = b * self.config.hidden_size * self.act_bytes
-        return 2 * (link.latency + nbytes / (link.bandwidth * self.params.link_efficiency))
+        bw = link.bandwidth * self.params.link_efficiency
+        fan = 1 if link.per_peer else n - 1
+        nbytes = rows * (self.config.hidden_size * self.act_bytes + out_width * 4)
+        return 2 * link.latency + fan * nbytes / bw
+
+    def _split_sync(self, layer: int, b: int) -> float:
+        """A split layer's exchanges: its attention block, and its dense MLP or shared-expert block."""
+        n, D = self.split_of(layer), self.config.hidden_size
+        blocks = 1 + (not self.config.is_moe(layer) or bool(self.config.num_shared_experts))
+        return blocks * self._block_sync(n, b, D)
 
     # ------------------------------------------------------------ one layer
     def _home_times(self, layer: int, b: int, positions: float, prefill: bool) -> tuple[float, float, float]:
@@ -322,8 +343,8 @@ class CostModel:
         """
         c, lw, p = self.config, self.weights[layer], self.params
         home = self.plan.layer_home[layer]
-        bw, fl, n = self.bw[home], self.fl[home], p.dense_split
-        scale = p.dense_weight_scale
+        bw, fl, n = self.bw[home], self.fl[home], self.split_of(layer)
+        scale = self.dense_scale
         dense = max(lw.dense_bytes * scale / bw, 2 * (lw.attention_params + lw.mlp_params) * b / fl) / n
         shared = max(lw.shared_bytes * scale / bw, 2 * lw.shared_params * b / fl) / n
         if c.is_mla(layer):
@@ -432,7 +453,7 @@ class CostModel:
         out["dense_reads"] = dense
         out["state_cache"] = state
         out["launch"] = self.params.launch_overhead_s
-        out["home_hops"] = self._split_sync(b)
+        out["home_hops"] = self._split_sync(layer, b)
         if layer not in self.routed:
             out["dense_reads"] += shared
             return out
@@ -477,9 +498,10 @@ class CostModel:
                 last, head = plan.layer_home[c.num_layers - 1], plan.lm_head_rank
                 acc["stage_hops"] += self.hop_time(last, head, self._hop_bytes(c.num_layers, b))
                 rows = 1 if prefill else b  # prefill needs logits of the last prompt token only
-                bw, fl = self.bw[head], self.fl[head]
-                acc["head"] += max(lm_head_bytes(c) * self.params.dense_weight_scale / bw,
-                                   2 * c.vocab_size * c.hidden_size * rows / fl) + self.params.launch_overhead_s
+                bw, fl, n = self.bw[head], self.fl[head], self.split_of(None)
+                acc["head"] += max(lm_head_bytes(c) * self.dense_scale / bw,
+                                   2 * c.vocab_size * c.hidden_size * rows / fl) / n + self.params.launch_overhead_s
+                acc["home_hops"] += self._block_sync(n, rows, c.vocab_size // n)
                 if not prefill:  # the sampled token (or the logits) goes back to the embedding's device
                     back = b * c.vocab_size * 4 if self.params.return_logits else 8 * b
                     acc["stage_hops"] += self.hop_time(head, plan.embedding_rank, back)
@@ -583,7 +605,7 @@ class CostModel:
         b0 = min(C, prompt_tokens)
         home0, lw0 = self.plan.layer_home[0], self.weights[0]
         compute_bound = 2 * (lw0.attention_params + lw0.mlp_params) * b0 / self.fl[home0] > \
-            lw0.dense_bytes * self.params.dense_weight_scale / self.bw[home0]
+            lw0.dense_bytes * self.dense_scale / self.bw[home0]
         return {"prompt_tokens": prompt_tokens, "seconds": finish[-1], "chunks": chunks, "chunk_tokens": b0,
                 "compute_bound": bool(compute_bound)}
 

@@ -20,8 +20,11 @@ File format (YAML or JSON, chosen by the file suffix; `format: k3-placement-plan
       - {index, layers: [first, end], ranks: [...]}
     embedding_rank: 0              # holds the input embedding table (a rank of stage 0)
     lm_head_rank: 7                # holds the final norm and LM head (a rank of the last stage)
+    lm_head_split: [7, 6]          # optional: ranks of one host splitting the LM head by vocabulary
+    dense_dtype: bf16              # optional: bf16 (the checkpoint's dense weights) | fp8 (e4m3, per-row scales)
     layers:                        # one record per decoder layer, zero-based
       - {layer, attention: kda|mla, mlp: dense|moe, stage, home,
+         dense_split: [home, r],   # optional: ranks of the home's host splitting the dense work (home first)
          experts: [[ranks], ...]}  # MoE only: position = expert id; the ranks holding a copy,
                                    # primary copy first, replicas after it; null for dense layers
     memory:                        # per rank, bytes
@@ -32,6 +35,10 @@ File format (YAML or JSON, chosen by the file suffix; `format: k3-placement-plan
 Units are SI base units throughout: bytes, bytes/s, FLOP/s, seconds, watts.
 `home` runs the layer's attention, router, latent projections and shared experts (or the
 dense MLP of layer 0); it also holds that layer's KDA state / MLA cache reservation.
+With `dense_split` the attention heads, the shared experts' (or dense MLP's) hidden units and
+their weights are divided over those ranks (column split, then row split): the home sends each
+the block's input, each returns its partial sum; the router, the latent projections and the
+Attention Residuals stay on the home, the routed experts stay expert-parallel.
 
 Routing statistics (written by the runtime, read by the planner): see `RoutingStats`.
 """
@@ -66,7 +73,14 @@ CONVENTIONS = {
     "kda_state": "recurrent state plus short-convolution windows, fp32, for `target.concurrency` sequences",
     "mla_cache": "latent cache for `target.concurrency` sequences of `target.context` tokens",
     "headroom": "memory deliberately left unused (fragmentation, growth); counted in total",
+    "dense_split": "ranks (home first, one host) dividing a layer's attention heads and shared-expert / dense-MLP "
+                   "units; one input broadcast and one partial-sum reduce per block; absent = the home alone",
+    "dense_dtype": "bf16: dense weights as the checkpoint has them; fp8: float8_e4m3fn with one fp32 scale per "
+                   "output channel (routed experts stay MXFP4)",
 }
+
+DENSE_DTYPES = ("bf16", "fp8")
+DENSE_DTYPE_SCALE = {"bf16": 1.0, "fp8": 0.5}  # dense weight bytes relative to bf16
 
 
 class PlanError(ValueError):
@@ -282,8 +296,14 @@ def compute_memory(
     concurrency: int,
     context: int,
     policy: MemoryPolicy,
+    dense_groups: dict[int, tuple[int, ...]] | None = None,
+    lm_head_group: tuple[int, ...] = (),
+    dense_dtype: str = "bf16",
 ) -> list[DeviceMemory]:
-    """Per-device memory of a layout: the one accounting both the planner and validation use."""
+    """Per-device memory of a layout: the one accounting both the planner and validation use.
+
+    A split layer's dense weights are divided evenly over its group (each also holds a KDA state or MLA cache
+    share: its heads' KDA state, a full MLA latent cache); fp8 halves the dense weight bytes."""
     n = len(devices)
     dense = [0] * n
     experts = [0] * n
@@ -292,20 +312,27 @@ def compute_memory(
     homed: list[list[int]] = [[] for _ in range(n)]
     kda_per_layer = kda_reserve_per_layer(config, concurrency)
     mla_per_layer = mla_reserve_per_layer(config, concurrency, context, policy.cache_dtype_bytes)
+    scale = DENSE_DTYPE_SCALE.get(dense_dtype, 1.0)
+    groups = dense_groups or {}
     for layer, home in enumerate(layer_home):
-        dense[home] += layer_weights(config, layer).total_bytes
+        group = groups.get(layer) or (home,)
+        share = int(layer_weights(config, layer).total_bytes * scale) // len(group)
+        for r in group:
+            dense[r] += share
+            if config.is_mla(layer):
+                mla[r] += mla_per_layer
+            else:
+                kda[r] += kda_per_layer // len(group)
         homed[home].append(layer)
-        if config.is_mla(layer):
-            mla[home] += mla_per_layer
-        else:
-            kda[home] += kda_per_layer
     eb = config.expert_bytes()
     for holders in expert_placement.values():
         counts = np.bincount(np.fromiter((r for h in holders for r in h), dtype=np.int64), minlength=n)
         for r in range(n):
             experts[r] += int(counts[r]) * eb
     dense[embedding_rank] += embedding_bytes(config)
-    dense[lm_head_rank] += lm_head_bytes(config)
+    head_group = lm_head_group or (lm_head_rank,)
+    for r in head_group:
+        dense[r] += int(lm_head_bytes(config) * scale) // len(head_group)
     out = []
     for d in devices:
         r = d.rank
@@ -341,6 +368,9 @@ class Plan:
     memory_policy: MemoryPolicy = field(default_factory=MemoryPolicy)
     prediction: dict = field(default_factory=dict)
     cluster_name: str = ""
+    dense_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)  # split layer -> ranks, home first
+    lm_head_group: tuple[int, ...] = ()  # ranks splitting the LM head, lm_head_rank first (empty: it alone)
+    dense_dtype: str = "bf16"
 
     # ---------------------------------------------------------------- queries
     @property
@@ -376,6 +406,83 @@ class Plan:
 
     def layers_homed_on(self, rank: int) -> list[int]:
         return [layer for layer, home in enumerate(self.layer_home) if home == rank]
+
+    def dense_group(self, layer: int) -> tuple[int, ...]:
+        """The ranks doing layer `layer`'s dense work, its home first (the home alone when not split)."""
+        return self.dense_groups.get(layer) or (self.layer_home[layer],)
+
+    def head_group(self) -> tuple[int, ...]:
+        """The ranks computing the LM head, lm_head_rank first."""
+        return self.lm_head_group or (self.lm_head_rank,)
+
+    def layers_split_with(self, rank: int) -> list[int]:
+        """Layers whose dense work `rank` shares without being their home."""
+        return [layer for layer, group in sorted(self.dense_groups.items())
+                if rank in group and self.layer_home[layer] != rank]
+
+    @property
+    def dense_split(self) -> int:
+        """The largest dense-split group (1: no layer is split)."""
+        return max([len(g) for g in self.dense_groups.values()] + [len(self.head_group())])
+
+    def with_dense_split(self, config: ModelConfig, parts: int, dense_dtype: str | None = None) -> "Plan":
+        """This plan with every layer's dense work (and the LM head) split over `parts` ranks of its home's host
+        and stage: the home, then the ranks of that host in the stage with the most memory left (greedy, layer
+        by layer, so the moved weights land where they fit). PlanError if a stage has fewer than `parts` ranks
+        on a host, the heads / hidden units do not divide by `parts`, or a device overflows."""
+        if parts < 1:
+            raise PlanError("a dense split needs at least 1 part")
+        dtype = self.dense_dtype if dense_dtype is None else dense_dtype
+        groups: dict[int, tuple[int, ...]] = {}
+        head_group: tuple[int, ...] = ()
+        if parts > 1:
+            base = compute_memory(config, self.devices, self.layer_home, self.expert_placement, self.embedding_rank,
+                                  self.lm_head_rank, self.concurrency, self.context, self.memory_policy,
+                                  dense_dtype=dtype)
+            free = {m.rank: m.free for m in base}
+            scale = DENSE_DTYPE_SCALE[dtype]
+            jobs = [(layer, self.stage_of(layer), home, layer_weights(config, layer).total_bytes)
+                    for layer, home in enumerate(self.layer_home)]
+            jobs.append((None, self.stages[-1], self.lm_head_rank, lm_head_bytes(config)))
+            for layer, stage, home, nbytes in sorted(jobs, key=lambda j: -j[3]):  # biggest first
+                what = "the LM head" if layer is None else f"layer {layer}"
+                self._host_group(stage, home, parts, what)  # enough ranks on the host, or PlanError
+                host = [r for r in stage.ranks if self.devices[r].host == self.devices[home].host and r != home]
+                peers = sorted(sorted(host, key=lambda r: (-free[r], r))[: parts - 1])
+                share = int(nbytes * scale) // parts
+                free[home] += int(nbytes * scale) - share
+                for r in peers:
+                    free[r] -= share
+                group = (home, *peers)
+                if layer is None:
+                    head_group = group
+                else:
+                    groups[layer] = group
+        return self.with_dense_groups(config, groups, head_group, dtype)
+
+    def with_dense_groups(self, config: ModelConfig, groups: dict[int, tuple[int, ...]],
+                          head_group: tuple[int, ...] = (), dense_dtype: str | None = None) -> "Plan":
+        """This plan with the given dense-split groups (layer -> ranks, home first; the LM head's) and dense
+        dtype, its memory recomputed and the whole validated."""
+        dtype = self.dense_dtype if dense_dtype is None else dense_dtype
+        groups = {int(layer): tuple(g) for layer, g in groups.items() if len(g) > 1}
+        head_group = tuple(head_group) if len(head_group) > 1 else ()
+        plan = dataclasses.replace(self, dense_groups=groups, lm_head_group=head_group, dense_dtype=dtype,
+                                   prediction={})
+        plan.memory = compute_memory(config, plan.devices, plan.layer_home, plan.expert_placement,
+                                     plan.embedding_rank, plan.lm_head_rank, plan.concurrency, plan.context,
+                                     plan.memory_policy, groups, head_group, dtype)
+        plan.validate(config)
+        return plan
+
+    def _host_group(self, stage: Stage, home: int, parts: int, what: str) -> tuple[int, ...]:
+        host = self.devices[home].host
+        local = [r for r in stage.ranks if self.devices[r].host == host]
+        if len(local) < parts:
+            raise PlanError(f"{what}: stage {stage.index} has {len(local)} ranks on host {host}, a dense split "
+                            f"over {parts} needs {parts}")
+        i = local.index(home)
+        return tuple(local[(i + j) % len(local)] for j in range(parts))
 
     def experts_on(self, rank: int) -> dict[int, list[int]]:
         """Layer -> expert ids a rank must load (primary copies and replicas)."""
@@ -464,11 +571,12 @@ class Plan:
                 problems.append(f"lm_head_rank {self.lm_head_rank} is not in the last stage")
         if self.concurrency < 1 or self.context < 1:
             problems.append("target concurrency and context must be >= 1")
+        problems += self._dense_split_problems(config)
         # memory: the recorded breakdown must be the layout's, and must fit
         if not problems:
             fresh = compute_memory(config, self.devices, self.layer_home, self.expert_placement,
                                    self.embedding_rank, self.lm_head_rank, self.concurrency, self.context,
-                                   self.memory_policy)
+                                   self.memory_policy, self.dense_groups, self.lm_head_group, self.dense_dtype)
             if len(self.memory) != n:
                 problems.append(f"memory lists {len(self.memory)} devices, the plan has {n}")
             else:
@@ -492,6 +600,45 @@ class Plan:
             more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
             raise PlanError("invalid plan: " + "; ".join(shown) + more)
 
+    def _dense_split_problems(self, config: ModelConfig) -> list[str]:
+        """Dense-split groups: one host, inside the layer's stage, home first, and sizes the weights divide by."""
+        problems = []
+        if self.dense_dtype not in DENSE_DTYPES:
+            problems.append(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
+        n = len(self.devices)
+        checks = [(f"layer {layer}", layer, group) for layer, group in sorted(self.dense_groups.items())]
+        if self.lm_head_group:
+            checks.append(("the LM head", None, self.lm_head_group))
+        for what, layer, group in checks:
+            if layer is not None and not 0 <= layer < min(config.num_layers, len(self.layer_home)):
+                problems.append(f"dense_split for {what}, which does not exist")
+                continue
+            home = self.layer_home[layer] if layer is not None else self.lm_head_rank
+            if not group or group[0] != home:
+                problems.append(f"{what}: dense_split must start with its home rank {home}, got {list(group)}")
+                continue
+            if len(set(group)) != len(group) or not all(0 <= r < n for r in group):
+                problems.append(f"{what}: dense_split {list(group)} must list distinct ranks of the plan")
+                continue
+            hosts = {self.devices[r].host for r in group}
+            if len(hosts) > 1:
+                problems.append(f"{what}: dense_split {list(group)} spans hosts {sorted(hosts)}; a split stays "
+                                "inside one host")
+            try:
+                stage = self.stage_of(layer) if layer is not None else self.stages[-1]
+            except (PlanError, IndexError):
+                continue
+            if not set(group) <= set(stage.ranks):
+                problems.append(f"{what}: dense_split {list(group)} leaves stage {stage.index}")
+            parts = len(group)
+            if layer is not None and parts > 1:
+                heads = config.mla_heads if config.is_mla(layer) else config.kda_heads
+                units = (config.shared_expert_intermediate_size if config.is_moe(layer)
+                         else config.dense_intermediate_size)
+                if heads % parts or (units and units % parts):
+                    problems.append(f"{what}: {heads} heads and {units} MLP units do not divide by {parts}")
+        return problems
+
     # ---------------------------------------------------------------- file io
     def to_dict(self) -> dict:
         config_layers = []
@@ -511,6 +658,8 @@ class Plan:
                 "home": home,
                 "experts": [list(h) for h in holders] if holders is not None else None,
             }
+            if layer in self.dense_groups:
+                rec["dense_split"] = list(self.dense_groups[layer])
             config_layers.append(rec)
         return {
             "format": PLAN_FORMAT,
@@ -531,6 +680,8 @@ class Plan:
                        for s in self.stages],
             "embedding_rank": self.embedding_rank,
             "lm_head_rank": self.lm_head_rank,
+            **({"lm_head_split": list(self.lm_head_group)} if self.lm_head_group else {}),
+            "dense_dtype": self.dense_dtype,
             "layers": config_layers,
             "memory": [m.to_dict() for m in self.memory],
             "prediction": self.prediction,
@@ -595,18 +746,26 @@ class Plan:
                 raise PlanError(f"{source}: {w}.layers must be [first, end] (half-open), got {lay!r}")
             stages.append(Stage(index=r.get(s, "index", int, w), first_layer=lay[0], end_layer=lay[1],
                                 ranks=tuple(r.int_list(r.get(s, "ranks", list, w), f"{w}.ranks"))))
-        layer_home, placement = [], {}
+        layer_home, placement, dense_groups = [], {}, {}
         for i, rec in enumerate(r.get(data, "layers", list)):
             w = f"layers[{i}]"
             r.mapping(rec, w)
             if r.get(rec, "layer", int, w) != i:
                 raise PlanError(f"{source}: {w}.layer is {rec['layer']}, layers must be listed in order from 0")
             layer_home.append(r.get(rec, "home", int, w))
+            if rec.get("dense_split") is not None:
+                group = tuple(r.int_list(rec["dense_split"], f"{w}.dense_split"))
+                if len(group) > 1:
+                    dense_groups[i] = group
             experts = rec.get("experts")
             if experts is not None:
                 if not isinstance(experts, list):
                     raise PlanError(f"{source}: {w}.experts must be a list of rank lists or null")
                 placement[i] = [r.int_list(h, f"{w}.experts[{e}]") for e, h in enumerate(experts)]
+        head_group = tuple(r.int_list(data.get("lm_head_split") or [], "lm_head_split"))
+        dense_dtype = data.get("dense_dtype", "bf16")
+        if dense_dtype not in DENSE_DTYPES:
+            raise PlanError(f"{source}: dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {dense_dtype!r}")
         target = r.get(data, "target", dict)
         policy_d = r.get(data, "memory_policy", dict)
         try:
@@ -637,6 +796,9 @@ class Plan:
             memory_policy=policy,
             prediction=data.get("prediction") or {},
             cluster_name=str(data.get("cluster") or ""),
+            dense_groups=dense_groups,
+            lm_head_group=head_group if len(head_group) > 1 else (),
+            dense_dtype=dense_dtype,
         )
 
     # ------------------------------------------------------- local plans
@@ -654,9 +816,13 @@ class Plan:
         memory_bytes: int | None = None,
         policy: MemoryPolicy | None = None,
         preset: str | None = None,
+        dense_split: int = 1,
+        dense_dtype: str = "bf16",
     ) -> "Plan":
         """A plan for `num_ranks` local processes on one host, without a cluster file.
 
+        `dense_split` > 1 splits every layer's dense work (and the LM head) over that many ranks of its stage
+        (`with_dense_split`); `dense_dtype` "fp8" stores the dense weights in float8 e4m3.
         mode "pipeline": one stage per rank, layers split evenly, each layer's experts with it.
         mode "expert":   one stage over all ranks; home ranks rotate layer by layer; experts
                          spread round-robin (shifted per layer so every rank gets work).
@@ -722,6 +888,9 @@ class Plan:
             cluster_name=f"local-{mode}-{num_ranks}",
         )
         plan.validate(config)
+        if dense_split > 1 or dense_dtype != "bf16":
+            plan = plan.with_dense_split(config, dense_split, dense_dtype)
+            plan.cluster_name = f"local-{mode}-{num_ranks}-split{dense_split}-{dense_dtype}"
         return plan
 
 
@@ -987,5 +1156,5 @@ __all__ = [
     "Plan", "PlanError", "Device", "Link", "Links", "Stage", "DeviceMemory", "MemoryPolicy",
     "LayerWeights", "LayerRouting", "RoutingStats", "layer_weights", "embedding_bytes", "lm_head_bytes",
     "attn_res_sources", "compute_memory", "buffer_bytes", "kda_reserve_per_layer", "mla_reserve_per_layer",
-    "PLAN_FORMAT", "ROUTING_FORMAT",
+    "PLAN_FORMAT", "ROUTING_FORMAT", "DENSE_DTYPES", "DENSE_DTYPE_SCALE",
 ]

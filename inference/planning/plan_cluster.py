@@ -1,7 +1,8 @@
 """Plan a model on a cluster: write the plan file and print the predicted-performance report.
 
     .venv/bin/python scripts/plan_cluster.py --model kimi_k3 --cluster inference/planning/clusters/rtx5090_80.yaml \
-        --concurrency 1,8,64 --context 32768 --prompt 8192 --out plan.yaml [--report report.md] [--json]
+        --concurrency 1,8,64 --context 32768 --prompt 8192 --out plan.yaml [--report report.md] [--json] \
+        [--dense-split 2] [--dense-dtype fp8]
 
 --model is a preset (kimi_k3, tiny, ...) or a config.json / checkpoint directory. --cluster is a YAML
 file or the name of one shipped with the package (b300_8, mi355x_8, rtx5090_80, local_cpu). Reservations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from inference.model import ConfigError, ModelConfig
 from inference.planning.cost_model import CostParams
-from inference.planning.plan import PlanError, RoutingStats
+from inference.planning.plan import DENSE_DTYPES, PlanError, RoutingStats
 from inference.planning.planner import Cluster, ClusterError, PlanDoesNotFit, PlannerOptions, plan_cluster
 
 
@@ -41,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
     ap.add_argument("--target-tps", type=float, default=20.0, help="single-stream tokens/s to analyse")
     ap.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    ap.add_argument("--dense-split", type=int, default=1,
+                    help="split each layer's attention, shared experts and the LM head over N devices of its host")
+    ap.add_argument("--dense-dtype", choices=DENSE_DTYPES, default="bf16",
+                    help="dense (non-expert) weights: bf16 as released, or fp8 e4m3 with per-channel scales")
     return ap.parse_args(argv)
 
 
@@ -94,12 +99,15 @@ def main(argv=None) -> int:
             raise ValueError("--concurrency needs positive integers, e.g. 1,8,64")
         if args.context < 1 or args.prompt < 1:
             raise ValueError("--context and --prompt must be >= 1")
+        if args.dense_split < 1:
+            raise ValueError("--dense-split must be >= 1")
         config, preset = load_model(args.model)
         cluster = Cluster.load(cluster_file(args.cluster))
         stats = RoutingStats.load(args.routing_stats) if args.routing_stats else None
         plan, report = plan_cluster(
             config, cluster, max(concurrency), args.context, stats, params=CostParams(),
-            options=PlannerOptions(objective=args.objective), prompt_tokens=args.prompt,
+            options=PlannerOptions(objective=args.objective, dense_split=args.dense_split,
+                                   dense_dtype=args.dense_dtype), prompt_tokens=args.prompt,
             report_concurrency=tuple(concurrency), target_tokens_per_s=args.target_tps, preset=preset,
         )
     except PLANNING_ERRORS as exc:

@@ -197,6 +197,10 @@ class PlannerOptions:
     improve_time_budget_s: float = 10.0
     objective: str = "latency"  # "latency": fastest single stream; "throughput": at target concurrency
     stages: int | None = None  # only consider groupings with this many stages
+    # Split each layer's dense work (and the LM head) over this many devices of its home's host (Plan.dense_groups)
+    # and hold the dense weights in this dtype ("bf16" | "fp8"); applied to the chosen layout.
+    dense_split: int = 1
+    dense_dtype: str = "bf16"
 
 
 @dataclass
@@ -806,6 +810,13 @@ def plan_cluster(
     for label, groups in groupings:
         cand = _build_candidate(config, cluster, label, groups, concurrency, context, policy, options, loads,
                                 preset)
+        if cand.plan is not None and not cand.overflows and (options.dense_split > 1 or options.dense_dtype != "bf16"):
+            try:
+                cand.plan = cand.plan.with_dense_split(config, options.dense_split, options.dense_dtype)
+            except PlanError as exc:
+                cand.note = f"dense split x{options.dense_split}: {exc}"
+                candidates.append(cand)
+                continue
         if cand.plan is not None and not cand.overflows:
             # groupings are compared on load alone; co-activation refines the chosen one below
             model = CostModel(config, cand.plan, params, routing_stats, coactivation=False)
@@ -828,7 +839,8 @@ def plan_cluster(
                                   deadline=time.monotonic() + options.improve_time_budget_s)
         if swaps:
             plan.memory = compute_memory(config, plan.devices, plan.layer_home, plan.expert_placement,
-                                         plan.embedding_rank, plan.lm_head_rank, concurrency, context, policy)
+                                         plan.embedding_rank, plan.lm_head_rank, concurrency, context, policy,
+                                         plan.dense_groups, plan.lm_head_group, plan.dense_dtype)
             model = CostModel(config, plan, params, routing_stats)
     report = build_report(config, cluster, plan, model, candidates, chosen, prompt_tokens, report_concurrency,
                           target_tokens_per_s)

@@ -24,7 +24,9 @@ top of it (`inference.serving.builders.build_sharded_engine`). Underneath (docs/
   flight, so pipeline stages work on different micro-batches at once (`forward_pipelined` sends a list of
   them); `ShardCache.mark()` / `rewind()` give speculative decoding the single-process cache's rewind, the
   ops travelling with the sequence's next step; `link=LinkEmulation(latency_ms, gbps)` puts every
-  inter-shard message through an emulated link (benchmarks on one host).
+  inter-shard message through an emulated link (benchmarks on one host). A plan's `dense_split` groups divide
+  each layer's attention heads, shared experts and the LM head over ranks of one host
+  (`inference.sharding.dense_split`); its `dense_dtype: fp8` holds the dense weights in float8 e4m3.
 - Routing statistics: each home rank counts expert selections and co-activation
   (`inference.planning.routing.RoutingRecorder`); `dump_routing_stats(path)` gathers them through rank 0 in the
   planner's `RoutingStats` format. `RoutingRecorder.attach(model)` does the same for the single-process model.
@@ -139,8 +141,12 @@ class ShardedModel:
                  mode: str = "both", replicas: int = 0, dtype: str = "float32", device: str = "cpu",
                  store: str | None = None, timeouts: ShardTimeouts = ShardTimeouts(),
                  threads_per_rank: int | None = None, verify: bool = False, start: bool = True,
-                 link: LinkEmulation = LinkEmulation(), layers: tuple[int, int] | None = None):
-        """`layers` [start, stop): serve only this block of layers (a swarm stage), driven by `forward_block`;
+                 link: LinkEmulation = LinkEmulation(), dense_split: int = 1, dense_dtype: str = "bf16",
+                 layers: tuple[int, int] | None = None):
+        """`plan`: a plan file (or Plan) to execute, or None for `Plan.simple(config, shards, mode, replicas,
+        dense_split=..., dense_dtype=...)`: dense_split > 1 splits every layer's attention, shared experts and
+        the LM head over that many ranks of its stage; dense_dtype "fp8" holds the dense weights in e4m3.
+        `layers` [start, stop): serve only this block of layers (a swarm stage), driven by `forward_block`;
         the ranks load only the block's tensors of what the plan gives them."""
         self.checkpoint = str(Path(checkpoint).resolve())
         self.config = read_config(self.checkpoint)
@@ -158,8 +164,12 @@ class ShardedModel:
         elif plan is None:
             if not shards:
                 raise ValueError("give a plan or a shard count")
-            plan = Plan.simple(self.config, shards, mode, replicas)
+            plan = Plan.simple(self.config, shards, mode, replicas, dense_split=dense_split, dense_dtype=dense_dtype)
             self.plan_source = f"simple {mode} x{shards}" + (f", {replicas} replicas per layer" if replicas else "")
+            if dense_split > 1:
+                self.plan_source += f", dense split x{dense_split}"
+            if dense_dtype != "bf16":
+                self.plan_source += f", {dense_dtype} dense"
         if shards and plan.num_ranks != shards:
             raise PlanError(f"the plan places the model on {plan.num_ranks} ranks, but {shards} shards were asked for")
         plan.validate(self.config)
@@ -564,6 +574,9 @@ class ShardedModel:
             "layer_home": list(plan.layer_home),
             "embedding_rank": plan.embedding_rank,
             "lm_head_rank": plan.lm_head_rank,
+            "dense_split": {str(layer): list(g) for layer, g in sorted(plan.dense_groups.items())},
+            "lm_head_split": list(plan.head_group()),
+            "dense_dtype": plan.dense_dtype,
             "experts_per_rank": {str(r): experts.get(r, 0) for r in range(self.world_size)},
             "replicas": sum(plan.replica_count(layer) for layer in plan.expert_placement),
         }

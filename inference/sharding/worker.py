@@ -8,7 +8,9 @@ runs every step on the same deterministic schedule as every other rank (`ShardRa
 state moves to each layer's home, the home runs attention and routing and sends each expert holder the
 latent rows it must compute, the holders answer with weighted partial sums, the head rank returns logits to
 rank 0, which answers the driver (`inference.sharding.driver.ShardedModel`). Message layouts:
-`inference.sharding.messages`.
+`inference.sharding.messages`. A layer with a `dense_split` group (and a split LM head) runs its attention
+heads, shared experts and vocabulary split over the group's ranks (`inference.sharding.dense_split`): the home
+sends each block's input, every rank of the group computes its part and returns a partial sum.
 
 Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
 driver's store: the driver restarts the whole set, so a half-broken world never lingers.
@@ -55,7 +57,11 @@ from torch import Tensor, nn
 
 from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
                              fingerprint, load_checkpoint, read_config)
+from inference.model.fp8 import quantize_dense
+from inference.model.k3 import DecoderLayer
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
+from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, keep_only_split_part, mlp_part,
+                                            split_head, split_layer, to_meta, vocab_slice)
 from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
                                          StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
                                          packed_nbytes, state_sources, unpack)
@@ -114,14 +120,16 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
 
 
 def shard_selection(plan: Plan, rank: int, layer_range: tuple[int, int] | None = None) -> TensorSelection:
-    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head.
+    """The tensors `rank` holds under `plan`: its home layers and the layers whose dense work it shares (whole:
+    `split_shard_model` cuts them to its part), the experts placed on it, embedding and head.
     `layer_range` [start, stop): only what those layers need (the embedding only when start is 0, the head
     only when stop is the last layer + 1)."""
     start, stop = layer_range or (0, len(plan.layer_home))
-    return TensorSelection.shard([i for i in plan.layers_homed_on(rank) if start <= i < stop],
-                                 {i: e for i, e in plan.experts_on(rank).items() if start <= i < stop},
+    layers = sorted(i for i in set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank))
+                    if start <= i < stop)
+    return TensorSelection.shard(layers, {i: e for i, e in plan.experts_on(rank).items() if start <= i < stop},
                                  embedding=rank == plan.embedding_rank and start == 0,
-                                 head=rank == plan.lm_head_rank and stop == len(plan.layer_home))
+                                 head=rank in plan.head_group() and stop == len(plan.layer_home))
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -142,13 +150,7 @@ def model_skeleton(config: ModelConfig, dtype: torch.dtype, on: str | None = Non
     if on != "cpu":
         raise ValueError(f"skeleton device must be 'meta' or 'cpu', got {on!r}")
     model = KimiK3Model(config, dtype=dtype, random_init=False).eval()
-    for module in model.modules():
-        for name, t in module._parameters.items():
-            if t is not None:
-                module._parameters[name] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
-        for name, t in module._buffers.items():
-            if t is not None:
-                module._buffers[name] = torch.empty_like(t, device="meta")
+    to_meta(model)
     return model
 
 
@@ -159,7 +161,25 @@ def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: st
     model = model_skeleton(config, dtype, skeleton)
     load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank, layer_range),
                     device=device)
+    if plan.dense_dtype == "fp8":  # before any split: the per-row scales are the whole layer's
+        quantize_dense(model)
+    split_shard_model(model, plan, rank)
     return model
+
+
+def split_shard_model(model: KimiK3Model, plan: Plan, rank: int) -> None:
+    """Cut the dense weights of every split layer (and a split LM head) this rank takes part in to its part."""
+    for layer, group in plan.dense_groups.items():
+        if rank in group:
+            split_layer(model.layers[layer], group.index(rank), len(group))
+            if group[0] != rank:
+                keep_only_split_part(model.layers[layer])
+    group = plan.head_group()
+    if len(group) > 1 and rank in group:
+        model.lm_head = split_head(model.lm_head, group.index(rank), len(group))
+        if group[0] != rank:  # the final norm and output AttnRes site run on the head rank
+            for module in (model.model.norm, model.model.output_attn_res_norm, model.model.output_attn_res_proj):
+                to_meta(module)
 
 
 def tensor_nbytes(model: nn.Module, resident: bool) -> int:
@@ -367,6 +387,21 @@ class ShardRank:
             self.held[layer] = mask
         self.caches: dict[int, SequenceCache] = {}
         self.wire = Wire(rank, device, args.timeouts.comm, args.link)
+        # dense split: the home drives each split block through a DenseGroup; the others serve their part
+        self.helped = self.plan.layers_split_with(rank)
+        self.cache_layers = sorted(set(self.homed) | set(self.helped))
+        for layer in self.homed:
+            group = self.plan.dense_group(layer)
+            if len(group) > 1:
+                attach_group(self.model.layers[layer],
+                             lambda what, g=group, i=layer: DenseGroup(g, self.wire.send, self.wire.recv,
+                                                                       f"layer {i} {what}"))
+        head_group = self.plan.head_group()
+        self.head_widths = [len(vocab_slice(self.config.vocab_size, p, len(head_group)))
+                            for p in range(len(head_group))]
+        if len(head_group) > 1 and rank == self.plan.lm_head_rank:
+            self.model.lm_head = GroupHead(self.model.lm_head, DenseGroup(head_group, self.wire.send, self.wire.recv,
+                                                                          "LM head"), self.head_widths)
 
     def info(self) -> dict:
         return {
@@ -374,6 +409,7 @@ class ShardRank:
             "homed_layers": self.homed,
             "experts": {str(layer): ids for layer, ids in self.plan.experts_on(self.rank).items()},
             "embedding": self.rank == self.plan.embedding_rank, "lm_head": self.rank == self.plan.lm_head_rank,
+            "dense_split_layers": self.helped, "dense_dtype": self.plan.dense_dtype,
             "resident_bytes": tensor_nbytes(self.model, resident=True),
             "model_bytes": tensor_nbytes(self.model, resident=False),
             "load_seconds": round(self.load_seconds, 3),
@@ -408,10 +444,10 @@ class ShardRank:
         cfg, plan, me = self.config, self.plan, self.rank
         for slot in h.freed:
             self.caches.pop(slot, None)
-        if self.homed:
+        if self.cache_layers:
             for slot in h.slots:
                 if slot not in self.caches:
-                    self.caches[slot] = self.model.new_cache(layers=self.homed)
+                    self.caches[slot] = self.model.new_cache(layers=self.cache_layers)
             for op in h.cache_ops:  # speculative decoding's marks and rewinds, before this step's tokens
                 if op.slot not in self.caches:
                     raise RuntimeError(f"rank {me}: a cache op for sequence slot {op.slot}, which has no state here")
@@ -439,6 +475,8 @@ class ShardRank:
                 else:
                     m = layer.mlp(x)
                 state = layer.add_mlp(state, m)
+            elif i in self.helped:
+                self._serve_split_layer(i, home, lengths, [self.caches[s] for s in h.slots])
             elif layer.is_moe and me in self.tables[i].ranks:
                 self._serve_experts(i, home)
         if self.stop < cfg.num_layers:
@@ -463,6 +501,8 @@ class ShardRank:
                               "the residual state into the head")
             if me == head:
                 logits = self.model.head(state)
+        if me != head and me in plan.head_group():
+            self._serve_split_head(head, h.logit_rows if rows is not None else sum(lengths))
         result = None
         if head != 0:
             if me == head:
@@ -508,6 +548,27 @@ class ShardRank:
             t = self.wire.recv(src, (n, sum(lengths), self.config.hidden_size), torch.float32, what)
             return ResidualState(lengths, list(t[:-1].unbind(0)), t[-1])
         return None
+
+    def _serve_split_layer(self, i: int, home: int, lengths: tuple[int, ...], caches: list[SequenceCache]) -> None:
+        """This rank's part of layer i's split dense work, in the home's order: attention, the routed experts it
+        holds (if any), then the dense MLP or shared experts."""
+        layer = self.model.layers[i]
+        shape = (sum(lengths), self.config.hidden_size)
+        x = self.wire.recv(home, shape, self.dtype, f"layer {i} attention input")
+        y = DecoderLayer.attention(layer, x, lengths, [layer._layer_cache(c) for c in caches])
+        self.wire.send(home, y.float(), f"layer {i} attention partial sum")
+        if layer.is_moe and self.rank in self.tables[i].ranks:
+            self._serve_experts(i, home)
+        mlp = mlp_part(layer)
+        if mlp is not None:
+            what = "shared experts" if layer.is_moe else "dense MLP"
+            x = self.wire.recv(home, shape, self.dtype, f"layer {i} {what} input")
+            self.wire.send(home, mlp(x).float(), f"layer {i} {what} partial sum")
+
+    def _serve_split_head(self, head: int, rows: int) -> None:
+        """This rank's vocabulary slice of the LM head for the head rank's `rows` normalised rows."""
+        x = self.wire.recv(head, (rows, self.config.hidden_size), self.dtype, "LM head input")
+        self.wire.send(head, self.model.lm_head(x).float(), "LM head columns")
 
     def _home_experts(self, layer: int, moe, x: Tensor) -> Tensor:
         """Route on the home rank, dispatch latent rows to the holders, add up their partial sums: [T, latent]."""
