@@ -78,7 +78,7 @@ from inference.serving.remote import _error_from_status, _stream_error, openai_s
 from neurons.observability import setup_logging
 from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
                               build_parser, build_settings, non_negative_float, non_negative_int, open_wallet,
-                              positive_float, program_name, read_options, setting, settings_options)
+                              positive_float, positive_rate, program_name, read_options, setting, settings_options)
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
                              MinerProtocolError, MinerStreamError, MinerTimeout, MinerUnreachable, TimedEvent)
 from protocol.errors import ErrorCode
@@ -289,7 +289,7 @@ BENCH_TIMEOUTS = Section(group="timeouts", fields=dict(
     between_events=Setting("deadline between two tokens", flag="--between-tokens-timeout-s", read=positive_float),
     total=Setting("deadline of one request", flag="--request-timeout-s", read=positive_float),
     prefill_tokens_per_s=Setting("the first token's deadline grows by prompt tokens / this rate (inf: a flat "
-                                 "deadline)", read=positive_float, metavar="RATE"),
+                                 "deadline)", read=positive_rate, metavar="RATE"),
 ))
 
 
