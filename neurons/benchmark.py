@@ -52,7 +52,9 @@ The report is report.json and report.md in --out-dir; the Markdown table is prin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -74,11 +76,12 @@ from inference.model import read_config
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
-from inference.serving.remote import _error_from_status, _stream_error, openai_sampling_extras, parse_token_key
+from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, openai_sampling_extras,
+                                      parse_token_key)
 from neurons.observability import setup_logging
 from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
                               build_parser, build_settings, non_negative_float, non_negative_int, open_wallet,
-                              positive_float, program_name, read_options, setting, settings_options)
+                              positive_float, positive_rate, program_name, read_options, setting, settings_options)
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
                              MinerProtocolError, MinerStreamError, MinerTimeout, MinerUnreachable, TimedEvent)
 from protocol.errors import ErrorCode
@@ -289,7 +292,7 @@ BENCH_TIMEOUTS = Section(group="timeouts", fields=dict(
     between_events=Setting("deadline between two tokens", flag="--between-tokens-timeout-s", read=positive_float),
     total=Setting("deadline of one request", flag="--request-timeout-s", read=positive_float),
     prefill_tokens_per_s=Setting("the first token's deadline grows by prompt tokens / this rate (inf: a flat "
-                                 "deadline)", read=positive_float, metavar="RATE"),
+                                 "deadline)", read=positive_rate, metavar="RATE"),
 ))
 
 
@@ -595,7 +598,8 @@ class ChatEndpoint(OpenAIEndpoint):
                         raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
                     except (SSEError, httpx.HTTPError) as error:
                         raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
-                    if sse.data == "[DONE]":
+                    if sse.data == "[DONE]":  # the body's end too, so that the connection is kept
+                        await _drain(events, min(due, loop.time() + DRAIN_S))
                         break
                     try:
                         data = json.loads(sse.data)
@@ -1231,6 +1235,20 @@ def _served_model_tokenizer(tok_dir):
         return None
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """While measuring: the objects made so far (torch, the tokenizer, the planned requests: a few
+    hundred thousand) are moved out of the garbage collector's reach (gc.freeze), so that a full
+    collection does not stall the event loop for tens to hundreds of ms while a first token is due
+    (`vllm bench serve` does the same before its run). Undone afterwards."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -> dict:
     """Run the whole benchmark and return the report (a JSON-ready dict)."""
     problems = settings.problems()
@@ -1260,22 +1278,23 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
         runner = Runner(endpoint, tokenizer, caps, settings.target.miner_hotkey, config)
 
         smallest = min(w.prompt_lengths), min(w.output_lengths)
-        for request in build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest, w.warmup):
-            await runner.one(request)
-
         workloads, all_samples, per_request = [], [], []
         arrivals = random.Random(f"{w.seed}:arrivals")
-        for cell in cells:
-            if cell.rate is None:
-                waves = [await runner.wave(wave) for wave in cell.waves]
-            else:
-                waves = [await runner.open_loop(cell.waves[0], cell.rate, w.burstiness, cell.max_concurrency,
-                                                arrivals)]
-            all_samples += [s for wave in waves for s in wave]
-            workloads.append(cell_report(cell, waves, caps, settings.result))
-            if settings.result.save_result:
-                per_request += request_rows(cell, waves, settings.result.goodput)
-            log.info("workload %s done", cell.label)
+        with frozen_heap():
+            for request in build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest,
+                                          w.warmup):
+                await runner.one(request)
+            for cell in cells:
+                if cell.rate is None:
+                    waves = [await runner.wave(wave) for wave in cell.waves]
+                else:
+                    waves = [await runner.open_loop(cell.waves[0], cell.rate, w.burstiness, cell.max_concurrency,
+                                                    arrivals)]
+                all_samples += [s for wave in waves for s in wave]
+                workloads.append(cell_report(cell, waves, caps, settings.result))
+                if settings.result.save_result:
+                    per_request += request_rows(cell, waves, settings.result.goodput)
+                log.info("workload %s done", cell.label)
         done = [s for s in all_samples if s.ok]
 
         quality: dict[str, Any] = {"tier0": {

@@ -77,6 +77,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_rate(text: str) -> float:
+    """A positive rate; "inf" allowed (e.g. a prefill rate of inf: no prefill allowance)."""
+    value = float(text)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{text!r} must be a positive rate (or inf)")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):

@@ -52,6 +52,15 @@ ROWS = [
     ("mean prompt tokens", "mean_input_tokens", ("input_tokens", "mean")),
     ("completed", "completed", ("completed", None)),
 ]
+# The server's own view of the same run (vLLM's Prometheus histograms, differences of /metrics read
+# before and after it, warm-ups included): what is left of a client's TTFT above the server's is the
+# client's side (HTTP, SSE parsing, its event loop), which is where two clients can differ.
+SERVER_ROWS = [
+    ("server TTFT mean ms (vLLM's metric)", "server_ttft_ms"),
+    ("client TTFT mean - server TTFT mean ms", "client_overhead_ttft_ms"),
+    ("server E2EL mean ms (vLLM's metric)", "server_e2el_ms"),
+]
+SERVER_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "e2el": "vllm:e2e_request_latency_seconds"}
 
 
 def free_port() -> int:
@@ -98,6 +107,29 @@ def stop(process) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Sums and counts of the server's TTFT and E2EL histograms."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        for part in ("sum", "count"):
+            out[f"{key}_{part}"] = sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                                       if line.startswith(f"{name}_{part}"))
+    return out
+
+
+def server_view(before: dict, after: dict, client_ttft_mean_ms: float | None) -> dict:
+    view = {}
+    for key in SERVER_HISTOGRAMS:
+        n = after[f"{key}_count"] - before[f"{key}_count"]
+        view[f"server_{key}_ms"] = (after[f"{key}_sum"] - before[f"{key}_sum"]) / n * 1000 if n else None
+    ttft = view["server_ttft_ms"]
+    view["client_overhead_ttft_ms"] = (client_ttft_mean_ms - ttft) if ttft is not None and client_ttft_mean_ms \
+        is not None else None
+    return view
 
 
 def run_vllm_bench(python: Path, url: str, model_dir: Path, args, out: Path) -> dict:
@@ -155,12 +187,19 @@ def table(vllm_runs: list[dict], our_runs: list[dict], args) -> str:
     for label, vkey, okey in ROWS:
         v = [run.get(vkey) for run in vllm_runs]
         o = [our_value(run, okey) for run in our_runs]
-        vm = statistics.median(v) if all(x is not None for x in v) else None
-        om = statistics.median(o) if all(x is not None for x in o) else None
-        diff = f"{(om - vm) / vm * 100:+.1f}%" if vm and om is not None else "-"
-        cells = [f"{x:.4g}" if x is not None else "-" for x in v + o + [vm, om]]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
+        lines.append(row(label, v, o))
+    for label, key in SERVER_ROWS:
+        lines.append(row(label, [run.get(key) for run in vllm_runs], [run.get(key) for run in our_runs]))
     return "\n".join(lines)
+
+
+def row(label: str, v: list, o: list) -> str:
+    """One metric: each tool's rounds, the medians of the rounds and their difference."""
+    vm = statistics.median(v) if all(x is not None for x in v) else None
+    om = statistics.median(o) if all(x is not None for x in o) else None
+    diff = f"{(om - vm) / vm * 100:+.1f}%" if vm and om is not None else "-"
+    cells = [f"{x:.4g}" if x is not None else "-" for x in v + o + [vm, om]]
+    return f"| {label} | " + " | ".join(cells) + f" | {diff} |"
 
 
 def main(argv=None) -> int:
@@ -193,8 +232,12 @@ def main(argv=None) -> int:
     try:
         vllm_runs, our_runs = [], []
         for k in range(args.rounds):
-            vllm_runs.append(run_vllm_bench(python, url, model_dir, args, work / f"vllm-r{k + 1}.json"))
-            our_runs.append(run_ours(url, model_dir, args, work / f"ours-r{k + 1}"))
+            before = read_metrics(url)
+            run = run_vllm_bench(python, url, model_dir, args, work / f"vllm-r{k + 1}.json")
+            vllm_runs.append(run | server_view(before, read_metrics(url), run.get("mean_ttft_ms")))
+            before = read_metrics(url)
+            run = run_ours(url, model_dir, args, work / f"ours-r{k + 1}")
+            our_runs.append(run | server_view(before, read_metrics(url), our_value(run, ("ttft_ms", "mean"))))
             print(f"[compare] round {k + 1} done", file=sys.stderr)
     finally:
         if args.keep_server and process is not None:

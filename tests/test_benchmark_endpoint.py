@@ -386,6 +386,44 @@ async def test_the_gateway_as_a_benchmark_target_in_completions_and_chat_mode(wo
             assert w["input_tokens"]["mean"] > 0  # counted by the gateway with its template
 
 
+def pooled_connections(endpoint) -> list:
+    """The HTTP connections the endpoint's client keeps open (httpcore's pool)."""
+    http = endpoint.http if isinstance(endpoint, bench.ChatEndpoint) else endpoint.engine._client
+    return list(http._transport._pool.connections)
+
+
+async def test_the_openai_endpoints_keep_one_connection_across_requests(world, gateway):
+    """Keep-alive, as `vllm bench serve`'s client has: each streamed answer is read to the end of its
+    body after [DONE], so the next request goes out on the same connection instead of a new one
+    (whose connect and server-side setup would count in its TTFT)."""
+    tokenizer = world["tokenizer"]
+    for mode in ("completions", "chat"):
+        settings = bench.read_benchmark_settings(
+            ["--openai", gateway.url, "--model", MODEL_NAME, "--api-key", GATEWAY_KEY, "--tokenizer-checkpoint",
+             str(world["ckpt"]), "--endpoint-type", mode, "--concurrency", "1", "--first-token-timeout-s", "120",
+             "--between-tokens-timeout-s", "60"], environ={})
+        endpoint = bench.open_endpoint(settings)
+        try:
+            await endpoint.capabilities(tokenizer)
+            # (the adapter's health watcher polls /v1/models on the same client: on a loaded machine its
+            # poll may come while a request streams, and rightly takes a second connection; stopped here)
+            endpoint.engine._health_task.cancel()
+            seen = []
+            for k in range(3):
+                text = f"Request {k} of a keep-alive check:"
+                asked = {"prompt": text} if mode == "chat" else {"prompt_token_ids": tokenizer.encode(text)}
+                request = bench.GenerateRequest(request_id=f"keep-{mode}-{k}", max_tokens=3, temperature=0.0,
+                                                logprobs=1, **asked)
+                result = await endpoint.generate(request)
+                assert result.final is not None and len(result.token_ids) >= 1
+                connections = pooled_connections(endpoint)
+                assert len(connections) == 1 and connections[0].is_idle(), (mode, k, connections)
+                seen.append(id(connections[0]))
+            assert len(set(seen)) == 1, (mode, seen)  # one connection served all three
+        finally:
+            await endpoint.close()
+
+
 async def test_the_gateway_honours_vllm_extensions(world, gateway):
     tokenizer = world["tokenizer"]
     headers = {"Authorization": f"Bearer {GATEWAY_KEY}"}

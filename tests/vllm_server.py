@@ -23,6 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("K3_VLLM_VENV", REPO / ".venv-vllm"))
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 1024
+# What is under test is the HTTP contract, not vLLM's speed: no torch.compile warm-up (--enforce-eager;
+# on the 2-core machine it took 15-30 s of each start, and its compile cache failed to load on restarts).
+START_FASTER = ("--enforce-eager",)
 
 
 class VLLMUnavailable(RuntimeError):
@@ -79,7 +82,7 @@ class VLLMServer:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                "--gpu-memory-utilization", "0.2", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-num-seqs", "8"]
+               "--max-num-seqs", "8", *START_FASTER]
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -301,6 +301,7 @@ class RemoteEngine(Engine):
                     raise EngineError("engine_failure", f"the stream broke: {exc!r}") from None
                 clock.event()
                 if sse.data == "[DONE]":
+                    await _drain(events, min(clock.deadline(), asyncio.get_running_loop().time() + DRAIN_S))
                     return
                 if not sse.data:
                     continue
@@ -488,6 +489,23 @@ def _json_body(resp: httpx.Response) -> dict:
     if not isinstance(data, dict):
         raise EngineError("engine_failure", "the server's answer is not a JSON object")
     return data
+
+
+# How long the end of a stream's body may take after its [DONE] event (the chunked encoding's last
+# chunk) before the connection is closed instead of kept for the next request.
+DRAIN_S = 1.0
+
+
+async def _drain(events, deadline: float) -> None:
+    """Read a stream to its end after [DONE], so that httpx puts the connection back in its pool
+    (keep-alive, as every other HTTP client does) instead of closing it: a new TCP connection per
+    request costs a connect and the server's connection setup inside the next request's TTFT."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for _ in events:
+                pass
+    except (TimeoutError, SSEError, httpx.HTTPError):
+        pass  # the connection is closed instead; the answer is complete either way
 
 
 class _StreamClock:

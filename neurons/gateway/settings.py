@@ -7,7 +7,7 @@ from typing import Optional
 
 from neurons.gateway.schemas import MAX_USER_LOGPROBS
 from neurons.settings import (Option, Section, Setting, byte_size, non_negative_float, port_number, positive_float,
-                              setting)
+                              positive_rate, setting)
 from protocol.client import ClientTimeouts
 
 
@@ -47,6 +47,9 @@ class GatewaySettings:
                                read=positive_float),
         total=Setting("deadline of one user request, failovers included", flag="--gateway-request-timeout-s",
                       read=positive_float),
+        prefill_tokens_per_s=Setting("a miner's first-token deadline grows by prompt tokens / this rate (inf: a "
+                                     "flat --gateway-first-token-timeout-s)", flag="--gateway-prefill-tokens-per-s",
+                                     read=positive_rate, metavar="RATE"),
     )).field(ClientTimeouts)
     capabilities_ttl_s: float = 300.0
     miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",

@@ -13,7 +13,8 @@ from inference.serving import EngineSpec
 from neurons.gateway.settings import GATEWAY, GatewaySettings
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
                               WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
-                              optional_float, port_number, positive_float, read_options, setting, settings_options)
+                              optional_float, port_number, positive_float, positive_rate, read_options, setting,
+                              settings_options)
 from protocol.client import ClientTimeouts
 from scoring.config import ScoringConfig, ScoringConfigError
 
@@ -107,6 +108,8 @@ MINER_TIMEOUTS = Section(group="timeouts", fields=dict(
     between_events=Setting("longest silence between two events of a stream", flag="--between-events-timeout-s",
                            read=positive_float),
     total=Setting("whole request", flag="--request-timeout-s", read=positive_float),
+    prefill_tokens_per_s=Setting("the first event's deadline grows by prompt tokens / this rate (the slowest prefill "
+                                 "allowed; inf: a flat --first-byte-timeout-s)", read=positive_rate, metavar="RATE"),
 ))
 
 
