@@ -5,7 +5,9 @@ Each round (`StageRounds.run_round`, called from ValidatorLoop.run_round with th
 1. **Find the stage miners**: every serving neuron whose endpoint answers GET /stage/capabilities signed by
    its own registered hotkey for this model (whole-model miners answer 404 and go on to the whole-model
    round, which gets only them).
-2. **Challenge each stage miner** `challenges` times (scoring.stage_checks.run_challenge over the wire,
+2. **Challenge each stage miner** `challenges` times (for a block outside `own_layers`, the layers the
+   validator checks with its own weights, against two other stage miners of that block on other coldkeys
+   instead: `cross_check`) (scoring.stage_checks.run_challenge over the wire,
    `neurons.swarm.relay.RemoteStage`): the validator opens a fresh session with itself as upstream and
    downstream, commits to a projection seed (sha256 digest kept with the result, seed and nonce revealed in
    the same row), sends the residual states a real prompt produces entering the block (computed by its own
@@ -52,9 +54,9 @@ from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, plan
 from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import decode_forward, state_sha256
 from scoring.corpus import code_snippet, paragraph
-from scoring.stage_checks import (ChallengeResult, SeedCommitment, Thresholds, audit_receipts, audit_route,
-                                  bisect_route, challenge_steps, compare_heads, judge_tokens, plan_steps,
-                                  reference_stage, run_challenge)
+from scoring.stage_checks import (ChallengeResult, CrossCheckResult, SeedCommitment, Thresholds, audit_receipts,
+                                  audit_route, bisect_route, challenge_steps, compare_heads, judge_tokens, plan_steps,
+                                  reference_stage, run_challenge, run_cross_check)
 from scoring.stage_rewards import MinerWork, active_params_per_layer, one_vector
 
 log = logging.getLogger("k3.validator.stages")
@@ -122,8 +124,9 @@ class DecoyServer(StageServer):
 class StageRounds:
     def __init__(self, store, keypair, model, tokenizer, *, challenges: int = 2, max_tokens: int = 96,
                  route_probes: int = 1, thresholds: Thresholds = Thresholds(), seed: Optional[int] = None,
-                 host: str = "127.0.0.1", public_url: str = "", timeout_s: float = 15.0, blame_s: float = 24 * 3600.0,
-                 window_s: float = 24 * 3600.0, decoy_keypair=None, decoys: Mapping[tuple[int, int], int] = {}):
+                 host: str = "127.0.0.1", port: int = 0, public_url: str = "", timeout_s: float = 15.0,
+                 blame_s: float = 24 * 3600.0, window_s: float = 24 * 3600.0, decoy_keypair=None,
+                 decoys: Mapping[tuple[int, int], int] = {}, own_layers: Optional[tuple[int, int]] = None):
         self.store = store
         self.keypair = keypair
         self.model = model  # the validator's copy of the weights (CPU); None: load on first need (loader)
@@ -134,13 +137,14 @@ class StageRounds:
         self.thresholds = thresholds
         self.rng = random.Random(seed if seed is not None else secrets.randbits(64))
         self.np_rng = np.random.default_rng(self.rng.getrandbits(63))
-        self.host = host
+        self.host, self.port = host, port  # the sink's bind address (and the decoys')
         self.public_url = public_url  # where stage miners reach the validator's sink (a real network needs it)
         self.timeout_s = timeout_s
         self.blame_s = blame_s
         self.window_s = window_s
         self.decoy_keypair = decoy_keypair
         self.decoys = dict(decoys)  # block -> port the validator serves a decoy of it on
+        self.own_layers = own_layers  # layers checked against the validator's own copy (None: all)
         self.miners: dict[str, StageMiner] = {}  # hotkey -> the stage miner, from the last round
         self._seen: dict[str, dict[str, str]] = {}  # per stage hotkey: output digest -> input digest (replays)
         self._recent_inputs: dict[str, tuple[str, float]] = {}  # input sha -> (challenged hotkey, when)
@@ -156,7 +160,7 @@ class StageRounds:
     async def start(self) -> None:
         if self._sink is not None:
             return
-        self._sink = StageSink(self.keypair, self.host, public_url=self.public_url)
+        self._sink = StageSink(self.keypair, self.host, self.port, public_url=self.public_url)
         await self._sink.start()
         self._http = aiohttp.ClientSession()
         self.relay = StageRelay(self.keypair, self._sink, self._http, self.timeout_s)
@@ -228,6 +232,8 @@ class StageRounds:
         self.rng.shuffle(order)
         for m in order:
             result = await self.challenge(m)
+            if result is None:
+                continue
             report.challenges += 1
             if not result.ok:
                 report.failed += 1
@@ -250,8 +256,37 @@ class StageRounds:
             ids += self.tokenizer.encode(text)
         return ids[:n]
 
-    async def challenge(self, m: StageMiner) -> ChallengeResult:
-        """One challenge of one stage miner over the wire; the result is stored (failed: blamed)."""
+    def holds(self, layers: tuple[int, int]) -> bool:
+        """Whether the validator checks this block against its own copy of the weights."""
+        return self.own_layers is None or (self.own_layers[0] <= layers[0] and layers[1] <= self.own_layers[1])
+
+    def peers_for(self, m: StageMiner) -> list[StageMiner]:
+        """Two other stage miners of m's block, not blamed, on coldkeys other than m's and each other's (drawn at
+        random); fewer when there are not two such. (Two peers on different coldkeys that serve the same wrong
+        weights could still frame a stage: the check is only as strong as the peers' independence.)"""
+        since = time.time() - self.blame_s
+        others = [o for o in self.miners.values() if o.layers == m.layers and o.hotkey != m.hotkey
+                  and o.coldkey != m.coldkey and not self.store.stage_blame(o.hotkey, since)]
+        self.rng.shuffle(others)
+        chosen: list[StageMiner] = []
+        for o in others:
+            if all(o.coldkey != c.coldkey for c in chosen):
+                chosen.append(o)
+            if len(chosen) == 2:
+                break
+        return chosen
+
+    async def challenge(self, m: StageMiner) -> ChallengeResult | CrossCheckResult | None:
+        """One challenge of one stage miner over the wire, against the validator's own computation of its block
+        or (a block outside `own_layers`) against two peers (`cross_check`); the result is stored (failed:
+        blamed). None: the block is not held and has no two peers on other coldkeys."""
+        if not self.holds(m.layers):
+            peers = self.peers_for(m)
+            if len(peers) < 2:
+                log.info("stage %s (%s): not checked, the validator holds no copy of its block and it has %d "
+                         "peers on other coldkeys (2 needed)", m.hotkey, m.label, len(peers))
+                return None
+            return await self.cross_check(m, peers)
         await self._ensure_model()
         cpu0 = time.process_time()  # everything this process spends on the challenge (inputs, wire, compare)
         layers = LayerRange(m.info.start, m.info.stop, self.num_layers)
@@ -276,6 +311,45 @@ class StageRounds:
             nonce=result.nonce))
         if not result.ok:
             log.warning("stage %s (%s, uid %d) failed a challenge: %s", m.hotkey, m.label, m.uid, result.reason)
+        return result
+
+    async def cross_check(self, m: StageMiner, peers: Sequence[StageMiner]) -> CrossCheckResult:
+        """One challenge of m judged against two peers of its block (scoring.stage_checks.run_cross_check): the
+        same inputs, each party in its own fresh session. Stored as a `challenge` row of m (blame only when both
+        peers agree with each other and not with m); a split verdict is stored as a `disagreement` row of each
+        party, blaming no one."""
+        await self._ensure_model()
+        cpu0 = time.process_time()
+        layers = LayerRange(m.info.start, m.info.stop, self.num_layers)
+        plan = plan_steps(self.np_rng, self.max_tokens, min_tokens=16)
+        ids = self._prompt(sum(n for _, n in plan) + 1)
+        steps = await asyncio.to_thread(challenge_steps, self.model, layers, ids, plan)
+        remote = RemoteStage(self.relay, m.info, self._thread, self.timeout_s)
+        watch = _InputWatch(remote, self._recent_inputs, m.hotkey)
+        others = [RemoteStage(self.relay, p.info, self._thread, self.timeout_s) for p in peers]
+        commitment = SeedCommitment.new(self.rng.getrandbits(63))
+        started = time.monotonic()
+        result = await asyncio.to_thread(run_cross_check, watch, others, steps, commitment, self.thresholds,
+                                         self._seen.setdefault(m.hotkey, {}))
+        wall = time.monotonic() - started
+        named = ", ".join(f"peer {'ab'[i]}: uid {p.uid} ({p.hotkey[:10]}, coldkey {p.coldkey[:10]})"
+                          for i, p in enumerate(peers))
+        row = dict(round=self.number, layers=m.label, steps=result.steps, tokens=result.tokens,
+                   cpu_s=time.process_time() - cpu0, wall_s=wall, commitment=result.commitment, seed=str(result.seed),
+                   nonce=result.nonce)
+        if result.verdict == "undecided":
+            for party in (m, *peers):
+                self.store.add_stage_check(dict(row, uid=party.uid, hotkey=party.hotkey, kind="disagreement",
+                                                passed=0, blame=0, tokens=0,
+                                                reason=f"cross-check of uid {m.uid} against {named}: {result.reason}"))
+            log.info("cross-check of %s (%s) against %s undecided: %s", m.hotkey, m.label, named, result.reason)
+            return result
+        self.store.add_stage_check(dict(
+            row, uid=m.uid, hotkey=m.hotkey, kind="challenge", passed=int(result.ok), blame=int(not result.ok),
+            reason=(f"against two peers ({named}): {result.reason}" if not result.ok else f"checked against {named}"),
+            median_rel_l2=result.median_rel_l2, bad_fraction=result.bad_fraction, step_ms=remote.step_ms))
+        if not result.ok:
+            log.warning("stage %s (%s, uid %d) failed a cross-check: %s", m.hotkey, m.label, m.uid, result.reason)
         return result
 
     def _decoy_saw(self, caller: str, input_sha: Optional[str], block: tuple[int, int]) -> None:
@@ -515,16 +589,44 @@ def whole_model_work(loop) -> dict[int, MinerWork]:
     return out
 
 
+def decoy_keypair(settings):
+    """The hotkey the decoys sign as (--stage-decoy-hotkey of the validator's wallet); ValidatorSetupError when
+    it is missing or is the validator's own."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from neurons.settings import open_wallet  # noqa: PLC0415
+    from neurons.validator_app.settings import ValidatorSetupError  # noqa: PLC0415
+
+    s = settings.stages
+    if not s.decoy_hotkey:
+        raise ValidatorSetupError("--stage-decoys needs --stage-decoy-hotkey NAME")
+    try:
+        key = open_wallet(replace(settings.wallet, hotkey=s.decoy_hotkey)).hotkey
+    except Exception as error:  # noqa: BLE001 (a missing or unreadable key file: say which)
+        raise ValidatorSetupError(f"--stage-decoy-hotkey {s.decoy_hotkey!r}: {error}") from None
+    if settings.wallet.hotkey == s.decoy_hotkey:
+        raise ValidatorSetupError("--stage-decoy-hotkey must not be the validator's own hotkey (stage miners would "
+                                  "recognise the decoy)")
+    return key
+
+
 def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
     """Stage checks for a validator with its own copy of the weights (--reference-engine) and
-    --stage-challenges > 0; the weights are loaded on first need (the first stage miner found)."""
+    --stage-challenges > 0, configured by settings.stages (--stage-*: challenge length, route audits, timeouts,
+    blame and work windows, the layers it checks itself, decoys, the sink's bind and public address); the
+    weights are loaded on first need (the first stage miner found)."""
     challenges = getattr(settings.rounds, "stage_challenges", 0)
     if not settings.reference_engine or not challenges:
         return None
     from inference.serving.builders import load_reference_model  # noqa: PLC0415
 
+    s = settings.stages
+    decoys = s.decoy_ports()
     stage = StageRounds(loop.store, loop.wallet.hotkey, None, loop.tokenizer, challenges=challenges,
-                        seed=settings.rounds.seed)
+                        seed=settings.rounds.seed, max_tokens=s.max_tokens, route_probes=s.route_audits,
+                        host=s.sink_host, port=s.sink_port, public_url=s.sink_url or "", timeout_s=s.timeout_s,
+                        blame_s=s.blame_s, window_s=s.window_s, decoys=decoys,
+                        decoy_keypair=decoy_keypair(settings) if decoys else None, own_layers=s.own_block())
     checkpoint = settings.engine.checkpoint
     stage.loader = lambda: load_reference_model(checkpoint, verify=False)[0]
     loop.stage = stage
