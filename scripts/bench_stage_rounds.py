@@ -128,7 +128,8 @@ async def bench(args, root: Path, ckpt: Path, info: dict, decoy_port: int) -> No
                          decoy_keypair=decoy, decoys={(6, 9): decoy_port})
         await sr.start()
         await sr._start_decoys()
-        found = {i.hotkey: i for i in await StaticDirectory([v["url"] for v in info.values()]).stages(sr._http)}
+        found = {i.hotkey: i for i in await StaticDirectory([v["url"] for v in info.values()],
+                                                            timeout_s=30.0).stages(sr._http)}
         miners = {n: StageMiner(i, v["hotkey"], n, found[v["hotkey"]]) for i, (n, v) in enumerate(info.items())}
         sr.miners = {m.hotkey: m for m in miners.values()}
         store.save_stage_miners([dict(uid=m.uid, hotkey=m.hotkey, layers=m.label) for m in miners.values()])
@@ -138,12 +139,14 @@ async def bench(args, root: Path, ckpt: Path, info: dict, decoy_port: int) -> No
           "smallest cosine | bad tokens | worst window | validator CPU ms / challenge (all) | of which reference + "
           "compare | wall ms / challenge |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    honest_all, cheat_all = [], {}
     store, sr, miners = await rounds(1, root / "honest.sqlite")
     try:
         for name, m in miners.items():
-            if not name.startswith(("fp32", "bf16")):
+            if not name.startswith(("fp32", "fp2t", "bf16")):
                 continue
             results = [await sr.challenge(m) for _ in range(args.honest)]
+            honest_all += results
             rows = store.stage_checks(hotkey=m.hotkey)
             kind = {"fp32": "fp32 / fp32 / 1", "fp2t": "fp32 / fp32 / 2", "bf16": "bf16 / bf16 / 1"}[name[:4]]
             print(f"| {m.label} | {kind} | {len(results)} | {sum(not r.ok for r in results)} | "
@@ -169,6 +172,7 @@ async def bench(args, root: Path, ckpt: Path, info: dict, decoy_port: int) -> No
                 t0 = time.monotonic()
                 for k in range(1, args.limit + 1):
                     r = await sr.challenge(m)
+                    cheat_all.setdefault(kind, []).append(r)
                     if not r.ok:
                         results.append(r)
                     blame = store.stage_blame(m.hotkey, 0)
@@ -186,6 +190,35 @@ async def bench(args, root: Path, ckpt: Path, info: dict, decoy_port: int) -> No
         worst = max(c for c in counts) if all(counts) else "not caught"
         print(f"| {kind} | {block} | {shown} | {worst} | {[round(s, 1) for s in secs]} | {', '.join(sorted(how))} | "
               f"{drift(results)} |")
+    sweep(honest_all, cheat_all)
+
+
+def sweep(honest, cheats) -> None:
+    """Per candidate token limit (relative L2; cosine limit as now): the worst window of bad tokens over the
+    honest challenges (each block, precision and thread count), and the share of challenges of each cheater
+    that lies in every session that a window limit would fail."""
+    t = Thresholds()
+    print(f"\n| token limit: rel L2 > | honest: bad tokens | honest: worst window of {t.window} | always-lying "
+          f"cheaters: worst window, smallest (per challenge) | share of their challenges failed at {t.window_bad}/"
+          f"{t.window} | at 8/{t.window} |")
+    print("|---|---|---|---|---|---|")
+    lying = [r for k in ("other-weights", "skip-layer", "echo") for r in cheats.get(k, []) if r.stats.rel_l2]
+
+    def windows(r, limit):
+        bad = [rel > limit or cos < t.token_min_cosine for rel, cos in zip(r.stats.rel_l2, r.stats.cosine)]
+        w = min(t.window, len(bad))
+        return worst_window(bad, w), w, bad
+
+    for limit in (0.15, 0.1, 0.07, 0.05, 0.03):
+        hw = [windows(r, limit) for r in honest if r.stats.rel_l2]
+        cw = [windows(r, limit) for r in lying]
+        bad = [x for _, _, b in hw for x in b]
+        need = [(max(1, -(-t.window_bad * w // t.window)), max(1, -(-8 * w // t.window))) for _, w, _ in cw]
+        failed12 = np.mean([c >= n12 for (c, _, _), (n12, _) in zip(cw, need)]) if cw else float("nan")
+        failed8 = np.mean([c >= n8 for (c, _, _), (_, n8) in zip(cw, need)]) if cw else float("nan")
+        print(f"| {limit} | {np.mean(bad):.2%} | {max(c for c, _, _ in hw)}/{t.window} | "
+              f"{min(c for c, _, _ in cw) if cw else '-'} (of {min(w for _, w, _ in cw) if cw else '-'}) | "
+              f"{failed12:.0%} | {failed8:.0%} |")
 
 
 def main() -> None:

@@ -48,6 +48,14 @@ class GatewaySettings:
         total=Setting("deadline of one user request, failovers included", flag="--gateway-request-timeout-s",
                       read=positive_float),
     )).field(ClientTimeouts)
+    route: str = setting("off", "also serve organic requests through a route of the subnet's swarm stage miners, "
+                         "driven by this validator (stages it blamed are left out), tried before (first) or after "
+                         "(last) the ranked whole-model miners; the route's work is audited and credited to the "
+                         "stages (needs --reference-engine and --stage-challenges > 0)", flag="--gateway-route",
+                         choices=("off", "first", "last"))
+    route_audit_rate: float = setting(0.1, "share of the route's organic answers teacher-forced on the validator's "
+                                      "reference before the stages are credited (a failing one is bisected)",
+                                      flag="--gateway-route-audit-rate", read=non_negative_float, metavar="X")
     capabilities_ttl_s: float = 300.0
     miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",
                                       flag="--gateway-miner-cooldown-s", read=non_negative_float)
@@ -65,6 +73,10 @@ class GatewaySettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 out.append(f"gateway {name} must be a positive number of seconds, got {value}")
+        if self.route not in ("off", "first", "last"):
+            out.append(f"--gateway-route {self.route!r} is not off, first or last")
+        if not 0.0 <= self.route_audit_rate <= 1.0:
+            out.append(f"--gateway-route-audit-rate must lie in [0, 1], got {self.route_audit_rate}")
         if self.max_body_bytes < 1024:
             out.append("--gateway-max-body must be at least 1 KiB")
         return out

@@ -30,7 +30,12 @@ Results go to the store (`stage_checks`, with the reason; `blame = 1` rows zero 
 today, their verified model-tokens and decode speed) and stage miners (verified layer-tokens in passed
 challenges and clean route audits, the validator-measured step time, the share of challenges answered).
 
-Route drivers that present receipts (the gateway's, a third party's) are credited with `credit_route`:
+The gateway's own route (neurons/gateway/route.py) hands its recorded steps to `settle_gateway_route`: a sample
+of sessions is teacher-forced on the validator's whole-model reference (`check_recorded_answer`; a failing one
+triggers a relayed route audit of the same stages, whose bisection blames), and every step's receipts are
+audited (`audit_receipts`) before the stages are credited its tokens as `gateway_work`.
+
+Route drivers that present receipts (a third party's) are credited with `credit_route`:
 receipts that do not audit (signed by nobody registered, forged, stale, gapped) blame the driver and
 credit no stage. Route drivers follow trust through `TrustedDirectory` (blamed stages are left out).
 """
@@ -48,15 +53,15 @@ import aiohttp
 import numpy as np
 import torch
 
-from inference.swarm.stage import LayerRange, Stage, StageError
+from inference.swarm.stage import HeadOutput, LayerRange, Stage, StageError
 from neurons.swarm.relay import LoopThread, RemoteStage, StageRelay, StageSink, relay_route
 from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, plan_route
 from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import decode_forward, state_sha256
 from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import (ChallengeResult, CrossCheckResult, SeedCommitment, Thresholds, audit_receipts,
-                                  audit_route, bisect_route, challenge_steps, compare_heads, judge_tokens, plan_steps,
-                                  reference_stage, run_challenge, run_cross_check)
+                                  audit_route, bisect_route, challenge_steps, compare_heads, decode_wire_state,
+                                  judge_tokens, plan_steps, reference_stage, run_challenge, run_cross_check)
 from scoring.stage_rewards import MinerWork, active_params_per_layer, one_vector
 
 log = logging.getLogger("k3.validator.stages")
@@ -154,6 +159,7 @@ class StageRounds:
         self._decoy_servers: list[DecoyServer] = []
         self.relay: Optional[StageRelay] = None
         self.number = 0
+        self._gateway_seen = _SeenReceipts()  # receipt signatures credited from the gateway's route
         self.loader = None  # () -> model, called in a thread when model is None
 
     # ------------------------------------------------------------ lifecycle
@@ -495,6 +501,129 @@ class StageRounds:
             self.store.add_stage_check(row)
         return None
 
+    # ------------------------------------------------------------ the gateway's own route
+    def _uid_of(self, hotkey: str) -> Optional[int]:
+        m = self.miners.get(hotkey)
+        if m is not None:
+            return m.uid
+        return next((uid for uid, r in self.store.stage_miners().items() if r["hotkey"] == hotkey), None)
+
+    def _stage_miner(self, info: StageInfo) -> StageMiner:
+        m = self.miners.get(info.hotkey)
+        return m if m is not None else StageMiner(self._uid_of(info.hotkey), info.hotkey, "", info)
+
+    def check_recorded_answer(self, records: Sequence) -> Optional[str]:
+        """Teacher-force one session the gateway's route served (its StepRecords: the token ids the driver fed
+        and the head's signed results) on the validator's whole-model reference: each sampled token's logprob
+        and top alternatives against the reference's at that position (`compare_heads`, judged by
+        `judge_tokens`). None when it matches; else the problem. Sessions that do not start at position 0 (steps
+        dropped from the record) or hold score steps are skipped (None)."""
+        recs = sorted(records, key=lambda r: r.step)
+        if not recs or recs[0].position != 0:
+            return None
+        ids: list[int] = []
+        rows: list[tuple[int, HeadOutput]] = []
+        for r in recs:
+            if r.position != len(ids):
+                return None
+            ids += [int(t) for t in decode_wire_state(list(r.input_specs), r.input_body).tolist()]
+            head = decode_wire_state([], r.result_body)
+            if head.mode == "score":
+                return None
+            if head.mode == "sample":
+                rows.append((len(ids) - 1, head))
+        if not rows:
+            return None
+        top_k = len(rows[0][1].top)
+        targets = [-1] * len(ids)
+        got = HeadOutput("score", logprobs=[None] * len(ids), row_tops=[[] for _ in ids])
+        for pos, head in rows:
+            targets[pos] = int(head.token_id)
+            got.logprobs[pos] = head.logprob
+            got.row_tops[pos] = list(head.top)
+        ref = reference_stage(self.model, 0, self.num_layers)
+        sid = "gateway-audit-" + secrets.token_hex(6)
+        ref.open(sid)
+        try:
+            want = ref.forward(sid, 0, torch.tensor(ids), "score", targets, top_k)
+        finally:
+            ref.close(sid)
+        cmp = compare_heads(want, got, self.thresholds)
+        if not cmp.ok:
+            return cmp.reason
+        ok, why = judge_tokens(cmp.bad, self.thresholds)
+        return None if ok else why
+
+    async def settle_gateway_route(self, records: Sequence, stages: Sequence[StageInfo], driver: str,
+                                   audit_rate: float = 0.1, max_audit_tokens: int = 1024) -> dict:
+        """Organic route work the validator's own gateway drove (its route driver's StepRecords, and the stages
+        it routed from): a share `audit_rate` of the sessions is teacher-forced on the reference
+        (`check_recorded_answer`); a session that fails is not credited, is recorded against its stages
+        (`gateway_audit`, no blame: the driver saw no intermediate states) and triggers a relayed route audit of
+        the same stages (`route_probe`, whose bisection blames the stage that diverged). Every other step's
+        receipts are audited (signed by the stages the driver routed through for the layers they announce, for
+        this route, session and step, chained from what the driver sent, every layer once, never credited
+        before) and each stage is credited the step's tokens (`gateway_work`). Returns a summary."""
+        await self.start()
+        await self._ensure_model()
+        registered = {s.hotkey: (s.start, s.stop) for s in stages}
+        infos = {s.hotkey: s for s in stages}
+        sessions: dict[str, list] = {}
+        for rec in records:
+            sessions.setdefault(rec.session, []).append(rec)
+        out = {"sessions": len(sessions), "audited": 0, "failed": [], "credited_tokens": 0, "problems": [],
+               "blamed": []}
+        for session, recs in sessions.items():
+            n = sum(int(r.input_specs[0].shape[0]) for r in recs)
+            if self.rng.random() >= audit_rate or n > max_audit_tokens:
+                continue
+            t0 = time.process_time()
+            problem = await asyncio.to_thread(self.check_recorded_answer, recs)
+            cpu = time.process_time() - t0
+            out["audited"] += 1
+            route = [infos[r.stage] for r in sorted(recs[0].receipts, key=lambda r: r.layers[0]) if r.stage in infos]
+            for info in route:
+                m = self._stage_miner(info)
+                self.store.add_stage_check(dict(
+                    round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label, kind="gateway_audit",
+                    passed=int(problem is None), blame=0, tokens=0, cpu_s=cpu,
+                    reason=(f"organic route answer (session {session}) failed on the reference: {problem}; a relayed "
+                            "route audit of the same stages follows") if problem else "organic route answer matched"))
+            if problem is None:
+                continue
+            out["failed"].append(session)
+            log.warning("organic route answer of session %s failed on the reference: %s", session, problem)
+            miners = [self._stage_miner(i) for i in route]
+            blamed = await self.route_probe(miners)
+            if blamed:
+                out["blamed"].append(blamed)
+        for session, recs in sessions.items():
+            if session in out["failed"]:
+                continue
+            for rec in sorted(recs, key=lambda r: r.step):
+                a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
+                                   state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers,
+                                   self._gateway_seen)
+                if not a.ok:
+                    out["problems"].append(a.problem)
+                    if a.blame != "driver":  # a stage signing for layers it does not announce
+                        m = self._stage_miner(infos[a.blame])
+                        self.store.add_stage_check(dict(round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label,
+                                                        kind="gateway_receipts", passed=0, blame=1, reason=a.problem))
+                        out["blamed"].append(m.hotkey)
+                    else:
+                        log.warning("the gateway's route driver %s recorded receipts that do not audit: %s", driver,
+                                    a.problem)
+                    continue
+                tokens = int(rec.input_specs[0].shape[0])
+                for r in rec.receipts:
+                    m = self._stage_miner(infos[r.stage])
+                    self.store.add_stage_check(dict(round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label,
+                                                    kind="gateway_work", passed=1, blame=0, tokens=tokens,
+                                                    reason=f"organic traffic through the gateway's route ({driver})"))
+                    out["credited_tokens"] += tokens
+        return out
+
     # ------------------------------------------------------------ work and weights
     def stage_work(self, now: Optional[float] = None) -> dict[int, MinerWork]:
         """Per stage uid over the window: verified layer-tokens (passed challenges, clean route audits and
@@ -513,8 +642,12 @@ class StageRounds:
             steps = [r["step_ms"] for r in challenges if r["step_ms"]]
             blames = [f"{r['kind']}: {r['reason']}" for r in mine if r["blame"] and r["at"] >= now - self.blame_s]
             a, b = (int(x) for x in sm["layers"].split("-"))
+            # availability: the share of challenges answered; a stage not challenged yet whose organic route work
+            # verified (gateway_work) was there when it was needed
+            available = len(answered) / len(challenges) if challenges else float(any(r["passed"] and r["tokens"]
+                                                                                      for r in recent))
             out[uid] = MinerWork(sm["hotkey"], tokens, float(np.median(steps)) if steps else (sm["step_ms"] or 0.0),
-                                 len(answered) / len(challenges) if challenges else 0.0, (a, b + 1), blames[-1:])
+                                 available, (a, b + 1), blames[-1:])
         return out
 
     def weights(self, whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork]) -> dict[int, float]:
@@ -524,6 +657,17 @@ class StageRounds:
             return dict(whole_weights)
         weights, _ = one_vector(whole_weights, whole_work, stages, self.layer_costs)
         return weights
+
+
+class _SeenReceipts(dict):
+    """Receipt signatures already credited (a set for audit_receipts), the oldest forgotten past `limit`."""
+
+    limit = 200_000
+
+    def add(self, signature: str) -> None:
+        self[signature] = None
+        while len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 def _unanswered(reason: str) -> bool:
