@@ -322,3 +322,98 @@ def test_route_driver_receipts_credit_stages_and_forged_ones_blame_the_driver(sw
     blamed = [r for r in rows if r["blame"]]
     assert len(blamed) == 3 and {r["hotkey"] for r in blamed} == {driver_key.ss58_address}
     store.close()
+
+
+# ---------------------------------------------------------------- the stage-round settings (no stage processes)
+def stage_flags(ckpt, wallets_root, *more):
+    from neurons.validator_app.settings import read_validator_settings
+
+    return read_validator_settings(["--checkpoint", str(ckpt), "--reference-engine", "--netuid", "1",
+                                    "--wallet.name", "validator", "--wallet.path", str(wallets_root), *more],
+                                   environ={})
+
+
+def test_stage_flags_reach_the_stage_rounds_and_the_sink_listens_where_it_says(tmp_path, make_wallets,
+                                                                               tiny_checkpoint):
+    import types
+
+    import bittensor as bt
+
+    from neurons.validator_app.stage_rounds import decoy_keypair
+
+    wallets = make_wallets(tmp_path / "wallets", ["validator"])
+    bt.Wallet("validator", "decoy", path=str(tmp_path / "wallets")).create_new_hotkey(use_password=False,
+                                                                                      suppress=True)
+    sink_port = free_port()
+    settings = stage_flags(tiny_checkpoint, tmp_path / "wallets", "--stage-max-tokens", "48", "--stage-route-audits",
+                           "2", "--stage-timeout-s", "7", "--stage-blame-s", "60", "--stage-window-s", "120",
+                           "--stage-own-layers", "0-5", "--stage-decoys", "6-8:9310, 9-12:9311",
+                           "--stage-decoy-hotkey", "decoy", "--stage-sink-host", "127.0.0.1", "--stage-sink-port",
+                           str(sink_port), "--stage-sink-url", f"http://localhost:{sink_port}")
+    assert settings.problems() == []
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    loop = types.SimpleNamespace(store=store, wallet=wallets["validator"], tokenizer=None, stage=None)
+    sr = attach_stage_rounds(loop, settings)
+    assert loop.stage is sr and (sr.max_tokens, sr.route_probes, sr.timeout_s, sr.blame_s, sr.window_s) == \
+        (48, 2, 7.0, 60.0, 120.0)
+    assert sr.own_layers == (0, 6) and sr.holds((3, 6)) and not sr.holds((6, 9))
+    assert sr.decoys == {(6, 9): 9310, (9, 13): 9311}
+    assert sr.decoy_keypair.ss58_address == decoy_keypair(settings).ss58_address != wallets["validator"].hotkey.ss58_address
+
+    async def sink():
+        await sr.start()
+        try:
+            async with aiohttp.ClientSession() as http:  # the advertised address reaches the bound one
+                async with http.post(sr._sink.url + "/stage/forward", data=b"x") as resp:
+                    return sr._sink.url, sr._sink.port, resp.status
+        finally:
+            await sr.close()
+
+    import aiohttp
+
+    url, port, status = asyncio.run(sink())
+    assert url == f"http://localhost:{sink_port}" and port == sink_port and status == 401  # unsigned: refused
+    store.close()
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (("--stage-sink-url", "ftp://203.0.113.7:9300", "--stage-sink-port", "9300"), "must be http(s)://HOST:PORT"),
+    (("--stage-sink-url", "http://0.0.0.0:9300", "--stage-sink-port", "9300"), "0.0.0.0 is a bind address"),
+    (("--stage-sink-url", "http://203.0.113.7:9300/sink", "--stage-sink-port", "9300"), "no path"),
+    (("--stage-sink-url", "http://203.0.113.7:99999", "--stage-sink-port", "9300"), "is not a URL"),
+    (("--stage-sink-url", "http://203.0.113.7:9300"), "needs a fixed --stage-sink-port"),
+    (("--stage-sink-host", "0.0.0.0"), "give --stage-sink-url"),
+    (("--stage-sink-host", "bad_host!"), "is not an IP address or a host name"),
+    (("--stage-decoys", "6-8", "--stage-decoy-hotkey", "d"), "is not LAYERS:PORT"),
+    (("--stage-decoys", "8-6:9310", "--stage-decoy-hotkey", "d"), "is not a layer block"),
+    (("--stage-decoys", "6-8:9310,6-8:9311", "--stage-decoy-hotkey", "d"), "names block 6-8 twice"),
+    (("--stage-decoys", "6-8:9310,0-2:9310", "--stage-decoy-hotkey", "d"), "used twice"),
+    (("--stage-decoys", "6-8:9310",), "needs --stage-decoy-hotkey"),
+    (("--stage-own-layers", "five"), "is not a layer block"),
+    (("--stage-max-tokens", "8"), "at least 16"),
+    (("--gateway", "--gateway-api-keys", "k.txt", "--gateway-route", "first", "--stage-challenges", "0"),
+     "--gateway-route needs the validator's stage checks"),
+])
+def test_bad_stage_flags_get_a_clear_error(tmp_path, tiny_checkpoint, flags, problem):
+    problems = stage_flags(tiny_checkpoint, tmp_path, *flags).problems()
+    assert any(problem in p for p in problems), problems
+
+
+def test_the_decoy_hotkey_must_not_be_the_validators(tmp_path, make_wallets, tiny_checkpoint):
+    from neurons.validator_app.settings import ValidatorSetupError
+    from neurons.validator_app.stage_rounds import decoy_keypair
+
+    make_wallets(tmp_path / "wallets", ["validator"])
+    for hotkey, problem in (("default", "must not be the validator's own"), ("missing", "'missing'")):
+        settings = stage_flags(tiny_checkpoint, tmp_path / "wallets", "--stage-decoys", "6-8:9310",
+                               "--stage-decoy-hotkey", hotkey)
+        with pytest.raises(ValidatorSetupError, match=problem):
+            decoy_keypair(settings)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -302,15 +302,15 @@ class ValidatorSettings:
                        "scripts/make_checkpoint.py or point it at the model's directory")
         if self.reference_engine:
             out += [p for p in self.engine.problems() if "checkpoint" not in p]
-        if self.gateway.enabled and self.gateway.route != "off" and not (self.reference_engine
-                                                                          and self.rounds.stage_challenges):
-            out.append("--gateway-route needs the validator's stage checks (--reference-engine and "
-                       "--stage-challenges > 0): the route's work is checked before it is credited")
         elif not self.audits.canary_pool:
             out.append("neither --reference-engine nor --canary-pool: tier-1 audits would rest on other miners alone, "
                        "who could frame honest miners or shield a partner with nothing to settle it, and tier-2 "
                        "canaries could not run; run the model as this validator's reference (--reference-engine, "
                        "--engine remote for a GPU server) or give it a canary pool from a reference deployment")
+        if self.gateway.enabled and self.gateway.route != "off" and not (self.reference_engine
+                                                                          and self.rounds.stage_challenges):
+            out.append("--gateway-route needs the validator's stage checks (--reference-engine and "
+                       "--stage-challenges > 0): the route's work is checked before it is credited")
         r, w = self.rounds, self.weights
         try:
             r.only_uids()
