@@ -5,7 +5,8 @@ stages on 2 threads, the drift chunked prefill alone makes, and the validator's 
 tables.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py --repeats 5 --honest 4
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py --checkpoint inference/model/assets/tiny_trained
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py \
+        --checkpoint inference/model/assets/tiny_trained
 
 Without --checkpoint the tiny model with random weights (seed 0) is used.
 """
@@ -78,7 +79,8 @@ def chunking_drift(model, tokenizer, prompts: int, max_tokens: int, seed: int = 
 
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     n_layers = model.config.num_layers
-    print("\n| block | chunked vs one-piece prefill (fp32) | tokens | median | q99 | max | smallest cosine | bad tokens |")
+    print("\n| block | chunked vs one-piece prefill (fp32) | tokens | median | q99 | max | smallest cosine | "
+          "bad tokens |")
     print("|---|---|---|---|---|---|---|---|")
     t = Thresholds()
     for label, (a, b) in BLOCKS.items():
