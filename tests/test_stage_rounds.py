@@ -395,6 +395,8 @@ def test_stage_flags_reach_the_stage_rounds_and_the_sink_listens_where_it_says(t
     (("--stage-max-tokens", "8"), "at least 16"),
     (("--gateway", "--gateway-api-keys", "k.txt", "--gateway-route", "first", "--stage-challenges", "0"),
      "--gateway-route needs the validator's stage checks"),
+    (("--gateway-route-url", "http://203.0.113.7:9400"), "needs a fixed --gateway-route-port"),
+    (("--gateway-route-url", "203.0.113.7:9400", "--gateway-route-port", "9400"), "must be http(s)://HOST:PORT"),
 ])
 def test_bad_stage_flags_get_a_clear_error(tmp_path, tiny_checkpoint, flags, problem):
     problems = stage_flags(tiny_checkpoint, tmp_path, *flags).problems()

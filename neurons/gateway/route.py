@@ -32,7 +32,8 @@ class GatewayRoute:
     `await close()`."""
 
     def __init__(self, stage_rounds, directory, wallet, config, tokenizer, chain, chain_settings, *,
-                 nonce_store_path: str, audit_rate: float = 0.1, host: str = "127.0.0.1", hop_timeout_s: float = 5.0,
+                 nonce_store_path: str, audit_rate: float = 0.1, host: str = "127.0.0.1", port: int = 0,
+                 public_url: str = "", hop_timeout_s: float = 5.0,
                  refresh_s: float = 30.0, max_context: int = 4096, model_fingerprint: str = "",
                  record_steps: int = 65536, prefill_chunk: int = 128):
         from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings  # noqa: PLC0415
@@ -44,8 +45,8 @@ class GatewayRoute:
         self.audit_rate = audit_rate
         self.hotkey = wallet.hotkey.ss58_address
         self.driver = RouteDriver(TrustedDirectory(directory, stage_rounds.store, stage_rounds.blame_s),
-                                  wallet.hotkey, config, host=host, hop_timeout_s=hop_timeout_s, refresh_s=refresh_s,
-                                  record_steps=record_steps)
+                                  wallet.hotkey, config, host=host, port=port, public_url=public_url,
+                                  hop_timeout_s=hop_timeout_s, refresh_s=refresh_s, record_steps=record_steps)
         self.engine = RouteEngine(self.driver, tokenizer, model_fingerprint=model_fingerprint,
                                   max_context=max_context, prefill_chunk=prefill_chunk)
         Path(nonce_store_path).parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +142,8 @@ async def start_gateway_route(loop, settings) -> GatewayRoute:
     g = settings.gateway
     route = GatewayRoute(stage_rounds, directory, loop.wallet, config, loop.tokenizer, loop.chain, settings.chain,
                          nonce_store_path=str(Path(settings.db).with_suffix(".route-nonces.sqlite")),
-                         audit_rate=g.route_audit_rate, host=settings.stages.sink_host,
+                         audit_rate=g.route_audit_rate, host=settings.stages.sink_host, port=g.route_port,
+                         public_url=g.route_url or "",
                          hop_timeout_s=settings.stages.timeout_s, model_fingerprint=model_fp)
     await route.start()
     return route

@@ -3,7 +3,6 @@
 Each setting is stated once, on its dataclass field; the flag table is derived from the fields."""
 from __future__ import annotations
 
-import ipaddress
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from inference.serving import EngineSpec
-from neurons.gateway.settings import GATEWAY, GatewaySettings
+from neurons.gateway.settings import GATEWAY, GatewaySettings, host_problem, public_url_problems
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
                               WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
                               optional_float, port_number, positive_float, read_options, setting, settings_options)
@@ -112,19 +111,6 @@ def layer_block(text: str, what: str = "a layer block") -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2)) + 1
 
 
-def _host_problem(host: str, flag_name: str) -> Optional[str]:
-    """None when `host` is an IP address or a host name one can bind to; else the problem."""
-    try:
-        ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
-    if host and len(host) <= 253 and all(re.fullmatch(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)", part)
-                                         for part in host.rstrip(".").split(".")):
-        return None
-    return f"{flag_name} {host!r} is not an IP address or a host name"
-
-
 @dataclass(frozen=True)
 class StageSettings:
     """Swarm stage checks (neurons/validator_app/stage_rounds.py); on with --reference-engine and
@@ -194,38 +180,15 @@ class StageSettings:
         if self.decoys and not self.decoy_hotkey:
             out.append("--stage-decoys needs --stage-decoy-hotkey NAME: the decoys sign as another hotkey of the "
                        "validator's wallet (stage miners must not recognise the validator)")
-        problem = _host_problem(self.sink_host, "--stage-sink-host")
+        problem = host_problem(self.sink_host, "--stage-sink-host")
         if problem:
             out.append(problem)
         if self.sink_url:
-            out += sink_url_problems(self.sink_url, self.sink_port)
+            out += public_url_problems(self.sink_url, self.sink_port, "--stage-sink-url", "--stage-sink-port")
         elif self.sink_host in ("0.0.0.0", "::", ""):
             out.append(f"--stage-sink-host {self.sink_host!r} binds every interface but is no address a stage can "
                        "reach: give --stage-sink-url http(s)://PUBLIC_HOST:PORT (and a fixed --stage-sink-port)")
         return out
-
-
-def sink_url_problems(url: str, port: int) -> list[str]:
-    from urllib.parse import urlsplit  # noqa: PLC0415
-
-    try:
-        parts = urlsplit(url)
-        url_port = parts.port
-    except ValueError as error:
-        return [f"--stage-sink-url {url!r} is not a URL: {error}"]
-    out = []
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        out.append(f"--stage-sink-url {url!r} must be http(s)://HOST:PORT, e.g. http://203.0.113.7:9300")
-    elif parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        out.append(f"--stage-sink-url {url!r} must be just http(s)://HOST:PORT (no path, query or user)")
-    elif parts.hostname in ("0.0.0.0", "::"):
-        out.append(f"--stage-sink-url {url!r} names no reachable host (0.0.0.0 is a bind address)")
-    elif _host_problem(parts.hostname, "--stage-sink-url host"):
-        out.append(_host_problem(parts.hostname, "--stage-sink-url host"))
-    elif port == 0:
-        out.append("--stage-sink-url needs a fixed --stage-sink-port (0 picks a new port at every start, which the "
-                   "advertised address cannot follow)")
-    return out
 
 
 # Every call to a miner (protocol.client.ClientTimeouts: its defaults, our flags).
