@@ -53,8 +53,9 @@ class RoundSettings:
     uids: Optional[str] = setting(None, "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others "
                                   "keep their window scores (default: every serving miner)", metavar="UIDS")
     stage_challenges: int = setting(2, "challenges per swarm stage miner per round, against this validator's own "
-                                    "copy of the weights (with --reference-engine; plus one relayed route audit); 0: "
-                                    "stage miners are not checked", read=non_negative_int)
+                                    "copy of the weights (with --reference-engine; blocks outside --stage-own-layers: "
+                                    "against two other stage miners of the block), plus --stage-route-audits "
+                                    "relayed route audits; 0: stage miners are not checked", read=non_negative_int)
 
     def only_uids(self) -> Optional[set[int]]:
         if not self.uids:
