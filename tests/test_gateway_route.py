@@ -181,7 +181,22 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
     assert "bisection" in status[uids["cheat"]]["reason"]
     store.close()
     shown = subprocess.run([sys.executable, str(ROOT / "neurons" / "validator.py"), "status", "--db", str(db)],
-                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert shown.returncode == 0 and "swarm stage miners" in shown.stdout, shown.stderr[-2000:]
     print(f"gateway route: {credited} layer-tokens credited through the honest route; the cheater was bisected "
           f"after a failed organic audit; the spare then served {first[hk['spare']]} tokens per stage")
+
+
+def test_the_gateway_route_needs_the_validators_stage_checks(tmp_path, tiny_checkpoint):
+    import types
+
+    from neurons.gateway.route import start_gateway_route
+    from neurons.validator_app.settings import ValidatorSetupError, read_validator_settings
+
+    settings = read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway",
+                                        "--gateway-api-keys", "k.txt", "--gateway-route", "last"], environ={})
+    assert any("--gateway-route needs the validator's stage checks" in p for p in settings.problems())
+    with pytest.raises(ValidatorSetupError, match="needs the validator's stage checks"):
+        asyncio.run(start_gateway_route(types.SimpleNamespace(stage=None), settings))
+    with pytest.raises(ValueError, match="not first or last"):
+        RouteAndMiners(NoMiners(), None, "middle")
