@@ -269,8 +269,22 @@ def challenge_steps(validator_model, layers: LayerRange, token_ids: Sequence[int
     return steps
 
 
+class _TokenStats:
+    """The summary numbers of a challenge's per-token statistics (`stats`), as the store keeps them."""
+
+    stats: "Comparison"
+
+    @property
+    def median_rel_l2(self) -> float:
+        return float(np.median(self.stats.rel_l2)) if self.stats.rel_l2 else 0.0
+
+    @property
+    def bad_fraction(self) -> float:
+        return float(np.mean(self.stats.bad)) if self.stats.bad else 0.0
+
+
 @dataclass
-class ChallengeResult:
+class ChallengeResult(_TokenStats):
     ok: bool
     reason: str
     commitment: str  # the sha256 digest the validator published before
@@ -280,14 +294,6 @@ class ChallengeResult:
     tokens: int
     stats: Comparison  # per token over the whole challenge, in position order
     validator_cpu_s: float  # the reference computation and the comparison
-
-    @property
-    def median_rel_l2(self) -> float:
-        return float(np.median(self.stats.rel_l2)) if self.stats.rel_l2 else 0.0
-
-    @property
-    def bad_fraction(self) -> float:
-        return float(np.mean(self.stats.bad)) if self.stats.bad else 0.0
 
 
 def _compare(reference: Stage, want, got, seed: int, thresholds: Thresholds) -> Comparison:
@@ -368,7 +374,7 @@ def run_challenge(stage: StageUnderTest, reference: Stage, steps: list[Challenge
 
 
 @dataclass
-class CrossCheckResult:
+class CrossCheckResult(_TokenStats):
     """A challenge judged against two peers instead of the validator's own computation."""
 
     verdict: str  # "pass", "blame" (both peers agree and both disagree with the stage) or "undecided"
@@ -385,14 +391,6 @@ class CrossCheckResult:
     @property
     def ok(self) -> bool:
         return self.verdict != "blame"
-
-    @property
-    def median_rel_l2(self) -> float:
-        return float(np.median(self.stats.rel_l2)) if self.stats.rel_l2 else 0.0
-
-    @property
-    def bad_fraction(self) -> float:
-        return float(np.mean(self.stats.bad)) if self.stats.bad else 0.0
 
 
 PAIRS = ("stage-a", "stage-b", "a-b")
