@@ -6,6 +6,9 @@ announcement, as stage_miner does).
 
 - challenges over the stage wire: honest fp32 and bf16 stages are never blamed; each cheater is blamed within
   its stated number of challenges (CHEATERS); the forwarder is caught by the validator's decoy;
+- a block the validator holds no copy of: each challenge is checked against two other stage miners of the block
+  on other coldkeys; a cheater is blamed when both peers agree and disagree with it, an honest stage (fp32 or
+  bf16) never, not even with a cheating peer (then the disagreement is recorded);
 - a relayed route with one cheater in it: the answer fails, bisection blames that stage only;
 - a ValidatorLoop round on the devnet finds the stage miners, challenges them, zeroes the cheaters in the
   weight vector with the reason in `validator.py status`;
@@ -40,7 +43,7 @@ from protocol.stage import sign_receipt
 
 ROOT = Path(__file__).resolve().parent.parent
 HONEST = {"h0": "0-2", "h1": "3-5", "h2": "6-8", "h3": "9-12"}
-BF16 = {"b1": "3-5", "b3": "9-12"}
+BF16 = {"b1": "3-5", "b3": "9-12", "b4": "3-5"}
 # name: (kind, layers, most challenges until blamed; miss chances in docs-snippets/stagev2.md)
 CHEATERS = {"weights": ("other-weights", "3-5", 1), "skip": ("skip-layer", "9-12", 1), "echo": ("echo", "0-2", 1),
             "sessions": ("session-liar", "3-5", 12), "long": ("long-position-liar", "6-8", 12),
@@ -148,10 +151,65 @@ def test_challenges_blame_every_cheater_and_no_honest_stage(swarm, tmp_path):
         print(f"{kind}: blamed after {k} challenges, {s:.1f} s ({how}: {why[:100]})")
     assert table["forwarder"][2] == "decoy" and "without saying so" in table["forwarder"][3]
     honest = [r for r in store.stage_checks() if r["hotkey"] in {swarm["info"][n]["hotkey"] for n in [*HONEST, *BF16]}]
-    assert len(honest) == HONEST_CHALLENGES * 6 and all(r["passed"] and not r["blame"] for r in honest)
+    assert len(honest) == HONEST_CHALLENGES * (len(HONEST) + len(BF16))
+    assert all(r["passed"] and not r["blame"] for r in honest)
     bf16 = [r for r in honest if r["hotkey"] in {swarm["info"][n]["hotkey"] for n in BF16}]
     assert all(r["median_rel_l2"] < 0.05 for r in bf16) and any(r["median_rel_l2"] > 0 for r in bf16)
     assert all(r["commitment"] and r["seed"] and r["nonce"] for r in honest)  # committed, then revealed
+    store.close()
+
+
+def test_cross_checks_against_two_peers_blame_only_when_both_peers_agree(swarm, tmp_path):
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    verdicts = {}
+
+    async def scenario():
+        sr, miners = await stage_rounds(swarm, store, seed=7)
+        sr.own_layers = (0, 3)  # the validator checks 0-2 itself; 3-5 only against peers
+        try:
+            for name, peers in (("h1", ("b1", "b4")), ("b1", ("h1", "b4")), ("b4", ("b1", "h1"))):
+                for _ in range(2):
+                    r = await sr.cross_check(miners[name], [miners[p] for p in peers])
+                    assert r.verdict == "pass", f"honest {name} vs {peers}: {r.verdict}: {r.reason}"
+            r = await sr.cross_check(miners["weights"], [miners["h1"], miners["b1"]])
+            verdicts["weights"] = r
+            # an honest stage with one cheating peer: the peers disagree, nobody is blamed
+            verdicts["honest-with-cheating-peer"] = await sr.cross_check(miners["h1"], [miners["b4"],
+                                                                                      miners["weights"]])
+            for k in range(1, CHEATERS["sessions"][2] + 1):
+                r = await sr.cross_check(miners["sessions"], [miners["h1"], miners["b4"]])
+                if r.verdict == "blame":
+                    break
+            verdicts["sessions"] = (k, r)
+            # peers are picked on other coldkeys than the stage's and each other's, never a blamed stage
+            sr.miners[miners["b4"].hotkey] = replace(miners["b4"], coldkey=miners["h1"].coldkey)
+            assert len(sr.peers_for(miners["b1"])) == 1  # h1 and b4 share a coldkey; the cheaters are blamed
+            verdicts["no-peers"] = await sr.challenge(miners["b1"])
+            sr.miners[miners["b4"].hotkey] = miners["b4"]
+            picked = sr.peers_for(miners["b1"])
+            assert {p.hotkey for p in picked} == {miners["h1"].hotkey, miners["b4"].hotkey}
+            verdicts["picked"] = await sr.challenge(miners["b1"])  # outside own_layers: a cross-check
+            verdicts["own"] = await sr.challenge(miners["h0"])  # inside: against the validator's own copy
+        finally:
+            await sr.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert verdicts["weights"].verdict == "blame" and "both peers agree" in verdicts["weights"].reason
+    mixed = verdicts["honest-with-cheating-peer"]
+    assert mixed.verdict == "undecided" and mixed.agree["stage-a"] and not mixed.agree["a-b"], mixed.reason
+    k, r = verdicts["sessions"]
+    assert r.verdict == "blame", f"the session liar passed {k} cross-checks"
+    assert verdicts["no-peers"] is None
+    assert verdicts["picked"].verdict == "pass" and not hasattr(verdicts["own"], "verdict") and verdicts["own"].ok
+    hk = {n: swarm["info"][n]["hotkey"] for n in swarm["info"]}
+    rows = store.stage_checks()
+    assert {r["hotkey"] for r in rows if r["blame"]} == {hk["weights"], hk["sessions"]}
+    disagreements = [r for r in rows if r["kind"] == "disagreement"]
+    assert {r["hotkey"] for r in disagreements} >= {hk["h1"], hk["b4"], hk["weights"]}
+    assert all(not r["blame"] for r in disagreements)
+    passed = [r for r in rows if r["kind"] == "challenge" and r["passed"] and r["hotkey"] in (hk["h1"], hk["b1"])]
+    assert passed and all("checked against" in r["reason"] and r["tokens"] > 0 for r in passed)
+    print(f"session liar blamed by two peers after {k} cross-checks")
     store.close()
 
 
@@ -265,3 +323,101 @@ def test_route_driver_receipts_credit_stages_and_forged_ones_blame_the_driver(sw
     blamed = [r for r in rows if r["blame"]]
     assert len(blamed) == 3 and {r["hotkey"] for r in blamed} == {driver_key.ss58_address}
     store.close()
+
+
+# ---------------------------------------------------------------- the stage-round settings (no stage processes)
+def stage_flags(ckpt, wallets_root, *more):
+    from neurons.validator_app.settings import read_validator_settings
+
+    return read_validator_settings(["--checkpoint", str(ckpt), "--reference-engine", "--netuid", "1",
+                                    "--wallet.name", "validator", "--wallet.path", str(wallets_root), *more],
+                                   environ={})
+
+
+def test_stage_flags_reach_the_stage_rounds_and_the_sink_listens_where_it_says(tmp_path, make_wallets,
+                                                                               tiny_checkpoint):
+    import types
+
+    import bittensor as bt
+
+    from neurons.validator_app.stage_rounds import decoy_keypair
+
+    wallets = make_wallets(tmp_path / "wallets", ["validator"])
+    bt.Wallet("validator", "decoy", path=str(tmp_path / "wallets")).create_new_hotkey(use_password=False,
+                                                                                      suppress=True)
+    sink_port = free_port()
+    settings = stage_flags(tiny_checkpoint, tmp_path / "wallets", "--stage-max-tokens", "48", "--stage-route-audits",
+                           "2", "--stage-timeout-s", "7", "--stage-blame-s", "60", "--stage-window-s", "120",
+                           "--stage-own-layers", "0-5", "--stage-decoys", "6-8:9310, 9-12:9311",
+                           "--stage-decoy-hotkey", "decoy", "--stage-sink-host", "127.0.0.1", "--stage-sink-port",
+                           str(sink_port), "--stage-sink-url", f"http://localhost:{sink_port}")
+    assert settings.problems() == []
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    loop = types.SimpleNamespace(store=store, wallet=wallets["validator"], tokenizer=None, stage=None)
+    sr = attach_stage_rounds(loop, settings)
+    assert loop.stage is sr and (sr.max_tokens, sr.route_probes, sr.timeout_s, sr.blame_s, sr.window_s) == \
+        (48, 2, 7.0, 60.0, 120.0)
+    assert sr.own_layers == (0, 6) and sr.holds((3, 6)) and not sr.holds((6, 9))
+    assert sr.decoys == {(6, 9): 9310, (9, 13): 9311}
+    decoy = decoy_keypair(settings).ss58_address
+    assert sr.decoy_keypair.ss58_address == decoy != wallets["validator"].hotkey.ss58_address
+
+    async def sink():
+        await sr.start()
+        try:
+            async with aiohttp.ClientSession() as http:  # the advertised address reaches the bound one
+                async with http.post(sr._sink.url + "/stage/forward", data=b"x") as resp:
+                    return sr._sink.url, sr._sink.port, resp.status
+        finally:
+            await sr.close()
+
+    import aiohttp
+
+    url, port, status = asyncio.run(sink())
+    assert url == f"http://localhost:{sink_port}" and port == sink_port and status == 401  # unsigned: refused
+    store.close()
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (("--stage-sink-url", "ftp://203.0.113.7:9300", "--stage-sink-port", "9300"), "must be http(s)://HOST:PORT"),
+    (("--stage-sink-url", "http://0.0.0.0:9300", "--stage-sink-port", "9300"), "0.0.0.0 is a bind address"),
+    (("--stage-sink-url", "http://203.0.113.7:9300/sink", "--stage-sink-port", "9300"), "no path"),
+    (("--stage-sink-url", "http://203.0.113.7:99999", "--stage-sink-port", "9300"), "is not a URL"),
+    (("--stage-sink-url", "http://203.0.113.7:9300"), "needs a fixed --stage-sink-port"),
+    (("--stage-sink-host", "0.0.0.0"), "give --stage-sink-url"),
+    (("--stage-sink-host", "bad_host!"), "is not an IP address or a host name"),
+    (("--stage-decoys", "6-8", "--stage-decoy-hotkey", "d"), "is not LAYERS:PORT"),
+    (("--stage-decoys", "8-6:9310", "--stage-decoy-hotkey", "d"), "is not a layer block"),
+    (("--stage-decoys", "6-8:9310,6-8:9311", "--stage-decoy-hotkey", "d"), "names block 6-8 twice"),
+    (("--stage-decoys", "6-8:9310,0-2:9310", "--stage-decoy-hotkey", "d"), "used twice"),
+    (("--stage-decoys", "6-8:9310",), "needs --stage-decoy-hotkey"),
+    (("--stage-own-layers", "five"), "is not a layer block"),
+    (("--stage-max-tokens", "8"), "at least 16"),
+    (("--gateway", "--gateway-api-keys", "k.txt", "--gateway-route", "first", "--stage-challenges", "0"),
+     "--gateway-route needs the validator's stage checks"),
+    (("--gateway-route-url", "http://203.0.113.7:9400"), "needs a fixed --gateway-route-port"),
+    (("--gateway-route-url", "203.0.113.7:9400", "--gateway-route-port", "9400"), "must be http(s)://HOST:PORT"),
+])
+def test_bad_stage_flags_get_a_clear_error(tmp_path, tiny_checkpoint, flags, problem):
+    problems = stage_flags(tiny_checkpoint, tmp_path, *flags).problems()
+    assert any(problem in p for p in problems), problems
+
+
+def test_the_decoy_hotkey_must_not_be_the_validators(tmp_path, make_wallets, tiny_checkpoint):
+    from neurons.validator_app.settings import ValidatorSetupError
+    from neurons.validator_app.stage_rounds import decoy_keypair
+
+    make_wallets(tmp_path / "wallets", ["validator"])
+    for hotkey, problem in (("default", "must not be the validator's own"), ("missing", "'missing'")):
+        settings = stage_flags(tiny_checkpoint, tmp_path / "wallets", "--stage-decoys", "6-8:9310",
+                               "--stage-decoy-hotkey", hotkey)
+        with pytest.raises(ValidatorSetupError, match=problem):
+            decoy_keypair(settings)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

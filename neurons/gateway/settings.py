@@ -1,9 +1,12 @@
 """The gateway's settings and its flags (dest "gateway.*", part of the validator's table)."""
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
+from urllib.parse import urlsplit
 
 from neurons.gateway.schemas import MAX_USER_LOGPROBS
 from neurons.settings import (Option, Section, Setting, byte_size, non_negative_float, port_number, positive_float,
@@ -13,6 +16,41 @@ from protocol.client import ClientTimeouts
 
 class GatewaySetupError(RuntimeError):
     """The gateway cannot start as configured; the message says what to change."""
+
+
+def host_problem(host: str, flag_name: str) -> Optional[str]:
+    """None when `host` is an IP address or a host name one can bind to; else the problem."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if host and len(host) <= 253 and all(re.fullmatch(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)", part)
+                                         for part in host.rstrip(".").split(".")):
+        return None
+    return f"{flag_name} {host!r} is not an IP address or a host name"
+
+
+def public_url_problems(url: str, port: int, flag_name: str, port_flag: str) -> list[str]:
+    """What is wrong with an advertised address http(s)://HOST:PORT of a server bound to `port` (none: [])."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as error:
+        return [f"{flag_name} {url!r} is not a URL: {error}"]
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return [f"{flag_name} {url!r} must be http(s)://HOST:PORT, e.g. http://203.0.113.7:9300"]
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        return [f"{flag_name} {url!r} must be just http(s)://HOST:PORT (no path, query or user)"]
+    if parts.hostname in ("0.0.0.0", "::"):
+        return [f"{flag_name} {url!r} names no reachable host (0.0.0.0 is a bind address)"]
+    problem = host_problem(parts.hostname, f"{flag_name} host")
+    if problem:
+        return [problem]
+    if port == 0:
+        return [f"{flag_name} needs a fixed {port_flag} (0 picks a new port at every start, which the advertised "
+                "address cannot follow)"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -51,6 +89,20 @@ class GatewaySettings:
                                      "flat --gateway-first-token-timeout-s)", flag="--gateway-prefill-tokens-per-s",
                                      read=positive_rate, metavar="RATE"),
     )).field(ClientTimeouts)
+    route: str = setting("off", "also serve organic requests through a route of the subnet's swarm stage miners, "
+                         "driven by this validator (stages it blamed are left out), tried before (first) or after "
+                         "(last) the ranked whole-model miners; the route's work is audited and credited to the "
+                         "stages (needs --reference-engine and --stage-challenges > 0)", flag="--gateway-route",
+                         choices=("off", "first", "last"))
+    route_audit_rate: float = setting(0.1, "share of the route's organic answers teacher-forced on the validator's "
+                                      "reference before the stages are credited (a failing one is bisected)",
+                                      flag="--gateway-route-audit-rate", read=non_negative_float, metavar="X")
+    route_port: int = setting(0, "port of the route driver's result endpoint, where the route's last stage sends each "
+                              "result (0 picks a free one; binds --stage-sink-host)", flag="--gateway-route-port",
+                              read=port_number)
+    route_url: Optional[str] = setting(None, "address the route's last stage reaches that endpoint at, "
+                                       "http(s)://HOST:PORT (needed when stages run on other machines)",
+                                       flag="--gateway-route-url", metavar="URL")
     capabilities_ttl_s: float = 300.0
     miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",
                                       flag="--gateway-miner-cooldown-s", read=non_negative_float)
@@ -68,6 +120,12 @@ class GatewaySettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 out.append(f"gateway {name} must be a positive number of seconds, got {value}")
+        if self.route not in ("off", "first", "last"):
+            out.append(f"--gateway-route {self.route!r} is not off, first or last")
+        if self.route_url:
+            out += public_url_problems(self.route_url, self.route_port, "--gateway-route-url", "--gateway-route-port")
+        if not 0.0 <= self.route_audit_rate <= 1.0:
+            out.append(f"--gateway-route-audit-rate must lie in [0, 1], got {self.route_audit_rate}")
         if self.max_body_bytes < 1024:
             out.append("--gateway-max-body must be at least 1 KiB")
         return out

@@ -989,12 +989,18 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    gateway = metrics = None
+    gateway = metrics = route = None
     try:
         if settings.gateway.enabled:
             # organic traffic: routed to the best miners by this validator's own scores, checked by tier 0
+            directory = validator.loop.state
+            if settings.gateway.route != "off":  # and through a route of stage miners, credited as stage work
+                from neurons.gateway.route import RouteAndMiners, start_gateway_route  # noqa: PLC0415
+
+                route = await start_gateway_route(validator.loop, settings)
+                directory = RouteAndMiners(directory, route, settings.gateway.route)
             try:
-                gateway = GatewayServer(validator.loop.state, validator.loop.client, validator.loop.state.tokenizer,
+                gateway = GatewayServer(directory, validator.loop.client, validator.loop.state.tokenizer,
                                         settings.gateway, scoring_config=validator.loop.config)
             except GatewaySetupError as error:
                 raise ValidatorSetupError(f"gateway: {error}") from None
@@ -1009,6 +1015,8 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
             loop.remove_signal_handler(sig)
         if gateway is not None:
             await gateway.close()
+        if route is not None:
+            await route.close()
         await validator.close()
     return 0
 

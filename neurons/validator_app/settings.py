@@ -4,13 +4,14 @@ Each setting is stated once, on its dataclass field; the flag table is derived f
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from inference.serving import EngineSpec
-from neurons.gateway.settings import GATEWAY, GatewaySettings
+from neurons.gateway.settings import GATEWAY, GatewaySettings, host_problem, public_url_problems
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
                               WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
                               optional_float, port_number, positive_float, positive_rate, read_options, setting,
@@ -53,8 +54,9 @@ class RoundSettings:
     uids: Optional[str] = setting(None, "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others "
                                   "keep their window scores (default: every serving miner)", metavar="UIDS")
     stage_challenges: int = setting(2, "challenges per swarm stage miner per round, against this validator's own "
-                                    "copy of the weights (with --reference-engine; plus one relayed route audit); 0: "
-                                    "stage miners are not checked", read=non_negative_int)
+                                    "copy of the weights (with --reference-engine; blocks outside --stage-own-layers: "
+                                    "against two other stage miners of the block), plus --stage-route-audits "
+                                    "relayed route audits; 0: stage miners are not checked", read=non_negative_int)
 
     def only_uids(self) -> Optional[set[int]]:
         if not self.uids:
@@ -100,6 +102,97 @@ class WeightSettings:
                                  read=positive_float)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def layer_block(text: str, what: str = "a layer block") -> tuple[int, int]:
+    """"A-B" (inclusive, as stage miners announce it) -> (A, B + 1); ValidatorSetupError otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if match is None or int(match.group(1)) > int(match.group(2)):
+        raise ValidatorSetupError(f"{what} {text!r} is not a layer block A-B with A <= B, e.g. 6-8")
+    return int(match.group(1)), int(match.group(2)) + 1
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """Swarm stage checks (neurons/validator_app/stage_rounds.py); on with --reference-engine and
+    --stage-challenges > 0."""
+
+    max_tokens: int = setting(96, "longest stage challenge in tokens (lengths are drawn log-uniformly from 16 up to "
+                              "it, so short and long positions are both checked)", flag="--stage-max-tokens",
+                              read=non_negative_int)
+    route_audits: int = setting(1, "relayed route audits per round (one stage per block, the validator relaying "
+                                "every hop; a failing answer is bisected to the stage that diverged)",
+                                flag="--stage-route-audits", read=non_negative_int)
+    timeout_s: float = setting(15.0, "one hop of a stage challenge or a relayed route audit", flag="--stage-timeout-s",
+                               read=positive_float, group="timeouts")
+    blame_s: float = setting(24 * 3600.0, "how long a blamed stage miner stays at weight 0 (and out of the gateway's "
+                             "routes)", flag="--stage-blame-s", read=positive_float)
+    window_s: float = setting(24 * 3600.0, "window of verified stage work the weights count",
+                              flag="--stage-window-s", read=positive_float)
+    own_layers: Optional[str] = setting(None, "layers this validator checks stages against with its own copy of the "
+                                        "weights, A-B (default: all); a stage whose block lies outside is checked "
+                                        "against two other stage miners of its block on different coldkeys",
+                                        flag="--stage-own-layers", metavar="A-B")
+    decoys: Optional[str] = setting(None, "blocks this validator serves itself under --stage-decoy-hotkey, to catch "
+                                    "stage miners that hand their work to another stage: comma-separated "
+                                    "LAYERS:PORT, e.g. 6-8:9310,0-2:9311", flag="--stage-decoys",
+                                    metavar="A-B:PORT,...")
+    decoy_hotkey: Optional[str] = setting(None, "hotkey (of the validator's wallet) the decoys sign as; must not be "
+                                          "the validator's own", flag="--stage-decoy-hotkey", metavar="NAME")
+    sink_host: str = setting("127.0.0.1", "address the validator's stage sink binds to (challenged stages and the "
+                             "last hop of relayed routes send their outputs there)", flag="--stage-sink-host",
+                             metavar="HOST")
+    sink_port: int = setting(0, "port of the stage sink (0 picks a free one; give a fixed one with "
+                             "--stage-sink-url)", flag="--stage-sink-port", read=port_number)
+    sink_url: Optional[str] = setting(None, "address stage miners reach the stage sink at, http(s)://HOST:PORT "
+                                      "(needed when stages run on other machines; default: "
+                                      "http://--stage-sink-host:PORT)", flag="--stage-sink-url", metavar="URL")
+
+    def own_block(self) -> Optional[tuple[int, int]]:
+        return layer_block(self.own_layers, "--stage-own-layers") if self.own_layers else None
+
+    def decoy_ports(self) -> dict[tuple[int, int], int]:
+        """{(start, stop): port} from --stage-decoys; ValidatorSetupError with what is wrong."""
+        out: dict[tuple[int, int], int] = {}
+        for part in (self.decoys or "").split(","):
+            if not part.strip():
+                continue
+            block, sep, port = part.strip().rpartition(":")
+            if not sep or not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+                raise ValidatorSetupError(f"--stage-decoys entry {part.strip()!r} is not LAYERS:PORT with a port in "
+                                          "1..65535, e.g. 6-8:9310")
+            key = layer_block(block, "--stage-decoys block")
+            if key in out:
+                raise ValidatorSetupError(f"--stage-decoys names block {block.strip()} twice")
+            if int(port) in out.values() or int(port) == self.sink_port:
+                raise ValidatorSetupError(f"--stage-decoys port {int(port)} is used twice")
+            out[key] = int(port)
+        return out
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_tokens < 16:
+            out.append(f"--stage-max-tokens must be at least 16 (the shortest challenge), got {self.max_tokens}")
+        for check in (self.own_block, self.decoy_ports):
+            try:
+                check()
+            except ValidatorSetupError as error:
+                out.append(str(error))
+        if self.decoys and not self.decoy_hotkey:
+            out.append("--stage-decoys needs --stage-decoy-hotkey NAME: the decoys sign as another hotkey of the "
+                       "validator's wallet (stage miners must not recognise the validator)")
+        problem = host_problem(self.sink_host, "--stage-sink-host")
+        if problem:
+            out.append(problem)
+        if self.sink_url:
+            out += public_url_problems(self.sink_url, self.sink_port, "--stage-sink-url", "--stage-sink-port")
+        elif self.sink_host in ("0.0.0.0", "::", ""):
+            out.append(f"--stage-sink-host {self.sink_host!r} binds every interface but is no address a stage can "
+                       "reach: give --stage-sink-url http(s)://PUBLIC_HOST:PORT (and a fixed --stage-sink-port)")
+        return out
+
+
 # Every call to a miner (protocol.client.ClientTimeouts: its defaults, our flags).
 MINER_TIMEOUTS = Section(group="timeouts", fields=dict(
     connect=Setting("TCP connect to a miner", flag="--connect-timeout-s", read=positive_float),
@@ -130,6 +223,7 @@ class ValidatorSettings:
     audits: AuditSettings = Section(group="verification").field(AuditSettings)
     scoring: ScoringSettings = Section(group="scoring").field(ScoringSettings)
     weights: WeightSettings = Section(group="weights").field(WeightSettings)
+    stages: StageSettings = Section(group="swarm stage checks").field(StageSettings)
     metrics: bool = setting(True, "serve Prometheus /metrics on 127.0.0.1 (validator, gateway and reference engine)",
                             group="metrics")
     metrics_port: int = setting(9092, "Prometheus port, bound to 127.0.0.1 only (0 picks a free one)",
@@ -166,7 +260,7 @@ class ValidatorSettings:
             raise ValidatorSetupError(str(error)) from None
 
     def problems(self) -> list[str]:
-        out = list(self.gateway.problems())
+        out = list(self.gateway.problems()) + self.stages.problems()
         if not self.engine.checkpoint:
             out.append("--checkpoint is required: the model's checkpoint directory (config.json, tokenizer, "
                        "k3_manifest.json; the weights too with --reference-engine)")
@@ -180,6 +274,10 @@ class ValidatorSettings:
                        "who could frame honest miners or shield a partner with nothing to settle it, and tier-2 "
                        "canaries could not run; run the model as this validator's reference (--reference-engine, "
                        "--engine remote for a GPU server) or give it a canary pool from a reference deployment")
+        if self.gateway.enabled and self.gateway.route != "off" and not (self.reference_engine
+                                                                          and self.rounds.stage_challenges):
+            out.append("--gateway-route needs the validator's stage checks (--reference-engine and "
+                       "--stage-challenges > 0): the route's work is checked before it is credited")
         r, w = self.rounds, self.weights
         try:
             r.only_uids()

@@ -5,7 +5,9 @@ Each round (`StageRounds.run_round`, called from ValidatorLoop.run_round with th
 1. **Find the stage miners**: every serving neuron whose endpoint answers GET /stage/capabilities signed by
    its own registered hotkey for this model (whole-model miners answer 404 and go on to the whole-model
    round, which gets only them).
-2. **Challenge each stage miner** `challenges` times (scoring.stage_checks.run_challenge over the wire,
+2. **Challenge each stage miner** `challenges` times (for a block outside `own_layers`, the layers the
+   validator checks with its own weights, against two other stage miners of that block on other coldkeys
+   instead: `cross_check`) (scoring.stage_checks.run_challenge over the wire,
    `neurons.swarm.relay.RemoteStage`): the validator opens a fresh session with itself as upstream and
    downstream, commits to a projection seed (sha256 digest kept with the result, seed and nonce revealed in
    the same row), sends the residual states a real prompt produces entering the block (computed by its own
@@ -28,7 +30,12 @@ Results go to the store (`stage_checks`, with the reason; `blame = 1` rows zero 
 today, their verified model-tokens and decode speed) and stage miners (verified layer-tokens in passed
 challenges and clean route audits, the validator-measured step time, the share of challenges answered).
 
-Route drivers that present receipts (the gateway's, a third party's) are credited with `credit_route`:
+The gateway's own route (neurons/gateway/route.py) hands its recorded steps to `settle_gateway_route`: a sample
+of sessions is teacher-forced on the validator's whole-model reference (`check_recorded_answer`; a failing one
+triggers a relayed route audit of the same stages, whose bisection blames), and every step's receipts are
+audited (`audit_receipts`) before the stages are credited its tokens as `gateway_work`.
+
+Route drivers that present receipts (a third party's) are credited with `credit_route`:
 receipts that do not audit (signed by nobody registered, forged, stale, gapped) blame the driver and
 credit no stage. Route drivers follow trust through `TrustedDirectory` (blamed stages are left out).
 """
@@ -46,15 +53,15 @@ import aiohttp
 import numpy as np
 import torch
 
-from inference.swarm.stage import LayerRange, Stage, StageError
+from inference.swarm.stage import HeadOutput, LayerRange, Stage, StageError
 from neurons.swarm.relay import LoopThread, RemoteStage, StageRelay, StageSink, relay_route
 from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, plan_route
 from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import decode_forward, state_sha256
 from scoring.corpus import code_snippet, paragraph
-from scoring.stage_checks import (ChallengeResult, SeedCommitment, Thresholds, audit_receipts, audit_route,
-                                  bisect_route, challenge_steps, compare_heads, judge_tokens, plan_steps,
-                                  reference_stage, run_challenge)
+from scoring.stage_checks import (ChallengeResult, CrossCheckResult, SeedCommitment, Thresholds, audit_receipts,
+                                  audit_route, bisect_route, challenge_steps, compare_heads, decode_wire_state,
+                                  judge_tokens, plan_steps, reference_stage, run_challenge, run_cross_check)
 from scoring.stage_rewards import MinerWork, active_params_per_layer, one_vector
 
 log = logging.getLogger("k3.validator.stages")
@@ -122,8 +129,9 @@ class DecoyServer(StageServer):
 class StageRounds:
     def __init__(self, store, keypair, model, tokenizer, *, challenges: int = 2, max_tokens: int = 96,
                  route_probes: int = 1, thresholds: Thresholds = Thresholds(), seed: Optional[int] = None,
-                 host: str = "127.0.0.1", public_url: str = "", timeout_s: float = 15.0, blame_s: float = 24 * 3600.0,
-                 window_s: float = 24 * 3600.0, decoy_keypair=None, decoys: Mapping[tuple[int, int], int] = {}):
+                 host: str = "127.0.0.1", port: int = 0, public_url: str = "", timeout_s: float = 15.0,
+                 blame_s: float = 24 * 3600.0, window_s: float = 24 * 3600.0, decoy_keypair=None,
+                 decoys: Mapping[tuple[int, int], int] = {}, own_layers: Optional[tuple[int, int]] = None):
         self.store = store
         self.keypair = keypair
         self.model = model  # the validator's copy of the weights (CPU); None: load on first need (loader)
@@ -134,13 +142,14 @@ class StageRounds:
         self.thresholds = thresholds
         self.rng = random.Random(seed if seed is not None else secrets.randbits(64))
         self.np_rng = np.random.default_rng(self.rng.getrandbits(63))
-        self.host = host
+        self.host, self.port = host, port  # the sink's bind address (and the decoys')
         self.public_url = public_url  # where stage miners reach the validator's sink (a real network needs it)
         self.timeout_s = timeout_s
         self.blame_s = blame_s
         self.window_s = window_s
         self.decoy_keypair = decoy_keypair
         self.decoys = dict(decoys)  # block -> port the validator serves a decoy of it on
+        self.own_layers = own_layers  # layers checked against the validator's own copy (None: all)
         self.miners: dict[str, StageMiner] = {}  # hotkey -> the stage miner, from the last round
         self._seen: dict[str, dict[str, str]] = {}  # per stage hotkey: output digest -> input digest (replays)
         self._recent_inputs: dict[str, tuple[str, float]] = {}  # input sha -> (challenged hotkey, when)
@@ -150,13 +159,14 @@ class StageRounds:
         self._decoy_servers: list[DecoyServer] = []
         self.relay: Optional[StageRelay] = None
         self.number = 0
+        self._gateway_seen = _SeenReceipts()  # receipt signatures credited from the gateway's route
         self.loader = None  # () -> model, called in a thread when model is None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._sink is not None:
             return
-        self._sink = StageSink(self.keypair, self.host, public_url=self.public_url)
+        self._sink = StageSink(self.keypair, self.host, self.port, public_url=self.public_url)
         await self._sink.start()
         self._http = aiohttp.ClientSession()
         self.relay = StageRelay(self.keypair, self._sink, self._http, self.timeout_s)
@@ -228,6 +238,8 @@ class StageRounds:
         self.rng.shuffle(order)
         for m in order:
             result = await self.challenge(m)
+            if result is None:
+                continue
             report.challenges += 1
             if not result.ok:
                 report.failed += 1
@@ -250,8 +262,37 @@ class StageRounds:
             ids += self.tokenizer.encode(text)
         return ids[:n]
 
-    async def challenge(self, m: StageMiner) -> ChallengeResult:
-        """One challenge of one stage miner over the wire; the result is stored (failed: blamed)."""
+    def holds(self, layers: tuple[int, int]) -> bool:
+        """Whether the validator checks this block against its own copy of the weights."""
+        return self.own_layers is None or (self.own_layers[0] <= layers[0] and layers[1] <= self.own_layers[1])
+
+    def peers_for(self, m: StageMiner) -> list[StageMiner]:
+        """Two other stage miners of m's block, not blamed, on coldkeys other than m's and each other's (drawn at
+        random); fewer when there are not two such. (Two peers on different coldkeys that serve the same wrong
+        weights could still frame a stage: the check is only as strong as the peers' independence.)"""
+        since = time.time() - self.blame_s
+        others = [o for o in self.miners.values() if o.layers == m.layers and o.hotkey != m.hotkey
+                  and o.coldkey != m.coldkey and not self.store.stage_blame(o.hotkey, since)]
+        self.rng.shuffle(others)
+        chosen: list[StageMiner] = []
+        for o in others:
+            if all(o.coldkey != c.coldkey for c in chosen):
+                chosen.append(o)
+            if len(chosen) == 2:
+                break
+        return chosen
+
+    async def challenge(self, m: StageMiner) -> ChallengeResult | CrossCheckResult | None:
+        """One challenge of one stage miner over the wire, against the validator's own computation of its block
+        or (a block outside `own_layers`) against two peers (`cross_check`); the result is stored (failed:
+        blamed). None: the block is not held and has no two peers on other coldkeys."""
+        if not self.holds(m.layers):
+            peers = self.peers_for(m)
+            if len(peers) < 2:
+                log.info("stage %s (%s): not checked, the validator holds no copy of its block and it has %d "
+                         "peers on other coldkeys (2 needed)", m.hotkey, m.label, len(peers))
+                return None
+            return await self.cross_check(m, peers)
         await self._ensure_model()
         cpu0 = time.process_time()  # everything this process spends on the challenge (inputs, wire, compare)
         layers = LayerRange(m.info.start, m.info.stop, self.num_layers)
@@ -276,6 +317,45 @@ class StageRounds:
             nonce=result.nonce))
         if not result.ok:
             log.warning("stage %s (%s, uid %d) failed a challenge: %s", m.hotkey, m.label, m.uid, result.reason)
+        return result
+
+    async def cross_check(self, m: StageMiner, peers: Sequence[StageMiner]) -> CrossCheckResult:
+        """One challenge of m judged against two peers of its block (scoring.stage_checks.run_cross_check): the
+        same inputs, each party in its own fresh session. Stored as a `challenge` row of m (blame only when both
+        peers agree with each other and not with m); a split verdict is stored as a `disagreement` row of each
+        party, blaming no one."""
+        await self._ensure_model()
+        cpu0 = time.process_time()
+        layers = LayerRange(m.info.start, m.info.stop, self.num_layers)
+        plan = plan_steps(self.np_rng, self.max_tokens, min_tokens=16)
+        ids = self._prompt(sum(n for _, n in plan) + 1)
+        steps = await asyncio.to_thread(challenge_steps, self.model, layers, ids, plan)
+        remote = RemoteStage(self.relay, m.info, self._thread, self.timeout_s)
+        watch = _InputWatch(remote, self._recent_inputs, m.hotkey)
+        others = [RemoteStage(self.relay, p.info, self._thread, self.timeout_s) for p in peers]
+        commitment = SeedCommitment.new(self.rng.getrandbits(63))
+        started = time.monotonic()
+        result = await asyncio.to_thread(run_cross_check, watch, others, steps, commitment, self.thresholds,
+                                         self._seen.setdefault(m.hotkey, {}))
+        wall = time.monotonic() - started
+        named = ", ".join(f"peer {'ab'[i]}: uid {p.uid} ({p.hotkey[:10]}, coldkey {p.coldkey[:10]})"
+                          for i, p in enumerate(peers))
+        row = dict(round=self.number, layers=m.label, steps=result.steps, tokens=result.tokens,
+                   cpu_s=time.process_time() - cpu0, wall_s=wall, commitment=result.commitment, seed=str(result.seed),
+                   nonce=result.nonce)
+        if result.verdict == "undecided":
+            for party in (m, *peers):
+                self.store.add_stage_check(dict(row, uid=party.uid, hotkey=party.hotkey, kind="disagreement",
+                                                passed=0, blame=0, tokens=0,
+                                                reason=f"cross-check of uid {m.uid} against {named}: {result.reason}"))
+            log.info("cross-check of %s (%s) against %s undecided: %s", m.hotkey, m.label, named, result.reason)
+            return result
+        self.store.add_stage_check(dict(
+            row, uid=m.uid, hotkey=m.hotkey, kind="challenge", passed=int(result.ok), blame=int(not result.ok),
+            reason=(f"against two peers ({named}): {result.reason}" if not result.ok else f"checked against {named}"),
+            median_rel_l2=result.median_rel_l2, bad_fraction=result.bad_fraction, step_ms=remote.step_ms))
+        if not result.ok:
+            log.warning("stage %s (%s, uid %d) failed a cross-check: %s", m.hotkey, m.label, m.uid, result.reason)
         return result
 
     def _decoy_saw(self, caller: str, input_sha: Optional[str], block: tuple[int, int]) -> None:
@@ -421,6 +501,129 @@ class StageRounds:
             self.store.add_stage_check(row)
         return None
 
+    # ------------------------------------------------------------ the gateway's own route
+    def _uid_of(self, hotkey: str) -> Optional[int]:
+        m = self.miners.get(hotkey)
+        if m is not None:
+            return m.uid
+        return next((uid for uid, r in self.store.stage_miners().items() if r["hotkey"] == hotkey), None)
+
+    def _stage_miner(self, info: StageInfo) -> StageMiner:
+        m = self.miners.get(info.hotkey)
+        return m if m is not None else StageMiner(self._uid_of(info.hotkey), info.hotkey, "", info)
+
+    def check_recorded_answer(self, records: Sequence) -> Optional[str]:
+        """Teacher-force one session the gateway's route served (its StepRecords: the token ids the driver fed
+        and the head's signed results) on the validator's whole-model reference: each sampled token's logprob
+        and top alternatives against the reference's at that position (`compare_heads`, judged by
+        `judge_tokens`). None when it matches; else the problem. Sessions that do not start at position 0 (steps
+        dropped from the record) or hold score steps are skipped (None)."""
+        recs = sorted(records, key=lambda r: r.step)
+        if not recs or recs[0].position != 0:
+            return None
+        ids: list[int] = []
+        rows: list[tuple[int, HeadOutput]] = []
+        for r in recs:
+            if r.position != len(ids):
+                return None
+            ids += [int(t) for t in decode_wire_state(list(r.input_specs), r.input_body).tolist()]
+            head = decode_wire_state([], r.result_body)
+            if head.mode == "score":
+                return None
+            if head.mode == "sample":
+                rows.append((len(ids) - 1, head))
+        if not rows:
+            return None
+        top_k = len(rows[0][1].top)
+        targets = [-1] * len(ids)
+        got = HeadOutput("score", logprobs=[None] * len(ids), row_tops=[[] for _ in ids])
+        for pos, head in rows:
+            targets[pos] = int(head.token_id)
+            got.logprobs[pos] = head.logprob
+            got.row_tops[pos] = list(head.top)
+        ref = reference_stage(self.model, 0, self.num_layers)
+        sid = "gateway-audit-" + secrets.token_hex(6)
+        ref.open(sid)
+        try:
+            want = ref.forward(sid, 0, torch.tensor(ids), "score", targets, top_k)
+        finally:
+            ref.close(sid)
+        cmp = compare_heads(want, got, self.thresholds)
+        if not cmp.ok:
+            return cmp.reason
+        ok, why = judge_tokens(cmp.bad, self.thresholds)
+        return None if ok else why
+
+    async def settle_gateway_route(self, records: Sequence, stages: Sequence[StageInfo], driver: str,
+                                   audit_rate: float = 0.1, max_audit_tokens: int = 1024) -> dict:
+        """Organic route work the validator's own gateway drove (its route driver's StepRecords, and the stages
+        it routed from): a share `audit_rate` of the sessions is teacher-forced on the reference
+        (`check_recorded_answer`); a session that fails is not credited, is recorded against its stages
+        (`gateway_audit`, no blame: the driver saw no intermediate states) and triggers a relayed route audit of
+        the same stages (`route_probe`, whose bisection blames the stage that diverged). Every other step's
+        receipts are audited (signed by the stages the driver routed through for the layers they announce, for
+        this route, session and step, chained from what the driver sent, every layer once, never credited
+        before) and each stage is credited the step's tokens (`gateway_work`). Returns a summary."""
+        await self.start()
+        await self._ensure_model()
+        registered = {s.hotkey: (s.start, s.stop) for s in stages}
+        infos = {s.hotkey: s for s in stages}
+        sessions: dict[str, list] = {}
+        for rec in records:
+            sessions.setdefault(rec.session, []).append(rec)
+        out = {"sessions": len(sessions), "audited": 0, "failed": [], "credited_tokens": 0, "problems": [],
+               "blamed": []}
+        for session, recs in sessions.items():
+            n = sum(int(r.input_specs[0].shape[0]) for r in recs)
+            if self.rng.random() >= audit_rate or n > max_audit_tokens:
+                continue
+            t0 = time.process_time()
+            problem = await asyncio.to_thread(self.check_recorded_answer, recs)
+            cpu = time.process_time() - t0
+            out["audited"] += 1
+            route = [infos[r.stage] for r in sorted(recs[0].receipts, key=lambda r: r.layers[0]) if r.stage in infos]
+            for info in route:
+                m = self._stage_miner(info)
+                self.store.add_stage_check(dict(
+                    round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label, kind="gateway_audit",
+                    passed=int(problem is None), blame=0, tokens=0, cpu_s=cpu,
+                    reason=(f"organic route answer (session {session}) failed on the reference: {problem}; a relayed "
+                            "route audit of the same stages follows") if problem else "organic route answer matched"))
+            if problem is None:
+                continue
+            out["failed"].append(session)
+            log.warning("organic route answer of session %s failed on the reference: %s", session, problem)
+            miners = [self._stage_miner(i) for i in route]
+            blamed = await self.route_probe(miners)
+            if blamed:
+                out["blamed"].append(blamed)
+        for session, recs in sessions.items():
+            if session in out["failed"]:
+                continue
+            for rec in sorted(recs, key=lambda r: r.step):
+                a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
+                                   state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers,
+                                   self._gateway_seen)
+                if not a.ok:
+                    out["problems"].append(a.problem)
+                    if a.blame != "driver":  # a stage signing for layers it does not announce
+                        m = self._stage_miner(infos[a.blame])
+                        self.store.add_stage_check(dict(round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label,
+                                                        kind="gateway_receipts", passed=0, blame=1, reason=a.problem))
+                        out["blamed"].append(m.hotkey)
+                    else:
+                        log.warning("the gateway's route driver %s recorded receipts that do not audit: %s", driver,
+                                    a.problem)
+                    continue
+                tokens = int(rec.input_specs[0].shape[0])
+                for r in rec.receipts:
+                    m = self._stage_miner(infos[r.stage])
+                    self.store.add_stage_check(dict(round=self.number, uid=m.uid, hotkey=m.hotkey, layers=m.label,
+                                                    kind="gateway_work", passed=1, blame=0, tokens=tokens,
+                                                    reason=f"organic traffic through the gateway's route ({driver})"))
+                    out["credited_tokens"] += tokens
+        return out
+
     # ------------------------------------------------------------ work and weights
     def stage_work(self, now: Optional[float] = None) -> dict[int, MinerWork]:
         """Per stage uid over the window: verified layer-tokens (passed challenges, clean route audits and
@@ -439,8 +642,12 @@ class StageRounds:
             steps = [r["step_ms"] for r in challenges if r["step_ms"]]
             blames = [f"{r['kind']}: {r['reason']}" for r in mine if r["blame"] and r["at"] >= now - self.blame_s]
             a, b = (int(x) for x in sm["layers"].split("-"))
+            # availability: the share of challenges answered; a stage not challenged yet whose organic route work
+            # verified (gateway_work) was there when it was needed
+            available = len(answered) / len(challenges) if challenges else float(any(r["passed"] and r["tokens"]
+                                                                                      for r in recent))
             out[uid] = MinerWork(sm["hotkey"], tokens, float(np.median(steps)) if steps else (sm["step_ms"] or 0.0),
-                                 len(answered) / len(challenges) if challenges else 0.0, (a, b + 1), blames[-1:])
+                                 available, (a, b + 1), blames[-1:])
         return out
 
     def weights(self, whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork]) -> dict[int, float]:
@@ -450,6 +657,17 @@ class StageRounds:
             return dict(whole_weights)
         weights, _ = one_vector(whole_weights, whole_work, stages, self.layer_costs)
         return weights
+
+
+class _SeenReceipts(dict):
+    """Receipt signatures already credited (a set for audit_receipts), the oldest forgotten past `limit`."""
+
+    limit = 200_000
+
+    def add(self, signature: str) -> None:
+        self[signature] = None
+        while len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 def _unanswered(reason: str) -> bool:
@@ -515,16 +733,44 @@ def whole_model_work(loop) -> dict[int, MinerWork]:
     return out
 
 
+def decoy_keypair(settings):
+    """The hotkey the decoys sign as (--stage-decoy-hotkey of the validator's wallet); ValidatorSetupError when
+    it is missing or is the validator's own."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from neurons.settings import open_wallet  # noqa: PLC0415
+    from neurons.validator_app.settings import ValidatorSetupError  # noqa: PLC0415
+
+    s = settings.stages
+    if not s.decoy_hotkey:
+        raise ValidatorSetupError("--stage-decoys needs --stage-decoy-hotkey NAME")
+    try:
+        key = open_wallet(replace(settings.wallet, hotkey=s.decoy_hotkey)).hotkey
+    except Exception as error:  # noqa: BLE001 (a missing or unreadable key file: say which)
+        raise ValidatorSetupError(f"--stage-decoy-hotkey {s.decoy_hotkey!r}: {error}") from None
+    if settings.wallet.hotkey == s.decoy_hotkey:
+        raise ValidatorSetupError("--stage-decoy-hotkey must not be the validator's own hotkey (stage miners would "
+                                  "recognise the decoy)")
+    return key
+
+
 def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
     """Stage checks for a validator with its own copy of the weights (--reference-engine) and
-    --stage-challenges > 0; the weights are loaded on first need (the first stage miner found)."""
+    --stage-challenges > 0, configured by settings.stages (--stage-*: challenge length, route audits, timeouts,
+    blame and work windows, the layers it checks itself, decoys, the sink's bind and public address); the
+    weights are loaded on first need (the first stage miner found)."""
     challenges = getattr(settings.rounds, "stage_challenges", 0)
     if not settings.reference_engine or not challenges:
         return None
     from inference.serving.builders import load_reference_model  # noqa: PLC0415
 
+    s = settings.stages
+    decoys = s.decoy_ports()
     stage = StageRounds(loop.store, loop.wallet.hotkey, None, loop.tokenizer, challenges=challenges,
-                        seed=settings.rounds.seed)
+                        seed=settings.rounds.seed, max_tokens=s.max_tokens, route_probes=s.route_audits,
+                        host=s.sink_host, port=s.sink_port, public_url=s.sink_url or "", timeout_s=s.timeout_s,
+                        blame_s=s.blame_s, window_s=s.window_s, decoys=decoys,
+                        decoy_keypair=decoy_keypair(settings) if decoys else None, own_layers=s.own_block())
     checkpoint = settings.engine.checkpoint
     stage.loader = lambda: load_reference_model(checkpoint, verify=False)[0]
     loop.stage = stage

@@ -1,0 +1,202 @@
+"""The gateway serving organic requests through a route of real stage processes (neurons/gateway/route.py), its
+route's receipts audited and credited to the stages as stage work.
+
+Real parts: five stage processes (`python -m neurons.swarm.cheats`: honest stages for every block, a spare for
+3-5, and a stage that serves other weights for 3-5), the validator's gateway on loopback with real API keys,
+the route's signed miner API (a MinerServer over the RouteEngine, signing as the validator, whose permit is on a
+devnet), the validator's SQLite store and its StageRounds with its own copy of the weights.
+
+1. Through the honest route: every answer is served; every stage is credited the layer-tokens it served
+   (`gateway_work`), sampled answers (all, here) match the reference; the work is in the stage weights and in
+   `validator.py status`; the same records presented again credit nothing.
+2. Through a route with the cheater: the user is still answered, the sampled audit fails, the relayed route
+   audit of the same stages bisects to the cheater, and nothing of that session is credited.
+3. The cheater is then left out of the route (trust); the spare carries the next request and is credited.
+"""
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from inference.model import ModelConfig
+from inference.serving.builders import load_reference_model
+from neurons.gateway import GatewayServer, GatewaySettings
+from neurons.gateway.route import ROUTE_UID, GatewayRoute, RouteAndMiners
+from neurons.settings import ChainSettings
+from neurons.swarm.cheats import start_hosts, stop_hosts
+from neurons.swarm.route import StaticDirectory
+from neurons.validator_app.stage_rounds import StageRounds
+from neurons.validator_app.status import status_report
+from neurons.validator_app.store import ValidatorStore
+from protocol.client import MinerClient
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test-route-0123456789"
+MODEL = "kimi-k3-test"
+HONEST = {"h0": "0-2", "h1": "3-5", "h2": "6-8", "h3": "9-12", "spare": "3-5"}
+
+
+class NoMiners:
+    """No whole-model miner is ranked: every organic request goes through the route."""
+
+    def __init__(self):
+        self.reports = []
+
+    def ranked_miners(self):
+        return []
+
+    def record_organic(self, **kw):
+        self.reports.append(kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
+    root = tmp_path_factory.mktemp("gateway-route")
+    names = [*HONEST, "cheat"]
+    wallets = make_wallets(root / "wallets", ["owner", "validator", *names])
+    netuid, uids = make_subnet(root / "devnet.sqlite", wallets, ["validator", *names], {"validator": 1000.0})
+    procs, info = start_hosts(tiny_checkpoint, root / "wallets",
+                              {"honest": [f"{n}:honest:{l}" for n, l in HONEST.items()],
+                               "cheats": ["cheat:other-weights:3-5"]}, root)
+    keys = root / "keys.txt"
+    keys.write_text(f"{KEY}\n")
+    try:
+        model, tokenizer, fingerprint = load_reference_model(tiny_checkpoint, verify=False)
+        yield dict(root=root, wallets=wallets, netuid=netuid, uids=uids, info=info, model=model, tokenizer=tokenizer,
+                   fingerprint=fingerprint, keys=keys)
+    finally:
+        stop_hosts(procs)
+
+
+async def complete(http, url: str, prompt: str, stream: bool) -> tuple[int, str, str]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stream": stream}
+    async with http.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=aiohttp.ClientTimeout(total=120)) as resp:
+        return resp.status, resp.headers.get("x-k3-miner-uid", ""), await resp.text()
+
+
+async def settled(route: GatewayRoute, n: int, timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while len(route.settled) < n:
+        assert time.monotonic() < deadline, f"the route settled {len(route.settled)} of {n} attempts"
+        await asyncio.sleep(0.1)
+    return route.settled[n - 1]
+
+
+def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_path):
+    from chain.interface import connect
+
+    db = tmp_path / "validator.sqlite"
+    store = ValidatorStore(db)
+    info, uids = world["info"], world["uids"]
+    hk = {n: v["hotkey"] for n, v in info.items()}
+    store.save_stage_miners([dict(uid=uids[n], hotkey=hk[n], layers=l, url=info[n]["url"], step_ms=20.0)
+                             for n, l in [*HONEST.items(), ("cheat", "3-5")]])
+    validator = world["wallets"]["validator"]
+    chain_settings = ChainSettings(network=f"devnet:{world['root'] / 'devnet.sqlite'}", netuid=world["netuid"],
+                                   timeout_s=10.0)
+    out = {}
+
+    async def scenario():
+        chain = connect(chain_settings.network)
+        sr = StageRounds(store, validator.hotkey, world["model"], world["tokenizer"], seed=4)
+        urls = StaticDirectory([info[n]["url"] for n in ("h0", "h1", "h2", "h3")], timeout_s=20.0)
+        route = GatewayRoute(sr, urls, validator, ModelConfig.tiny(), world["tokenizer"], chain, chain_settings,
+                             nonce_store_path=str(tmp_path / "route-nonces.sqlite"), audit_rate=1.0, refresh_s=0.5,
+                             hop_timeout_s=20.0, model_fingerprint=world["fingerprint"], prefill_chunk=8)
+        await route.start()
+        gateway = GatewayServer(RouteAndMiners(NoMiners(), route, "first"), MinerClient(validator),
+                                world["tokenizer"], GatewaySettings(enabled=True, port=0, model_name=MODEL,
+                                                                    api_keys_file=str(world["keys"]), max_attempts=1))
+        await gateway.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                # 1. the honest route
+                out["answers"] = [await complete(http, gateway.url, "def add(a, b):", False),
+                                  await complete(http, gateway.url, "import os\n", True)]
+                out["honest"] = [await settled(route, 1), await settled(route, 2)]
+                out["again"] = await sr.settle_gateway_route(route.last_records, await route.driver.stages(),
+                                                             route.hotkey, audit_rate=0.0)
+                out["work"], out["weights"] = sr.stage_work(), sr.weights({}, {})
+                # 2. a route through the cheater
+                urls.urls = [info[n]["url"] for n in ("h0", "cheat", "h2", "h3")]
+                await route.driver.stages(refresh=True)
+                out["cheated"] = await complete(http, gateway.url, "class Point:\n", False)
+                out["caught"] = await settled(route, 3)
+                # 3. the spare is back in the list with the cheater: trust leaves the cheater out
+                urls.urls = [info[n]["url"] for n in ("h0", "cheat", "spare", "h2", "h3")]
+                await route.driver.stages(refresh=True)
+                out["spare"] = await complete(http, gateway.url, "for i in range(3):", False)
+                out["after"] = await settled(route, 4)
+        finally:
+            await gateway.close()
+            await route.close()
+            await sr.close()
+            await chain.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 400))
+    for status, uid, text in [*out["answers"], out["cheated"], out["spare"]]:
+        assert status == 200 and uid == str(ROUTE_UID), text[:300]
+    assert "data: [DONE]" in out["answers"][1][2]
+    rows = store.stage_checks()
+    work = [r for r in rows if r["kind"] == "gateway_work"]
+    first = {r["hotkey"]: 0 for r in work}
+    for s in out["honest"]:
+        assert s["audited"] == s["sessions"] >= 1 and not s["failed"] and not s["problems"], s
+    credited = sum(s["credited_tokens"] for s in out["honest"])
+    assert credited > 0 and credited % 4 == 0  # every step's tokens, once per stage of the 4-stage route
+    assert out["again"]["credited_tokens"] == 0 and all("presented before" in p for p in out["again"]["problems"])
+    honest_route = {hk[n] for n in ("h0", "h1", "h2", "h3")}
+    for r in work:
+        first[r["hotkey"]] += r["tokens"]
+    assert set(first) == honest_route | {hk["spare"]}  # the cheater is credited nothing
+    for n in ("h0", "h1", "h2", "h3"):  # organic work alone earns weight (no challenge ran here)
+        assert out["work"][uids[n]].verified_tokens > 0 and out["weights"][uids[n]] > 0, (n, out["work"][uids[n]])
+    assert out["weights"].get(uids["spare"], 0.0) == 0.0 and sum(out["weights"].values()) == pytest.approx(1.0)
+    caught = out["caught"]
+    assert caught["failed"] and caught["blamed"] == [hk["cheat"]], caught
+    blamed = [r for r in rows if r["blame"]]
+    assert {r["hotkey"] for r in blamed} == {hk["cheat"]} and blamed[0]["kind"] == "bisection"
+    audits = [r for r in rows if r["kind"] == "gateway_audit" and not r["passed"]]
+    assert {r["hotkey"] for r in audits} == {hk[n] for n in ("h0", "cheat", "h2", "h3")}
+    after = out["after"]
+    assert after["credited_tokens"] > 0 and not after["failed"]
+    assert first[hk["spare"]] > 0
+    status = {r["uid"]: r for r in status_report(store)["stage_miners"]}
+    assert status[uids["spare"]]["tokens"] > 0 and status[uids["cheat"]]["blamed"]
+    assert "bisection" in status[uids["cheat"]]["reason"]
+    store.close()
+    shown = subprocess.run([sys.executable, str(ROOT / "neurons" / "validator.py"), "status", "--db", str(db)],
+                           capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert shown.returncode == 0 and "swarm stage miners" in shown.stdout, shown.stderr[-2000:]
+    print(f"gateway route: {credited} layer-tokens credited through the honest route; the cheater was bisected "
+          f"after a failed organic audit; the spare then served {first[hk['spare']]} tokens per stage")
+
+
+def test_the_gateway_route_needs_the_validators_stage_checks(tmp_path, tiny_checkpoint):
+    import types
+
+    from neurons.gateway.route import start_gateway_route
+    from neurons.validator_app.settings import ValidatorSetupError, read_validator_settings
+
+    settings = read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway",
+                                        "--gateway-api-keys", "k.txt", "--gateway-route", "last"], environ={})
+    assert any("--gateway-route needs the validator's stage checks" in p for p in settings.problems())
+    with pytest.raises(ValidatorSetupError, match="needs the validator's stage checks"):
+        asyncio.run(start_gateway_route(types.SimpleNamespace(stage=None), settings))
+    with pytest.raises(ValueError, match="not first or last"):
+        RouteAndMiners(NoMiners(), None, "middle")
