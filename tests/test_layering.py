@@ -106,3 +106,13 @@ def test_the_check_catches_a_broken_rule(tmp_path, where, source, broken):
     probe.write_text(source)
     found = violations([probe], root=tmp_path)
     assert bool(found) == broken, found
+
+
+@pytest.mark.parametrize("module", ["inference.speculative.speculation", "inference.speculative.drafters",
+                                    "inference.serving.engine"])
+def test_each_module_imports_first_in_a_fresh_interpreter(module):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
