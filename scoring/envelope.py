@@ -285,6 +285,11 @@ class Variant:
     run: Callable[[list, list, list, int], list[Answer]]  # (prompts, temperatures, seeds, max_tokens) -> answers
     share: float = 1.0  # of the audits per variant (slow variants run fewer)
     precision: str = "fp32"  # what the miner declares (Capabilities.precision): picks the envelope it is judged by
+    # a context manager giving the run function for the whole variant (started once: shard processes)
+    session: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+
+    def open(self) -> contextlib.AbstractContextManager:
+        return self.session() if self.session is not None else contextlib.nullcontext(self.run)
 
     def exact(self, config: ScoringConfig) -> bool:
         return self.precision in config.exact_precisions
@@ -356,11 +361,15 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
     def kw(run, **fixed):
         return lambda *a, **k: run(*a, **{**k, **fixed})
 
-    def truncated(prompts, temps, seeds, max_tokens, stop_ids, **k):
-        answers = ref_run([p[-64:] for p in prompts], temps, seeds, max_tokens, stop_ids, **k)
-        for a, p in zip(answers, prompts):
-            a.prompt = list(p)
-        return answers
+    def truncating(run):
+        def wrapped(prompts, temps, seeds, max_tokens, stop_ids, **k):
+            answers = run([p[-64:] for p in prompts], temps, seeds, max_tokens, stop_ids, **k)
+            for a, p in zip(answers, prompts):
+                a.prompt = list(p)
+            return answers
+        return wrapped
+
+    truncated = truncating(ref_run)
 
     def long_swap(prompts, temps, seeds, max_tokens, stop_ids, **k):
         short = [i for i, p in enumerate(prompts) if len(p) < long_threshold]
@@ -398,14 +407,18 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
         Variant("bf16", "bf16 weights and activations, batched", True, _plain(bf16), precision="bf16"),
         Variant("bf16-gpu-kernels", "bf16, split-K matmuls, reordered AttnRes", True,
                 with_context(gpu_kernel_emulation, _plain(bf16)), precision="bf16"),
+        Variant("bf16-chunk-64", "bf16, prompt prefilled in chunks of 64", True, kw(_plain(bf16), prefill_chunk=64),
+                precision="bf16"),
         Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16), precision="fp16"),
     ]
     if sharded:
         variants += [
-            Variant("sharded-pipeline", "fp32 over 2 pipeline shard processes", True,
-                    _sharded_run(checkpoint, "pipeline"), 0.25),
-            Variant("sharded-expert", "fp32 over 2 expert-parallel shard processes", True,
-                    _sharded_run(checkpoint, "expert"), 0.25),
+            Variant("sharded-pipeline", "fp32 over 2 pipeline shard processes", True, None,
+                    session=_sharded_session(checkpoint, "pipeline")),
+            Variant("sharded-expert", "fp32 over 2 expert-parallel shard processes", True, None,
+                    session=_sharded_session(checkpoint, "expert")),
+            Variant("sharded-expert-bf16", "bf16 over 2 expert-parallel shard processes", True, None,
+                    session=_sharded_session(checkpoint, "expert", "bfloat16"), precision="bf16"),
         ]
     variants += [
         Variant("cheat-other-weights", "another model's weights under the real fingerprint", False, _plain(other),
@@ -423,16 +436,22 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
                 _plain(load_model(checkpoint, torch.bfloat16, config=dataclasses.replace(
                     config, experts_per_token=max(1, config.experts_per_token // 2)))), CHEATER_SHARE,
                 precision="bf16"),
+        Variant("cheat-bf16-truncated-context", "bf16 on the last 64 prompt tokens only, declares bf16", False,
+                truncating(_plain(bf16)), CHEATER_SHARE, precision="bf16"),
     ]
     return variants
 
 
-def _sharded_run(checkpoint, mode: str):
-    def run(prompts, temps, seeds, max_tokens, stop_ids, **kw):
+def _sharded_session(checkpoint, mode: str, dtype: str = "float32"):
+    """The shard processes started once per variant; the run function generates through them."""
+    @contextlib.contextmanager
+    def session():
         from inference.sharding import ShardedModel  # noqa: PLC0415
-        with ShardedModel(checkpoint, shards=2, mode=mode, verify=False, threads_per_rank=1) as model:
-            return generate(model, prompts, temps, max_tokens, seeds, stop_ids, free_cache=model.free_cache, **kw)
-    return run
+        with ShardedModel(checkpoint, shards=2, mode=mode, dtype=dtype, verify=False, threads_per_rank=1) as model:
+            def run(prompts, temps, seeds, max_tokens, stop_ids, **kw):
+                return generate(model, prompts, temps, max_tokens, seeds, stop_ids, free_cache=model.free_cache, **kw)
+            yield run
+    return session
 
 
 # ------------------------------------------------------------------ the measurement
@@ -478,23 +497,8 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
         seeds = [rng.randrange(1 << 30) for _ in prompts]
         result = VariantResult(variant)
         started = time.perf_counter()
-        for start in range(0, count, 16):
-            sl = slice(start, start + 16)
-            answers = variant.run(prompts[sl], temps[sl], seeds[sl], max_tokens, stop_ids)
-            for (_, long), a in zip(texts[sl], answers):
-                a.long = long
-            for a, scores in zip(answers, reference_scores(reference, answers)):
-                qrng = random.Random(len(result.answers))
-                sample = []
-                if len(a.tokens) >= config.quality_min_positions:
-                    sample = sorted(qrng.sample(range(len(a.tokens)),
-                                                min(config.quality_sample_positions, len(a.tokens))))
-                stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
-                result.answers.append(a)
-                result.statistics.append(stats)
-                result.new_failures.append(judge_statistics(stats, config, trusted=True,
-                                                            exact=variant.exact(config)))
-                result.old_failures.append(legacy_failures(stats, config))
+        with variant.open() as run:
+            _audit_variant(run, result, reference, prompts, texts, temps, seeds, max_tokens, stop_ids, config)
         result.seconds = time.perf_counter() - started
         results.append(result)
         if on_variant:
@@ -503,6 +507,27 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
             progress(f"{variant.name}: {count} audits in {result.seconds:.1f} s, new rules fail "
                      f"{result.rate('new_failures'):.3f}, old rules {result.rate('old_failures'):.3f}")
     return EnvelopeReport(str(checkpoint), config, results, config.audit_rate)
+
+
+def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps, seeds, max_tokens, stop_ids,
+                   config: ScoringConfig, batch: int = 16) -> None:
+    """Generate with the variant in batches, teacher-force on the reference, measure and judge."""
+    variant = result.variant
+    for start in range(0, len(prompts), batch):
+        sl = slice(start, start + batch)
+        answers = run(prompts[sl], temps[sl], seeds[sl], max_tokens, stop_ids)
+        for (_, long), a in zip(texts[sl], answers):
+            a.long = long
+        for a, scores in zip(answers, reference_scores(reference, answers)):
+            qrng = random.Random(len(result.answers))
+            sample = []
+            if len(a.tokens) >= config.quality_min_positions:
+                sample = sorted(qrng.sample(range(len(a.tokens)), min(config.quality_sample_positions, len(a.tokens))))
+            stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
+            result.answers.append(a)
+            result.statistics.append(stats)
+            result.new_failures.append(judge_statistics(stats, config, trusted=True, exact=variant.exact(config)))
+            result.old_failures.append(legacy_failures(stats, config))
 
 
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
@@ -544,9 +569,11 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
 
 
 VARIANT_ORDER = ("fp32-batched", "fp32-alone", "fp32-threads-2", "fp32-chunk-16", "fp32-chunk-128", "fp32-recurrent",
-                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "fp16", "sharded-pipeline", "sharded-expert",
+                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "sharded-pipeline",
+                 "sharded-expert", "sharded-expert-bf16",
                  "cheat-other-weights", "cheat-other-weights-relabelled", "cheat-truncated-context",
-                 "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts")
+                 "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts",
+                 "cheat-bf16-truncated-context")
 
 
 # ------------------------------------------------------------------ the tables
