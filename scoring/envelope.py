@@ -496,13 +496,17 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
         temps = [0.0 if rng.random() < greedy_share else round(rng.uniform(*temperatures), 2) for _ in prompts]
         seeds = [rng.randrange(1 << 30) for _ in prompts]
         result = VariantResult(variant)
-        started = time.perf_counter()
-        with variant.open() as run:
-            _audit_variant(run, result, reference, prompts, texts, temps, seeds, max_tokens, stop_ids, config)
-        result.seconds = time.perf_counter() - started
         results.append(result)
-        if on_variant:
-            on_variant(EnvelopeReport(str(checkpoint), config, results, config.audit_rate))
+        started = time.perf_counter()
+
+        def saved(result=result, started=started):  # after every batch: a cut run keeps what it measured
+            result.seconds = time.perf_counter() - started
+            if on_variant:
+                on_variant(EnvelopeReport(str(checkpoint), config, results, config.audit_rate))
+
+        with variant.open() as run:
+            _audit_variant(run, result, reference, prompts, texts, temps, seeds, max_tokens, stop_ids, config,
+                           on_batch=saved)
         if progress:
             progress(f"{variant.name}: {count} audits in {result.seconds:.1f} s, new rules fail "
                      f"{result.rate('new_failures'):.3f}, old rules {result.rate('old_failures'):.3f}")
@@ -510,7 +514,7 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
 
 
 def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps, seeds, max_tokens, stop_ids,
-                   config: ScoringConfig, batch: int = 16) -> None:
+                   config: ScoringConfig, batch: int = 16, on_batch: Optional[Callable[[], None]] = None) -> None:
     """Generate with the variant in batches, teacher-force on the reference, measure and judge."""
     variant = result.variant
     for start in range(0, len(prompts), batch):
@@ -528,6 +532,8 @@ def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps,
             result.statistics.append(stats)
             result.new_failures.append(judge_statistics(stats, config, trusted=True, exact=variant.exact(config)))
             result.old_failures.append(legacy_failures(stats, config))
+        if on_batch:
+            on_batch()
 
 
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
@@ -658,11 +664,25 @@ def _rate_of(r: VariantResult, long: bool) -> float:
     return sum(rows) / len(rows) if rows else 0.0
 
 
+def long_context_table(report: EnvelopeReport) -> list[str]:
+    """The long-context answers of each variant on their own (the validator judges them apart from the
+    short ones): the miner-vs-reference logprob gap and the share of those audits failed."""
+    lines = [f"{'variant':32} {'long':>5} {'lp gap p50':>10} {'lp gap p99':>10} {'worst':>9} {'failed':>7}"]
+    for r in report.results:
+        gaps = [s.logprob_gap_mean for s, a in zip(r.statistics, r.answers) if a.long and s.logprob_gap_mean is not None]
+        if not gaps:
+            continue
+        lines.append(f"{r.variant.name:32} {len(gaps):5d} {_pct(gaps, 0.5):10.4f} {_pct(gaps, 0.99):10.4f} "
+                     f"{max(gaps):9.4f} {r.rate('new_failures', long_only=True):7.3f}")
+    return lines
+
+
 def format_report(report: EnvelopeReport) -> str:
     parts = [f"checkpoint {report.checkpoint}", "", "== statistics per variant (reference: fp32, one process)",
              *statistic_table(report.results), "",
              "== false-positive rate per honest variant (share of audits; old = rules before the envelope)",
-             *rate_table(report), "", "== detection per cheater (new rules)", *detection_table(report)]
+             *rate_table(report), "", "== detection per cheater (new rules)", *detection_table(report), "",
+             "== long-context answers on their own", *long_context_table(report)]
     return "\n".join(parts)
 
 
