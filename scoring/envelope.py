@@ -485,10 +485,10 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
     stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {reference.config.eos_token_id})
     variants = build_variants(checkpoint, reference, sharded=sharded, seed=seed, other_checkpoint=other_checkpoint,
                               long_threshold=long_length // 2)
+    if only:  # those variants, in the order asked
+        variants = sorted((v for v in variants if v.name in only), key=lambda v: list(only).index(v.name))
     results = []
-    for v_index, variant in enumerate(variants):
-        if only and variant.name not in only:
-            continue
+    for variant in variants:
         rng = random.Random(f"{seed}:{variant.name}")
         count = max(4, int(round(audits_per_variant * variant.share)))
         texts = prompt_texts(rng, count, prompt_lengths, long_share, long_length)

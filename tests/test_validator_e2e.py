@@ -53,6 +53,8 @@ BLOCK_INTERVAL = 0.1
 TEMPO = 20
 WEIGHTS_RATE_LIMIT = 5
 VALIDATOR_STAKE = 10_000.0
+# the validator's own engine: a model step may take minutes when other jobs load this machine
+STEP_STALL_S = 600.0
 
 # The tiny-model test profile: short chats, long-context prompts of 1200 tokens (so that keeping only
 # the last 512 is visible), every request greedy, and quality margins for a model whose honest fp32
@@ -253,7 +255,8 @@ class Harness:
         self.chain = chain or DevnetChain(world.devnet)
         self.store = ValidatorStore(settings.db)
         self.engine = LocalEngine(self.model, self.tokenizer,
-                                  EngineSettings(max_context=MAX_CONTEXT, max_concurrent_sequences=16),
+                                  EngineSettings(max_context=MAX_CONTEXT, max_concurrent_sequences=16,
+                                                 forward_stall_s=STEP_STALL_S),
                                   model_fingerprint=self.fingerprint)
         self.loop: ValidatorLoop | None = None
 
