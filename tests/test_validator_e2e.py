@@ -69,6 +69,8 @@ TEST_PROFILE = {
     "greedy_fraction": 1.0,
 }
 ROUNDS = 1  # of the main scenario (the other tests run rounds of their own)
+CANARIES = 10  # the reference computes them first; one round uses about one per miner (a probe is a canary
+# with probability 1/3)
 
 # Short work only (no long contexts), for the tests about timing, chain errors and restarts.
 SHORT_PROFILE = {**TEST_PROFILE, "long_context_sizes": [600], "mix_long_context": 0.0, "mix_chat": 0.53}
@@ -292,11 +294,12 @@ class Evaluation:
 @pytest.fixture(scope="module")
 def evaluation(world, reference, tmp_path_factory) -> Evaluation:
     db = tmp_path_factory.mktemp("eval") / "validator.sqlite"
-    settings = validator_settings(world, db, rounds=dict(miners_at_once=1))
+    # one miner at a time (so that their speeds do not mix), each given time for its round on a loaded machine
+    settings = validator_settings(world, db, rounds=dict(miners_at_once=1, deadline_s=240.0))
 
     async def scenario():
         async with Harness(world, reference, settings) as loop:
-            await loop.add_reference_canaries(16)
+            await loop.add_reference_canaries(CANARIES)
             stop = asyncio.Event()
             weights_task = asyncio.create_task(loop.weights_loop(stop))
             reports = []
@@ -357,7 +360,7 @@ def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
 
 def test_the_sharded_miner_served_through_its_shard_processes(world, evaluation):
     """What the validator learned of the sharded miner: the sharded engine over 2 gloo processes in a
-    pipeline, fp32; its shard processes are alive in its process group; every answer was audited."""
+    pipeline, fp32; its other shard process is alive in its process group; its audits all passed."""
     store = ValidatorStore(evaluation.db, readonly=True)
     try:
         uid = world.uids["honest_sharded"]
@@ -370,7 +373,7 @@ def test_the_sharded_miner_served_through_its_shard_processes(world, evaluation)
     assert layout["processes"] == 2 and layout["backend"] == "gloo" and len(layout["stages"]) == 2, layout
     miner = world.processes["honest_sharded"]
     group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _process_group(int(p)) == miner.pid]
-    assert miner.poll() is None and len(group) >= 3, group  # the miner and its two shard processes
+    assert miner.poll() is None and len(group) >= 2, group  # the miner (rank 0) and its other shard process
     assert audited and all(a["passed"] for a in audited), [dict(a) for a in audited]
 
 
