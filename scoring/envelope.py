@@ -677,6 +677,30 @@ def long_context_table(report: EnvelopeReport) -> list[str]:
     return lines
 
 
+def markdown_tables(report: EnvelopeReport) -> list[str]:
+    """The false-positive and detection tables in the docs' markdown form."""
+    lines = ["| variant | audits | soft | hard | mean abs(lp miner - ref) p99 / worst | greedy gap worst (nats) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    total, soft, hard = 0, 0.0, 0.0
+    for r in report.honest:
+        n = len(r.answers)
+        gaps = [st.logprob_gap_mean for st in r.statistics if st.logprob_gap_mean is not None]
+        greedy = [g for st in r.statistics if st.greedy for g in st.greedy_gaps]
+        s, h = r.rate("new_failures", False), r.rate("new_failures", True)
+        lines.append(f"| {r.variant.name} | {n} | {s:.3f} | {h:.3f} | {_pct(gaps, 0.99):.4f} / "
+                     f"{max(gaps, default=float('nan')):.4f} | {max(greedy, default=0.0):.4f} |")
+        total, soft, hard = total + n, soft + s * n, hard + h * n
+    lines.append(f"| all honest | {total} | {soft / max(1, total):.3f} | {hard / max(1, total):.3f} | | |")
+    lines += ["", "| cheater (declares) | audits | detected | hard | long-context detected | requests to detect | "
+                  "caught by |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row, r in zip(detection_table(report)[1:], report.cheaters):
+        cells = row.split()
+        checks = sorted({f.check for fs in r.new_failures for f in fs})
+        lines.append(f"| {r.variant.name} ({r.variant.precision}) | {cells[1]} | {cells[2]} | {cells[3]} | {cells[5]} | "
+                     f"{cells[6]} | {', '.join(checks) or '-'} |")
+    return lines
+
+
 def format_report(report: EnvelopeReport) -> str:
     parts = [f"checkpoint {report.checkpoint}", "", "== statistics per variant (reference: fp32, one process)",
              *statistic_table(report.results), "",

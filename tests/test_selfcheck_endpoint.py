@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(1500)  # three CLI runs, each importing torch a
 # Small rounds of the local-testnet profile: chats, long contexts of 600 tokens, bursts and canaries
 PROFILE = {"round_requests": 8, "chat_prompt_tokens": [16, 96], "chat_max_tokens": [16, 24],
            "long_context_sizes": [600], "long_context_max_tokens": [16, 16], "canary_tokens": 16,
-           "burst_capacity_fraction": [1.0, 1.0]}
+           "copy_text_tokens": [4, 12], "burst_capacity_fraction": [1.0, 1.0]}
 MINERS = {"honest": ("neurons/miner.py",), "cheater": ("scripts/cheating_miner.py", "--cheat", "perturb-experts")}
 
 
