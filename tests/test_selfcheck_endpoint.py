@@ -15,9 +15,9 @@ from neurons.hostile_bench import published_url
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # cold Python processes importing torch on a 2-core machine other jobs load
-pytestmark = pytest.mark.timeout(1500)  # three CLI runs, each importing torch and loading the model
+pytestmark = pytest.mark.timeout(2400)  # three CLI runs, each importing torch and loading the model
 # Small rounds of the local-testnet profile: chats, long contexts of 600 tokens, bursts and canaries
-PROFILE = {"round_requests": 8, "chat_prompt_tokens": [16, 96], "chat_max_tokens": [16, 24],
+PROFILE = {"round_requests": 6, "chat_prompt_tokens": [16, 96], "chat_max_tokens": [16, 24],
            "long_context_sizes": [600], "long_context_max_tokens": [16, 16], "canary_tokens": 16,
            "copy_text_tokens": [4, 12], "burst_capacity_fraction": [1.0, 1.0]}
 MINERS = {"honest": ("neurons/miner.py",), "cheater": ("scripts/cheating_miner.py", "--cheat", "perturb-experts")}
@@ -61,7 +61,7 @@ def miners(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
                 process.wait(timeout=5)
 
 
-def self_check(miners, url: str, miner_hotkey: str, *extra: str, timeout_s: float = 400.0):
+def self_check(miners, url: str, miner_hotkey: str, *extra: str, timeout_s: float = 900.0):
     command = [sys.executable, "neurons/validator.py", "self-check", "--checkpoint", str(miners["checkpoint"]),
                "--endpoint", url, "--miner-hotkey", miner_hotkey, "--wallet-name", "validator",
                "--wallet-path", str(miners["root"] / "wallets"), "--scoring-profile", "local_testnet",
@@ -72,18 +72,18 @@ def self_check(miners, url: str, miner_hotkey: str, *extra: str, timeout_s: floa
 
 def test_an_honest_miner_passes(miners):
     done = self_check(miners, miners["urls"]["honest"], miners["wallets"]["honest"].hotkey.ss58_address,
-                      "--audits", "10", "--canaries", "2")
+                      "--audits", "6", "--canaries", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "matches the reference checkpoint" in out and "precision float32" in out
     assert "0 hard and 0 soft failures" in out and "tier 0 (every answer): 0 failures" in out
-    assert "tier 2 canaries: 0," not in out  # canaries were sent
+    assert "tier 2 canaries: 2, 0 failed" in out  # every canary computed was sent
     assert "verdict: PASS" in out
 
 
 def test_a_cheating_miner_fails_with_the_reason(miners):
     done = self_check(miners, miners["urls"]["cheater"], miners["wallets"]["cheater"].hotkey.ss58_address,
-                      "--audits", "8", "--canaries", "1")
+                      "--audits", "4", "--canaries", "0")
     assert done.returncode == 1, done.stdout + done.stderr
     verdict = next(line for line in done.stdout.splitlines() if line.startswith("verdict:"))
     # the perturbed experts move the logprobs far outside fp32's envelope (the precision it declares)

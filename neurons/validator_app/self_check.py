@@ -32,7 +32,7 @@ from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerE
 from protocol.schemas import Capabilities
 from scoring.config import ScoringConfig
 from scoring.verify import CanaryPool, Failure, Verification, verify_item
-from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round
+from scoring.workloads import WorkItem, WorkloadError, canary_item, canary_prompts, group_bursts, plan_round
 
 from .rounds import _answer_counts, reference_capabilities
 
@@ -221,6 +221,11 @@ async def check_endpoint(url: str, miner_hotkey: str, wallet, checkpoint: str, *
                     items += plan_round(rng, caps, config, tokenizer=tokenizer, canaries=pool)
                 except WorkloadError as error:
                     raise SelfCheckError(f"cannot plan work for this miner: {error}") from None
+            while pool is not None and pool.remaining:  # every canary is sent (the rounds draw only some)
+                canary = pool.take(rng, max_prompt_tokens=max_context - config.canary_tokens)
+                if canary is None:
+                    break
+                items.append(canary_item(rng, canary, caps, config, tokenizer, max_tokens=config.canary_tokens))
             singles, bursts = group_bursts(items)
             units = [[item] for item in singles] + list(bursts.values())
             rng.shuffle(units)
