@@ -176,7 +176,7 @@ def explain_error(url: str, error: MinerError) -> str:
         return f"cannot reach the miner at {url} ({error}); is it running, and is --endpoint its http://HOST:PORT?"
     if isinstance(error, MinerTimeout):
         return f"the miner at {url} did not answer in time ({error}); is it overloaded or stuck?"
-    if isinstance(error, MinerHTTPError) and error.status == 401:
+    if isinstance(error, MinerHTTPError) and (error.status == 401 or error.code == "wrong_receiver"):
         return (f"the miner at {url} refused the signed request ({error}); --miner-hotkey must be the ss58 address "
                 "of the hotkey this miner serves with")
     if isinstance(error, MinerHTTPError) and error.status == 403:
