@@ -6,6 +6,8 @@
         --checkpoint ckpt/tiny --reference-engine --db ~/.k3-subnet/validator.sqlite
     python neurons/validator.py status --db ~/.k3-subnet/validator.sqlite [--json]
     python neurons/validator.py self-check --checkpoint ckpt/tiny --dtype bfloat16 --audits 100
+    python neurons/validator.py self-check --checkpoint ckpt/tiny --endpoint http://127.0.0.1:8091 \\
+        --miner-hotkey 5F... --wallet-name validator --audits 60
 
 `run` options: `python neurons/validator.py run --help` (every flag also has an environment
 variable; a flag wins). SIGINT or SIGTERM stops it after the current round's requests are cut;
@@ -13,6 +15,9 @@ a restart resumes from --db. `status` prints the validator's current view per mi
 database (it works while the validator runs). `self-check` runs this validator's tier-1 rules on
 answers of the checkpoint served in another precision (and with GPU-style kernels), against its own
 fp32 reference, and prints the false-positive rate (exit 1 on any hard failure or over 1% soft).
+With `--endpoint` it sends ordinary rounds to a served miner instead (signed with --wallet-*, for
+the miner's --miner-hotkey), runs tiers 0-2 on every answer against the local fp32 reference and
+prints the failures and a verdict (exit 0 pass, 1 fail, 2 cannot run).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neurons.observability import run_neuron  # noqa: E402
-from neurons.settings import Option, describe_values, expanded_path, flag, program_name, read_options  # noqa: E402
+from neurons.settings import (Option, WalletSettings, bind_defaults, describe_values, expanded_path, flag,  # noqa: E402
+                              open_wallet, optional_text, positive_float, program_name, read_options, wallet_options)
 from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
                                    status_report, validator_options)
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
@@ -40,8 +46,23 @@ SELF_CHECK_OPTIONS = (
            default=None),
     Option("dtype", "--dtype", None, str, "the honest miner's precision to check", group="self-check",
            choices=("bfloat16", "float16", "float32"), default="bfloat16"),
-    Option("audits", "--audits", None, int, "audits per variant", group="self-check", metavar="N", default=100),
-)
+    Option("audits", "--audits", None, int, "audits per variant (with --endpoint: requests, each audited)",
+           group="self-check", metavar="N", default=100),
+    Option("endpoint", "--endpoint", None, optional_text, "audit this served miner (http://HOST:PORT) instead of "
+           "in-process numerics", group="self-check", metavar="URL", default=None),
+    Option("miner_hotkey", "--miner-hotkey", None, optional_text, "with --endpoint: the ss58 address of the hotkey "
+           "the miner serves with (requests are signed for it)", group="self-check", metavar="SS58", default=None),
+    Option("canaries", "--canaries", None, int, "with --endpoint: canaries computed by the reference and sent",
+           group="self-check", metavar="N", default=8),
+    Option("profile", "--scoring-profile", None, str, "with --endpoint: the scoring numbers to plan and judge by",
+           group="self-check", choices=("production", "local_testnet"), default="production"),
+    Option("overrides", "--scoring-overrides", None, optional_text, "with --endpoint: JSON object of "
+           "scoring/config.py fields to change", group="self-check", metavar="JSON", default=None),
+    Option("timeout_s", "--timeout-s", None, positive_float, "with --endpoint: longest wait for one answer",
+           group="self-check", metavar="S", default=300.0),
+    Option("seed", "--seed", None, int, "with --endpoint: seed of the planned work (default: random)",
+           group="self-check", metavar="N", default=None),
+) + bind_defaults(WalletSettings, wallet_options(), "wallet")
 # the honest variants of scoring.envelope that a miner in each precision stands for
 SELF_CHECK_VARIANTS = {"bfloat16": ("bf16", "bf16-gpu-kernels"), "float16": ("fp16",),
                        "float32": ("fp32-batched", "fp32-gpu-kernels")}
@@ -106,6 +127,8 @@ def self_check(argv: list[str]) -> int:
     if values["audits"] < 1:
         print("error: --audits must be at least 1", file=sys.stderr)
         return 2
+    if values["endpoint"]:
+        return self_check_endpoint(values)
     from scoring.envelope import measure_envelope, rate_table  # noqa: PLC0415 - loads torch
 
     report = measure_envelope(values["checkpoint"], audits_per_variant=values["audits"], max_tokens=24,
@@ -118,6 +141,46 @@ def self_check(argv: list[str]) -> int:
     print(f"\n{answers} honest {values['dtype']} audits against the fp32 reference: {hard:.0f} hard and {soft:.0f} "
           f"soft failures (false-positive rate {(hard + soft) / max(1, answers):.4f})")
     return 1 if hard or soft > 0.01 * answers else 0
+
+
+def self_check_endpoint(values: dict) -> int:
+    """`self-check --endpoint URL`: tiers 0-2 on a served miner against the local reference."""
+    import asyncio  # noqa: PLC0415
+
+    from neurons.settings import WalletNotFound  # noqa: PLC0415
+    from neurons.validator_app.self_check import SelfCheckError, check_endpoint  # noqa: PLC0415 - loads torch
+    from neurons.validator_app.settings import ScoringSettings, ValidatorSettings  # noqa: PLC0415
+    from protocol.client import ClientTimeouts  # noqa: PLC0415
+
+    url = values["endpoint"]
+    if not url.startswith(("http://", "https://")):
+        print(f"error: --endpoint {url!r} must be the miner's http://HOST:PORT", file=sys.stderr)
+        return 2
+    if not values["miner_hotkey"]:
+        print("error: --endpoint needs --miner-hotkey, the ss58 address of the miner's hotkey (requests are signed "
+              "for it)", file=sys.stderr)
+        return 2
+    if values["canaries"] < 0:
+        print("error: --canaries must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        wallet = open_wallet(WalletSettings(**values["wallet"]))
+        config = ValidatorSettings(scoring=ScoringSettings(values["profile"], values["overrides"])).scoring_config()
+    except (WalletNotFound, ValidatorSetupError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    limit = values["timeout_s"]
+    timeouts = ClientTimeouts(connect=min(5.0, limit), first_byte=limit, between_events=min(30.0, limit), total=limit)
+    try:
+        check = asyncio.run(check_endpoint(url, values["miner_hotkey"], wallet, values["checkpoint"],
+                                           requests=values["audits"], canaries=values["canaries"], config=config,
+                                           timeouts=timeouts, seed=values["seed"],
+                                           progress=lambda line: print(line, file=sys.stderr, flush=True)))
+    except SelfCheckError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(check.summary_lines()))
+    return 0 if check.verdict()[0] else 1
 
 
 def run(argv: list[str]) -> int:

@@ -285,6 +285,11 @@ class Variant:
     run: Callable[[list, list, list, int], list[Answer]]  # (prompts, temperatures, seeds, max_tokens) -> answers
     share: float = 1.0  # of the audits per variant (slow variants run fewer)
     precision: str = "fp32"  # what the miner declares (Capabilities.precision): picks the envelope it is judged by
+    # a context manager giving the run function for the whole variant (started once: shard processes)
+    session: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+
+    def open(self) -> contextlib.AbstractContextManager:
+        return self.session() if self.session is not None else contextlib.nullcontext(self.run)
 
     def exact(self, config: ScoringConfig) -> bool:
         return self.precision in config.exact_precisions
@@ -356,11 +361,15 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
     def kw(run, **fixed):
         return lambda *a, **k: run(*a, **{**k, **fixed})
 
-    def truncated(prompts, temps, seeds, max_tokens, stop_ids, **k):
-        answers = ref_run([p[-64:] for p in prompts], temps, seeds, max_tokens, stop_ids, **k)
-        for a, p in zip(answers, prompts):
-            a.prompt = list(p)
-        return answers
+    def truncating(run):
+        def wrapped(prompts, temps, seeds, max_tokens, stop_ids, **k):
+            answers = run([p[-64:] for p in prompts], temps, seeds, max_tokens, stop_ids, **k)
+            for a, p in zip(answers, prompts):
+                a.prompt = list(p)
+            return answers
+        return wrapped
+
+    truncated = truncating(ref_run)
 
     def long_swap(prompts, temps, seeds, max_tokens, stop_ids, **k):
         short = [i for i, p in enumerate(prompts) if len(p) < long_threshold]
@@ -398,14 +407,18 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
         Variant("bf16", "bf16 weights and activations, batched", True, _plain(bf16), precision="bf16"),
         Variant("bf16-gpu-kernels", "bf16, split-K matmuls, reordered AttnRes", True,
                 with_context(gpu_kernel_emulation, _plain(bf16)), precision="bf16"),
+        Variant("bf16-chunk-64", "bf16, prompt prefilled in chunks of 64", True, kw(_plain(bf16), prefill_chunk=64),
+                precision="bf16"),
         Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16), precision="fp16"),
     ]
     if sharded:
         variants += [
-            Variant("sharded-pipeline", "fp32 over 2 pipeline shard processes", True,
-                    _sharded_run(checkpoint, "pipeline"), 0.25),
-            Variant("sharded-expert", "fp32 over 2 expert-parallel shard processes", True,
-                    _sharded_run(checkpoint, "expert"), 0.25),
+            Variant("sharded-pipeline", "fp32 over 2 pipeline shard processes", True, None,
+                    session=_sharded_session(checkpoint, "pipeline")),
+            Variant("sharded-expert", "fp32 over 2 expert-parallel shard processes", True, None,
+                    session=_sharded_session(checkpoint, "expert")),
+            Variant("sharded-expert-bf16", "bf16 over 2 expert-parallel shard processes", True, None,
+                    session=_sharded_session(checkpoint, "expert", "bfloat16"), precision="bf16"),
         ]
     variants += [
         Variant("cheat-other-weights", "another model's weights under the real fingerprint", False, _plain(other),
@@ -423,16 +436,22 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
                 _plain(load_model(checkpoint, torch.bfloat16, config=dataclasses.replace(
                     config, experts_per_token=max(1, config.experts_per_token // 2)))), CHEATER_SHARE,
                 precision="bf16"),
+        Variant("cheat-bf16-truncated-context", "bf16 on the last 64 prompt tokens only, declares bf16", False,
+                truncating(_plain(bf16)), CHEATER_SHARE, precision="bf16"),
     ]
     return variants
 
 
-def _sharded_run(checkpoint, mode: str):
-    def run(prompts, temps, seeds, max_tokens, stop_ids, **kw):
+def _sharded_session(checkpoint, mode: str, dtype: str = "float32"):
+    """The shard processes started once per variant; the run function generates through them."""
+    @contextlib.contextmanager
+    def session():
         from inference.sharding import ShardedModel  # noqa: PLC0415
-        with ShardedModel(checkpoint, shards=2, mode=mode, verify=False, threads_per_rank=1) as model:
-            return generate(model, prompts, temps, max_tokens, seeds, stop_ids, free_cache=model.free_cache, **kw)
-    return run
+        with ShardedModel(checkpoint, shards=2, mode=mode, dtype=dtype, verify=False, threads_per_rank=1) as model:
+            def run(prompts, temps, seeds, max_tokens, stop_ids, **kw):
+                return generate(model, prompts, temps, max_tokens, seeds, stop_ids, free_cache=model.free_cache, **kw)
+            yield run
+    return session
 
 
 # ------------------------------------------------------------------ the measurement
@@ -466,10 +485,10 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
     stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {reference.config.eos_token_id})
     variants = build_variants(checkpoint, reference, sharded=sharded, seed=seed, other_checkpoint=other_checkpoint,
                               long_threshold=long_length // 2)
+    if only:  # those variants, in the order asked
+        variants = sorted((v for v in variants if v.name in only), key=lambda v: list(only).index(v.name))
     results = []
-    for v_index, variant in enumerate(variants):
-        if only and variant.name not in only:
-            continue
+    for variant in variants:
         rng = random.Random(f"{seed}:{variant.name}")
         count = max(4, int(round(audits_per_variant * variant.share)))
         texts = prompt_texts(rng, count, prompt_lengths, long_share, long_length)
@@ -477,32 +496,44 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
         temps = [0.0 if rng.random() < greedy_share else round(rng.uniform(*temperatures), 2) for _ in prompts]
         seeds = [rng.randrange(1 << 30) for _ in prompts]
         result = VariantResult(variant)
-        started = time.perf_counter()
-        for start in range(0, count, 16):
-            sl = slice(start, start + 16)
-            answers = variant.run(prompts[sl], temps[sl], seeds[sl], max_tokens, stop_ids)
-            for (_, long), a in zip(texts[sl], answers):
-                a.long = long
-            for a, scores in zip(answers, reference_scores(reference, answers)):
-                qrng = random.Random(len(result.answers))
-                sample = []
-                if len(a.tokens) >= config.quality_min_positions:
-                    sample = sorted(qrng.sample(range(len(a.tokens)),
-                                                min(config.quality_sample_positions, len(a.tokens))))
-                stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
-                result.answers.append(a)
-                result.statistics.append(stats)
-                result.new_failures.append(judge_statistics(stats, config, trusted=True,
-                                                            exact=variant.exact(config)))
-                result.old_failures.append(legacy_failures(stats, config))
-        result.seconds = time.perf_counter() - started
         results.append(result)
-        if on_variant:
-            on_variant(EnvelopeReport(str(checkpoint), config, results, config.audit_rate))
+        started = time.perf_counter()
+
+        def saved(result=result, started=started):  # after every batch: a cut run keeps what it measured
+            result.seconds = time.perf_counter() - started
+            if on_variant:
+                on_variant(EnvelopeReport(str(checkpoint), config, results, config.audit_rate))
+
+        with variant.open() as run:
+            _audit_variant(run, result, reference, prompts, texts, temps, seeds, max_tokens, stop_ids, config,
+                           on_batch=saved)
         if progress:
             progress(f"{variant.name}: {count} audits in {result.seconds:.1f} s, new rules fail "
                      f"{result.rate('new_failures'):.3f}, old rules {result.rate('old_failures'):.3f}")
     return EnvelopeReport(str(checkpoint), config, results, config.audit_rate)
+
+
+def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps, seeds, max_tokens, stop_ids,
+                   config: ScoringConfig, batch: int = 16, on_batch: Optional[Callable[[], None]] = None) -> None:
+    """Generate with the variant in batches, teacher-force on the reference, measure and judge."""
+    variant = result.variant
+    for start in range(0, len(prompts), batch):
+        sl = slice(start, start + batch)
+        answers = run(prompts[sl], temps[sl], seeds[sl], max_tokens, stop_ids)
+        for (_, long), a in zip(texts[sl], answers):
+            a.long = long
+        for a, scores in zip(answers, reference_scores(reference, answers)):
+            qrng = random.Random(len(result.answers))
+            sample = []
+            if len(a.tokens) >= config.quality_min_positions:
+                sample = sorted(qrng.sample(range(len(a.tokens)), min(config.quality_sample_positions, len(a.tokens))))
+            stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
+            result.answers.append(a)
+            result.statistics.append(stats)
+            result.new_failures.append(judge_statistics(stats, config, trusted=True, exact=variant.exact(config)))
+            result.old_failures.append(legacy_failures(stats, config))
+        if on_batch:
+            on_batch()
 
 
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
@@ -544,9 +575,11 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
 
 
 VARIANT_ORDER = ("fp32-batched", "fp32-alone", "fp32-threads-2", "fp32-chunk-16", "fp32-chunk-128", "fp32-recurrent",
-                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "fp16", "sharded-pipeline", "sharded-expert",
+                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "sharded-pipeline",
+                 "sharded-expert", "sharded-expert-bf16",
                  "cheat-other-weights", "cheat-other-weights-relabelled", "cheat-truncated-context",
-                 "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts")
+                 "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts",
+                 "cheat-bf16-truncated-context")
 
 
 # ------------------------------------------------------------------ the tables
@@ -631,11 +664,49 @@ def _rate_of(r: VariantResult, long: bool) -> float:
     return sum(rows) / len(rows) if rows else 0.0
 
 
+def long_context_table(report: EnvelopeReport) -> list[str]:
+    """The long-context answers of each variant on their own (the validator judges them apart from the
+    short ones): the miner-vs-reference logprob gap and the share of those audits failed."""
+    lines = [f"{'variant':32} {'long':>5} {'lp gap p50':>10} {'lp gap p99':>10} {'worst':>9} {'failed':>7}"]
+    for r in report.results:
+        gaps = [s.logprob_gap_mean for s, a in zip(r.statistics, r.answers) if a.long and s.logprob_gap_mean is not None]
+        if not gaps:
+            continue
+        lines.append(f"{r.variant.name:32} {len(gaps):5d} {_pct(gaps, 0.5):10.4f} {_pct(gaps, 0.99):10.4f} "
+                     f"{max(gaps):9.4f} {r.rate('new_failures', long_only=True):7.3f}")
+    return lines
+
+
+def markdown_tables(report: EnvelopeReport) -> list[str]:
+    """The false-positive and detection tables in the docs' markdown form."""
+    lines = ["| variant | audits | soft | hard | mean abs(lp miner - ref) p99 / worst | greedy gap worst (nats) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    total, soft, hard = 0, 0.0, 0.0
+    for r in report.honest:
+        n = len(r.answers)
+        gaps = [st.logprob_gap_mean for st in r.statistics if st.logprob_gap_mean is not None]
+        greedy = [g for st in r.statistics if st.greedy for g in st.greedy_gaps]
+        s, h = r.rate("new_failures", False), r.rate("new_failures", True)
+        lines.append(f"| {r.variant.name} | {n} | {s:.3f} | {h:.3f} | {_pct(gaps, 0.99):.4f} / "
+                     f"{max(gaps, default=float('nan')):.4f} | {max(greedy, default=0.0):.4f} |")
+        total, soft, hard = total + n, soft + s * n, hard + h * n
+    lines.append(f"| all honest | {total} | {soft / max(1, total):.3f} | {hard / max(1, total):.3f} | | |")
+    lines += ["", "| cheater (declares) | audits | detected | hard | long-context detected | requests to detect | "
+                  "caught by |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row, r in zip(detection_table(report)[1:], report.cheaters):
+        cells = row.split()
+        checks = sorted({f.check for fs in r.new_failures for f in fs})
+        lines.append(f"| {r.variant.name} ({r.variant.precision}) | {cells[1]} | {cells[2]} | {cells[3]} | {cells[5]} | "
+                     f"{cells[6]} | {', '.join(checks) or '-'} |")
+    return lines
+
+
 def format_report(report: EnvelopeReport) -> str:
     parts = [f"checkpoint {report.checkpoint}", "", "== statistics per variant (reference: fp32, one process)",
              *statistic_table(report.results), "",
              "== false-positive rate per honest variant (share of audits; old = rules before the envelope)",
-             *rate_table(report), "", "== detection per cheater (new rules)", *detection_table(report)]
+             *rate_table(report), "", "== detection per cheater (new rules)", *detection_table(report), "",
+             "== long-context answers on their own", *long_context_table(report)]
     return "\n".join(parts)
 
 

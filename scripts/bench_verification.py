@@ -31,15 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--other-checkpoint", help="the cheaters' other model (default: a random model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="also write the measured statistics here (to re-judge with --load)")
+    parser.add_argument("--markdown", action="store_true", help="also print the rate tables as markdown (the docs)")
     args = parser.parse_args(argv)
 
     from scoring.config import ScoringConfig  # noqa: PLC0415
-    from scoring.envelope import format_report, load_reports, measure_envelope, save_report  # noqa: PLC0415
+    from scoring.envelope import (format_report, load_reports, markdown_tables, measure_envelope,  # noqa: PLC0415
+                                  save_report)
 
     started = time.perf_counter()
     if args.load:
         report = load_reports(args.load, ScoringConfig.local_testnet())
         print(format_report(report))
+        if args.markdown:
+            print("\n" + "\n".join(markdown_tables(report)))
         print(f"\n{sum(len(r.answers) for r in report.results)} audits re-judged")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             save_report(report, args.save)
         print(format_report(report))
+        if args.markdown:
+            print("\n" + "\n".join(markdown_tables(report)))
     print(f"\n{sum(len(r.answers) for r in report.results)} audits in {time.perf_counter() - started:.0f} s")
     return 0
 

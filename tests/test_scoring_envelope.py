@@ -149,6 +149,26 @@ def test_a_small_envelope_separates_honest_bf16_from_another_model(checkpoint):
     assert report.results[1].rate("new_failures", hard=True) == 1.0  # the test can fail
 
 
+def test_a_sharded_variant_runs_its_shard_processes_once_for_all_its_audits(checkpoint, monkeypatch):
+    """The expert-parallel variant: 2 gloo shard processes started once for the variant's 20 audits (two
+    generation batches), its fp32 answers scored by the single-process reference within fp32's envelope."""
+    from inference.sharding import ShardedModel  # noqa: PLC0415
+    starts = []
+    original = ShardedModel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        starts.append(kwargs.get("mode"))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardedModel, "__init__", counting_init)
+    report = measure_envelope(checkpoint, audits_per_variant=20, max_tokens=8, prompt_lengths=(16, 48),
+                              long_share=0.0, only=["sharded-expert"])
+    (result,) = report.results
+    assert starts == ["expert"] and len(result.answers) == 20
+    assert result.rate("new_failures") == 0.0, result.new_failures
+    assert max(s.logprob_gap_mean for s in result.statistics) < CONFIG.logprob_gap_soft_exact
+
+
 def test_the_declared_precision_picks_the_envelope():
     """A miner that declares fp32 is held to fp32's envelope (soft only); bf16 gets the wide one."""
     rng = random.Random(3)
