@@ -153,7 +153,7 @@ def request_middleware(component: str, observe: Callable[[web.Request, int, floa
                     observe(request, status, seconds)
                 except Exception as error:  # metrics must never fail a request
                     logging.getLogger("k3.metrics").warning("observing %s failed: %r", request.path, error)
-            caller = request.get(CALLER) or request.get("caller") or "-"  # "caller": apps not yet on CALLER
+            caller = request.get(CALLER) or "-"
             access_log.info("%s %s %d %.1f ms", request.method, request.path, status, seconds * 1000, extra={
                 "component": component, "request_id": request_id, "caller": caller, "method": request.method,
                 "path": request.path, "status": status, "duration_ms": round(seconds * 1000, 3)})

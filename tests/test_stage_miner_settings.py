@@ -217,3 +217,17 @@ def test_a_stage_miner_process_is_observable(stage_process):
     signed = [e for e in access if e["path"] == FORWARD_PATH and e["status"] == 202]
     assert signed and signed[0]["caller"] == stage_process["driver"].hotkey.ss58_address
     assert any(e["component"] == "stage-metrics" for e in access)
+
+
+def test_each_kind_of_process_has_its_own_default_metrics_port():
+    """Miner, validator, route miner and stage miner can share a host with their default metrics ports."""
+    from neurons.miner_app import miner_options
+    from neurons.swarm.settings import route_miner_options, stage_miner_options
+    from neurons.validator_app import validator_options
+
+    def default_port(options):
+        return next(o.default for o in options if o.flag == "--metrics-port")
+
+    ports = [default_port(options()) for options in (miner_options, validator_options, route_miner_options,
+                                                     stage_miner_options)]
+    assert len(set(ports)) == len(ports), ports

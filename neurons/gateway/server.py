@@ -43,7 +43,7 @@ from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
-from neurons.observability import observed_app
+from neurons.observability import CALLER, observed_app
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout,
                              MinerUnreachable)
 from protocol.errors import ErrorCode
@@ -231,7 +231,7 @@ class OrganicGateway:
         return who
 
     def _admit(self, request: web.Request) -> str:
-        who = request["caller"] = self._authenticate(request)
+        who = request[CALLER] = self._authenticate(request)
         wait = self.limiter.take(who)
         if wait is not None:
             self.metrics.rate_limited.labels(who).inc()

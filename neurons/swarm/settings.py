@@ -94,7 +94,7 @@ class StageListenSettings:
     ready_file: str = setting("", "once listening, write {url, hotkey, pid, layers, fingerprint, step_ms, "
                               "metrics_url} there as JSON", metavar="FILE")
     metrics: bool = setting(False, f"serve Prometheus /metrics on {METRICS_HOST}")
-    metrics_port: int = setting(9092, f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)",
+    metrics_port: int = setting(9094, f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)",
                                 read=port_number, metavar="PORT")
 
 
