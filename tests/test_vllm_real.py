@@ -160,14 +160,20 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
 
 
 async def test_a_prefill_longer_than_the_stall_timeout_succeeds(vllm):
+    # two prompts of the same length that share no prefix with each other or with the other tests' prompts:
+    # vLLM caches prefixes, and a cached prefill is far shorter than the one measured
+    def long_prompt(e, text):
+        return (prompt_of(e, text) * 200)[: MAX_MODEL_LEN - 8]
+
     async with engine(vllm) as e:
-        long_prompt = (prompt_of(e) * 100)[: MAX_MODEL_LEN - 8]
-        _, probe = await collect(e.generate(GenerationRequest(long_prompt, SamplingParams(max_tokens=1))))
+        probe_prompt = long_prompt(e, "Measured first: the server's time for one long prefill. ")
+        measured_prompt = long_prompt(e, "Then served with a stall timer shorter than that prefill. ")
+        _, probe = await collect(e.generate(GenerationRequest(probe_prompt, SamplingParams(max_tokens=1))))
         prefill_s = probe.ttft_ms / 1000
     # the stall timer is a quarter of this prefill: a first-byte/stall rule would fail the request
     stall = prefill_s / 4
     async with engine(vllm, stall_timeout_s=stall, first_token_floor_s=30.0) as e:
-        tokens, final = await collect(e.generate(GenerationRequest(long_prompt, SamplingParams(max_tokens=1))))
+        tokens, final = await collect(e.generate(GenerationRequest(measured_prompt, SamplingParams(max_tokens=1))))
     assert len(tokens) == 1 and final.finish_reason == "length"
     assert final.ttft_ms / 1000 > stall
 
