@@ -73,6 +73,7 @@ import httpx
 from httpx_sse import EventSource, SSEError
 
 from inference.model import read_config
+from inference.model.checkpoint import CheckpointError
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
@@ -1258,7 +1259,7 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
     tok_dir = settings.tokenizer_checkpoint or settings.quality.reference_checkpoint
     try:
         tokenizer = load_tokenizer(tok_dir, read_config(tok_dir))
-    except (OSError, ValueError, TypeError) as error:  # TypeError: read_config on a config that is not K3's
+    except (OSError, ValueError, CheckpointError) as error:  # CheckpointError: a config that is not K3's
         tokenizer = _served_model_tokenizer(tok_dir)
         if tokenizer is None:
             raise BenchmarkSetupError(f"cannot load the tokenizer of {tok_dir}: {error}") from None
