@@ -12,13 +12,13 @@ import asyncio
 import bittensor as bt
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import collect_events, reference_greedy
 
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
-from inference.serving.engine import FinalEvent, GenerationRequest
+from inference.serving.engine import GenerationRequest
 from inference.serving.sampling import SamplingParams
 from inference.speculative.drafters import ReplayDrafter
 from inference.speculative.speculation import SpeculationConfig
@@ -66,15 +66,9 @@ def make_engine(swarm, hops, speculation):
 
 
 async def generate(engine, prompt, params):
-    tokens, lps, final = [], [], None
     async with engine:
-        async for ev in engine.generate(GenerationRequest(prompt, params)):
-            if isinstance(ev, FinalEvent):
-                final = ev
-            else:
-                tokens.append(ev.token_id)
-                lps.append(ev.logprob)
-    return tokens, lps, final
+        events, final = await collect_events(engine.generate(GenerationRequest(prompt, params)))
+    return [e.token_id for e in events], [e.logprob for e in events], final
 
 
 def replay(swarm, prompt, wrong_every):

@@ -13,13 +13,13 @@ import os
 import bittensor as bt
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import collect_events, reference_greedy
 
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
-from inference.serving.engine import FinalEvent, GenerationRequest
+from inference.serving.engine import GenerationRequest
 from inference.serving.sampling import SamplingParams
 from inference.speculative.drafters import ReplayDrafter
 from inference.speculative.speculation import SpeculationConfig
@@ -101,15 +101,10 @@ async def generate(swarm, prompt, n, speculation=None):
     driver = RouteDriver(StaticDirectory(swarm["urls"]), swarm["driver"], ModelConfig.tiny(), hop_timeout_s=10.0)
     engine = RouteEngine(driver, load_tokenizer(swarm["ckpt"], ModelConfig.tiny()), prefill_chunk=8,
                          model_fingerprint=fingerprint(swarm["ckpt"]), speculation=speculation)
-    tokens, lps, final = [], [], None
     async with engine:
-        async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
-            if isinstance(ev, FinalEvent):
-                final = ev
-            else:
-                tokens.append(ev.token_id)
-                lps.append(ev.logprob)
-    return tokens, lps, final
+        events, final = await collect_events(engine.generate(
+            GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))))
+    return [e.token_id for e in events], [e.logprob for e in events], final
 
 
 def test_route_through_a_sharded_stage_miner_equals_single_process(swarm):
