@@ -128,8 +128,12 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
     assert len(organic) >= 3 and all(o["ok"] for o in organic), [o for o in organic if not o["ok"]]
     blamed = {s["hotkey"] for s in cheaters.values()}
     last_blame = max(s["blame"]["at"] for s in cheaters.values())
-    later = [r for r in state["routes"] if r["at"] > last_blame + 2 * ROUTE_REFRESH_S + 1.0]
-    assert later and all(not blamed & set(r["route"]) for r in later), later
+    # the run may stop within one route refresh of the last blame: every route planned once the route miner
+    # has had time to see the blame avoids the blamed stages, and so does the last one planned
+    settled = [r for r in state["routes"] if r["at"] > last_blame + 2 * ROUTE_REFRESH_S + 1.0]
+    assert all(not blamed & set(r["route"]) for r in settled), settled
+    last_route = state["routes"][-1]
+    assert not blamed & set(last_route["route"]), (last_blame, state["routes"][-3:])
     spares = {stages["spare"]["hotkey"], stages["spare1"]["hotkey"]}
     after = [o for o in organic if o["at"] > last_blame and not blamed & set(o["route"])]
     assert after and spares <= set(after[-1]["route"]), after
