@@ -22,11 +22,15 @@ then runs until --duration ends or Ctrl-C. Each stage miner announces its layer 
 
 `--swarm N --cheat-stage KIND` (repeatable: `--cheat-stage echo --cheat-stage replay`) makes the stage miner of a
 block a cheater (KIND as in neurons/swarm/cheats.py: other-weights, skip-layer, echo, session-liar,
-long-position-liar, replay, forwarder), gives every cheated block an honest spare, and runs one honest stage in
-bf16. The validator challenges the stage miners (against its own copy of the weights), organic requests go
-through the route miner all along (it leaves stages the validator blamed out of its routes), and the dashboard
-shows each stage's layers, tokens, weight and, for a blamed one, weight 0 with the reason. `--stop-when-caught`
-ends the run once every cheater is blamed and zeroed on chain and organic traffic goes through the spares.
+long-position-liar, replay, forwarder; the validator serves a decoy of a forwarder's block, which the forwarder
+finds among the stages of its block), gives every cheated block an honest spare, and runs one honest stage in
+bf16; `--cheat-stage forge-receipts` makes the route miner a cheating route driver (it claims receipts the stages
+never signed, neurons/swarm/driver_cheats.py). The validator challenges the stage miners (against its own copy of
+the weights) and credits the stages the route work whose receipts the route miner submits to its work endpoint
+(--stage-work-port), organic requests go through the route miner all along (it leaves stages the validator blamed
+out of its routes), and the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one,
+weight 0 with the reason, and the route driver's credited work and blame. `--stop-when-caught` ends the run once
+every cheater is blamed and zeroed on chain and organic traffic goes through the spares.
 
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
@@ -64,6 +68,8 @@ from inference.model.config import ModelConfig
 CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
 # how a swarm stage miner can cheat (neurons.swarm.cheats.CHEATS; named here so --help needs no torch)
 STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay", "forwarder")
+# how the route driver (the route miner) can cheat: claim receipts the stages never signed (neurons.swarm.driver_cheats)
+DRIVER_CHEATS = ("forge-receipts",)
 # The directory holding the packages: a checkout (with pyproject.toml) or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 VALIDATOR_STAKE = 10_000.0
@@ -80,6 +86,7 @@ class Neuron:
     layers: str = ""  # a swarm stage: its block A-B
     cheat: str = ""  # a swarm stage: how it cheats (a key of neurons.swarm.cheats.CHEATS), "" when honest
     dtype: str = "float32"  # a swarm stage: weights and wire dtype
+    decoy_port: int = 0  # a forwarder: where the validator serves the decoy of its block
     process: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -121,9 +128,10 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--swarm", type=int, default=0, metavar="N",
                     help="devnet: serve the tiny model as a swarm of N stage miners (plus a spare and a route miner)")
     ap.add_argument("--swarm-tokens", type=int, default=8, help="--swarm: tokens of the completion served")
-    ap.add_argument("--cheat-stage", action="append", choices=STAGE_CHEATS, default=[], metavar="KIND",
+    ap.add_argument("--cheat-stage", action="append", choices=STAGE_CHEATS + DRIVER_CHEATS, default=[], metavar="KIND",
                     help="--swarm: one stage miner cheats this way (repeat for several, each on another block; "
-                         "each cheated block gets an honest spare): " + ", ".join(STAGE_CHEATS))
+                         "each cheated block gets an honest spare): " + ", ".join(STAGE_CHEATS) + "; or the route "
+                         "miner, as a route driver: forge-receipts (it claims receipts the stages never signed)")
     ap.add_argument("--stage-challenges", type=int, default=2,
                     help="--swarm: the validator's challenges per stage miner per round")
     ap.add_argument("--stop-when-caught", action="store_true",
@@ -132,7 +140,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.cheat_stage or args.stop_when_caught) and not args.swarm:
         ap.error("--cheat-stage and --stop-when-caught go with --swarm N")
-    if len(args.cheat_stage) > args.swarm:
+    if len([k for k in args.cheat_stage if k in STAGE_CHEATS]) > args.swarm:
         ap.error(f"--cheat-stage: at most one cheater per block ({args.swarm} blocks)")
     if args.stop_when_caught and not args.cheat_stage:
         ap.error("--stop-when-caught needs at least one --cheat-stage")
@@ -520,10 +528,10 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
 
     config = ModelConfig.tiny()
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, args.swarm)
-    cheats = list(args.cheat_stage or [])
+    cheats = [k for k in args.cheat_stage or [] if k in STAGE_CHEATS]
     mid = len(blocks) // 2
     cheated = {(mid + i) % len(blocks): kind for i, kind in enumerate(cheats)}
-    port = iter(range(args.base_port, args.base_port + 2 * args.swarm + 2))
+    port = iter(range(args.base_port, args.base_port + swarm_ports(args.swarm)))
     neurons = [Neuron("validator", "validator", make_wallet(wallet_dir, "validator"))]
     layers = [f"{a}-{b - 1}" for a, b in blocks]
     for i, block in enumerate(layers):
@@ -537,12 +545,24 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
         spares.append(Neuron(name, "stage", make_wallet(wallet_dir, name), port=next(port),
                              kind=f"layers {layers[i]} (spare)", layers=layers[i]))
     neurons += spares
-    if cheats:
+    if args.cheat_stage:
         honest = [n for n in neurons[1:] if n.role == "stage" and not n.cheat and n.name.startswith("stage")]
         bf16 = honest[-1] if honest else spares[-1]
         bf16.dtype, bf16.kind = "bfloat16", bf16.kind + " bf16"
-    neurons.append(Neuron("route", "miner", make_wallet(wallet_dir, "route"), port=next(port), kind="route"))
+    driver_cheat = next((k for k in args.cheat_stage or [] if k in DRIVER_CHEATS), "")
+    neurons.append(Neuron("route", "miner", make_wallet(wallet_dir, "route"), port=next(port),
+                          kind="route" + (f" cheat: {driver_cheat}" if driver_cheat else ""), cheat=driver_cheat))
+    neurons[0].port = next(port)  # the validator's route work endpoint
+    for n in neurons:
+        if n.cheat == "forwarder":  # the validator serves a decoy of its block (not announced on chain)
+            n.decoy_port = next(port)
     return neurons
+
+
+def swarm_ports(n: int) -> int:
+    """Ports --swarm N takes from --base-port: N stages, N spares at most, the route miner, the validator's work
+    endpoint and one decoy per block at most."""
+    return 3 * n + 2
 
 
 def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
@@ -554,26 +574,34 @@ def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, 
     if n.cheat:
         cmd = [sys.executable, "-m", "neurons.swarm.cheats", "--checkpoint", str(checkpoint_dir(args)),
                "--stage", f"{n.name}:{n.cheat}:{n.layers}", *common]
-        if n.cheat == "forwarder":  # it hands its sessions to the honest stages of its block
+        if n.cheat == "forwarder":  # it hands its sessions to the other stages of its block: the honest spare and
+            # the validator's decoy (found by the forwarder itself, as a forwarder would find other stages)
             cmd += [a for s in neurons if s.role == "stage" and s.layers == n.layers and not s.cheat
                     for a in ("--forward-to", f"http://127.0.0.1:{s.port}")]
+            cmd += ["--forward-to", f"http://127.0.0.1:{n.decoy_port}"]
         return cmd + list(extra)
     return [sys.executable, "-m", "neurons.swarm.stage_miner", "--checkpoint", str(checkpoint_dir(args)),
             "--serve-layers", n.layers, "--wallet-name", n.wallet.name, "--wallet-hotkey", "default",
             "--host", "127.0.0.1", "--dtype", n.dtype, "--wire-dtype", n.dtype, *common, *extra]
 
 
-def route_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
-    """The route miner; it follows the local validator's trust (stages blamed in its store are left out)."""
-    return [sys.executable, "-m", "neurons.swarm.route_miner", "--network", chain_spec, "--netuid", str(netuid),
+def route_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, validator: Neuron) -> list[str]:
+    """The route miner; it follows the local validator's trust (stages blamed in its store are left out) and
+    submits the receipts of its routes to the validator's work endpoint, which credits the stages. With
+    --cheat-stage forge-receipts it also claims receipts the stages never signed (neurons.swarm.driver_cheats)."""
+    module = "neurons.swarm.driver_cheats" if n.cheat else "neurons.swarm.route_miner"
+    return [sys.executable, "-m", module, "--network", chain_spec, "--netuid", str(netuid),
             "--checkpoint", str(checkpoint_dir(args)),
             "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
             "--host", "127.0.0.1", "--port", str(n.port), "--nonce-store", str(run_dir / "route-nonces.sqlite"),
-            "--min-validator-stake", str(MINER_MIN_VALIDATOR_STAKE), "--refresh-s", "2",
+            "--min-validator-stake", str(MINER_MIN_VALIDATOR_STAKE), "--refresh-s", str(ROUTE_REFRESH_S),
             "--trust-db", str(run_dir / "validator.sqlite"), "--route-log", str(run_dir / ROUTE_LOG),
-            "--ready-file", str(run_dir / f"{n.name}.ready")]
+            "--ready-file", str(run_dir / f"{n.name}.ready"),
+            "--report-work", f"{validator.wallet.hotkey.ss58_address}@http://127.0.0.1:{validator.port}",
+            "--report-work-s", str(REPORT_WORK_S)]
 
 
+REPORT_WORK_S = 2.0  # how often the route miner submits its receipts to the validator
 ROUTE_LOG = "routes.jsonl"  # the route miner's log of every route it plans
 
 
@@ -585,11 +613,22 @@ def planned_routes(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
-def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
+DECOY_HOTKEY = "decoy"  # the hotkey of the validator's wallet its decoys sign as
+
+
+def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path,
+                            neurons: list[Neuron]) -> list[str]:
     """The validator, checking the stage miners (--stage-challenges per stage per round, against its own copy
-    of the weights) and the route miner as a whole-model miner."""
-    return validator_command(n, args, chain_spec, netuid, run_dir) + [
-        "--stage-challenges", str(args.stage_challenges), "--canaries", "0",
+    of the weights), serving a decoy of each forwarder's block, crediting the route miner's receipts (its work
+    endpoint on its port) and checking the route miner as a whole-model miner."""
+    if any(s.decoy_port for s in neurons):
+        decoy = bt.Wallet(name=n.wallet.name, hotkey=DECOY_HOTKEY, path=str(Path(n.wallet.path)))
+        if not decoy.hotkey_file.exists_on_device():
+            decoy.create_new_hotkey(use_password=False, suppress=True)
+    decoys = [f"{s.layers}:{s.decoy_port}" for s in neurons if s.decoy_port]
+    flags = ["--stage-decoys", ",".join(decoys), "--stage-decoy-hotkey", DECOY_HOTKEY] if decoys else []
+    return validator_command(n, args, chain_spec, netuid, run_dir) + flags + [
+        "--stage-challenges", str(args.stage_challenges), "--canaries", "0", "--stage-work-port", str(n.port),
         # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
         "--weights-retry-max-s", "4",
         # the route miner takes 8 streams per caller: leave room beside the validator's own requests to it for the
@@ -740,6 +779,8 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
                      "announced": commitments[hotkey].data if hotkey in commitments else None,
                      "alive": n.process is not None and n.process.poll() is None,
                      "tokens": h.get("tokens"), "verified_tokens": v.get("tokens", 0),
+                     "route_work_tokens": sum(int(c["tokens"] or 0) for c in view.get("checks", [])
+                                              if c["hotkey"] == hotkey and c["kind"] == "route_work"),
                      "challenges": v.get("challenges", 0), "failed": v.get("failed", 0),
                      "weight": v.get("weight", 0.0), "blamed": v.get("blamed", False), "reason": v.get("reason"),
                      "blame": blame_timeline(view.get("checks", []), hotkey),
@@ -747,16 +788,30 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
     return rows
 
 
+def swarm_driver(route: Neuron, view: dict) -> dict:
+    """The route miner as a route driver: what it cheats, the stage work credited from its receipts, whether the
+    validator blamed it (and why), and its weight (a whole-model miner's) in the weights set last."""
+    hotkey = route.wallet.hotkey.ss58_address
+    checks = view.get("checks", [])
+    miner = next((m for m in (view.get("status") or {}).get("miners", []) if m["hotkey"] == hotkey), {})
+    blame = blame_timeline(checks, hotkey)
+    return {"name": route.name, "hotkey": hotkey, "cheat": route.cheat, "uid": miner.get("uid"),
+            "weight": miner.get("weight", 0.0), "blamed": blame["blamed"], "reason": blame.get("reason"),
+            "blame": blame, "credited_tokens": sum(int(c["tokens"] or 0) for c in checks if c["kind"] == "route_work"
+                                                   and (c["reason"] or "").endswith(hotkey))}
+
+
 def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:
     on_route = {r["hotkey"] for r in route}
     t = Table(title="k3-subnet swarm", caption=caption)
-    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "verified", "challenges", "on route",
-                "up", "weight", "incentive", "zeroed because"):
+    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "verified", "route work", "challenges",
+                "on route", "up", "weight", "incentive", "zeroed because"):
         t.add_column(col, overflow="fold")
     for s in stages:
         reason = s.get("reason") or ""
         t.add_row(s["name"], str(s["uid"]), s["layers"], s.get("role", ""), s["url"].rsplit(":", 1)[-1],
                   f"{s['step_ms']:.1f}", str(s.get("tokens", "-")), str(s.get("verified_tokens", "-")),
+                  str(s.get("route_work_tokens", "-")),
                   f"{s.get('challenges', 0)} ({s.get('failed', 0)} failed)",
                   "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO",
                   f"{s.get('weight', 0.0):.3f}" + (" BLAMED" if s.get("blamed") else ""), f"{s['incentive']:.3f}",
@@ -765,22 +820,29 @@ def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Tab
 
 
 MIN_ORGANIC = 3  # organic requests served before --stop-when-caught may stop
+ROUTE_REFRESH_S = 2.0  # the route miner's --refresh-s: how often it re-reads the stages and the validator's trust
+ROUTE_SETTLE_S = 2 * ROUTE_REFRESH_S + 1.0  # after a blame, every route the route miner plans avoids the stage
 
 
-def caught_everyone(rows: list[dict], view: dict, organic: list[dict]) -> bool:
-    """Every cheating stage blamed and at weight 0 in weights set after its blame, no honest stage blamed, at least
-    MIN_ORGANIC organic requests served, one of them after the last blame through a route of unblamed stages."""
-    cheaters = [r for r in rows if r["cheat"]]
+def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: dict | None = None) -> bool:
+    """Every cheating stage (and a cheating route driver) blamed and at weight 0 in weights set after its blame, no
+    honest stage (nor an honest driver) blamed, at least MIN_ORGANIC organic requests served, one of them after the
+    last blame through a route of unblamed stages."""
+    parties = rows + ([driver] if driver else [])
+    cheaters = [r for r in parties if r["cheat"]]
     status = view.get("status") or {}
     set_at = status.get("weights_set_at") or 0.0
-    if not cheaters or any(r["blamed"] for r in rows if not r["cheat"]):
+    if not cheaters or any(r["blamed"] for r in parties if not r["cheat"]):
         return False
     if not all(r["blame"]["blamed"] and r["weight"] == 0.0 and set_at > r["blame"]["at"] for r in cheaters):
         return False
     last = max(r["blame"]["at"] for r in cheaters)
-    blamed = {r["hotkey"] for r in cheaters}
+    blamed = {r["hotkey"] for r in rows if r["cheat"]}
     served = [o for o in organic if o["ok"]]
-    return len(served) >= MIN_ORGANIC and any(o["at"] > last and not blamed & set(o["route"]) for o in served)
+    # sent once the route miner has surely re-read the validator's trust: every route planned from then on avoids
+    # the blamed stages (what a test of the run may check), and this one did
+    return len(served) >= MIN_ORGANIC and any(o["at"] > last + ROUTE_SETTLE_S and not blamed & set(o["route"])
+                                              for o in served)
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
@@ -814,9 +876,14 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 ok = sum(1 for o in organic if o["ok"])
                 last_route = next((o["route"] for o in reversed(organic) if o["ok"]), [])
                 names = {r["hotkey"]: r["name"] for r in rows}
+                driver = swarm_driver(route, view)
                 caption = (f"running {elapsed:.0f} s; organic requests {ok} served / {len(organic)} sent; last route "
-                           + " > ".join(names.get(h, h[:8]) for h in last_route))
-                state.update(rows=rows, caught=caught_everyone(rows, view, organic) if rows else False)
+                           + " > ".join(names.get(h, h[:8]) for h in last_route)
+                           + f"; route driver ({driver['cheat'] or 'honest'}): {driver['credited_tokens']} "
+                             f"layer-tokens credited from its receipts, weight {driver['weight']:.3f}"
+                           + (f" BLAMED: {driver['reason'][:90]}" if driver["blamed"] else ""))
+                state.update(rows=rows, driver=driver,
+                             caught=caught_everyone(rows, view, organic, driver) if rows else False)
                 if live:
                     live.update(swarm_table(rows, [{"hotkey": h} for h in last_route], caption))
                 else:
@@ -827,7 +894,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                     console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                     break
                 if args.stop_when_caught and state["caught"]:
-                    console.print(f"[localnet] every cheating stage blamed and zeroed after {elapsed:.0f} s: stopping")
+                    console.print(f"[localnet] every cheater blamed and zeroed after {elapsed:.0f} s: stopping")
                     break
                 if args.duration and elapsed >= args.duration:
                     break
@@ -845,6 +912,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
         signal.signal(signal.SIGTERM, exit_on_sigterm)  # asyncio put back the default
     view = read_validator(run_dir)
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
+                 driver=swarm_driver(route, view),
                  stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
                                         if c["kind"] == "challenge" and c["cpu_s"] is not None])
     return state
@@ -875,9 +943,9 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         ready = wait_ready(stages, run_dir)
         print(f"[localnet] {len(stages)} stage miners serving and announced on chain: "
               + ", ".join(f"{n.name} ({n.kind})" for n in stages))
-        start(route, route_command(route, args, chain_spec, netuid, run_dir), log_dir)
+        start(route, route_command(route, args, chain_spec, netuid, run_dir, validator), log_dir)
         ready.update(wait_ready([route], run_dir))
-        start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir), log_dir)
+        start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir, neurons), log_dir)
         print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
         done = asyncio.run(swarm_completion(route, ready["route"]["url"], validator.wallet.hotkey, SWARM_PROMPT,
                                             args.swarm_tokens))
@@ -892,7 +960,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
             watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready,
                                               validator.wallet.hotkey))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
-                           routes=watched["routes"],
+                           routes=watched["routes"], driver=watched["driver"],
                            stage_challenge_cpu_s=watched["stage_challenge_cpu_s"])
             if args.stop_when_caught and not watched["caught"]:
                 print("[localnet] the run ended before every cheating stage was blamed and zeroed")

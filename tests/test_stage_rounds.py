@@ -15,6 +15,8 @@ announcement, as stage_miner does).
 - a route driver's receipts: genuine ones credit the stages, receipts the stages never signed blame the driver.
 """
 import asyncio
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -287,22 +289,16 @@ def test_a_validator_round_zeroes_cheaters_with_the_reason(swarm, tmp_path):
 
 
 def test_route_driver_receipts_credit_stages_and_forged_ones_blame_the_driver(swarm, tmp_path):
+    """`credit_route` in process: genuine receipts credit the stages once; forged, unsigned, stranger-signed and
+    re-presented receipts blame the driver and credit nobody."""
     store = ValidatorStore(tmp_path / "v.sqlite")
     driver_key = swarm["wallets"]["driver"].hotkey
 
     async def scenario():
         sr, miners = await stage_rounds(swarm, store)
-        urls = [swarm["info"][n]["url"] for n in HONEST]
-        driver = RouteDriver(StaticDirectory(urls), driver_key, ModelConfig.tiny(), record_steps=8)
-        engine = RouteEngine(driver, load_tokenizer(swarm["ckpt"], ModelConfig.tiny()), prefill_chunk=8)
-        try:
-            await engine.start()
-            await engine.score(list(range(40, 60)))
-            records = list(driver.records)
-        finally:
-            await engine.stop()
-        genuine = sr.credit_route(records, driver_key.ss58_address)
-        rec = records[0]
+        records = await driven_records(swarm, driver_key)
+        genuine = sr.credit_route(records[1:], driver_key.ss58_address)
+        rec = records[0]  # the forgeries start from a step not credited yet
         victim = Keypair.create_from_uri("//not-a-stage")
         forged = sign_receipt(driver_key, **rec.receipts[1].model_dump(exclude={"stage", "signature"}))
         forged = forged.model_copy(update={"stage": rec.receipts[1].stage})
@@ -311,17 +307,110 @@ def test_route_driver_receipts_credit_stages_and_forged_ones_blame_the_driver(sw
         stranger = sign_receipt(victim, **rec.receipts[2].model_dump(exclude={"stage", "signature"}))
         other = [replace(rec, receipts=(*rec.receipts[:2], stranger, rec.receipts[3]))]
         await sr.close()
-        return genuine, sr.credit_route(bad, driver_key.ss58_address), \
-            sr.credit_route(unsigned, driver_key.ss58_address), sr.credit_route(other, driver_key.ss58_address)
+        out = [sr.credit_route(x, driver_key.ss58_address) for x in (bad, unsigned, other)]
+        return genuine, out, sr.credit_route(records[1:2], driver_key.ss58_address)
 
-    genuine, forged, unsigned, stranger = asyncio.run(asyncio.wait_for(scenario(), 120))
+    genuine, (forged, unsigned, stranger), again = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert genuine is None and "not signed" in forged and "not signed" in unsigned and "not a registered" in stranger
+    assert "presented before" in again  # credited once, never twice
     rows = store.stage_checks()
     work = [r for r in rows if r["kind"] == "route_work"]
     assert {r["hotkey"] for r in work} == {swarm["info"][n]["hotkey"] for n in HONEST}
-    assert sum(r["tokens"] for r in work) == 4 * 19  # 19 fed tokens (the last needs no row) through 4 stages
+    assert sum(r["tokens"] for r in work) == 4 * 11  # 19 fed tokens in steps of 8, 8, 3; all but the first credited
     blamed = [r for r in rows if r["blame"]]
-    assert len(blamed) == 3 and {r["hotkey"] for r in blamed} == {driver_key.ss58_address}
+    # one blame row per minute and driver
+    assert len(blamed) == 1 and blamed[0]["hotkey"] == driver_key.ss58_address and "not signed" in blamed[0]["reason"]
+    store.close()
+
+
+async def driven_records(swarm, key, tokens=20):
+    """The StepRecords of one teacher-forced request a RouteDriver signed by `key` drove over the honest stages."""
+    urls = [swarm["info"][n]["url"] for n in HONEST]
+    driver = RouteDriver(StaticDirectory(urls), key, ModelConfig.tiny(), record_steps=8)
+    engine = RouteEngine(driver, load_tokenizer(swarm["ckpt"], ModelConfig.tiny()), prefill_chunk=8)
+    try:
+        await engine.start()
+        await engine.score(list(range(40, 40 + tokens)))
+        return list(driver.records)
+    finally:
+        await engine.stop()
+
+
+def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swarm, tmp_path):
+    """The validator's work endpoint (--stage-work-port, POST /route/work) over HTTP: the route miner's
+    `WorkReport` submits what its driver drove and the stages are credited; the forging driver of the local swarm
+    (`ReceiptForger`) is blamed with the reason, credits no one and is zeroed in the weights; bad claims get 4xx
+    with a message, and nothing is taken before a round found the stage miners (503)."""
+    import aiohttp
+
+    from neurons.swarm.driver_cheats import ReceiptForger
+    from neurons.swarm.route_miner import WorkReport
+    from neurons.swarm.stage_server import post_signed
+    from protocol.route_work import MAX_WORK_STEPS, ROUTE_WORK_PATH
+    from protocol.stage import Hop
+    from scoring.stage_rewards import MinerWork
+
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    honest_key, forger_key = swarm["wallets"]["driver"].hotkey, Keypair.create_from_uri("//forger")
+    validator_key = swarm["wallets"]["validator"].hotkey
+
+    class Driver:  # what WorkReport reads of a RouteDriver: the records it drove
+        def __init__(self, records):
+            self.records = collections.deque(records)
+
+    async def scenario():
+        sr = StageRounds(store, validator_key, swarm["model"], swarm["tokenizer"], seed=5, work_port=0)
+        await sr.start()
+        hop = Hop(url=sr.work_server.url, hotkey=validator_key.ss58_address)
+        honest = WorkReport(Driver(await driven_records(swarm, honest_key)), honest_key, hop)
+        forger = ReceiptForger(Driver(await driven_records(swarm, forger_key, 12)), forger_key, hop)
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            out["not ready"] = await honest.submit(http)  # no round yet: kept for the next submission
+            _, miners = await stage_rounds(swarm, store)
+            sr.miners = {m.hotkey: m for m in miners.values()}
+            sr.serving = {honest_key.ss58_address}
+            out["stranger"] = await forger.submit(http)  # not a serving neuron
+            sr.serving |= {forger_key.ss58_address}
+            out["honest"], out["honest again"] = await honest.submit(http), await honest.submit(http)
+            forger.driver.records.extend(await driven_records(swarm, forger_key, 12))
+            out["forged"] = await forger.submit(http)
+
+            async def raw(body: bytes, key=honest_key, content_type="application/json"):
+                status, answer = await post_signed(http, key, hop, ROUTE_WORK_PATH, body, 10.0, content_type)
+                return status, answer.decode()
+
+            out["not json"] = await raw(b"{steps")
+            out["empty"] = await raw(b'{"steps": []}')
+            step = {"route_id": "r", "session": "s", "step": 0, "position": 0, "token_ids": [1],
+                    "receipts": [{"x": 1}]}
+            out["bad receipt"] = await raw(json.dumps({"steps": [step]}).encode())
+            out["too many"] = await raw(json.dumps({"steps": [step] * (MAX_WORK_STEPS + 1)}).encode())
+            async with http.post(sr.work_server.url + ROUTE_WORK_PATH, data=b'{"steps": []}') as r:
+                out["unsigned"] = r.status
+            async with http.get(sr.work_server.url + ROUTE_WORK_PATH) as r:
+                out["GET"] = r.status
+        await sr.close()
+        whole = {7: 1.0, 8: 1.0}
+        work = {7: MinerWork(honest_key.ss58_address, 100, 10.0), 8: MinerWork(forger_key.ss58_address, 100, 10.0)}
+        out["weights"] = sr.weights(whole, work)
+        return out
+
+    out = asyncio.run(asyncio.wait_for(scenario(), 180))
+    assert out["not ready"] == 503 and out["stranger"] == 403
+    assert out["honest"] == 200 and out["honest again"] is None  # everything pending went in one claim
+    assert out["forged"] == 422
+    for what in ("not json", "empty", "bad receipt", "too many"):
+        assert out[what][0] == 400 and "route work" in out[what][1], (what, out[what])
+    assert out["unsigned"] == 401 and out["GET"] == 405
+    rows = store.stage_checks()
+    work = [r for r in rows if r["kind"] == "route_work"]
+    assert {r["hotkey"] for r in work} == {swarm["info"][n]["hotkey"] for n in HONEST}
+    assert sum(r["tokens"] for r in work) == 4 * 19 and all(honest_key.ss58_address in r["reason"] for r in work)
+    blamed = [r for r in rows if r["blame"]]
+    assert [r["hotkey"] for r in blamed] == [forger_key.ss58_address] and blamed[0]["kind"] == "route_receipts"
+    assert "not signed by" in blamed[0]["reason"]
+    assert out["weights"].get(8, 0.0) == 0.0 and out["weights"].get(7, 0.0) > 0.0  # the forger zeroed
     store.close()
 
 

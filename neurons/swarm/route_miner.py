@@ -14,10 +14,15 @@ there once it serves. SIGTERM/SIGINT stop it.
 SQLite store (read-only, at every refresh of the stage list) are left out of its routes
 (`neurons.validator_app.stage_rounds.TrustedDirectory`), so its traffic moves to a spare once a stage is blamed.
 `--route-log FILE` appends one JSON line {"at", "route": [stage hotkeys]} per route it plans (what the local
-testnet shows and its tests check).
+testnet shows and its tests check). `--report-work HOTKEY@URL` submits the receipts of every step it drives to
+that validator's work endpoint (protocol.route_work, every --report-work-s; `WorkReport`), which credits the
+stages the work.
 """
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
+import numpy as np
+
 from chain import connect
 from chain.interface import ChainError
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
@@ -35,11 +43,12 @@ from neurons.miner_app import MinerServer
 from neurons.observability import run_neuron
 from neurons.settings import describe_values, open_wallet, program_name
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
-from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options
+from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options, work_hop
 from neurons.swarm.stage_miner import serve_until_signalled
 from neurons.validator_app.stage_rounds import TrustedDirectory
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 from protocol.auth import SQLiteNonceStore
+from protocol.route_work import MAX_WORK_STEPS, MAX_WORK_TOKENS, ROUTE_WORK_PATH, RouteWork, RouteWorkStep
 
 MODULE = "neurons.swarm.route_miner"
 log = logging.getLogger("k3.route_miner")
@@ -50,16 +59,19 @@ class StoreFile:
 
     def __init__(self, path: str):
         self.path = Path(path).expanduser()
+        self._last: dict = {}  # (since, hotkey) -> the last rows read, for a moment the store cannot be read
 
     def stage_checks(self, since=None, hotkey=None) -> list:
         if not self.path.exists():
             return []
         try:
             with ValidatorStore(self.path, readonly=True) as store:
-                return [dict(r) for r in store.stage_checks(since, hotkey)]
-        except (ValidatorStoreError, sqlite3.Error) as error:  # being created or migrated right now: trust as before
+                rows = [dict(r) for r in store.stage_checks(since, hotkey)]
+        except (ValidatorStoreError, sqlite3.Error) as error:  # being written or migrated right now: trust as before
             log.warning("trust store %s unreadable: %s", self.path, error)
-            return []
+            return [r for r in self._last.get(hotkey, []) if since is None or r["at"] >= since]
+        self._last[hotkey] = rows
+        return rows
 
 
 class LoggedRouteDriver(RouteDriver):
@@ -75,6 +87,64 @@ class LoggedRouteDriver(RouteDriver):
         return route
 
 
+class WorkReport:
+    """Submits the receipts of the steps `driver` drove (its StepRecords) to a validator's work endpoint
+    (protocol.route_work, signed for its hotkey) every `every_s`; steps a validator could not take yet (not
+    ready, unreachable) are kept for the next submission (at most `keep` of them), rejected ones are dropped."""
+
+    def __init__(self, driver: RouteDriver, keypair, validator, every_s: float = 5.0, timeout_s: float = 10.0,
+                 keep: int = 4096):
+        self.driver, self.keypair, self.validator = driver, keypair, validator
+        self.every_s, self.timeout_s = every_s, timeout_s
+        self.pending: collections.deque = collections.deque(maxlen=keep)
+        self.answers: collections.Counter = collections.Counter()  # HTTP status -> submissions
+
+    def claims(self, records: list) -> list[RouteWorkStep]:
+        """The steps to claim for `records` (a cheating driver claims more: neurons/swarm/driver_cheats.py)."""
+        return [RouteWorkStep(route_id=r.route_id, session=r.session, step=r.step, position=r.position,
+                              token_ids=np.frombuffer(r.input_body, dtype="<i4").tolist(), receipts=list(r.receipts))
+                for r in records]
+
+    async def submit(self, http) -> int | None:
+        """One submission of what is pending (at most MAX_WORK_STEPS steps, MAX_WORK_TOKENS token ids); its HTTP
+        status, or None when there was nothing to submit or the validator could not be reached."""
+        from neurons.swarm.stage_server import post_signed  # noqa: PLC0415
+
+        while self.driver.records:
+            self.pending.append(self.driver.records.popleft())
+        batch, tokens = [], 0
+        while self.pending and len(batch) < MAX_WORK_STEPS // 2:  # half: room for what claims() adds
+            n = len(self.pending[0].input_body) // 4
+            if batch and tokens + n > MAX_WORK_TOKENS // 2:
+                break
+            batch.append(self.pending.popleft())
+            tokens += n
+        if not batch:
+            return None
+        steps = self.claims(batch)
+        body = RouteWork(steps=steps[:MAX_WORK_STEPS]).model_dump_json().encode()
+        try:
+            status, answer = await post_signed(http, self.keypair, self.validator, ROUTE_WORK_PATH, body,
+                                               self.timeout_s, "application/json")
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as error:
+            log.warning("work endpoint %s unreachable: %s", self.validator.url, type(error).__name__)
+            self.pending.extendleft(reversed(batch))
+            return None
+        self.answers[status] += 1
+        if status in (429, 503):  # not ready yet: the same steps next time
+            self.pending.extendleft(reversed(batch))
+        elif status != 200:
+            log.warning("work endpoint %s rejected %d steps: %s %s", self.validator.url, len(batch), status,
+                        answer[:300].decode(errors="replace"))
+        return status
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                await asyncio.sleep(self.every_s)
+                await self.submit(http)
+
+
 def speculation_config(drafter: str, draft_tokens: int):
     # imported here: inference.speculative and inference.serving import each other, serving must come first
     from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
@@ -82,7 +152,7 @@ def speculation_config(drafter: str, draft_tokens: int):
     return SpeculationConfig(drafter=drafter, max_draft_tokens=draft_tokens)
 
 
-async def run(settings: RouteMinerSettings) -> int:
+async def run(settings: RouteMinerSettings, report=WorkReport) -> int:
     r, c = settings.route, settings.chain
     config = read_config(r.checkpoint)
     try:
@@ -99,7 +169,8 @@ async def run(settings: RouteMinerSettings) -> int:
         if r.trust_db:
             directory = TrustedDirectory(directory, StoreFile(r.trust_db))
         driver = LoggedRouteDriver(directory, wallet.hotkey, config, host=settings.server.host,
-                                   hop_timeout_s=r.hop_timeout_s, refresh_s=c.metagraph_refresh_s)
+                                   hop_timeout_s=r.hop_timeout_s, refresh_s=c.metagraph_refresh_s,
+                                   record_steps=4096 if r.report_work else 0)
         driver.route_log = r.route_log
         engine = RouteEngine(driver, load_tokenizer(r.checkpoint, config), model_fingerprint=model_fp,
                              max_context=r.max_context, max_concurrent=r.max_concurrent,
@@ -108,6 +179,8 @@ async def run(settings: RouteMinerSettings) -> int:
         server = MinerServer(miner_settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
                              nonce_store=nonce_store)
         await server.start()
+        reporting = asyncio.create_task(report(driver, wallet.hotkey, work_hop(r.report_work), r.report_work_s).run()) \
+            if r.report_work else None
         try:
             info = {"url": server.url, "hotkey": wallet.hotkey.ss58_address, "pid": os.getpid(),
                     "route": [s.describe() for s in driver.current], "health": engine.health().status}
@@ -115,6 +188,10 @@ async def run(settings: RouteMinerSettings) -> int:
                 info["metrics_url"] = f"http://127.0.0.1:{server.metrics_port}/metrics"
             await serve_until_signalled(info, r.ready_file)
         finally:
+            if reporting is not None:
+                reporting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporting
             await server.close(grace_s=0.0)
     finally:
         await chain.close()
@@ -122,7 +199,7 @@ async def run(settings: RouteMinerSettings) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None, report=WorkReport) -> int:
     prog = prog or program_name(f"python -m {MODULE}", MODULE)
     settings = read_route_miner_settings(argv, prog=prog, description=__doc__)
     problems = settings.problems()
@@ -130,7 +207,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"{prog}: error: {problem}", file=sys.stderr)
     if problems:
         return 2
-    return run_neuron(settings, lambda: run(settings), (CheckpointError, ChainError, ValueError, OSError),
+    return run_neuron(settings, lambda: run(settings, report), (CheckpointError, ChainError, ValueError, OSError),
                       "k3.route_miner", describe_values(route_miner_options(), dataclasses.asdict(settings)), prog)
 
 

@@ -19,7 +19,7 @@ from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSett
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
                               WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
                               non_negative_int, port_number, positive_float, read_options, setting, settings_options)
-from protocol.stage import DEFAULT_MAX_BODY_BYTES
+from protocol.stage import DEFAULT_MAX_BODY_BYTES, Hop
 
 METRICS_HOST = "127.0.0.1"  # Prometheus metrics are for the operator, never for the world
 ENV_PREFIX = "K3_STAGE_"
@@ -169,6 +169,11 @@ class RouteSettings:
     trust_db: str = setting("", "a validator's store: leave the stages it blamed out of routes (read at each "
                             "refresh of the stage list)", metavar="FILE")
     route_log: str = setting("", "append each route planned there (JSON lines: at, route)", metavar="FILE")
+    report_work: str = setting("", "submit the receipts of every step it drives to a validator's work endpoint "
+                               "(its --stage-work-port), which credits the stages: HOTKEY@http(s)://HOST:PORT",
+                               metavar="HOTKEY@URL")
+    report_work_s: float = setting(5.0, "seconds between two submissions of receipts (--report-work)",
+                                   read=positive_float)
 
 
 # The chain is the miner's (--network/-n, --netuid, BT_NETWORK); one refresh period serves both the stage list and
@@ -200,9 +205,26 @@ class RouteMinerSettings:
         """Everything wrong with these settings (the miner's checks: netuid, reachable address, ports, budgets, a
         checkpoint directory), each with what to do about it."""
         out = self.miner_settings().problems()
+        if self.route.report_work:
+            try:
+                work_hop(self.route.report_work)
+            except ValueError as error:
+                out.append(str(error))
         if not 1 <= self.route.draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"--draft-tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.route.draft_tokens})")
         return out
+
+
+def work_hop(text: str):
+    """--report-work HOTKEY@URL -> the validator's Hop; ValueError saying what is wrong."""
+    hotkey, sep, url = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        return Hop(url=url.rstrip("/"), hotkey=hotkey)
+    except ValueError:  # pydantic's ValidationError is one
+        raise ValueError(f"--report-work {text!r} is not HOTKEY@http(s)://HOST:PORT (the validator's hotkey and "
+                         "its work endpoint)") from None
 
 
 def route_miner_options() -> tuple[Option, ...]:

@@ -148,6 +148,11 @@ class StageSettings:
     sink_url: Optional[str] = setting(None, "address stage miners reach the stage sink at, http(s)://HOST:PORT "
                                       "(needed when stages run on other machines; default: "
                                       "http://--stage-sink-host:PORT)", flag="--stage-sink-url", metavar="URL")
+    work_port: Optional[int] = setting(None, "port (on --stage-sink-host; 0 picks a free one) where outside route "
+                                       "drivers submit the receipts of the steps they drove (POST /route/work, "
+                                       "signed): the stages are credited that work, a driver whose receipts the "
+                                       "stages never signed is blamed and zeroed; unset: no such endpoint",
+                                       flag="--stage-work-port", read=port_number, metavar="PORT")
 
     def own_block(self) -> Optional[tuple[int, int]]:
         return layer_block(self.own_layers, "--stage-own-layers") if self.own_layers else None
@@ -165,7 +170,7 @@ class StageSettings:
             key = layer_block(block, "--stage-decoys block")
             if key in out:
                 raise ValidatorSetupError(f"--stage-decoys names block {block.strip()} twice")
-            if int(port) in out.values() or int(port) == self.sink_port:
+            if int(port) in out.values() or int(port) in (self.sink_port, self.work_port):
                 raise ValidatorSetupError(f"--stage-decoys port {int(port)} is used twice")
             out[key] = int(port)
         return out
@@ -182,6 +187,8 @@ class StageSettings:
         if self.decoys and not self.decoy_hotkey:
             out.append("--stage-decoys needs --stage-decoy-hotkey NAME: the decoys sign as another hotkey of the "
                        "validator's wallet (stage miners must not recognise the validator)")
+        if self.work_port and self.work_port == self.sink_port:
+            out.append(f"--stage-work-port {self.work_port} is also --stage-sink-port: give each its own port")
         problem = host_problem(self.sink_host, "--stage-sink-host")
         if problem:
             out.append(problem)

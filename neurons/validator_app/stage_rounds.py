@@ -131,7 +131,8 @@ class StageRounds:
                  route_probes: int = 1, thresholds: Thresholds = Thresholds(), seed: Optional[int] = None,
                  host: str = "127.0.0.1", port: int = 0, public_url: str = "", timeout_s: float = 15.0,
                  blame_s: float = 24 * 3600.0, window_s: float = 24 * 3600.0, decoy_keypair=None,
-                 decoys: Mapping[tuple[int, int], int] = {}, own_layers: Optional[tuple[int, int]] = None):
+                 decoys: Mapping[tuple[int, int], int] = {}, own_layers: Optional[tuple[int, int]] = None,
+                 work_port: Optional[int] = None):
         self.store = store
         self.keypair = keypair
         self.model = model  # the validator's copy of the weights (CPU); None: load on first need (loader)
@@ -150,6 +151,9 @@ class StageRounds:
         self.decoy_keypair = decoy_keypair
         self.decoys = dict(decoys)  # block -> port the validator serves a decoy of it on
         self.own_layers = own_layers  # layers checked against the validator's own copy (None: all)
+        self.work_port = work_port  # where outside route drivers submit their receipts (None: no endpoint)
+        self.work_server = None  # neurons.validator_app.route_work.RouteWorkServer, once started
+        self.serving: set[str] = set()  # hotkeys of the subnet's serving neurons in the last round
         self.miners: dict[str, StageMiner] = {}  # hotkey -> the stage miner, from the last round
         self._seen: dict[str, dict[str, str]] = {}  # per stage hotkey: output digest -> input digest (replays)
         self._recent_inputs: dict[str, tuple[str, float]] = {}  # input sha -> (challenged hotkey, when)
@@ -159,7 +163,7 @@ class StageRounds:
         self._decoy_servers: list[DecoyServer] = []
         self.relay: Optional[StageRelay] = None
         self.number = 0
-        self._gateway_seen = _SeenReceipts()  # receipt signatures credited from the gateway's route
+        self._credited = _SeenReceipts()  # receipt signatures credited (the gateway's route and outside drivers)
         self.loader = None  # () -> model, called in a thread when model is None
 
     # ------------------------------------------------------------ lifecycle
@@ -171,6 +175,11 @@ class StageRounds:
         self._http = aiohttp.ClientSession()
         self.relay = StageRelay(self.keypair, self._sink, self._http, self.timeout_s)
         self._thread = LoopThread(asyncio.get_running_loop())
+        if self.work_port is not None:
+            from neurons.validator_app.route_work import RouteWorkServer  # noqa: PLC0415
+
+            self.work_server = RouteWorkServer(self.keypair, self.claim_route_work, self.host, self.work_port)
+            await self.work_server.start()
 
     async def _start_decoys(self) -> None:
         if self._decoy_servers or not self.decoys:
@@ -183,6 +192,8 @@ class StageRounds:
             self._decoy_servers.append(server)
 
     async def close(self) -> None:
+        if self.work_server is not None:
+            await self.work_server.close()
         for server in self._decoy_servers:
             await server.close()
         if self._sink is not None:
@@ -220,6 +231,7 @@ class StageRounds:
         """Check the stage miners among `serving`; return the other (whole-model) neurons."""
         await self.start()
         self.number = number
+        self.serving = {n.hotkey for n in serving}
         miners = await self.discover(serving)
         stage_hotkeys = {m.hotkey for m in miners}
         rest = [n for n in serving if n.hotkey not in stage_hotkeys]
@@ -475,21 +487,26 @@ class StageRounds:
     def credit_route(self, records: Sequence, driver: str) -> Optional[str]:
         """Stage work a route driver claims (neurons.swarm.route.StepRecord list): every step's receipts must
         audit (signed by the registered stage miners for their layers, this route and step, chained from what
-        the driver sent, every layer once, no receipt twice); then each stage is credited the step's tokens.
-        A failed audit blames the driver (or the stage that claims layers it does not serve) and credits no
-        one. Returns the problem, or None."""
+        the driver sent, every layer once, no receipt credited before, here or from the gateway's route); then
+        each stage is credited the step's tokens. A failed audit blames the driver (or the stage that claims
+        layers it does not serve; one row per minute and culprit) and credits no one. Returns the problem, or
+        None."""
         registered = {m.hotkey: m.layers for m in self.miners.values()}
-        seen: set[str] = set()
+        seen = _NewReceipts(self._credited)
         for rec in records:
             a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
                                state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen)
             if not a.ok:
                 who = driver if a.blame == "driver" else a.blame
+                problem = f"step {rec.step} of session {rec.session}: {a.problem}"
                 m = self.miners.get(who)
-                self.store.add_stage_check(dict(round=self.number, uid=m.uid if m else None, hotkey=who,
-                                                layers=m.label if m else None, kind="route_receipts", passed=0,
-                                                blame=1, reason=f"presented by route driver {driver}: {a.problem}"))
-                return a.problem
+                if not self.store.stage_blame(who, time.time() - 60, kind="route_receipts"):
+                    log.warning("route driver %s presented receipts that do not audit: %s", driver, problem)
+                    self.store.add_stage_check(dict(round=self.number, uid=m.uid if m else self._uid_of(who),
+                                                    hotkey=who, layers=m.label if m else None,
+                                                    kind="route_receipts", passed=0, blame=1,
+                                                    reason=f"presented by route driver {driver}: {problem}"))
+                return problem
         rows = []
         for rec in records:
             tokens = int(rec.input_specs[0].shape[0])
@@ -499,7 +516,39 @@ class StageRounds:
                                  passed=1, blame=0, tokens=tokens, reason=f"receipts from driver {driver}"))
         for row in rows:
             self.store.add_stage_check(row)
+        seen.keep()
         return None
+
+    def claim_route_work(self, work, driver: str) -> tuple[int, dict]:
+        """A claim an outside route driver submitted (protocol.route_work.RouteWork, at the work endpoint):
+        (HTTP status, answer). 503 until a round has found the stage miners; 403 when the driver is no serving
+        neuron of the subnet; 422 (the driver blamed, nothing credited) when the receipts do not audit; else 200
+        with the layer-tokens credited."""
+        from neurons.swarm.codec import encode_ids  # noqa: PLC0415
+        from neurons.swarm.route import StepRecord  # noqa: PLC0415
+
+        if self.model is None or not self.miners:
+            return 503, {"code": "not_ready", "message": "the validator has not found the stage miners yet; submit "
+                                                         "again after its next round"}
+        if driver not in self.serving:
+            return 403, {"code": "not_registered", "message": f"{driver} is not a serving neuron of this subnet"}
+        records = []
+        for s in work.steps:
+            specs, body = encode_ids(list(s.token_ids))
+            records.append(StepRecord(s.route_id, s.session, s.step, s.position, tuple(s.receipts), tuple(specs),
+                                      body, b""))
+        problem = self.credit_route(records, driver)
+        if problem is not None:
+            return 422, {"code": "receipts_rejected", "message": f"nothing credited, the driver is blamed: {problem}"}
+        credited = sum(len(s.token_ids) * len(s.receipts) for s in work.steps)
+        log.info("route driver %s: %d steps, %d layer-tokens credited", driver, len(work.steps), credited)
+        return 200, {"steps": len(work.steps), "credited_tokens": credited}
+
+    def blamed_drivers(self, now: Optional[float] = None) -> dict[str, str]:
+        """Route drivers blamed for receipts that do not audit within `blame_s`: hotkey -> the latest reason."""
+        since = (time.time() if now is None else now) - self.blame_s
+        return {r["hotkey"]: r["reason"] for r in self.store.stage_checks(since=since)
+                if r["blame"] and r["kind"] == "route_receipts"}
 
     # ------------------------------------------------------------ the gateway's own route
     def _uid_of(self, hotkey: str) -> Optional[int]:
@@ -603,7 +652,7 @@ class StageRounds:
             for rec in sorted(recs, key=lambda r: r.step):
                 a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
                                    state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers,
-                                   self._gateway_seen)
+                                   self._credited)
                 if not a.ok:
                     out["problems"].append(a.problem)
                     if a.blame != "driver":  # a stage signing for layers it does not announce
@@ -651,7 +700,11 @@ class StageRounds:
         return out
 
     def weights(self, whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork]) -> dict[int, float]:
-        """One weight vector over whole-model and stage miners (scoring.stage_rewards.one_vector)."""
+        """One weight vector over whole-model and stage miners (scoring.stage_rewards.one_vector); a whole-model
+        miner blamed as a route driver (receipts the stages never signed) gets 0."""
+        drivers = self.blamed_drivers()
+        whole_weights = {uid: 0.0 if whole_work.get(uid) is not None and whole_work[uid].hotkey in drivers else w
+                         for uid, w in whole_weights.items()}
         stages = self.stage_work()
         if not stages or self._refs is None:
             return dict(whole_weights)
@@ -668,6 +721,22 @@ class _SeenReceipts(dict):
         self[signature] = None
         while len(self) > self.limit:
             del self[next(iter(self))]
+
+
+class _NewReceipts(set):
+    """The receipt signatures one claim presents, checked against those already credited; `keep()` adds them to
+    the credited ones (only once the whole claim audited)."""
+
+    def __init__(self, credited: _SeenReceipts):
+        super().__init__()
+        self.credited = credited
+
+    def __contains__(self, signature) -> bool:
+        return super().__contains__(signature) or signature in self.credited
+
+    def keep(self) -> None:
+        for signature in self:
+            self.credited.add(signature)
 
 
 def _unanswered(reason: str) -> bool:
@@ -770,7 +839,8 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
                         seed=settings.rounds.seed, max_tokens=s.max_tokens, route_probes=s.route_audits,
                         host=s.sink_host, port=s.sink_port, public_url=s.sink_url or "", timeout_s=s.timeout_s,
                         blame_s=s.blame_s, window_s=s.window_s, decoys=decoys,
-                        decoy_keypair=decoy_keypair(settings) if decoys else None, own_layers=s.own_block())
+                        decoy_keypair=decoy_keypair(settings) if decoys else None, own_layers=s.own_block(),
+                        work_port=s.work_port)
     checkpoint = settings.engine.checkpoint
     stage.loader = lambda: load_reference_model(checkpoint, verify=False)[0]
     loop.stage = stage
