@@ -914,7 +914,9 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
                  driver=swarm_driver(route, view),
                  stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
-                                        if c["kind"] == "challenge" and c["cpu_s"] is not None])
+                                        if c["kind"] == "challenge" and c["cpu_s"] is not None],
+                 first_stage_check_at=min((c["at"] - (c["wall_s"] or 0.0) for c in view.get("checks", [])),
+                                          default=None))
     return state
 
 
@@ -961,7 +963,8 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
                                               validator.wallet.hotkey))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
                            routes=watched["routes"], driver=watched["driver"],
-                           stage_challenge_cpu_s=watched["stage_challenge_cpu_s"])
+                           stage_challenge_cpu_s=watched["stage_challenge_cpu_s"],
+                           first_stage_check_at=watched["first_stage_check_at"])
             if args.stop_when_caught and not watched["caught"]:
                 print("[localnet] the run ended before every cheating stage was blamed and zeroed")
                 status = 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from neurons.localnet import free_port_block
+from neurons.localnet import ROUTE_SETTLE_S, free_port_block, swarm_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path
 
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
     cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--swarm-tokens", "6", "--run-dir", str(run_dir),
-           "--summary", str(summary), "--no-dashboard", "--base-port", str(free_port_block(5))]
+           "--summary", str(summary), "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3)))]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = json.loads(summary.read_text())
@@ -84,20 +84,22 @@ def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
 
 
-# --swarm with cheating stage miners: two cheaters on blocks 1 (3-8) and 2 (9-12); stage0 (0-2) honest in bf16
-SWARM_CHEATS = ("other-weights", "replay")
-ROUTE_REFRESH_S = 2.0  # the route miner's --refresh-s in localnet
+# --swarm with cheaters: three cheating stages, on blocks 1 (3-8), 2 (9-12) and 0 (0-2), each with an honest spare
+# (the last, 9-12, in bf16), and the route miner as a cheating route driver
+SWARM_CHEATS = ("other-weights", "replay", "forwarder", "forge-receipts")
 
 
 def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares(tmp_path):
-    """`--swarm 3 --cheat-stage other-weights --cheat-stage replay --stop-when-caught` as an operator runs it:
-    stage miners as real processes (honest fp32, honest bf16 with a bf16 wire, two cheaters on different blocks,
-    an honest spare for each cheated block), the route miner following the validator's trust, a validator with
-    its own copy of the weights challenging every stage, organic requests through the route miner all along; the
-    run stops as soon as every cheater is blamed and zeroed on chain."""
+    """`--swarm 3 --cheat-stage other-weights --cheat-stage replay --cheat-stage forwarder --cheat-stage
+    forge-receipts --stop-when-caught` as an operator runs it: stage miners as real processes (three cheaters on
+    different blocks, an honest spare for each, fp32 and bf16 with a bf16 wire), the route miner following the
+    validator's trust and submitting forged receipts beside its real ones, a validator with its own copy of the
+    weights challenging every stage, serving a decoy of the forwarder's block and taking the route miner's
+    receipts at its work endpoint, organic requests through the route miner all along; the run stops as soon as
+    every cheater is blamed and zeroed on chain."""
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
     cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--run-dir", str(run_dir), "--summary",
-           str(summary), "--no-dashboard", "--base-port", str(free_port_block(7)), "--tempo", "20",
+           str(summary), "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3))), "--tempo", "20",
            "--stop-when-caught", "--duration", "300"]
     cmd += [a for kind in SWARM_CHEATS for a in ("--cheat-stage", kind)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
@@ -106,20 +108,29 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
     assert state["caught"] is True and state["cheat_stages"] == list(SWARM_CHEATS)
 
     stages = {s["name"]: s for s in state["stages"]}
-    assert set(stages) == {"stage0", "stage1", "stage2", "spare", "spare1"}
+    assert set(stages) == {"stage0", "stage1", "stage2", "spare", "spare1", "spare2"}
     cheaters = {s["cheat"]: s for s in stages.values() if s["cheat"]}
-    assert set(cheaters) == set(SWARM_CHEATS)
-    assert cheaters["other-weights"]["layers"] == "3-8" and cheaters["replay"]["layers"] == "9-12"
-    assert {stages["spare"]["layers"], stages["spare1"]["layers"]} == {"3-8", "9-12"}
-    for kind, s in cheaters.items():  # blamed for what it returned, zeroed in the weights set after the blame
-        blame = s["blame"]
+    assert set(cheaters) == {"other-weights", "replay", "forwarder"}
+    assert [cheaters[k]["layers"] for k in ("other-weights", "replay", "forwarder")] == ["3-8", "9-12", "0-2"]
+    assert sorted(stages[n]["layers"] for n in ("spare", "spare1", "spare2")) == ["0-2", "3-8", "9-12"]
+    for kind, s in cheaters.items():  # blamed, zeroed in the weights set after the blame
         assert s["blamed"] and s["weight"] == 0.0, (kind, s)
+    for kind in ("other-weights", "replay"):  # for what they returned
+        blame, reason = cheaters[kind]["blame"], cheaters[kind]["reason"]
         assert blame["kind"] in ("challenge", "bisection"), (kind, blame)
-        assert any(w in s["reason"] for w in ("diverge", "replays")), (kind, s["reason"])
+        assert any(w in reason for w in ("diverge", "replays", "pass-through")), (kind, reason)
         assert blame["challenges"] <= 3, (kind, blame)
+    # the forwarder's answers are right (the honest spare's or the decoy's): the decoy catches it
+    forwarder = cheaters["forwarder"]
+    assert forwarder["blame"]["kind"] == "decoy" and "without saying so" in forwarder["reason"], forwarder
+    # the route driver claimed receipts the stages never signed: blamed for it and zeroed, no stage credited
+    driver = state["driver"]
+    assert driver["cheat"] == "forge-receipts" and driver["blamed"] and driver["weight"] == 0.0, driver
+    assert driver["blame"]["kind"] == "route_receipts" and "not signed by" in driver["reason"], driver
+    assert driver["credited_tokens"] == 0 and all(s["route_work_tokens"] == 0 for s in stages.values())
     honest = [s for s in stages.values() if not s["cheat"]]
-    assert {s["dtype"] for s in honest} == {"float32", "bfloat16"} and stages["stage0"]["dtype"] == "bfloat16"
-    for s in honest:  # fp32 and bf16 alike: checked, never blamed, paid
+    assert {s["dtype"] for s in honest} == {"float32", "bfloat16"} and stages["spare2"]["dtype"] == "bfloat16"
+    for s in honest:  # fp32 and bf16 alike: checked, never blamed (by a challenge, an audit or the decoy), paid
         assert not s["blamed"] and s["reason"] is None, s
         assert s["challenges"] >= 1 and s["failed"] == 0 and s["verified_tokens"] > 0 and s["weight"] > 0, s
 
@@ -127,16 +138,16 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
     organic = state["organic"]
     assert len(organic) >= 3 and all(o["ok"] for o in organic), [o for o in organic if not o["ok"]]
     blamed = {s["hotkey"] for s in cheaters.values()}
-    last_blame = max(s["blame"]["at"] for s in cheaters.values())
-    # the run may stop within one route refresh of the last blame: every route planned once the route miner
-    # has had time to see the blame avoids the blamed stages, and so does the last one planned
-    settled = [r for r in state["routes"] if r["at"] > last_blame + 2 * ROUTE_REFRESH_S + 1.0]
-    assert all(not blamed & set(r["route"]) for r in settled), settled
-    last_route = state["routes"][-1]
-    assert not blamed & set(last_route["route"]), (last_blame, state["routes"][-3:])
-    spares = {stages["spare"]["hotkey"], stages["spare1"]["hotkey"]}
-    after = [o for o in organic if o["at"] > last_blame and not blamed & set(o["route"])]
-    assert after and spares <= set(after[-1]["route"]), after
+    last_blame = max(s["blame"]["at"] for s in [*cheaters.values(), driver])
+    # the run stops only after a request sent ROUTE_SETTLE_S after the last blame was served (by then the route
+    # miner has re-read the validator's trust): every route planned from then on, the last one included, avoids
+    # the blamed stages, and that request went through the three spares
+    settled = [r for r in state["routes"] if r["at"] > last_blame + ROUTE_SETTLE_S]
+    assert settled and all(not blamed & set(r["route"]) for r in settled), settled
+    assert state["routes"][-1] in settled
+    spares = {stages[n]["hotkey"] for n in ("spare", "spare1", "spare2")}
+    after = [o for o in organic if o["at"] > last_blame + ROUTE_SETTLE_S]
+    assert after and all(set(o["route"]) == spares for o in after), after
 
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
@@ -161,6 +172,30 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
     assert [n.name for n in stages if n.dtype == "bfloat16"] == ["spare2"]  # every stage0..2 cheats here
     assert len({n.port for n in stages}) == len(stages)
 
+    # the forwarder is given the validator's decoy of its block among its targets; the route miner forges receipts
+    # and submits them to the validator's work endpoint
+    from neurons.localnet import DRIVER_CHEATS, route_command, stage_command, swarm_validator_command
+
+    args = parse_args(["--swarm", "3", "--cheat-stage", "forwarder", "--cheat-stage", "forge-receipts",
+                       "--base-port", "20000"])
+    neurons = swarm_neurons(args, tmp_path / "w2")
+    validator, route = neurons[0], neurons[-1]
+    forwarder = next(n for n in neurons if n.cheat == "forwarder")
+    ports = [n.port for n in neurons if n.port] + [forwarder.decoy_port]
+    assert len(set(ports)) == len(ports) and max(ports) < 20000 + swarm_ports(3) and forwarder.layers == "3-8"
+    assert route.cheat == "forge-receipts" and DRIVER_CHEATS == ("forge-receipts",)
+    run = tmp_path / "run"
+    cmd = stage_command(forwarder, args, "devnet:x", 1, run, neurons)
+    assert f"http://127.0.0.1:{forwarder.decoy_port}" in cmd and \
+        f"http://127.0.0.1:{next(n.port for n in neurons if n.name == 'spare')}" in cmd
+    vcmd = swarm_validator_command(validator, args, "devnet:x", 1, run, neurons)
+    assert vcmd[vcmd.index("--stage-decoys") + 1] == f"3-8:{forwarder.decoy_port}"
+    assert vcmd[vcmd.index("--stage-work-port") + 1] == str(validator.port) and "--stage-decoy-hotkey" in vcmd
+    rcmd = route_command(route, args, "devnet:x", 1, run, validator)
+    assert rcmd[2] == "neurons.swarm.driver_cheats"
+    assert rcmd[rcmd.index("--report-work") + 1] == f"{validator.wallet.hotkey.ss58_address}@http://127.0.0.1:" \
+                                                   f"{validator.port}"
+
     one = [n for n in swarm_neurons(parse_args(["--swarm", "3", "--cheat-stage", "skip-layer"]), tmp_path / "w1")
            if n.role == "stage"]
     assert [(n.name, n.layers, n.cheat, n.dtype) for n in one] == [
@@ -171,7 +206,9 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
                           (["--swarm", "2", "--cheat-stage", "echo", "--cheat-stage", "echo", "--cheat-stage", "echo"],
                            "one cheater per block"),
                           (["--swarm", "3", "--stop-when-caught"], "needs at least one --cheat-stage"),
-                          (["--swarm", "3", "--cheat-stage", "lazy"], "invalid choice")):
+                          (["--swarm", "3", "--cheat-stage", "lazy"], "invalid choice"),
+                          (["--swarm", "2", "--cheat-stage", "echo", "--cheat-stage", "echo", "--cheat-stage", "echo",
+                            "--cheat-stage", "forge-receipts"], "one cheater per block")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err

@@ -1,11 +1,14 @@
 """How fast the validator catches each stage cheater on the local swarm (scripts/bench_swarm_cheaters.py).
 
 For every cheater kind in turn it runs `localnet.py --swarm N --cheat-stage KIND --stop-when-caught` (devnet, honest
-fp32 and bf16 stages, an honest spare for the cheated block, the route miner, a validator checking the stages,
-organic requests through the route miner) and reads its summary: how many of the validator's challenges of the
-cheater ran until it was blamed (the blaming one included), seconds from the start of the validator's first check
-of it to the blame, the reason, the validator's CPU seconds per stage challenge (every stage's challenges of that
-run), and the organic requests served while it ran. A cheater not caught before --duration says so.
+fp32 and bf16 stages, an honest spare for the cheated block, the route miner, a validator checking the stages and
+serving a decoy of a forwarder's block, organic requests through the route miner) and reads its summary: how many
+of the validator's challenges of the cheater ran until it was blamed (the blaming one included), seconds from the
+start of the validator's first check of it to the blame, the reason, the validator's CPU seconds per stage
+challenge (every stage's challenges of that run), and the organic requests served while it ran. A cheater not
+caught before --duration says so. The route driver's cheat (forge-receipts: the route miner claims receipts the
+stages never signed) has no block and no challenges: its row counts the validator's checks of it (the claims it
+audited) and the seconds from the start of the validator's first stage check to its blame.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from neurons.localnet import STAGE_CHEATS, free_port_block
+from neurons.localnet import DRIVER_CHEATS, STAGE_CHEATS, free_port_block, swarm_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +33,7 @@ def run_one(kind: str, work: Path, stages: int, duration_s: float, challenges: i
     cmd = [sys.executable, "scripts/localnet.py", "--swarm", str(stages), "--cheat-stage", kind, "--stop-when-caught",
            "--duration", str(duration_s), "--stage-challenges", str(challenges), "--tempo", str(tempo),
            "--no-dashboard", "--run-dir", str(run_dir), "--summary", str(summary),
-           "--base-port", str(free_port_block(stages + 3))]
+           "--base-port", str(free_port_block(swarm_ports(stages)))]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration_s + 400)
     wall = time.monotonic() - started
@@ -39,8 +42,12 @@ def run_one(kind: str, work: Path, stages: int, duration_s: float, challenges: i
                            f"{proc.stderr[-2000:]}")
     state = json.loads(summary.read_text())
     rows = state.get("stages", [])
-    cheater = next(s for s in rows if s["cheat"])
+    driver = state.get("driver") or {}
+    cheater = {**driver, "layers": "-"} if kind in DRIVER_CHEATS else next(s for s in rows if s["cheat"])
     honest_blamed = [s["name"] for s in rows if not s["cheat"] and s["blamed"]]
+    first = state.get("first_stage_check_at")
+    if kind in DRIVER_CHEATS and cheater["blame"]["blamed"] and first is not None:  # from the first stage check
+        cheater["blame"] = {**cheater["blame"], "seconds": cheater["blame"]["at"] - first}
     cpu = state.get("stage_challenge_cpu_s") or []
     organic = state.get("organic") or []
     blame = cheater["blame"]
@@ -49,27 +56,32 @@ def run_one(kind: str, work: Path, stages: int, duration_s: float, challenges: i
             "seconds": blame.get("seconds"), "reason": blame.get("reason") or "", "weight": cheater["weight"],
             "honest_blamed": honest_blamed, "cpu_s_per_challenge": statistics.mean(cpu) if cpu else None,
             "stage_challenges": len(cpu), "organic_ok": sum(1 for o in organic if o["ok"]),
-            "organic_sent": len(organic), "run_s": wall}
+            "organic_sent": len(organic), "run_s": wall,
+            "route_work_tokens": sum(s.get("route_work_tokens") or 0 for s in rows)}
 
 
 def table(rows: list[dict]) -> str:
     out = ["| cheater | block | blamed | challenges until blame | seconds until blame | weight after | reason | "
-           "honest blamed | validator CPU s / stage challenge (n) | organic served / sent | run s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "honest blamed | validator CPU s / stage challenge (n) | organic served / sent | route work credited to the "
+           "stages (layer-tokens) | run s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
         cpu = f"{r['cpu_s_per_challenge']:.2f} ({r['stage_challenges']})" if r["cpu_s_per_challenge"] is not None \
             else "-"
         until = str(r["challenges"]) if r["blamed"] else f"not in {r['challenges']}"
+        if r["kind"] in DRIVER_CHEATS:  # no challenges: the claims of it the validator audited
+            until = f"{r['checks']} claim(s) audited" if r["blamed"] else f"not in {r['checks']} claims"
         out.append(f"| {r['kind']} | {r['layers']} | {'yes' if r['blamed'] else 'NO'} | {until} | {secs} | "
                    f"{r['weight']:.3f} | {r['reason'][:60]} | {', '.join(r['honest_blamed']) or 'none'} | {cpu} | "
-                   f"{r['organic_ok']} / {r['organic_sent']} | {r['run_s']:.0f} |")
+                   f"{r['organic_ok']} / {r['organic_sent']} | {r['route_work_tokens']} | {r['run_s']:.0f} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_swarm_cheaters", description=__doc__.splitlines()[0])
-    ap.add_argument("--cheats", default=",".join(STAGE_CHEATS), help="comma-separated kinds, run in this order")
+    ap.add_argument("--cheats", default=",".join(STAGE_CHEATS + DRIVER_CHEATS),
+                    help="comma-separated kinds, run in this order")
     ap.add_argument("--stages", type=int, default=3, help="stage miners (blocks) of the swarm")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds each run may take to catch its cheater")
     ap.add_argument("--stage-challenges", type=int, default=2, help="validator challenges per stage per round")
@@ -78,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.cheats.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in STAGE_CHEATS]
+    bad = [k for k in kinds if k not in STAGE_CHEATS + DRIVER_CHEATS]
     if bad:
-        ap.error(f"unknown cheater(s) {bad}; choose from {', '.join(STAGE_CHEATS)}")
+        ap.error(f"unknown cheater(s) {bad}; choose from {', '.join(STAGE_CHEATS + DRIVER_CHEATS)}")
     with tempfile.TemporaryDirectory(prefix="bench-swarm-cheaters-") as tmp:
         work = args.work_dir or Path(tmp)
         rows = []

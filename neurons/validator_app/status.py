@@ -45,6 +45,9 @@ def status_report(store: ValidatorStore) -> dict:
     for row in store.failures():
         failures.setdefault(int(row["uid"]), []).append(row)
     uids = sorted(set(latest) | set(ema) | set(miners))
+    # whole-model miners blamed as route drivers (receipts the stages never signed): zeroed, and why
+    drivers = {c["hotkey"]: f"route driver: {c['reason']}" for c in store.stage_checks(since=time.time() - 24 * 3600.0)
+               if c["blame"] and c["kind"] == "route_receipts"}
     rows = []
     for uid in uids:
         score = latest.get(uid)
@@ -71,6 +74,9 @@ def status_report(store: ValidatorStore) -> dict:
         })
         rows[-1]["zero_weight_reason"] = zero_weight_reason(score, rows[-1]["ema"], rows[-1]["weight"],
                                                             last.block is not None)
+        rows[-1]["driver_blame"] = drivers.get(hotkey)
+        if rows[-1]["driver_blame"] and rows[-1]["weight"] == 0:
+            rows[-1]["zero_weight_reason"] = rows[-1]["driver_blame"]
     return {
         "db": str(store.path), "round": int(meta.get("round", 0)),
         "completed_round": int(meta.get("completed_round", 0)),
