@@ -8,7 +8,8 @@ start of the validator's first check of it to the blame, the reason, the validat
 challenge (every stage's challenges of that run), and the organic requests served while it ran. A cheater not
 caught before --duration says so. The route driver's cheat (forge-receipts: the route miner claims receipts the
 stages never signed) has no block and no challenges: its row counts the validator's checks of it (the claims it
-audited) and the seconds from the start of the validator's first stage check to its blame.
+audited). A cheater blamed before any challenge of it (the driver; a forwarder whose route session reached the decoy)
+is timed from the validator's first stage check (its first round, when the decoys start).
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def run_one(kind: str, work: Path, stages: int, duration_s: float, challenges: i
     cheater = {**driver, "layers": "-"} if kind in DRIVER_CHEATS else next(s for s in rows if s["cheat"])
     honest_blamed = [s["name"] for s in rows if not s["cheat"] and s["blamed"]]
     first = state.get("first_stage_check_at")
-    if kind in DRIVER_CHEATS and cheater["blame"]["blamed"] and first is not None:  # from the first stage check
+    if cheater["blame"]["blamed"] and cheater["blame"]["challenges"] == 0 and first is not None:
+        # blamed before any challenge of it (the route driver; a forwarder caught by the decoy on a route's session):
+        # the seconds from the validator's first stage check (its first round, when the decoys start)
         cheater["blame"] = {**cheater["blame"], "seconds": cheater["blame"]["at"] - first}
     cpu = state.get("stage_challenge_cpu_s") or []
     organic = state.get("organic") or []

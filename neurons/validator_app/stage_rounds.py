@@ -35,9 +35,11 @@ of sessions is teacher-forced on the validator's whole-model reference (`check_r
 triggers a relayed route audit of the same stages, whose bisection blames), and every step's receipts are
 audited (`audit_receipts`) before the stages are credited its tokens as `gateway_work`.
 
-Route drivers that present receipts (a third party's) are credited with `credit_route`:
-receipts that do not audit (signed by nobody registered, forged, stale, gapped) blame the driver and
-credit no stage. Route drivers follow trust through `TrustedDirectory` (blamed stages are left out).
+Route drivers that present receipts (a third party's: the route miner submits them to the validator's work
+endpoint, neurons/validator_app/route_work.py, --stage-work-port; `claim_route_work`) are credited with
+`credit_route`: receipts that do not audit (signed by nobody registered, forged, stale, gapped, credited before)
+blame the driver (`route_receipts`), credit no stage, and zero the driver's whole-model weight (`weights`). Route
+drivers follow trust through `TrustedDirectory` (blamed stages are left out).
 """
 from __future__ import annotations
 
@@ -744,10 +746,14 @@ def _unanswered(reason: str) -> bool:
 
 
 class _InputWatch:
-    """A RemoteStage that remembers the hash of each input it sends (for the decoys)."""
+    """A RemoteStage that remembers the hash of each input it sends (for the decoys). Not for a first block: its
+    inputs are token ids, and a short run of them (a decode step is one token) recurs across challenges of
+    different stages, so its hash would not say whose challenge it came from (a forwarder of a first block under
+    its own hotkey is still caught when it opens a session on the decoy)."""
 
     def __init__(self, remote: RemoteStage, recent: dict, hotkey: str):
-        self.remote, self.recent, self.hotkey = remote, recent, hotkey
+        self.remote, self.hotkey = remote, hotkey
+        self.recent = recent if remote.info.start > 0 else {}
 
     def open(self, *a, **kw):
         return self.remote.open(*a, **kw)
