@@ -30,7 +30,8 @@ the weights) and credits the stages the route work whose receipts the route mine
 (--stage-work-port), organic requests go through the route miner all along (it leaves stages the validator blamed
 out of its routes), and the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one,
 weight 0 with the reason, and the route driver's credited work and blame. `--stop-when-caught` ends the run once
-every cheater is blamed and zeroed on chain and organic traffic goes through the spares.
+every cheater is blamed and zeroed on chain, every honest stage is checked and paid, and organic traffic goes
+through the spares.
 
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
@@ -135,8 +136,9 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--stage-challenges", type=int, default=2,
                     help="--swarm: the validator's challenges per stage miner per round")
     ap.add_argument("--stop-when-caught", action="store_true",
-                    help="--swarm with --cheat-stage: stop once every cheating stage is blamed and at weight 0 on "
-                         "chain and an organic request went through the spares (exit 1 if --duration ends first)")
+                    help="--swarm with --cheat-stage: stop once every cheater is blamed and at weight 0 on chain, "
+                         "every honest stage is checked and paid, and an organic request went through the spares "
+                         "(exit 1 if --duration ends first)")
     args = ap.parse_args(argv)
     if (args.cheat_stage or args.stop_when_caught) and not args.swarm:
         ap.error("--cheat-stage and --stop-when-caught go with --swarm N")
@@ -826,8 +828,9 @@ ROUTE_SETTLE_S = 2 * ROUTE_REFRESH_S + 1.0  # after a blame, every route the rou
 
 def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: dict | None = None) -> bool:
     """Every cheating stage (and a cheating route driver) blamed and at weight 0 in weights set after its blame, no
-    honest stage (nor an honest driver) blamed, at least MIN_ORGANIC organic requests served, one of them after the
-    last blame through a route of unblamed stages."""
+    honest stage (nor an honest driver) blamed, every honest stage challenged (none failed) and paid in those weights,
+    at least MIN_ORGANIC organic requests served, one of them sent ROUTE_SETTLE_S after the last blame and served
+    through a route of unblamed stages."""
     parties = rows + ([driver] if driver else [])
     cheaters = [r for r in parties if r["cheat"]]
     status = view.get("status") or {}
@@ -835,6 +838,9 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
     if not cheaters or any(r["blamed"] for r in parties if not r["cheat"]):
         return False
     if not all(r["blame"]["blamed"] and r["weight"] == 0.0 and set_at > r["blame"]["at"] for r in cheaters):
+        return False
+    if not all(r["challenges"] >= 1 and r["failed"] == 0 and r["verified_tokens"] > 0 and r["weight"] > 0
+               for r in rows if not r["cheat"]):
         return False
     last = max(r["blame"]["at"] for r in cheaters)
     blamed = {r["hotkey"] for r in rows if r["cheat"]}
