@@ -46,7 +46,7 @@ def status_report(store: ValidatorStore) -> dict:
         failures.setdefault(int(row["uid"]), []).append(row)
     uids = sorted(set(latest) | set(ema) | set(miners))
     # whole-model miners blamed as route drivers (receipts the stages never signed): zeroed, and why
-    drivers = {c["hotkey"]: f"route driver: {c['reason']}" for c in store.stage_checks(since=time.time() - 24 * 3600.0)
+    drivers = {c["hotkey"]: f"{c['kind']}: {c['reason']}" for c in store.stage_checks(since=time.time() - 24 * 3600.0)
                if c["blame"] and c["kind"] == "route_receipts"}
     rows = []
     for uid in uids:
