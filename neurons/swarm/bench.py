@@ -223,6 +223,26 @@ async def _speculative_generation(engine, prompt: list[int], n: int) -> dict:
 
 
 PROMPTS = {"repeating": [65, 66] * 10, "novel": [(13 * j + 7) % 256 for j in range(20)]}
+CODE_LIKE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef "  # tokenized per model
+
+
+def speculation_kinds(args) -> list[str]:
+    """What each round runs: plain, speculation (the rewind rides on the next forward), with --rewind-message
+    also speculation with the separate rewind round trip (how it was before), and with --always-wrong a
+    drafter whose every guess is wrong (the worst case adaptive k must keep near plain speed)."""
+    return ["none", args.speculate] + ([args.speculate + "+rewind-msg"] if args.rewind_message else []) \
+        + (["always-wrong"] if args.always_wrong else [])
+
+
+def always_wrong(vocab_size: int):
+    """A drafter factory whose drafts are never the greedy token: it guesses the last token + 1, which a
+    greedy route almost never emits right after (checked: the drafts accepted are reported)."""
+    from inference.speculative.drafters import Draft, Drafter  # noqa: PLC0415
+
+    class Wrong(Drafter):
+        def propose(self, history, k):
+            return Draft([(int(history[-1]) + 1) % vocab_size] * k)
+    return lambda prompt: Wrong()
 
 
 async def run_speculation_bench(args) -> list[dict]:
@@ -239,8 +259,12 @@ async def run_speculation_bench(args) -> list[dict]:
     if not args.checkpoint:
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
     config = read_config(ckpt)
-    ranges, links, procs, engine = await start_delayed_route(ckpt, config, load_tokenizer(ckpt, config), work, args)
+    tokenizer = load_tokenizer(ckpt, config)
+    ranges, links, procs, engine = await start_delayed_route(ckpt, config, tokenizer, work, args)
     spec = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
+    wrong = SpeculationConfig(max_draft_tokens=args.draft_tokens, drafter_factory=always_wrong(config.vocab_size))
+    prompts = {**PROMPTS, "code-like": tokenizer.encode(CODE_LIKE, add_bos=True)}
+    prompts = {name: prompts[name] for name in args.prompts}
     rows = []
     try:
         async with engine:
@@ -250,11 +274,13 @@ async def run_speculation_bench(args) -> list[dict]:
                 for rtt in args.rtts_ms:
                     for link in links:
                         link.delay_s = rtt / 2000.0
-                    for prompt in PROMPTS:
-                        for kind in ("none", args.speculate):
-                            engine.speculation = spec if kind != "none" else None
+                    for prompt in prompts:
+                        for kind in speculation_kinds(args):
+                            engine.speculation = None if kind == "none" else wrong if kind == "always-wrong" \
+                                else spec
+                            engine.driver.rewind_in_forward = not kind.endswith("+rewind-msg")
                             runs.setdefault((rtt, prompt, kind), []).append(
-                                await _speculative_generation(engine, PROMPTS[prompt], args.new_tokens))
+                                await _speculative_generation(engine, prompts[prompt], args.new_tokens))
             for (rtt, prompt, kind), rs in runs.items():
                 best = max(rs, key=lambda r: r["tps"])
                 rows.append({"stages": len(ranges), "rtt_ms": rtt, "prompt": prompt, "speculate": kind,
@@ -270,7 +296,7 @@ async def run_speculation_bench(args) -> list[dict]:
 
 def print_speculation_table(rows: list[dict], args) -> None:
     print(f"# bench_swarm --speculate {args.speculate}: tiny model, {rows[0]['stages'] if rows else '?'} stages, "
-          f"prompts of 20 tokens, {args.new_tokens} generated (greedy), best of {args.repeats}; "
+          f"{args.new_tokens} generated (greedy), best of {args.repeats}; "
           f"{os.cpu_count()}-core CPU, torch threads {args.threads} per stage; load average "
           f"{os.getloadavg()[0]:.1f}")
     print("| RTT per link (ms) | prompt | speculate | decode tokens/s (best) | median | speed-up | "
@@ -311,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix"),
                    help="compare speculative decoding with these drafts against plain decoding on the route")
     p.add_argument("--draft-tokens", type=int, default=8, help="with --speculate: most tokens drafted per step")
+    p.add_argument("--prompts", type=lambda s: s.split(","), default=["repeating", "novel"],
+                   help="with --speculate: which of repeating,novel,code-like")
+    p.add_argument("--always-wrong", action="store_true",
+                   help="with --speculate: also run a drafter whose every guess is wrong")
+    p.add_argument("--rewind-message", action="store_true",
+                   help="with --speculate: also run speculation with the separate rewind round trip")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
