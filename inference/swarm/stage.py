@@ -298,7 +298,7 @@ class Stage:
         lim = self.limits
         return {"sessions": lim.max_sessions, "tokens_per_forward": lim.max_tokens_per_forward,
                 "context": min(lim.max_context, self.config.max_position_embeddings),
-                "forward_rewind": 1}  # a forward may carry a rewind (`forward(..., rewind=P)`)
+                "forward_rewind": 1}  # a forward may carry a rewind (`rewind_and_forward`)
 
     # ------------------------------------------------------------ sessions
     def open(self, session_id: str, route_id: str = "", sampling: SamplingParams = SamplingParams(),
