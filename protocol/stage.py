@@ -17,6 +17,14 @@ result naming the hop. Each stage appends a signed receipt (route, session, step
 sha256 of the input state, sha256 of the output state) to the frame header; the receipts chain: the output
 hash of stage i is the input hash of stage i+1, the driver's input hash is that of the token-id frame.
 
+A forward may carry a rewind (`ForwardHeader.rewind` = P): every stage first returns its session to position P,
+exactly as the rewind message would (same bounds: 0 <= P <= the session's position, 400 otherwise; 409 when P
+is older than the stage can rewind to), and then runs the forward, which must start at P. So after a rejected
+speculative draft the driver's next forward takes the rewind along and no separate round trip is needed. A
+refused forward leaves the session as it was, rewind included. Stages that understand it say so in their
+capabilities (`capacity["forward_rewind"] == 1`); the field is left out of headers that carry no rewind, so
+stages that predate it still parse every other forward, and the rewind message stays.
+
 `state_sha256(specs, body)` hashes a state as sent: the canonical JSON of its tensor specs, then the body.
 """
 from __future__ import annotations
@@ -154,6 +162,8 @@ class ForwardHeader(_Msg):
     mode: Literal["none", "sample", "score", "verify"] = "none"
     targets: Optional[list[int]] = Field(None, max_length=MAX_TOKENS)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    # first return the session to this position (the rewind message's bounds); the forward then starts there
+    rewind: Optional[int] = Field(None, ge=0, le=2**31 - 1)
     receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)
     tensors: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
 
@@ -262,7 +272,9 @@ def state_sha256(specs: list[TensorSpec], body: bytes) -> str:
 
 
 def encode_frame(header: BaseModel, body: bytes = b"") -> bytes:
-    raw = header.model_dump_json().encode()
+    # a forward without a rewind leaves the field out, so that stages predating it parse the header
+    skip = {"rewind"} if isinstance(header, ForwardHeader) and header.rewind is None else None
+    raw = header.model_dump_json(exclude=skip).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"frame header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     return _PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, len(raw)) + raw + body

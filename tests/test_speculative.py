@@ -9,7 +9,7 @@ from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
 from inference.serving.sampling import SamplingParams, filtered_probs
 from inference.speculative.drafters import Draft, Drafter, NgramDrafter, ReplayDrafter, SuffixDrafter, make_drafter
-from inference.speculative.speculation import DraftLength, SpeculationConfig, speculative_generate
+from inference.speculative.speculation import DraftLength, SequenceSpeculation, SpeculationConfig, speculative_generate
 from inference.speculative.verify import accept_drafts
 
 _models: dict = {}
@@ -248,3 +248,69 @@ def test_adaptive_k_makes_novel_text_mostly_plain_steps():
     plain, _ = speculative_generate(model, PROMPTS["novel"], SamplingParams(max_tokens=24), SpeculationConfig())
     assert got == plain
     assert stats["plain_steps"] >= 15  # drafts of a random model on novel text are rarely right
+
+
+class _FixedGuess(Drafter):
+    """Always guesses `token` (k times)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, history, k):
+        return Draft([self.token] * k)
+
+
+def test_misses_pause_drafting_with_growing_pauses_and_right_guesses_resume_it():
+    # verify_cost 0: the acceptance estimate alone never gives k = 0, so only the pauses stop drafting
+    config = SpeculationConfig(drafter="ngram", miss_limit=2, pause_steps=3, max_pause_steps=6, verify_cost=0.0)
+    spec = SequenceSpeculation(config, SamplingParams(), _FixedGuess(7))
+    history = [1, 2, 3]
+
+    def plain_steps_before_a_draft(chosen=8):
+        n = 0
+        while not spec.drafts(history, 8).tokens:
+            spec.observe_plain(chosen)
+            n += 1
+            assert n < 100
+        return n
+
+    assert plain_steps_before_a_draft() == 0
+    spec.record_verdict(2, 0)
+    assert plain_steps_before_a_draft() == 0  # one miss: still drafting
+    spec.record_verdict(2, 0)  # two in a row: a pause of 3 plain steps
+    assert plain_steps_before_a_draft() == 3
+    spec.record_verdict(1, 0)  # the probe fails: twice as long
+    assert plain_steps_before_a_draft() == 6
+    spec.record_verdict(1, 0)  # capped at max_pause_steps
+    assert plain_steps_before_a_draft() == 6
+    spec.record_verdict(1, 1)  # an accepted draft ends the misses and resets the pause length
+    assert plain_steps_before_a_draft() == 0
+    spec.record_verdict(2, 0)
+    spec.record_verdict(2, 0)
+    assert spec.paused == 3 and spec.pauses == 4
+    assert not spec.drafts(history, 8).tokens
+    spec.observe_plain(7)  # the drafter's free guess was right: the pause ends at once
+    assert spec.drafts(history, 8).tokens
+    # fixed_draft_tokens (benchmarks, tests): no pauses
+    fixed = SequenceSpeculation(SpeculationConfig(drafter="ngram", max_draft_tokens=4, fixed_draft_tokens=4),
+                                SamplingParams(), _FixedGuess(7))
+    for _ in range(5):
+        assert len(fixed.drafts(history, 8).tokens) == 4
+        fixed.record_verdict(4, 0)
+    assert SpeculationConfig(pause_steps=0).problems() and SpeculationConfig(miss_limit=-1).problems()
+    assert SpeculationConfig(pause_steps=8, max_pause_steps=4).problems()
+
+
+def test_novel_text_pauses_after_two_wrong_drafts():
+    """A drafter that is always wrong costs at most `miss_limit` verify steps per pause, and output is plain."""
+    model = model_for()
+    params = SamplingParams(max_tokens=24)
+    plain, _ = speculative_generate(model, PROMPTS["novel"], params, SpeculationConfig())
+    wrong = (plain[0] + 1) % ModelConfig.tiny().vocab_size
+    got, stats = speculative_generate(model, PROMPTS["novel"], params, SpeculationConfig(), drafter=_FixedGuess(wrong))
+    assert got == plain
+    # 2 misses, a pause of 8 (its wrong free guesses bring the estimate to k = 0 meanwhile)
+    assert stats["verify_steps"] <= 3 and stats["pauses"] >= 1
+    _, slow = speculative_generate(model, PROMPTS["novel"], params, SpeculationConfig(miss_limit=0),
+                                   drafter=_FixedGuess(wrong))
+    assert slow["verify_steps"] > stats["verify_steps"] + 2  # the estimate alone takes longer to give up

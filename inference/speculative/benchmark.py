@@ -1,8 +1,9 @@
 """Speculative decoding benchmark (issue 17): accepted tokens per verify step and single-stream speed-up.
 
-Table 1, per prompt kind (code-like, repetitive, novel) and drafter (ngram, suffix, and two "oracle"
-drafters of known quality that replay the plain greedy output, all right or every 4th token wrong: they
-show what the verification machinery delivers at that acceptance, apart from drafting): decode tokens/s
+Table 1, per prompt kind (code-like, repetitive, novel) and drafter (ngram, suffix, and "oracle" drafters
+of known quality that replay the plain greedy output, all right, every 4th token wrong or all wrong, the
+last also without adaptive k's pauses: they show what the verification machinery delivers at that
+acceptance, apart from drafting, and how fast adaptive k gives up on drafts that are never right): decode tokens/s
 through the serving engine, one stream, greedy, plain and speculative runs alternated and repeated
 (median), by wall clock and by process CPU time (steadier when other work shares the machine), with the
 drafted / accepted counts. Speculative output is checked equal to plain output.
@@ -62,7 +63,8 @@ async def _one_run(model, tokenizer, prompt_ids, max_tokens, speculation):
     return tokens, final, (len(tokens) - 1) / decode_s, (len(tokens) - 1) / cpu_s
 
 
-def speedup_table(model, tokenizer, max_tokens: int, repeats: int) -> list[dict]:
+def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: list[str] | None = None) -> list[dict]:
+    """`drafters`: the variants to run (default all: ngram, suffix and the oracles)."""
     rows = []
     for kind, text in PROMPTS.items():
         prompt_ids = tokenizer.encode(text, add_bos=True)
@@ -78,7 +80,10 @@ def speedup_table(model, tokenizer, max_tokens: int, repeats: int) -> list[dict]
             "suffix": SpeculationConfig(drafter="suffix"),
             "oracle (all right)": SpeculationConfig(drafter_factory=oracle(0)),
             "oracle (1 in 4 wrong)": SpeculationConfig(drafter_factory=oracle(4)),
+            "oracle (all wrong)": SpeculationConfig(drafter_factory=oracle(1)),  # adaptive k must give up fast
+            "oracle (all wrong, no pauses)": SpeculationConfig(drafter_factory=oracle(1), miss_limit=0),
         }
+        variants = {name: c for name, c in variants.items() if drafters is None or name.split()[0] in drafters}
         plain_runs: list = []
         results: dict[str, list] = {name: [] for name in variants}
         for _ in range(repeats):  # alternate so that load changes on this machine hit both alike
@@ -170,6 +175,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--drafters", type=lambda s: s.split(","), default=None,
+                        help="comma-separated subset of ngram,suffix,oracle (default all)")
+    parser.add_argument("--skip-rewind-table", action="store_true", help="leave out the rollback cost table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,9 +188,9 @@ def main(argv=None) -> int:
         model, tokenizer, fp = load_reference_model(ckpt)
     print(f"checkpoint {args.checkpoint or 'random tiny (seed 0)'} ({fp}), {args.tokens} tokens per run, "
           f"greedy, one stream, median of {args.repeats}, {args.threads} thread(s)\n")
-    rows = speedup_table(model, tokenizer, args.tokens, args.repeats)
+    rows = speedup_table(model, tokenizer, args.tokens, args.repeats, args.drafters)
     print(format_table(rows, [
-        ("prompt", "prompt", "<10"), ("drafter", "drafter", "<21"), ("tokens", "tokens", ">6"),
+        ("prompt", "prompt", "<10"), ("drafter", "drafter", "<29"), ("tokens", "tokens", ">6"),
         ("proposed", "drafted", ">7"), ("accepted", "accepted", ">8"), ("verify_steps", "verifies", ">8"),
         ("accepted_per_verify", "acc/verify", ">10.2f"), ("tokens_per_s", "tok/s", ">7.1f"),
         ("speedup", "speed-up", ">8.2f"), ("cpu_speedup", "CPU-time speed-up", ">17.2f"),
@@ -190,10 +198,11 @@ def main(argv=None) -> int:
     print("\n(acc/verify: accepted drafts per verify step; a verify step emits that plus one token. speed-up: "
           "decode tokens/s over plain, wall clock; CPU-time speed-up: the same from this process's CPU time, "
           "steadier on a shared machine.)")
-    rewind = rewind_table(model)
-    print("\nrollback of a verify step of 8 drafts keeping 3 positions:\n")
-    print(format_table(rewind, [("size", "size", "<8"), ("method", "method", "<44"), ("ms", "ms", ">8.3f"),
-                                ("log_bytes", "bytes kept", ">12,")]))
+    rewind = [] if args.skip_rewind_table else rewind_table(model)
+    if rewind:
+        print("\nrollback of a verify step of 8 drafts keeping 3 positions:\n")
+        print(format_table(rewind, [("size", "size", "<8"), ("method", "method", "<44"), ("ms", "ms", ">8.3f"),
+                                    ("log_bytes", "bytes kept", ">12,")]))
     if args.json:
         args.json.write_text(json.dumps({"speedup": rows, "rewind": rewind}, indent=2))
     return 0 if all(r["same_output"] for r in rows) else 1

@@ -13,6 +13,13 @@ k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs about 1 + c*k pla
 count of accepted drafts over drafts judged (a rejection ends a step's trials). On a plain step the
 drafter is still asked for one token (free: no model work), and whether it equals the token the step chose
 updates a, so a sequence whose text turns repetitive starts speculating again without paying for probes.
+
+Pauses. The estimate of a moves slowly (a prior worth two drafts, then a decayed count), so on novel text,
+where a drafter's rare guesses are all wrong, it would take several wasted verify steps before k reaches 0.
+So `miss_limit` verify steps in a row that accepted nothing pause drafting for `pause_steps` plain steps; each
+probe after a pause that accepts nothing again doubles the pause (up to `max_pause_steps`), and any accepted
+draft ends the misses and resets the pause length. A right guess of the drafter on a plain step (the free
+check above) ends a pause early: the text has turned repetitive. `fixed_draft_tokens` turns all of this off.
 """
 from __future__ import annotations
 
@@ -38,6 +45,9 @@ class SpeculationConfig:
     prior_acceptance: float = 0.5  # a before anything was judged
     prior_weight: float = 2.0  # ... worth this many judged drafts
     memory: float = 0.9  # decay of the acceptance counts per judged step
+    miss_limit: int = 2  # verify steps in a row that accept nothing before drafting pauses (0: never pause)
+    pause_steps: int = 8  # plain steps of the first pause; each failed probe after a pause doubles it ...
+    max_pause_steps: int = 64  # ... up to this many
     fixed_draft_tokens: int | None = None  # benchmarks/tests: always draft this many (no adaptation)
     min_match: int | None = None  # shortest history match a drafter copies from (None: the drafter's default)
     # A drafter of one's own per sequence, called with the prompt's token ids (a draft model; a benchmark's
@@ -62,6 +72,9 @@ class SpeculationConfig:
             out.append("prior_acceptance must lie in (0, 1) and memory in (0, 1]")
         if self.min_match is not None and self.min_match < 1:
             out.append(f"min_match must be >= 1 (got {self.min_match})")
+        if self.miss_limit < 0 or not 1 <= self.pause_steps <= self.max_pause_steps:
+            out.append(f"miss_limit must be >= 0 and 1 <= pause_steps <= max_pause_steps (got {self.miss_limit}, "
+                       f"{self.pause_steps}, {self.max_pause_steps})")
         if self.fixed_draft_tokens is not None and not 0 <= self.fixed_draft_tokens <= self.max_draft_tokens:
             out.append(f"fixed_draft_tokens must lie in 0..max_draft_tokens (got {self.fixed_draft_tokens})")
         return out
@@ -114,6 +127,10 @@ class SequenceSpeculation:
         self.verify_steps = 0  # steps that verified at least one draft
         self.plain_steps = 0
         self._shadow: int | None = None  # the drafter's guess on a plain step, judged afterwards
+        self.misses = 0  # verify steps in a row that accepted nothing
+        self.paused = 0  # plain steps left before drafting resumes
+        self.pause_len = config.pause_steps  # the next pause's length
+        self.pauses = 0  # pauses begun
 
     @classmethod
     def for_request(cls, config: SpeculationConfig, params: SamplingParams,
@@ -126,7 +143,9 @@ class SequenceSpeculation:
         self._shadow = None
         if self.drafter is None:
             return Draft([])
-        k = min(self.length.best_k(), max(0, limit))
+        k = 0 if self.paused > 0 else min(self.length.best_k(), max(0, limit))
+        if self.paused > 0:
+            self.paused -= 1
         draft = self.drafter.propose(history, max(k, 1))
         if k == 0:
             self._shadow = draft.tokens[0] if draft.tokens else None
@@ -145,6 +164,16 @@ class SequenceSpeculation:
         self.accepted += accepted
         self.verify_steps += 1
         self.length.observe(accepted, accepted + (1 if accepted < drafted else 0))
+        if self.config.fixed_draft_tokens is not None or self.config.miss_limit == 0:
+            return
+        if accepted > 0:
+            self.misses, self.pause_len = 0, self.config.pause_steps
+            return
+        self.misses += 1
+        if self.misses >= self.config.miss_limit:  # a first pause, or a probe after one that failed again
+            self.paused = self.pause_len
+            self.pause_len = min(2 * self.pause_len, self.config.max_pause_steps)
+            self.pauses += 1
 
     def observe_plain(self, chosen: int) -> None:
         """After a plain step that chose `chosen`: judge the drafter's unused guess for free. Counting a
@@ -152,15 +181,18 @@ class SequenceSpeculation:
         sampled."""
         self.plain_steps += 1
         if self._shadow is not None:
-            self.length.observe(1.0 if self._shadow == chosen else 0.0, 1.0)
+            right = self._shadow == chosen
+            self.length.observe(1.0 if right else 0.0, 1.0)
             self._shadow = None
+            if right:
+                self.paused = 0  # the drafter guesses right again: probe on the next step
 
     def final_counts(self) -> dict:
         """The counts a request's final event reports."""
         return {"draft_proposed": self.proposed, "draft_accepted": self.accepted, "verify_steps": self.verify_steps}
 
     def stats(self) -> dict:
-        return {**self.final_counts(), "plain_steps": self.plain_steps}
+        return {**self.final_counts(), "plain_steps": self.plain_steps, "pauses": self.pauses}
 
 
 @torch.inference_mode()

@@ -21,7 +21,8 @@ last `rewind_window` positions. A rewind outside the window is refused.
 
 A forward in mode "verify" (speculative decoding across the route) carries the last token and k drafts; the
 cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cache's own rewind (no replay),
-and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens.
+and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens. The rewind after a
+rejection can come with the next forward (`rewind_and_forward`), so it costs the route no round trip of its own.
 
 The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N)`: the sharded
 runtime restricted to the block, `ShardedModel(layers=...)`); its session state then lives in the shards,
@@ -296,7 +297,8 @@ class Stage:
     def capacity(self) -> dict:
         lim = self.limits
         return {"sessions": lim.max_sessions, "tokens_per_forward": lim.max_tokens_per_forward,
-                "context": min(lim.max_context, self.config.max_position_embeddings)}
+                "context": min(lim.max_context, self.config.max_position_embeddings),
+                "forward_rewind": 1}  # a forward may carry a rewind (`rewind_and_forward`)
 
     # ------------------------------------------------------------ sessions
     def open(self, session_id: str, route_id: str = "", sampling: SamplingParams = SamplingParams(),
@@ -430,6 +432,17 @@ class Stage:
                 raise StageError(400, "bad_targets", f"targets must lie in -1..{cfg.vocab_size - 1}")
         return n
 
+    def rewind_and_forward(self, session_id: str, rewind: int, position: int, inputs, mode: str = "none",
+                           targets: Sequence[int] | None = None, top_k: int = 0) -> ResidualState | HeadOutput:
+        """A forward that first returns the session to `rewind` (where the forward must start): the rewind and
+        the forward are checked before either touches the session, so a refused one leaves it as it was."""
+        with self._lock:
+            session = self.get(session_id)
+            self.check_rewind(session, rewind)
+            self.check_forward(session, position, inputs, mode, targets, top_k, expected_position=rewind)
+            self.rewind(session_id, rewind)
+            return self.forward(session_id, position, inputs, mode, targets, top_k)
+
     def forward(self, session_id: str, position: int, inputs, mode: str = "none",
                 targets: Sequence[int] | None = None, top_k: int = 0) -> ResidualState | HeadOutput:
         """Run the stage's layers on the new tokens of one session.
@@ -555,12 +568,28 @@ class Stage:
         return {i: c.clone() for i, c in enumerate(cache.layers) if isinstance(c, KDALayerCache)}
 
     # ------------------------------------------------------------ rewind
+    def check_rewind(self, session: StageSession, position: int, current: int | None = None) -> None:
+        """Refuse (StageError) a rewind of `session` to `position` that `rewind` could not do, touching nothing:
+        400 outside 0..its position (`current`: where it will be once accepted forwards ran; by default its
+        position now), 409 when older than its rewind window."""
+        now = session.position if current is None else current
+        if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= now:
+            raise StageError(400, "bad_position", f"can rewind only to 0..{now}, not {position!r}")
+        if position in (0, session.position) or position > session.position:
+            return  # a fresh cache, nothing to do, or (queued forwards) judged again when it runs
+        if session.cache.marked and session.cache.marked_at <= position:
+            return
+        if self._replay_start(session, position) is None:
+            raise StageError(409, "rewind_out_of_window",
+                             f"position {position} is older than this session's rewind window "
+                             f"(recorded inputs from {session.inputs_start}, snapshots at "
+                             f"{list(session.snapshots)[:1]}...); re-open and re-prefill")
+
     def rewind(self, session_id: str, position: int) -> int:
         """Return a session to `position` (< its current position): as if it had never seen the later tokens."""
         with self._lock:
             session = self.get(session_id)
-            if not isinstance(position, int) or not 0 <= position <= session.position:
-                raise StageError(400, "bad_position", f"can rewind only to 0..{session.position}, not {position!r}")
+            self.check_rewind(session, position)
             if position == session.position:
                 return position
             if session.cache.marked and session.cache.marked_at <= position:
@@ -576,12 +605,7 @@ class Stage:
                 session.position = 0
                 session.last_used = time.monotonic()
                 return 0
-            start = self._replay_start(session, position)
-            if start is None:
-                raise StageError(409, "rewind_out_of_window",
-                                 f"position {position} is older than this session's rewind window "
-                                 f"(recorded inputs from {session.inputs_start}, snapshots at "
-                                 f"{list(session.snapshots)[:1]}...); re-open and re-prefill")
+            start = self._replay_start(session, position)  # not None: check_rewind said so
             with torch.inference_mode():
                 self._restore(session, start)
                 for pos, payload in [(p, x) for p, x in session.inputs]:

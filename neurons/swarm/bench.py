@@ -205,24 +205,63 @@ async def run_bench(args) -> list[dict]:
     return rows
 
 
-async def _speculative_generation(engine, prompt: list[int], n: int) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) used so far by these processes and this one (Linux /proc; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = time.process_time()
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+async def _speculative_generation(engine, prompt: list[int], n: int, pids: list[int] = ()) -> dict:
     """One greedy generation: TTFT, decode tokens/s (tokens after the first over the time after the first),
-    and the final event's draft counts."""
+    the CPU seconds of the driver and the stage processes `pids` over the decode, the rewind round trips, and
+    the final event's draft counts."""
     from inference.serving.engine import FinalEvent, GenerationRequest  # noqa: PLC0415
     from inference.serving.sampling import SamplingParams  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    stamps, final = [], None
+    stamps, final, cpu0 = [], None, None
+    messages = engine.driver.rewind_messages
     async for ev in engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
         if isinstance(ev, FinalEvent):
             final = ev
             break
         stamps.append(time.perf_counter())
+        if cpu0 is None:
+            cpu0 = cpu_seconds(list(pids))
     return {"ttft_ms": (stamps[0] - t0) * 1000.0, "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "cpu_s": cpu_seconds(list(pids)) - cpu0, "tokens": len(stamps) - 1,
+            "rewind_messages": engine.driver.rewind_messages - messages,
             "proposed": final.draft_proposed, "accepted": final.draft_accepted, "steps": final.verify_steps}
 
 
 PROMPTS = {"repeating": [65, 66] * 10, "novel": [(13 * j + 7) % 256 for j in range(20)]}
+CODE_LIKE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef "  # tokenized per model
+
+
+def speculation_kinds(args) -> list[str]:
+    """What each round runs: plain, speculation (the rewind rides on the next forward), with --rewind-message
+    also speculation with the separate rewind round trip (how it was before), and with --always-wrong a
+    drafter whose every guess is wrong (the worst case adaptive k must keep near plain speed)."""
+    return ["none", args.speculate] + ([args.speculate + "+rewind-msg"] if args.rewind_message else []) \
+        + (["always-wrong"] if args.always_wrong else [])
+
+
+def always_wrong(vocab_size: int):
+    """A drafter factory whose drafts are never the greedy token: it guesses the last token + 1, which a
+    greedy route almost never emits right after (checked: the drafts accepted are reported)."""
+    from inference.speculative.drafters import Draft, Drafter  # noqa: PLC0415
+
+    class Wrong(Drafter):
+        def propose(self, history, k):
+            return Draft([(int(history[-1]) + 1) % vocab_size] * k)
+    return lambda prompt: Wrong()
 
 
 async def run_speculation_bench(args) -> list[dict]:
@@ -239,8 +278,12 @@ async def run_speculation_bench(args) -> list[dict]:
     if not args.checkpoint:
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
     config = read_config(ckpt)
-    ranges, links, procs, engine = await start_delayed_route(ckpt, config, load_tokenizer(ckpt, config), work, args)
+    tokenizer = load_tokenizer(ckpt, config)
+    ranges, links, procs, engine = await start_delayed_route(ckpt, config, tokenizer, work, args)
     spec = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
+    wrong = SpeculationConfig(max_draft_tokens=args.draft_tokens, drafter_factory=always_wrong(config.vocab_size))
+    prompts = {**PROMPTS, "code-like": tokenizer.encode(CODE_LIKE, add_bos=True)}
+    prompts = {name: prompts[name] for name in args.prompts}
     rows = []
     try:
         async with engine:
@@ -250,16 +293,21 @@ async def run_speculation_bench(args) -> list[dict]:
                 for rtt in args.rtts_ms:
                     for link in links:
                         link.delay_s = rtt / 2000.0
-                    for prompt in PROMPTS:
-                        for kind in ("none", args.speculate):
-                            engine.speculation = spec if kind != "none" else None
+                    for prompt in prompts:
+                        for kind in speculation_kinds(args):
+                            engine.speculation = None if kind == "none" else wrong if kind == "always-wrong" \
+                                else spec
+                            engine.driver.rewind_in_forward = not kind.endswith("+rewind-msg")
                             runs.setdefault((rtt, prompt, kind), []).append(
-                                await _speculative_generation(engine, PROMPTS[prompt], args.new_tokens))
+                                await _speculative_generation(engine, prompts[prompt], args.new_tokens,
+                                                              [p.pid for p in procs]))
             for (rtt, prompt, kind), rs in runs.items():
                 best = max(rs, key=lambda r: r["tps"])
                 rows.append({"stages": len(ranges), "rtt_ms": rtt, "prompt": prompt, "speculate": kind,
                              "ttft_ms": min(r["ttft_ms"] for r in rs), "tps": best["tps"],
                              "tps_median": sorted(r["tps"] for r in rs)[len(rs) // 2],
+                             "cpu_ms_per_token": 1000.0 * sum(r["cpu_s"] for r in rs) / sum(r["tokens"] for r in rs),
+                             "rewind_messages": best["rewind_messages"],
                              "proposed": best["proposed"], "accepted": best["accepted"], "steps": best["steps"]})
     finally:
         stop_processes(procs)
@@ -270,18 +318,21 @@ async def run_speculation_bench(args) -> list[dict]:
 
 def print_speculation_table(rows: list[dict], args) -> None:
     print(f"# bench_swarm --speculate {args.speculate}: tiny model, {rows[0]['stages'] if rows else '?'} stages, "
-          f"prompts of 20 tokens, {args.new_tokens} generated (greedy), best of {args.repeats}; "
+          f"{args.new_tokens} generated (greedy), best of {args.repeats}; "
           f"{os.cpu_count()}-core CPU, torch threads {args.threads} per stage; load average "
           f"{os.getloadavg()[0]:.1f}")
-    print("| RTT per link (ms) | prompt | speculate | decode tokens/s (best) | median | speed-up | "
-          "drafts accepted / proposed | verify steps | TTFT (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    plain = {(r["rtt_ms"], r["prompt"]): r["tps"] for r in rows if r["speculate"] == "none"}
+    print("| RTT per link (ms) | prompt | speculate | decode tokens/s (best) | median | speed-up (best) | "
+          "CPU ms per token (all processes) | CPU-time speed-up | drafts accepted / proposed | verify steps | "
+          "rewind round trips | TTFT (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    plain = {(r["rtt_ms"], r["prompt"]): r for r in rows if r["speculate"] == "none"}
     for r in rows:
-        ratio = r["tps"] / plain[(r["rtt_ms"], r["prompt"])]
+        base = plain[(r["rtt_ms"], r["prompt"])]
         drafts = f"{r['accepted']} / {r['proposed']}" if r["speculate"] != "none" else "-"
         print(f"| {r['rtt_ms']:g} | {r['prompt']} | {r['speculate']} | {r['tps']:.1f} | {r['tps_median']:.1f} | "
-              f"{ratio:.2f}x | {drafts} | {r['steps']} | {r['ttft_ms']:.0f} |")
+              f"{r['tps'] / base['tps']:.2f}x | {r['cpu_ms_per_token']:.1f} | "
+              f"{base['cpu_ms_per_token'] / r['cpu_ms_per_token']:.2f}x | {drafts} | {r['steps']} | "
+              f"{r['rewind_messages']} | {r['ttft_ms']:.0f} |")
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -311,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix"),
                    help="compare speculative decoding with these drafts against plain decoding on the route")
     p.add_argument("--draft-tokens", type=int, default=8, help="with --speculate: most tokens drafted per step")
+    p.add_argument("--prompts", type=lambda s: s.split(","), default=["repeating", "novel"],
+                   help="with --speculate: which of repeating,novel,code-like")
+    p.add_argument("--always-wrong", action="store_true",
+                   help="with --speculate: also run a drafter whose every guess is wrong")
+    p.add_argument("--rewind-message", action="store_true",
+                   help="with --speculate: also run speculation with the separate rewind round trip")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

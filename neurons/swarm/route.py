@@ -15,10 +15,12 @@ Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"
 model-free drafter (inference.speculative) proposes k tokens with adaptive k; the driver sends [last token,
 d_1..d_k] through the route as one forward in mode "verify", the last stage judges the drafts against its
 logits (greedy: argmax; sampled: the speculative-sampling rule, so the distribution is unchanged) and answers
-the accepted drafts plus one token; when it rejected some, the driver sends the rewind message to every stage
-(in parallel) so that each session's KDA, convolution and MLA state returns to the last accepted position. The
-final event reports the drafted and accepted tokens. One verify step costs one traversal plus, on a
-rejection, one parallel rewind round trip.
+the accepted drafts plus one token; when it rejected some, every stage's session must return to the last
+accepted position (KDA, convolution and MLA state). The driver sends that rewind with the next forward
+(`ForwardHeader.rewind`) when every stage of the route takes it there (`capacity["forward_rewind"]`), else as
+the rewind message to every stage in parallel. The final event reports the drafted and accepted tokens. One
+verify step costs one traversal, with or without a rejection (one more parallel round trip per rejection on
+routes of older stages).
 
 Churn: a hop that cannot be reached, answers an error, or a step that does not come back within
 hop_timeout_s x (N + 1) marks the stage at fault (the one a stage names as its unreachable next hop, or the
@@ -234,6 +236,7 @@ class RouteSession:
     step: int = 0
     position: int = 0
     receipts: list[Receipt] = field(default_factory=list)  # of the last step
+    rewind_to: int | None = None  # a rewind the stages have not done yet: it goes with the next forward
 
 
 @dataclass
@@ -243,6 +246,7 @@ class _Pending:
     hotkeys: list[str]
     position: int = 0
     input: tuple = ()  # (specs, body) of what the driver sent, kept only when the driver records steps
+    rewind: int | None = None
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ class StepRecord:
     input_specs: tuple
     input_body: bytes
     result_body: bytes
+    rewind: int | None = None  # the rewind the forward carried (its stages went back there first)
 
 
 class RouteDriver:
@@ -266,7 +271,9 @@ class RouteDriver:
 
     def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
                  port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
-                 public_url: str = "", record_steps: int = 0):
+                 public_url: str = "", record_steps: int = 0, rewind_in_forward: bool = True):
+        """`rewind_in_forward`: send a deferred rewind (`rewind(..., with_next_forward=True)`) in the next
+        forward's header where every stage of the route takes it (False: always the rewind message)."""
         self.directory = directory
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
@@ -287,6 +294,8 @@ class RouteDriver:
         self.recoveries = 0
         self.last_receipts: list[Receipt] = []
         self.record_steps = record_steps  # keep the last this many StepRecords (0: none)
+        self.rewind_in_forward = rewind_in_forward
+        self.rewind_messages = 0  # rewind round trips made (one per rewind, to all stages in parallel)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=max(1, record_steps))
 
     @property
@@ -376,18 +385,38 @@ class RouteDriver:
         await asyncio.gather(*(self._control(s, CLOSE_PATH, body, self.probe_timeout_s) for s in rs.route),
                              return_exceptions=True)
 
-    async def rewind(self, rs: RouteSession, position: int) -> None:
-        """Every stage of the route back to `position` (the head's next draw then is the token at it)."""
+    def takes_forward_rewind(self, rs: RouteSession) -> bool:
+        """Whether every stage of the route takes a rewind in a forward's header."""
+        return self.rewind_in_forward and all(s.caps.capacity.get("forward_rewind", 0) == 1 for s in rs.route)
+
+    async def rewind(self, rs: RouteSession, position: int, with_next_forward: bool = False) -> None:
+        """Every stage of the route back to `position` (the head's next draw then is the token at it).
+        `with_next_forward`: when the route takes it, the rewind goes with the next forward (`run`) instead of
+        its own round trip now; `rs.position` is `position` either way."""
+        if with_next_forward and self.takes_forward_rewind(rs):
+            if not 0 <= position <= rs.position:
+                raise ValueError(f"can rewind only to 0..{rs.position}, not {position}")
+            rs.rewind_to = position if rs.rewind_to is None else min(rs.rewind_to, position)
+            rs.position = position
+            return
         body = RewindRequest(session=rs.session, position=position).model_dump_json().encode()
+        self.rewind_messages += 1
         results = await asyncio.gather(*(self._control(s, REWIND_PATH, body) for s in rs.route),
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         rs.position = position
+        rs.rewind_to = None
+
+    async def flush_rewind(self, rs: RouteSession) -> None:
+        """Do a rewind that waits for the next forward now (the rewind message)."""
+        if rs.rewind_to is not None:
+            await self.rewind(rs, rs.rewind_to)
 
     async def fork(self, rs: RouteSession) -> RouteSession:
         """A copy of the session on every stage of its route (same position and state), under a new id."""
+        await self.flush_rewind(rs)
         copy = RouteSession(rs.route, rs.route_id, secrets.token_hex(12), step=rs.step, position=rs.position)
         body = json.dumps({"session": rs.session, "new_session": copy.session}).encode()
         results = await asyncio.gather(*(self._control(s, FORK_PATH, body) for s in rs.route), return_exceptions=True)
@@ -419,10 +448,10 @@ class RouteDriver:
                 specs, body = encode_ids(ids)
                 step = rs.step
                 header = ForwardHeader(route_id=rs.route_id, session=rs.session, step=step, position=rs.position,
-                                       mode=mode, targets=targets, top_k=top_k, tensors=specs)
+                                       mode=mode, targets=targets, top_k=top_k, rewind=rs.rewind_to, tensors=specs)
                 pending = _Pending(asyncio.get_running_loop().create_future(), state_sha256(specs, body),
                                    [s.hotkey for s in rs.route], rs.position,
-                                   (tuple(specs), body) if self.record_steps else ())
+                                   (tuple(specs), body) if self.record_steps else (), rs.rewind_to)
                 self._pending[(rs.session, step)] = pending
                 waits.append((step, pending))
                 try:
@@ -440,6 +469,7 @@ class RouteDriver:
                                                         f"{answer[:300].decode(errors='replace')}")
                 rs.step += 1
                 rs.position += len(ids)
+                rs.rewind_to = None  # the first stage took it; the forward carries it down the route
             outputs = []
             for step, pending in waits:
                 outputs.append(await self._await_result(rs, step, pending))
@@ -473,7 +503,7 @@ class RouteDriver:
         self.last_receipts = rs.receipts
         if self.record_steps:
             self.records.append(StepRecord(rs.route_id, rs.session, step, pending.position, tuple(header.receipts),
-                                           pending.input[0], bytes(pending.input[1]), bytes(body)))
+                                           pending.input[0], bytes(pending.input[1]), bytes(body), pending.rewind))
         return decode_head_output(body)
 
     async def handle_result(self, request: web.Request) -> web.Response:
@@ -666,8 +696,8 @@ class RouteEngine(Engine):
         """One decode step across the route from the last committed token (not yet fed), with `room` tokens
         left to generate. With speculation and a draft: one forward of [last, d_1..d_k] in verify mode, the
         last stage judging the drafts; when it rejects some, every stage is rewound to the last accepted
-        position (the rewind message), so their KDA, convolution and MLA state is as if the rejected drafts
-        had never been seen."""
+        position, so their KDA, convolution and MLA state is as if the rejected drafts had never been seen: the
+        rewind goes with the next step's forward (or as the rewind message, on routes of older stages)."""
         token = committed[-1]
         if spec is not None:
             per_forward = min([MAX_DRAFT_TOKENS + 1] + [s.caps.capacity.get("tokens_per_forward", MAX_DRAFT_TOKENS + 1)
@@ -679,7 +709,7 @@ class RouteEngine(Engine):
                 out = (await self.driver.run(rs, [([token] + draft.tokens, "verify", list(draft.tokens))], 0))[0]
                 spec.record_verdict(len(draft.tokens), out.accepted)
                 if out.accepted < len(draft.tokens):
-                    await self.driver.rewind(rs, start + 1 + out.accepted)
+                    await self.driver.rewind(rs, start + 1 + out.accepted, with_next_forward=True)
                 return out
         out = (await self.driver.run(rs, [([token], "sample", None)], 0))[0]
         if spec is not None:

@@ -3,7 +3,9 @@
 POST /stage/open|forward|rewind|fork|close are btauth/1-signed for this stage's hotkey. Order of checks on
 every request: body size (413), btauth (401/403), parsing and bounds (400/413), the session (404 unknown,
 403 wrong sender, 409 wrong position), the activations (400 wrong shape or non-finite); any refusal leaves
-the session as it was. A forward is answered 202 once accepted; the stage then computes it (in order per
+the session as it was. A forward may carry a rewind (`ForwardHeader.rewind`): it is checked like the rewind
+message once the session's earlier forwards have run, and done in the worker right before the forward. A
+forward is answered 202 once accepted; the stage then computes it (in order per
 session, in a worker thread), appends its signed receipt and sends the output on to the next stage, or the
 head's result to the route driver; failures go to the driver as an error result naming the failed hop.
 
@@ -101,6 +103,7 @@ class StageServer:
         self._expiry: asyncio.Task | None = None
         self.port = settings.port
         self.refused = 0
+        self.rewinds = {"message": 0, "forward": 0}  # rewinds done, by how they came (the message, a forward)
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -190,9 +193,15 @@ class StageServer:
         self.metrics.refused(reason)
 
     def _timed_forward(self, header: ForwardHeader, inputs):
-        """stage.forward in the compute thread; its compute time goes to the metrics."""
+        """stage.forward in the compute thread (after the rewind the header carries, if any); its compute time
+        goes to the metrics."""
         t0 = time.perf_counter()
-        out = self.stage.forward(header.session, header.position, inputs, header.mode, header.targets, header.top_k)
+        if header.rewind is not None:
+            out = self.stage.rewind_and_forward(header.session, header.rewind, header.position, inputs, header.mode,
+                                                header.targets, header.top_k)
+        else:
+            out = self.stage.forward(header.session, header.position, inputs, header.mode, header.targets,
+                                     header.top_k)
         tokens = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
         self.metrics.forward(header.mode, tokens, time.perf_counter() - t0)
         return out
@@ -217,7 +226,7 @@ class StageServer:
         return web.json_response({"status": "ok", "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
                                   "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
                                   "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
-                                  "refused": self.refused})
+                                  "refused": self.refused, "rewinds": dict(self.rewinds)})
 
     def capabilities(self):
         cfg, st = self.stage.config, self.stage
@@ -252,9 +261,17 @@ class StageServer:
             raise StageError(400, "wrong_route", "the forward names another route than the session's")
         inputs = decode_inputs(tensors, self.stage.layers.has_embedding, self.stage.config.hidden_size)
         queued = self._queued.get(header.session, session.position)
+        if header.rewind is not None:  # judged on the session as the forwards before it left it
+            self.stage.check_rewind(session, header.rewind, queued)
+            await self._drain(header.session, self.settings.hop_timeout_s)
+            session = self.stage.get(header.session)
+            self.stage.check_rewind(session, header.rewind)
+            queued = header.rewind
         n = self.stage.check_forward(session, header.position, inputs, header.mode, header.targets, header.top_k,
                                      expected_position=queued)
         self._queued[header.session] = header.position + n
+        if header.rewind is not None:
+            self.rewinds["forward"] += 1
         input_sha = state_sha256(header.tensors, bytes(raw))
         previous = self._tails.get(header.session)
         self._tails[header.session] = asyncio.ensure_future(
@@ -267,6 +284,7 @@ class StageServer:
         await self._drain(req.session, self.settings.hop_timeout_s)
         position = await self._in_worker(self.stage.rewind, req.session, req.position)
         self._queued[req.session] = position
+        self.rewinds["message"] += 1
         return web.json_response({"session": req.session, "position": position})
 
     async def handle_fork(self, caller: str, body: bytes) -> web.Response:
