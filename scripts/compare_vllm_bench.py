@@ -172,9 +172,10 @@ def run_ours(url: str, model_dir: Path, args, out: Path) -> dict:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
         raise SystemExit(f"the endpoint benchmark failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
-    sent = sorted((row["sent_s"], row["ttft_ms"]) for row in report.get("per_request") or [] if row.get("ok"))
-    return report["workloads"][0] | first_requests([ttft for _, ttft in sent if ttft is not None], args.max_concurrency)
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    sent = sorted((row["sent_s"], row["ttft_ms"]) for row in rows if row.get("ok") and row["ttft_ms"] is not None)
+    workload = json.loads((out / "report.json").read_text())["workloads"][0]
+    return workload | first_requests([ttft for _, ttft in sent], args.max_concurrency)
 
 
 def first_requests(ttfts_ms: list[float], n: int) -> dict:
