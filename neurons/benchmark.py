@@ -1316,8 +1316,9 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
         workloads, all_samples, per_request = [], [], []
         arrivals = random.Random(f"{w.seed}:arrivals")
         with frozen_heap():
+            streams = min(streams_in_flight(cells), caps.max_concurrent_streams)  # a miner 429s beyond its own
             await runner.warm_up(build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest,
-                                                w.warmup), streams_in_flight(cells))
+                                                w.warmup), streams)
             for cell in cells:
                 if cell.rate is None:
                     waves = [await runner.wave(wave) for wave in cell.waves]
