@@ -103,6 +103,12 @@ NOT_APPLICABLE_ON_OPENAI = ("signature", "fingerprint")
 NOT_APPLICABLE_IN_CHAT = ("usage_prompt",)
 UNDECLARED = "undeclared"
 MAX_CANARY_TOKENS = 64
+# The warm-up opens a connection per stream of the widest workload, up to this many (beyond it, an
+# unbounded open-loop burst, the first requests' connects are part of what is measured).
+MAX_WARM_CONNECTIONS = 64
+# The adapter's health polls (GET /v1/models) are the miner's; the benchmark reads /v1/models once and
+# sends nothing else while it measures (a poll would take a pooled connection from a measured stream).
+NO_HEALTH_POLLS_S = 86_400.0
 
 
 class BenchmarkSetupError(RuntimeError):
@@ -220,7 +226,9 @@ class WorkloadSettings:
     concurrency: tuple[int, ...] = setting((1, 8, 64), "simultaneous streams per wave", read=int_list,
                                            metavar="N,N,...")
     repeats: int = setting(3, "waves per workload")
-    warmup: int = setting(1, "requests sent first and not counted", read=non_negative_int)
+    warmup: int = setting(1, "requests sent first and not counted (at most the concurrency at once, then a "
+                          "one-token request per stream, so that each stream has its connection open)",
+                          read=non_negative_int)
     seed: int = setting(0, "seed of the request set")
     temperature: float = setting(0.0, "sampling temperature of the workload requests", read=non_negative_float,
                                  metavar="X")
@@ -477,7 +485,7 @@ class OpenAIEndpoint:
                            first_token_floor_s=self.timeouts.first_byte,
                            prefill_tokens_per_s=self.timeouts.prefill_tokens_per_s,
                            stall_timeout_s=self.timeouts.between_events,
-                           total_timeout_s=self.timeouts.total),
+                           total_timeout_s=self.timeouts.total, health_interval_s=NO_HEALTH_POLLS_S),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         await self.engine.start()
         caps = Capabilities(model_id=self.settings.model[:128], model_fingerprint=UNDECLARED,
@@ -957,6 +965,20 @@ class Runner:
             sample.tier0 = self.tier0(None, result)
         return sample
 
+    async def warm_up(self, requests: Sequence[GenerateRequest], streams: int) -> None:
+        """The warm-up, before any clock: `requests`, at most `streams` at once (as `vllm bench serve`
+        sends its warm-ups), then, when they were fewer than `streams`, one wave of `streams` one-token
+        requests, so that the client holds an open connection for each stream of the first measured
+        wave. Before, the warm-up went one request at a time on one connection, and each stream of
+        the first wave beyond it connected inside its TTFT (the connect, the server's new-connection
+        setup, httpcore's first use of that connection). No warm-up requests (--warmup 0): nothing."""
+        streams = max(1, streams)
+        for at in range(0, len(requests), streams):
+            await asyncio.gather(*(self.one(r) for r in requests[at:at + streams]))
+        if requests and len(requests) < streams:
+            await asyncio.gather(*(self.one(connection_request(requests[k % len(requests)], k), check=False)
+                                   for k in range(streams)))
+
     def checked(self, samples: list[Sample]) -> list[Sample]:
         """Tier 0 on the finished samples of a measured batch, after its clock stopped: the checks'
         CPU time must not slow the streams being measured (on a small client machine it would)."""
@@ -986,6 +1008,18 @@ class Runner:
 
         times = arrival_times(len(requests), rate, burstiness, rng)
         return self.checked(list(await asyncio.gather(*(send(r, at) for r, at in zip(requests, times)))))
+
+
+def streams_in_flight(cells: Sequence[Cell]) -> int:
+    """The most streams any workload has in flight at once (closed waves: the concurrency; open loop:
+    --max-concurrency, else every request), at most MAX_WARM_CONNECTIONS."""
+    most = max((c.concurrency or c.max_concurrency or max(len(wave) for wave in c.waves)) for c in cells)
+    return min(most, MAX_WARM_CONNECTIONS)
+
+
+def connection_request(request: GenerateRequest, k: int) -> GenerateRequest:
+    """A one-token copy of a warm-up request, with its own id: it opens (or reuses) a connection."""
+    return request.model_copy(update={"max_tokens": 1, "request_id": f"{request.request_id[:24]}conn{k:04d}"})
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -1282,9 +1316,9 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
         workloads, all_samples, per_request = [], [], []
         arrivals = random.Random(f"{w.seed}:arrivals")
         with frozen_heap():
-            for request in build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest,
-                                          w.warmup):
-                await runner.one(request)
+            streams = min(streams_in_flight(cells), caps.max_concurrent_streams)  # a miner 429s beyond its own
+            await runner.warm_up(build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest,
+                                                w.warmup), streams)
             for cell in cells:
                 if cell.rate is None:
                     waves = [await runner.wave(wave) for wave in cell.waves]

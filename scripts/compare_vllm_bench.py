@@ -52,6 +52,13 @@ ROWS = [
     ("mean prompt tokens", "mean_input_tokens", ("input_tokens", "mean")),
     ("completed", "completed", ("completed", None)),
 ]
+# The first wave (the first --max-concurrency requests sent) apart from the rest: a cost that only a
+# client's first requests pay (new connections, first use of its code paths) shows here and not in the rest.
+FIRST_ROWS = [
+    ("TTFT mean ms, first max-concurrency requests", "first_ttft_ms"),
+    ("TTFT max ms, first max-concurrency requests", "first_ttft_max_ms"),
+    ("TTFT mean ms, the other requests", "rest_ttft_ms"),
+]
 # The server's own view of the same run (vLLM's Prometheus histograms, differences of /metrics read
 # before and after it, warm-ups included): what is left of a client's TTFT above the server's is the
 # client's side (HTTP, SSE parsing, its event loop), which is where two clients can differ.
@@ -139,7 +146,7 @@ def run_vllm_bench(python: Path, url: str, model_dir: Path, args, out: Path) -> 
            "--max-concurrency", str(args.max_concurrency), "--request-rate", args.request_rate, "--ignore-eos",
            "--temperature", "0", "--num-warmups", str(args.warmup), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out.parent),
-           "--result-filename", out.name, "--disable-tqdm", "--seed", "0"]
+           "--result-filename", out.name, "--disable-tqdm", "--seed", "0", "--save-detailed"]
     if not args.plain_vllm:  # the same server work as ours: one logprob per token, tokens named by id
         cmd += ["--logprobs", "1", "--extra-body",
                 json.dumps({"return_tokens_as_token_ids": True, "skip_special_tokens": False})]
@@ -150,7 +157,8 @@ def run_vllm_bench(python: Path, url: str, model_dir: Path, args, out: Path) -> 
     result = json.loads(out.read_text())
     result["mean_input_tokens"] = result.get("total_input_tokens", 0) / max(1, result.get("completed", 0))
     result["median_ttft_ms"] = result.get("median_ttft_ms", result.get("p50_ttft_ms"))
-    return result
+    sent = sorted(zip(result.get("start_times") or [], result.get("ttfts") or []))
+    return result | first_requests([ttft * 1000 for _, ttft in sent if ttft], args.max_concurrency)
 
 
 def run_ours(url: str, model_dir: Path, args, out: Path) -> dict:
@@ -158,12 +166,25 @@ def run_ours(url: str, model_dir: Path, args, out: Path) -> dict:
            "--tokenizer-checkpoint", str(model_dir), "--prompt-lengths", str(args.input_len), "--output-lengths",
            str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency",
            str(args.max_concurrency), "--request-rate", args.request_rate, "--ignore-eos", "--temperature", "0",
-           "--logprobs", "1", "--warmup", str(args.warmup), "--probes", "0", "--seed", "0", "--out-dir", str(out)]
+           "--logprobs", "1", "--warmup", str(args.warmup), "--probes", "0", "--seed", "0", "--save-result",
+           "--out-dir", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
         raise SystemExit(f"the endpoint benchmark failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads((out / "report.json").read_text())["workloads"][0]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    sent = sorted((row["sent_s"], row["ttft_ms"]) for row in rows if row.get("ok") and row["ttft_ms"] is not None)
+    workload = json.loads((out / "report.json").read_text())["workloads"][0]
+    return workload | first_requests([ttft for _, ttft in sent], args.max_concurrency)
+
+
+def first_requests(ttfts_ms: list[float], n: int) -> dict:
+    """TTFT of the first `n` requests sent (the first wave, whose connections and server steps start
+    cold) apart from the others', each tool's per-request TTFTs in the order they were sent."""
+    first, rest = ttfts_ms[:n], ttfts_ms[n:]
+    return {"first_ttft_ms": statistics.mean(first) if first else None,
+            "first_ttft_max_ms": max(first) if first else None,
+            "rest_ttft_ms": statistics.mean(rest) if rest else None}
 
 
 def our_value(workload: dict, key: tuple) -> float | None:
@@ -188,7 +209,7 @@ def table(vllm_runs: list[dict], our_runs: list[dict], args) -> str:
         v = [run.get(vkey) for run in vllm_runs]
         o = [our_value(run, okey) for run in our_runs]
         lines.append(row(label, v, o))
-    for label, key in SERVER_ROWS:
+    for label, key in FIRST_ROWS + SERVER_ROWS:
         lines.append(row(label, [run.get(key) for run in vllm_runs], [run.get(key) for run in our_runs]))
     return "\n".join(lines)
 
