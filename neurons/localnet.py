@@ -51,6 +51,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -729,7 +730,7 @@ async def wait_gateway(url: str, validator: Neuron, timeout_s: float = 180.0) ->
 GATEWAY_ROUTE_UID = "-1"  # the gateway's x-k3-miner-uid for an answer of its own route (neurons.gateway.route)
 
 
-async def organic_traffic(gateway_url: str, stop: asyncio.Event, sent: list[dict], run_dir: Path,
+async def organic_traffic(gateway_url: str, stop: threading.Event, sent: list[dict], run_dir: Path,
                           pause_s: float = 1.0, timeout_s: float = 60.0) -> None:
     """Organic requests through the validator's organic gateway (a user's greedy /v1/completions with its API key),
     one after another until `stop`: each appended to `sent` as {at, ok, seconds, miner_uid, route | error};
@@ -759,8 +760,38 @@ async def organic_traffic(gateway_url: str, stop: asyncio.Event, sent: list[dict
                 entry.update(seconds=time.time() - entry["at"], error=f"{type(exc).__name__}: {exc}"[:300])
             sent.append(entry)
             i += 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause_s)
+            await asyncio.to_thread(stop.wait, pause_s)
+
+
+class OrganicTraffic:
+    """`organic_traffic` in a thread of its own from the moment the validator's gateway serves (`start()`) until
+    `stop()`, so that users are served while the validator's first rounds catch cheaters; `sent` is its
+    records."""
+
+    def __init__(self, gateway_url: str, validator: Neuron, run_dir: Path):
+        self.gateway_url, self.validator, self.run_dir = gateway_url, validator, run_dir
+        self.sent: list[dict] = []
+        self.error = ""  # why the traffic never started (the gateway did not come up)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="organic-traffic", daemon=True)
+
+    def _run(self) -> None:
+        async def go():
+            await wait_gateway(self.gateway_url, self.validator)
+            await organic_traffic(self.gateway_url, self._stop, self.sent, self.run_dir)
+
+        try:
+            asyncio.run(go())
+        except SystemExit as exc:
+            self.error = str(exc)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 70.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
 
 def read_validator(run_dir: Path) -> dict:
@@ -897,22 +928,16 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
-                      ready: dict[str, dict]) -> dict:
+                      ready: dict[str, dict], traffic: OrganicTraffic | None = None) -> dict:
     """The live swarm dashboard until --duration, Ctrl-C, a process dying or (--stop-when-caught) every
     cheater caught; with --cheat-stage, organic requests go through the validator's gateway all along."""
     stages = [n for n in neurons if n.role == "stage"]
     route = next(n for n in neurons if n.name == "route")
     console, started = Console(), time.monotonic()
-    stop, organic = asyncio.Event(), []
+    stop, organic = asyncio.Event(), traffic.sent if traffic else []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    validator = next(n for n in neurons if n.role == "validator")
-    gateway_url = f"http://127.0.0.1:{validator.gateway_port}"
-    traffic = None
-    if args.cheat_stage:
-        await wait_gateway(gateway_url, validator)
-        traffic = asyncio.create_task(organic_traffic(gateway_url, stop, organic, run_dir))
     state: dict = {"caught": False, "rows": []}
     live = None if args.no_dashboard else Live(console=console, refresh_per_second=1)
     if live:
@@ -945,6 +970,9 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                     console.print(caption + " | " + " | ".join(
                         f"{r['name']} w={r['weight']:.3f}{' BLAMED' if r['blamed'] else ''}" for r in rows))
                 dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
+                if traffic is not None and traffic.error:
+                    console.print(f"[localnet] no organic traffic: {traffic.error}")
+                    break
                 if dead:
                     console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                     break
@@ -958,8 +986,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     finally:
         stop.set()
         if traffic is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(traffic, 70)
+            await asyncio.to_thread(traffic.stop)
         if live:
             live.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -993,7 +1020,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     route, validator = neurons[-1], neurons[0]
     summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
                      "cheat_stages": list(args.cheat_stage or [])}
-    status = 0
+    status, traffic = 0, None
     try:
         for n in stages:
             start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons, stage_flags.get(n.name, ())),
@@ -1005,6 +1032,9 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         ready.update(wait_ready([route], run_dir))
         start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir, neurons), log_dir)
         print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
+        if args.cheat_stage and (args.duration or args.stop_when_caught):  # users from the moment its gateway serves
+            traffic = OrganicTraffic(f"http://127.0.0.1:{validator.gateway_port}", validator, run_dir)
+            traffic.start()
         done = asyncio.run(swarm_completion(route, ready["route"]["url"], validator.wallet.hotkey, SWARM_PROMPT,
                                             args.swarm_tokens))
         want = reference_greedy(checkpoint_dir(args), SWARM_PROMPT, args.swarm_tokens)
@@ -1015,7 +1045,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
             status = 0 if done["match"] else 1
         summary["completion"] = done
         if args.duration or args.stop_when_caught:
-            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready))
+            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready, traffic))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
                            routes=watched["routes"], gateway_routes=watched["gateway_routes"],
                            driver=watched["driver"],
@@ -1032,6 +1062,8 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         summary["stages"] = asyncio.run(final())
         Console(width=None if sys.stdout.isatty() else 200).print(swarm_table(summary["stages"], done["route"]))
     finally:
+        if traffic is not None:
+            traffic.stop()
         print("[localnet] stopping every process it started")
         stop_all(neurons)
     if args.summary:
