@@ -179,10 +179,12 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
     assert {r["hotkey"] for r in audits} == {hk[n] for n in ("h0", "cheat", "h2", "h3")}
     logged = [json.loads(line) for line in (tmp_path / "routes.jsonl").read_text().splitlines()]
     names = {v: n for n, v in hk.items()}
-    # one route per organic request: twice the honest route, then through the cheater, then the spare in its place
-    assert [[names[h] for h in r["route"]] for r in logged] == [["h0", "h1", "h2", "h3"]] * 2 + [
-        ["h0", "cheat", "h2", "h3"], ["h0", "spare", "h2", "h3"]], logged
-    assert all(a["at"] <= b["at"] for a, b in zip(logged, logged[1:]))
+    # a route planned at the start and for each organic request: the honest route, then the
+    # route through the cheater, then the spare in its place
+    planned = [[names[h] for h in r["route"]] for r in logged]
+    assert len(planned) >= 4 and all(a["at"] <= b["at"] for a, b in zip(logged, logged[1:]))
+    assert [r for i, r in enumerate(planned) if i == 0 or r != planned[i - 1]] == [
+        ["h0", "h1", "h2", "h3"], ["h0", "cheat", "h2", "h3"], ["h0", "spare", "h2", "h3"]], planned
     after = out["after"]
     assert after["credited_tokens"] > 0 and not after["failed"]
     assert first[hk["spare"]] > 0
