@@ -204,6 +204,8 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
     assert vcmd[vcmd.index("--gateway-port") + 1] == str(validator.gateway_port) and "--gateway" in vcmd
     assert vcmd[vcmd.index("--gateway-route") + 1] == "first" and "--gateway-route-log" in vcmd
     assert (run / "gateway-keys.txt").read_text().split() == [GATEWAY_KEY]
+    from neurons.gateway.route import ROUTE_UID
+    assert GATEWAY_ROUTE_UID == str(ROUTE_UID)  # what the gateway's x-k3-miner-uid says for its own route
     rcmd = route_command(route, args, "devnet:x", 1, run, validator)
     assert rcmd[2] == "neurons.swarm.driver_cheats"
     assert rcmd[rcmd.index("--report-work") + 1] == f"{validator.wallet.hotkey.ss58_address}@http://127.0.0.1:" \
