@@ -10,6 +10,10 @@ apply unchanged. After each organic attempt through the route, `settle()` hands 
 failing one starts a relayed route audit of the same stages, whose bisection blames), every step's receipts are
 audited, and the stages are credited the layer-tokens they served (`gateway_work` rows in the store, counted in
 the stage weights and `validator.py status`).
+
+The driver re-reads the stages and the validator's blames every `--gateway-route-refresh-s` (and at once after a
+blame of its own), and with `--gateway-route-log FILE` appends one JSON line {"at", "route": [stage hotkeys]} per
+route it plans (the local testnet tells from it which stages served each organic request).
 """
 from __future__ import annotations
 
