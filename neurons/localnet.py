@@ -27,11 +27,13 @@ finds among the stages of its block), gives every cheated block an honest spare,
 bf16; `--cheat-stage forge-receipts` makes the route miner a cheating route driver (it claims receipts the stages
 never signed, neurons/swarm/driver_cheats.py). The validator challenges the stage miners (against its own copy of
 the weights) and credits the stages the route work whose receipts the route miner submits to its work endpoint
-(--stage-work-port), organic requests go through the route miner all along (it leaves stages the validator blamed
-out of its routes), and the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one,
-weight 0 with the reason, and the route driver's credited work and blame. `--stop-when-caught` ends the run once
-every cheater is blamed and zeroed on chain, every honest stage is checked and paid, and organic traffic goes
-through the spares.
+(--stage-work-port); organic requests go through the validator's organic gateway all along (with an API key, as
+a user's), which serves them through its own route of the stages (--gateway-route first, re-reading the stages and
+its blames every 2 s, each route it plans logged to RUN_DIR/gateway-routes.jsonl) and credits the stages the
+audited work; the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one, weight 0
+with the reason, and the route driver's credited work and blame. `--stop-when-caught` ends the run once every
+cheater is blamed and zeroed on chain, every honest stage is checked and paid, and the gateway's organic traffic
+goes through the spares.
 
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
@@ -49,6 +51,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -88,6 +91,7 @@ class Neuron:
     cheat: str = ""  # a swarm stage: how it cheats (a key of neurons.swarm.cheats.CHEATS), "" when honest
     dtype: str = "float32"  # a swarm stage: weights and wire dtype
     decoy_port: int = 0  # a forwarder: where the validator serves the decoy of its block
+    gateway_port: int = 0  # the swarm's validator: its organic gateway (OpenAI-compatible, through its own route)
     process: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -555,6 +559,7 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
     neurons.append(Neuron("route", "miner", make_wallet(wallet_dir, "route"), port=next(port),
                           kind="route" + (f" cheat: {driver_cheat}" if driver_cheat else ""), cheat=driver_cheat))
     neurons[0].port = next(port)  # the validator's route work endpoint
+    neurons[0].gateway_port = next(port)  # and its organic gateway
     for n in neurons:
         if n.cheat == "forwarder":  # the validator serves a decoy of its block (not announced on chain)
             n.decoy_port = next(port)
@@ -563,8 +568,8 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
 
 def swarm_ports(n: int) -> int:
     """Ports --swarm N takes from --base-port: N stages, N spares at most, the route miner, the validator's work
-    endpoint and one decoy per block at most."""
-    return 3 * n + 2
+    endpoint and gateway, and one decoy per block at most."""
+    return 3 * n + 3
 
 
 def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
@@ -607,9 +612,14 @@ REPORT_WORK_S = 2.0  # how often the route miner submits its receipts to the val
 ROUTE_LOG = "routes.jsonl"  # the route miner's log of every route it plans
 
 
-def planned_routes(run_dir: Path) -> list[dict]:
-    """Every route the route miner planned so far: [{at, route: [stage hotkeys]}]."""
-    path = run_dir / ROUTE_LOG
+GATEWAY_ROUTE_LOG = "gateway-routes.jsonl"  # the validator's gateway route's log of every route it plans
+GATEWAY_KEY = "sk-localnet-organic-0123456789"  # the organic traffic's API key (RUN_DIR/gateway-keys.txt)
+
+
+def planned_routes(run_dir: Path, log: str = ROUTE_LOG) -> list[dict]:
+    """Every route the route miner (or with log=GATEWAY_ROUTE_LOG the validator's gateway route) planned so far:
+    [{at, route: [stage hotkeys]}]."""
+    path = run_dir / log
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
@@ -622,7 +632,12 @@ def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_d
                             neurons: list[Neuron]) -> list[str]:
     """The validator, checking the stage miners (--stage-challenges per stage per round, against its own copy
     of the weights), serving a decoy of each forwarder's block, crediting the route miner's receipts (its work
-    endpoint on its port) and checking the route miner as a whole-model miner."""
+    endpoint on its port), checking the route miner as a whole-model miner, and serving organic requests on its
+    gateway (its gateway_port, key GATEWAY_KEY) through its own route of the stages (--gateway-route first: it
+    re-reads the stages and its blames every ROUTE_REFRESH_S and logs each route to RUN_DIR/GATEWAY_ROUTE_LOG),
+    whose work it audits and credits to the stages."""
+    keys = run_dir / "gateway-keys.txt"
+    keys.write_text(GATEWAY_KEY + "\n")
     if any(s.decoy_port for s in neurons):
         decoy = bt.Wallet(name=n.wallet.name, hotkey=DECOY_HOTKEY, path=str(Path(n.wallet.path)))
         if not decoy.hotkey_file.exists_on_device():
@@ -634,8 +649,11 @@ def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_d
         # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
         "--weights-retry-max-s", "4",
         # the route miner takes 8 streams per caller: leave room beside the validator's own requests to it for the
-        # organic traffic (signed by the same hotkey, as the validator's gateway's is)
-        "--miner-concurrency", "4"]
+        # gateway's (signed by the same hotkey) should the gateway fail over to it
+        "--miner-concurrency", "4",
+        "--gateway", "--gateway-port", str(n.gateway_port), "--gateway-api-keys", str(keys),
+        "--gateway-rate-limit", "100000", "--gateway-route", "first", "--gateway-route-refresh-s", str(ROUTE_REFRESH_S),
+        "--gateway-route-log", str(run_dir / GATEWAY_ROUTE_LOG)]
 
 
 def wait_ready(neurons: list[Neuron], run_dir: Path, timeout_s: float = 180.0) -> dict[str, dict]:
@@ -693,29 +711,87 @@ async def swarm_completion(route: Neuron, url: str, caller, prompt: list[int], m
             "route": (caps.layout or {}).get("route", [])}
 
 
-async def organic_traffic(route: Neuron, url: str, caller, stop: asyncio.Event, sent: list[dict], run_dir: Path,
-                          pause_s: float = 1.0, timeout_s: float = 60.0) -> None:
-    """Organic requests through the route miner, one after another until `stop`: each appended to `sent` as
-    {at, ok, seconds, route | error}; route: the stage hotkeys of the last route the miner planned before the
-    answer came back."""
-    from protocol.client import MinerClient  # noqa: PLC0415
+async def wait_gateway(url: str, validator: Neuron, timeout_s: float = 180.0) -> None:
+    """Until the validator's gateway answers GET /health (a SystemExit when the validator died or it never does)."""
+    import aiohttp  # noqa: PLC0415
 
-    async with MinerClient(caller) as client:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                    if resp.status == 200:
+                        return
+            if validator.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"[localnet] the validator's gateway {url} is not serving; see {validator.log}")
+            await asyncio.sleep(0.5)
+
+
+GATEWAY_ROUTE_UID = "-1"  # the gateway's x-k3-miner-uid for an answer of its own route (neurons.gateway.route)
+
+
+async def organic_traffic(gateway_url: str, stop: threading.Event, sent: list[dict], run_dir: Path,
+                          pause_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Organic requests through the validator's organic gateway (a user's greedy /v1/completions with its API key),
+    one after another until `stop`: each appended to `sent` as {at, ok, seconds, miner_uid, route | error};
+    miner_uid: the gateway's x-k3-miner-uid (GATEWAY_ROUTE_UID: its own route served it); route: the stage
+    hotkeys of the last route that route (or, had the gateway failed over to the route miner, the route miner)
+    planned before the answer came back."""
+    import aiohttp  # noqa: PLC0415
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {GATEWAY_KEY}"}) as http:
         i = 0
         while not stop.is_set():
             entry = {"at": time.time(), "ok": False}
-            prompt = [(7 * i + 13 * j + 1) % 256 for j in range(12 + i % 9)]
+            body = {"model": "kimi-k3", "prompt": f"def f{i}(x):\n    return x * {i % 7}", "max_tokens": 4,
+                    "temperature": 0.0}
             try:
-                done = await asyncio.wait_for(swarm_completion(route, url, caller, prompt, 4, client,
-                                                               f"organic-{i}-{time.time_ns()}"), timeout_s)
-                routes = [r for r in planned_routes(run_dir) if r["at"] <= time.time()]
-                entry.update(ok=True, seconds=done["seconds"], route=routes[-1]["route"] if routes else [])
+                async with http.post(gateway_url + "/v1/completions", json=body,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    answer = await resp.json(content_type=None)
+                    uid = resp.headers.get("x-k3-miner-uid", "")
+                if resp.status != 200 or not answer.get("choices"):
+                    raise RuntimeError(f"HTTP {resp.status}: {json.dumps(answer)[:200]}")
+                log = GATEWAY_ROUTE_LOG if uid == GATEWAY_ROUTE_UID else ROUTE_LOG
+                routes = [r for r in planned_routes(run_dir, log) if r["at"] <= time.time()]
+                entry.update(ok=True, seconds=time.time() - entry["at"], miner_uid=uid,
+                             route=routes[-1]["route"] if routes else [])
             except Exception as exc:  # noqa: BLE001 (any failure of an organic request is what we record)
                 entry.update(seconds=time.time() - entry["at"], error=f"{type(exc).__name__}: {exc}"[:300])
             sent.append(entry)
             i += 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause_s)
+            await asyncio.to_thread(stop.wait, pause_s)
+
+
+class OrganicTraffic:
+    """`organic_traffic` in a thread of its own from the moment the validator's gateway serves (`start()`) until
+    `stop()`, so that users are served while the validator's first rounds catch cheaters; `sent` is its
+    records."""
+
+    def __init__(self, gateway_url: str, validator: Neuron, run_dir: Path):
+        self.gateway_url, self.validator, self.run_dir = gateway_url, validator, run_dir
+        self.sent: list[dict] = []
+        self.error = ""  # why the traffic never started (the gateway did not come up)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="organic-traffic", daemon=True)
+
+    def _run(self) -> None:
+        async def go():
+            await wait_gateway(self.gateway_url, self.validator)
+            await organic_traffic(self.gateway_url, self._stop, self.sent, self.run_dir)
+
+        try:
+            asyncio.run(go())
+        except SystemExit as exc:
+            self.error = str(exc)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 70.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
 
 def read_validator(run_dir: Path) -> dict:
@@ -829,8 +905,8 @@ ROUTE_SETTLE_S = 2 * ROUTE_REFRESH_S + 1.0  # after a blame, every route the rou
 def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: dict | None = None) -> bool:
     """Every cheating stage (and a cheating route driver) blamed and at weight 0 in weights set after its blame, no
     honest stage (nor an honest driver) blamed, every honest stage challenged (none failed) and paid in those weights,
-    at least MIN_ORGANIC organic requests served, one of them sent ROUTE_SETTLE_S after the last blame and served
-    through a route of unblamed stages."""
+    at least MIN_ORGANIC organic requests served by the gateway, one of them sent ROUTE_SETTLE_S after the last blame
+    and served through the gateway's own route of unblamed stages."""
     parties = rows + ([driver] if driver else [])
     cheaters = [r for r in parties if r["cheat"]]
     status = view.get("status") or {}
@@ -845,26 +921,23 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
     last = max(r["blame"]["at"] for r in cheaters)
     blamed = {r["hotkey"] for r in rows if r["cheat"]}
     served = [o for o in organic if o["ok"]]
-    # sent once the route miner has surely re-read the validator's trust: every route planned from then on avoids
-    # the blamed stages (what a test of the run may check), and this one did
+    # sent once the gateway's route has surely re-read the validator's blames: every route planned from then on
+    # avoids the blamed stages (what a test of the run may check), and this one did
     return len(served) >= MIN_ORGANIC and any(o["at"] > last + ROUTE_SETTLE_S and not blamed & set(o["route"])
-                                              for o in served)
+                                              and o["miner_uid"] == GATEWAY_ROUTE_UID for o in served)
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
-                      ready: dict[str, dict], caller) -> dict:
+                      ready: dict[str, dict], traffic: OrganicTraffic | None = None) -> dict:
     """The live swarm dashboard until --duration, Ctrl-C, a process dying or (--stop-when-caught) every
-    cheater caught; with --cheat-stage, organic requests go through the route miner all along."""
+    cheater caught; with --cheat-stage, organic requests go through the validator's gateway all along."""
     stages = [n for n in neurons if n.role == "stage"]
     route = next(n for n in neurons if n.name == "route")
     console, started = Console(), time.monotonic()
-    stop, organic = asyncio.Event(), []
+    stop, organic = asyncio.Event(), traffic.sent if traffic else []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    traffic = asyncio.create_task(organic_traffic(route, ready["route"]["url"], caller, stop, organic,
-                                                     run_dir)) \
-        if args.cheat_stage else None
     state: dict = {"caught": False, "rows": []}
     live = None if args.no_dashboard else Live(console=console, refresh_per_second=1)
     if live:
@@ -883,7 +956,8 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 last_route = next((o["route"] for o in reversed(organic) if o["ok"]), [])
                 names = {r["hotkey"]: r["name"] for r in rows}
                 driver = swarm_driver(route, view)
-                caption = (f"running {elapsed:.0f} s; organic requests {ok} served / {len(organic)} sent; last route "
+                caption = (f"running {elapsed:.0f} s; organic requests (gateway) {ok} served / {len(organic)} sent; "
+                           "last route "
                            + " > ".join(names.get(h, h[:8]) for h in last_route)
                            + f"; route driver ({driver['cheat'] or 'honest'}): {driver['credited_tokens']} "
                              f"layer-tokens credited from its receipts, weight {driver['weight']:.3f}"
@@ -896,6 +970,9 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                     console.print(caption + " | " + " | ".join(
                         f"{r['name']} w={r['weight']:.3f}{' BLAMED' if r['blamed'] else ''}" for r in rows))
                 dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
+                if traffic is not None and traffic.error:
+                    console.print(f"[localnet] no organic traffic: {traffic.error}")
+                    break
                 if dead:
                     console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                     break
@@ -909,8 +986,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     finally:
         stop.set()
         if traffic is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(traffic, 70)
+            await asyncio.to_thread(traffic.stop)
         if live:
             live.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -918,6 +994,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
         signal.signal(signal.SIGTERM, exit_on_sigterm)  # asyncio put back the default
     view = read_validator(run_dir)
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
+                 gateway_routes=planned_routes(run_dir, GATEWAY_ROUTE_LOG),
                  driver=swarm_driver(route, view),
                  stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
                                         if c["kind"] == "challenge" and c["cpu_s"] is not None],
@@ -943,7 +1020,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     route, validator = neurons[-1], neurons[0]
     summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
                      "cheat_stages": list(args.cheat_stage or [])}
-    status = 0
+    status, traffic = 0, None
     try:
         for n in stages:
             start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons, stage_flags.get(n.name, ())),
@@ -955,6 +1032,9 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         ready.update(wait_ready([route], run_dir))
         start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir, neurons), log_dir)
         print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
+        if args.cheat_stage and (args.duration or args.stop_when_caught):  # users from the moment its gateway serves
+            traffic = OrganicTraffic(f"http://127.0.0.1:{validator.gateway_port}", validator, run_dir)
+            traffic.start()
         done = asyncio.run(swarm_completion(route, ready["route"]["url"], validator.wallet.hotkey, SWARM_PROMPT,
                                             args.swarm_tokens))
         want = reference_greedy(checkpoint_dir(args), SWARM_PROMPT, args.swarm_tokens)
@@ -965,10 +1045,10 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
             status = 0 if done["match"] else 1
         summary["completion"] = done
         if args.duration or args.stop_when_caught:
-            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready,
-                                              validator.wallet.hotkey))
+            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready, traffic))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
-                           routes=watched["routes"], driver=watched["driver"],
+                           routes=watched["routes"], gateway_routes=watched["gateway_routes"],
+                           driver=watched["driver"],
                            stage_challenge_cpu_s=watched["stage_challenge_cpu_s"],
                            first_stage_check_at=watched["first_stage_check_at"])
             if args.stop_when_caught and not watched["caught"]:
@@ -982,6 +1062,8 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         summary["stages"] = asyncio.run(final())
         Console(width=None if sys.stdout.isatty() else 200).print(swarm_table(summary["stages"], done["route"]))
     finally:
+        if traffic is not None:
+            traffic.stop()
         print("[localnet] stopping every process it started")
         stop_all(neurons)
     if args.summary:

@@ -12,8 +12,11 @@ devnet), the validator's SQLite store and its StageRounds with its own copy of t
 2. Through a route with the cheater: the user is still answered, the sampled audit fails, the relayed route
    audit of the same stages bisects to the cheater, and nothing of that session is credited.
 3. The cheater is then left out of the route (trust); the spare carries the next request and is credited.
+
+The route's log (--gateway-route-log) names the stages of every route it planned, in order.
 """
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -117,7 +120,8 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
         urls = StaticDirectory([info[n]["url"] for n in ("h0", "h1", "h2", "h3")], timeout_s=20.0)
         route = GatewayRoute(sr, urls, validator, ModelConfig.tiny(), world["tokenizer"], chain, chain_settings,
                              nonce_store_path=str(tmp_path / "route-nonces.sqlite"), audit_rate=1.0, refresh_s=0.5,
-                             hop_timeout_s=20.0, model_fingerprint=world["fingerprint"], prefill_chunk=8)
+                             hop_timeout_s=20.0, model_fingerprint=world["fingerprint"], prefill_chunk=8,
+                             route_log=str(tmp_path / "routes.jsonl"))
         await route.start()
         gateway = GatewayServer(RouteAndMiners(NoMiners(), route, "first"), MinerClient(validator),
                                 world["tokenizer"], GatewaySettings(enabled=True, port=0, model_name=MODEL,
@@ -173,6 +177,14 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
     assert {r["hotkey"] for r in blamed} == {hk["cheat"]} and blamed[0]["kind"] == "bisection"
     audits = [r for r in rows if r["kind"] == "gateway_audit" and not r["passed"]]
     assert {r["hotkey"] for r in audits} == {hk[n] for n in ("h0", "cheat", "h2", "h3")}
+    logged = [json.loads(line) for line in (tmp_path / "routes.jsonl").read_text().splitlines()]
+    names = {v: n for n, v in hk.items()}
+    # a route planned at the start and for each organic request: the honest route, then the
+    # route through the cheater, then the spare in its place
+    planned = [[names[h] for h in r["route"]] for r in logged]
+    assert len(planned) >= 4 and all(a["at"] <= b["at"] for a, b in zip(logged, logged[1:]))
+    assert [r for i, r in enumerate(planned) if i == 0 or r != planned[i - 1]] == [
+        ["h0", "h1", "h2", "h3"], ["h0", "cheat", "h2", "h3"], ["h0", "spare", "h2", "h3"]], planned
     after = out["after"]
     assert after["credited_tokens"] > 0 and not after["failed"]
     assert first[hk["spare"]] > 0
@@ -196,6 +208,13 @@ def test_the_gateway_route_needs_the_validators_stage_checks(tmp_path, tiny_chec
     settings = read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway",
                                         "--gateway-api-keys", "k.txt", "--gateway-route", "last"], environ={})
     assert any("--gateway-route needs the validator's stage checks" in p for p in settings.problems())
+    assert settings.gateway.route_refresh_s == 30.0 and settings.gateway.route_log is None
+    tuned = read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway-route-refresh-s",
+                                     "2", "--gateway-route-log", "routes.jsonl"], environ={})
+    assert tuned.gateway.route_refresh_s == 2.0 and tuned.gateway.route_log == "routes.jsonl"
+    with pytest.raises(SystemExit):
+        read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway-route-refresh-s",
+                                 "0"], environ={})
     with pytest.raises(ValidatorSetupError, match="needs the validator's stage checks"):
         asyncio.run(start_gateway_route(types.SimpleNamespace(stage=None), settings))
     with pytest.raises(ValueError, match="not first or last"):

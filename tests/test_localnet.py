@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from neurons.localnet import ROUTE_SETTLE_S, free_port_block, swarm_ports
+from neurons.localnet import GATEWAY_ROUTE_UID, ROUTE_SETTLE_S, free_port_block, swarm_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,8 +95,9 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
     different blocks, an honest spare for each, fp32 and bf16 with a bf16 wire), the route miner following the
     validator's trust and submitting forged receipts beside its real ones, a validator with its own copy of the
     weights challenging every stage, serving a decoy of the forwarder's block and taking the route miner's
-    receipts at its work endpoint, organic requests through the route miner all along; the run stops as soon as
-    every cheater is blamed and zeroed on chain."""
+    receipts at its work endpoint, organic requests through the validator's organic gateway (its own route of the
+    stages, following its blames) all along; the run stops as soon as every cheater is blamed and zeroed on
+    chain."""
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
     cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--run-dir", str(run_dir), "--summary",
            str(summary), "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3))), "--tempo", "20",
@@ -137,20 +138,24 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
         assert not s["blamed"] and s["reason"] is None, s
         assert s["challenges"] >= 1 and s["failed"] == 0 and s["verified_tokens"] > 0 and s["weight"] > 0, s
 
-    # organic traffic never failed, and once the cheaters were blamed it went through the spares
+    # organic traffic through the validator's gateway never failed, and once the cheaters were blamed it went
+    # through the spares
     organic = state["organic"]
     assert len(organic) >= 3 and all(o["ok"] for o in organic), [o for o in organic if not o["ok"]]
     blamed = {s["hotkey"] for s in cheaters.values()}
     last_blame = max(s["blame"]["at"] for s in [*cheaters.values(), driver])
-    # the run stops only after a request sent ROUTE_SETTLE_S after the last blame was served (by then the route
-    # miner has re-read the validator's trust): every route planned from then on, the last one included, avoids
-    # the blamed stages, and that request went through the three spares
-    settled = [r for r in state["routes"] if r["at"] > last_blame + ROUTE_SETTLE_S]
+    # the run stops only after a request sent ROUTE_SETTLE_S after the last blame was served by the gateway's own
+    # route (by then it has re-read the validator's blames): every route it planned from then on, the last one
+    # included, avoids the blamed stages, and that request went through the three spares
+    routes = state["gateway_routes"]
+    assert routes and all(len(r["route"]) == 3 for r in routes), routes
+    settled = [r for r in routes if r["at"] > last_blame + ROUTE_SETTLE_S]
     assert settled and all(not blamed & set(r["route"]) for r in settled), settled
-    assert state["routes"][-1] in settled
+    assert routes[-1] in settled
     spares = {stages[n]["hotkey"] for n in ("spare", "spare1", "spare2")}
     after = [o for o in organic if o["at"] > last_blame + ROUTE_SETTLE_S]
-    assert after and all(set(o["route"]) == spares for o in after), after
+    assert after and all(o["miner_uid"] == GATEWAY_ROUTE_UID and set(o["route"]) == spares for o in after), after
+    assert any(o["at"] < last_blame for o in organic), organic  # served while a cheater was still being caught
 
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
@@ -177,23 +182,30 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
 
     # the forwarder is given the validator's decoy of its block among its targets; the route miner forges receipts
     # and submits them to the validator's work endpoint
-    from neurons.localnet import DRIVER_CHEATS, route_command, stage_command, swarm_validator_command
+    from neurons.localnet import DRIVER_CHEATS, GATEWAY_KEY, route_command, stage_command, swarm_validator_command
 
     args = parse_args(["--swarm", "3", "--cheat-stage", "forwarder", "--cheat-stage", "forge-receipts",
                        "--base-port", "20000"])
     neurons = swarm_neurons(args, tmp_path / "w2")
     validator, route = neurons[0], neurons[-1]
     forwarder = next(n for n in neurons if n.cheat == "forwarder")
-    ports = [n.port for n in neurons if n.port] + [forwarder.decoy_port]
+    ports = [n.port for n in neurons if n.port] + [forwarder.decoy_port, validator.gateway_port]
     assert len(set(ports)) == len(ports) and max(ports) < 20000 + swarm_ports(3) and forwarder.layers == "3-8"
     assert route.cheat == "forge-receipts" and DRIVER_CHEATS == ("forge-receipts",)
     run = tmp_path / "run"
+    run.mkdir()
     cmd = stage_command(forwarder, args, "devnet:x", 1, run, neurons)
     assert f"http://127.0.0.1:{forwarder.decoy_port}" in cmd and \
         f"http://127.0.0.1:{next(n.port for n in neurons if n.name == 'spare')}" in cmd
     vcmd = swarm_validator_command(validator, args, "devnet:x", 1, run, neurons)
     assert vcmd[vcmd.index("--stage-decoys") + 1] == f"3-8:{forwarder.decoy_port}"
     assert vcmd[vcmd.index("--stage-work-port") + 1] == str(validator.port) and "--stage-decoy-hotkey" in vcmd
+    # the organic traffic goes to the validator's gateway, served first through its own route of the stages
+    assert vcmd[vcmd.index("--gateway-port") + 1] == str(validator.gateway_port) and "--gateway" in vcmd
+    assert vcmd[vcmd.index("--gateway-route") + 1] == "first" and "--gateway-route-log" in vcmd
+    assert (run / "gateway-keys.txt").read_text().split() == [GATEWAY_KEY]
+    from neurons.gateway.route import ROUTE_UID
+    assert GATEWAY_ROUTE_UID == str(ROUTE_UID)  # what the gateway's x-k3-miner-uid says for its own route
     rcmd = route_command(route, args, "devnet:x", 1, run, validator)
     assert rcmd[2] == "neurons.swarm.driver_cheats"
     assert rcmd[rcmd.index("--report-work") + 1] == f"{validator.wallet.hotkey.ss58_address}@http://127.0.0.1:" \

@@ -10,6 +10,10 @@ apply unchanged. After each organic attempt through the route, `settle()` hands 
 failing one starts a relayed route audit of the same stages, whose bisection blames), every step's receipts are
 audited, and the stages are credited the layer-tokens they served (`gateway_work` rows in the store, counted in
 the stage weights and `validator.py status`).
+
+The driver re-reads the stages and the validator's blames every `--gateway-route-refresh-s` (and at once after a
+blame of its own), and with `--gateway-route-log FILE` appends one JSON line {"at", "route": [stage hotkeys]} per
+route it plans (the local testnet tells from it which stages served each organic request).
 """
 from __future__ import annotations
 
@@ -35,18 +39,20 @@ class GatewayRoute:
                  nonce_store_path: str, audit_rate: float = 0.1, host: str = "127.0.0.1", port: int = 0,
                  public_url: str = "", hop_timeout_s: float = 5.0,
                  refresh_s: float = 30.0, max_context: int = 4096, model_fingerprint: str = "",
-                 record_steps: int = 65536, prefill_chunk: int = 128):
+                 record_steps: int = 65536, prefill_chunk: int = 128, route_log: str = ""):
         from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings  # noqa: PLC0415
-        from neurons.swarm.route import RouteDriver, RouteEngine  # noqa: PLC0415
+        from neurons.swarm.route import RouteEngine  # noqa: PLC0415
+        from neurons.swarm.route_miner import LoggedRouteDriver  # noqa: PLC0415
         from neurons.validator_app.stage_rounds import TrustedDirectory  # noqa: PLC0415
         from protocol.auth import SQLiteNonceStore  # noqa: PLC0415
 
         self.stage_rounds = stage_rounds
         self.audit_rate = audit_rate
         self.hotkey = wallet.hotkey.ss58_address
-        self.driver = RouteDriver(TrustedDirectory(directory, stage_rounds.store, stage_rounds.blame_s),
-                                  wallet.hotkey, config, host=host, port=port, public_url=public_url,
-                                  hop_timeout_s=hop_timeout_s, refresh_s=refresh_s, record_steps=record_steps)
+        self.driver = LoggedRouteDriver(TrustedDirectory(directory, stage_rounds.store, stage_rounds.blame_s),
+                                        wallet.hotkey, config, host=host, port=port, public_url=public_url,
+                                        hop_timeout_s=hop_timeout_s, refresh_s=refresh_s, record_steps=record_steps)
+        self.driver.route_log = route_log  # "": no log; else one JSON line {at, route: [stage hotkeys]} per route
         self.engine = RouteEngine(self.driver, tokenizer, model_fingerprint=model_fingerprint,
                                   max_context=max_context, prefill_chunk=prefill_chunk)
         Path(nonce_store_path).parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +150,8 @@ async def start_gateway_route(loop, settings) -> GatewayRoute:
                          nonce_store_path=str(Path(settings.db).with_suffix(".route-nonces.sqlite")),
                          audit_rate=g.route_audit_rate, host=settings.stages.sink_host, port=g.route_port,
                          public_url=g.route_url or "",
-                         hop_timeout_s=settings.stages.timeout_s, model_fingerprint=model_fp)
+                         hop_timeout_s=settings.stages.timeout_s, refresh_s=g.route_refresh_s,
+                         model_fingerprint=model_fp, route_log=g.route_log or "")
     await route.start()
     return route
 

@@ -103,6 +103,11 @@ class GatewaySettings:
     route_url: Optional[str] = setting(None, "address the route's last stage reaches that endpoint at, "
                                        "http(s)://HOST:PORT (needed when stages run on other machines)",
                                        flag="--gateway-route-url", metavar="URL")
+    route_refresh_s: float = setting(30.0, "how often the route re-reads the subnet's stage miners and this "
+                                     "validator's blames (a stage blamed elsewhere leaves the route within this)",
+                                     flag="--gateway-route-refresh-s", read=positive_float)
+    route_log: Optional[str] = setting(None, "append one JSON line {at, route: [stage hotkeys]} per route the "
+                                       "gateway's route plans", flag="--gateway-route-log", metavar="FILE")
     capabilities_ttl_s: float = 300.0
     miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",
                                       flag="--gateway-miner-cooldown-s", read=non_negative_float)
