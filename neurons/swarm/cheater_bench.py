@@ -1,8 +1,8 @@
 """How fast the validator catches each stage cheater on the local swarm (scripts/bench_swarm_cheaters.py).
 
 For every cheater kind in turn it runs `localnet.py --swarm N --cheat-stage KIND --stop-when-caught` (devnet, honest
-fp32 and bf16 stages, an honest spare for the cheated block, the route miner, a validator checking the stages and
-serving a decoy of a forwarder's block, organic requests through the validator's gateway) and reads its summary: how many
+fp32 and bf16 stages, an honest spare for the cheated block, the route miner, a validator checking the stages,
+serving a decoy of a forwarder's block and organic requests through its gateway) and reads its summary: how many
 of the validator's challenges of the cheater ran until it was blamed (the blaming one included), seconds from the
 start of the validator's first check of it to the blame, the reason, the validator's CPU seconds per stage
 challenge (every stage's challenges of that run), and the organic requests served while it ran. A cheater not
