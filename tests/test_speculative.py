@@ -347,3 +347,11 @@ def test_copy_ceiling_counts_the_drafters_right_one_token_guesses():
     assert (right, ceiling) == (5, 6.0)
     right, ceiling = copy_ceiling("suffix", prompt, [9, 8, 7, 6])  # nothing to copy
     assert (right, ceiling) == (0, 1.0)
+
+
+def test_verify_cost_table_times_a_forward_of_each_size():
+    from inference.speculative.benchmark import verify_cost_table
+    model = model_for()
+    rows = verify_cost_table(model, PROMPTS["novel"], sizes=(1, 3), repeats=2)
+    assert [r["positions"] for r in rows] == [1, 3]
+    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)

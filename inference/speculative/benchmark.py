@@ -8,8 +8,12 @@ through the serving engine, one stream, greedy, plain and speculative runs alter
 (median; every other repeat runs the speculative variants before plain), by wall clock and by process CPU
 time (steadier when other work shares the machine), with the drafted / accepted counts. Speculative output
 is checked equal to plain output. "ceiling": the speed-up if verification were free and every token of the
-plain output that the drafter's one-token guess gets right were accepted, (n - 1) / (n - 1 - right): what
-the model's own output allows a copying drafter, whatever k and the verify path do.
+plain output that the drafter's one-token guess gets right were accepted, (n - 1) / (n - 1 - right): about
+what the model's own output allows a copying drafter, whatever k and the verify path do (a continuation
+copied further can now and then be right where the one-token guess at that position was not).
+
+Table 1b, verify forward cost: CPU time of one decode forward of 1 + k positions (with mark and rewind)
+against a plain one-position step, on the model being benchmarked.
 
 Table 2, rollback cost: the KDA rewind modes ("snapshot": keep every step's state; "replay": keep the
 kernel inputs and re-run the kept steps) per KDA layer at the tiny and the full K3 head sizes, against
@@ -181,6 +185,27 @@ def rewind_table(model, k: int = 8, keep: int = 3, repeats: int = 5) -> list[dic
     return rows
 
 
+@torch.inference_mode()
+def verify_cost_table(model, prompt_ids: list[int], sizes=(1, 2, 3, 5, 9, 17), repeats: int = 15) -> list[dict]:
+    """CPU time of one decode forward of T positions (T = 1: a plain step; T = k + 1: a verify step of k
+    drafts, with its mark and rewind) after `prompt_ids`, best of `repeats`, and its ratio to T = 1."""
+    cache = model.new_cache()
+    model.forward([torch.tensor(prompt_ids, dtype=torch.long)], [cache])
+    base = cache.length
+    rows = []
+    for T in sizes:
+        fed = torch.arange(T, dtype=torch.long) % model.config.vocab_size
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            cache.mark("snapshot")
+            model.forward([fed], [cache], all_logits=T > 1)
+            cache.rewind(base)
+            best = min(best, time.process_time() - t0)
+        rows.append(dict(positions=T, ms=best * 1e3, ratio=best / rows[0]["ms"] * 1e3 if rows else 1.0))
+    return rows
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     head = " | ".join(title for _, title, _ in columns)
     lines = [head, "-" * len(head)]
@@ -220,13 +245,17 @@ def main(argv=None) -> int:
           "decode tokens/s over plain, wall clock; CPU-time speed-up: the same from this process's CPU time, "
           "steadier on a shared machine; ceiling: the speed-up with free verification if every token of the plain "
           "output that the drafter's one-token guess gets right were accepted.)")
+    cost = verify_cost_table(model, tokenizer.encode(PROMPTS["code-like"], add_bos=True))
+    print("\nverify forward cost (CPU time, best of 15; positions = 1 + drafts):\n")
+    print(format_table(cost, [("positions", "positions", ">9"), ("ms", "ms", ">8.2f"),
+                              ("ratio", "x plain step", ">12.2f")]))
     rewind = [] if args.skip_rewind_table else rewind_table(model)
     if rewind:
         print("\nrollback of a verify step of 8 drafts keeping 3 positions:\n")
         print(format_table(rewind, [("size", "size", "<8"), ("method", "method", "<44"), ("ms", "ms", ">8.3f"),
                                     ("log_bytes", "bytes kept", ">12,")]))
     if args.json:
-        args.json.write_text(json.dumps({"speedup": rows, "rewind": rewind}, indent=2))
+        args.json.write_text(json.dumps({"speedup": rows, "verify_cost": cost, "rewind": rewind}, indent=2))
     return 0 if all(r["same_output"] for r in rows) else 1
 
 
