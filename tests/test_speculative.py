@@ -232,10 +232,10 @@ def test_adaptive_k_drops_to_plain_on_poor_drafts_and_recovers():
     length = DraftLength(config)
     assert 1 <= length.best_k() <= 8
     for _ in range(10):
-        length.observe(0, 1)  # every draft rejected
+        length.observe_verdict(4, 0)  # every first draft rejected
     assert length.best_k() == 0
     for _ in range(20):
-        length.observe(4, 4)  # every draft accepted
+        length.observe_verdict(4, 4)  # every draft accepted
     assert length.best_k() == 8
     assert SpeculationConfig(drafter="x").problems() and SpeculationConfig(max_draft_tokens=0).problems()
     assert not SpeculationConfig(drafter="ngram").problems()
@@ -314,3 +314,44 @@ def test_novel_text_pauses_after_two_wrong_drafts():
     _, slow = speculative_generate(model, PROMPTS["novel"], params, SpeculationConfig(miss_limit=0),
                                    drafter=_FixedGuess(wrong))
     assert slow["verify_steps"] > stats["verify_steps"] + 2  # the estimate alone takes longer to give up
+
+
+def test_adaptive_k_uses_run_lengths_of_accepted_drafts():
+    """Copied drafts come in runs: when half the steps' first drafts are rejected but an accepted first
+    draft is followed by long accepted runs, k grows to the cap; when accepted runs stop after one token, it
+    stays small. The independent-acceptance model would give both the same k."""
+    config = SpeculationConfig(drafter="ngram", max_draft_tokens=8, verify_cost=0.1)
+    runs, shorts = DraftLength(config), DraftLength(config)
+    for _ in range(10):
+        runs.observe_verdict(8, 0)
+        runs.observe_verdict(8, 8)
+        shorts.observe_verdict(2, 0)
+        shorts.observe_verdict(2, 1)
+    assert 0.4 < runs.acceptance < 0.6 and 0.4 < shorts.acceptance < 0.6
+    assert runs.best_k() == 8
+    assert 1 <= shorts.best_k() <= 2
+    assert runs.expected_tokens(8) > 4.0 and shorts.expected_tokens(8) < 1.7
+    # free guesses on plain steps move only the first-draft rate
+    before = runs.run.value
+    for _ in range(30):
+        runs.observe_guess(False)
+    assert runs.run.value == before and runs.best_k() == 0
+    assert SpeculationConfig(prior_run=1.0).problems()
+
+
+def test_copy_ceiling_counts_the_drafters_right_one_token_guesses():
+    from inference.speculative.benchmark import copy_ceiling
+    prompt = [1, 2, 3, 4, 5]
+    # the output repeats the prompt: after [.., 5, 1] no 2-gram matches yet, then [1, 2] does: 5 of 6 right
+    right, ceiling = copy_ceiling("ngram", prompt, [1, 2, 3, 4, 5, 1, 2])
+    assert (right, ceiling) == (5, 6.0)
+    right, ceiling = copy_ceiling("suffix", prompt, [9, 8, 7, 6])  # nothing to copy
+    assert (right, ceiling) == (0, 1.0)
+
+
+def test_verify_cost_table_times_a_forward_of_each_size():
+    from inference.speculative.benchmark import verify_cost_table
+    model = model_for()
+    rows = verify_cost_table(model, PROMPTS["novel"], sizes=(1, 3), repeats=2)
+    assert [r["positions"] for r in rows] == [1, 3]
+    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)

@@ -5,8 +5,15 @@ of known quality that replay the plain greedy output, all right, every 4th token
 last also without adaptive k's pauses: they show what the verification machinery delivers at that
 acceptance, apart from drafting, and how fast adaptive k gives up on drafts that are never right): decode tokens/s
 through the serving engine, one stream, greedy, plain and speculative runs alternated and repeated
-(median), by wall clock and by process CPU time (steadier when other work shares the machine), with the
-drafted / accepted counts. Speculative output is checked equal to plain output.
+(median; every other repeat runs the speculative variants before plain), by wall clock and by process CPU
+time (steadier when other work shares the machine), with the drafted / accepted counts. Speculative output
+is checked equal to plain output. "ceiling": the speed-up if verification were free and every token of the
+plain output that the drafter's one-token guess gets right were accepted, (n - 1) / (n - 1 - right): about
+what the model's own output allows a copying drafter, whatever k and the verify path do (a continuation
+copied further can now and then be right where the one-token guess at that position was not).
+
+Table 1b, verify forward cost: CPU time of one decode forward of 1 + k positions (with mark and rewind)
+against a plain one-position step, on the model being benchmarked.
 
 Table 2, rollback cost: the KDA rewind modes ("snapshot": keep every step's state; "replay": keep the
 kernel inputs and re-run the kept steps) per KDA layer at the tiny and the full K3 head sizes, against
@@ -33,7 +40,7 @@ from inference.model.kda import KDALayerCache
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.sampling import SamplingParams
-from inference.speculative.drafters import ReplayDrafter
+from inference.speculative.drafters import DRAFTER_KINDS, ReplayDrafter, make_drafter
 from inference.speculative.speculation import SpeculationConfig
 
 PROMPTS = {
@@ -63,6 +70,20 @@ async def _one_run(model, tokenizer, prompt_ids, max_tokens, speculation):
     return tokens, final, (len(tokens) - 1) / decode_s, (len(tokens) - 1) / cpu_s
 
 
+def copy_ceiling(drafter_kind: str, prompt_ids: list[int], output: list[int]) -> tuple[int, float]:
+    """(right, ceiling): how many of output[1:] the drafter's one-token guess from the history before each
+    gets right, and the decode speed-up that would give with free verification (see the module docstring)."""
+    drafter = make_drafter(drafter_kind)
+    history = list(prompt_ids) + list(output[:1])
+    right = 0
+    for token in output[1:]:
+        guess = drafter.propose(history, 1).tokens
+        right += bool(guess) and guess[0] == token
+        history.append(token)
+    steps = len(output) - 1
+    return right, steps / max(steps - right, 1)
+
+
 def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: list[str] | None = None) -> list[dict]:
     """`drafters`: the variants to run (default all: ngram, suffix and the oracles)."""
     rows = []
@@ -86,15 +107,18 @@ def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: lis
         variants = {name: c for name, c in variants.items() if drafters is None or name.split()[0] in drafters}
         plain_runs: list = []
         results: dict[str, list] = {name: [] for name in variants}
-        for _ in range(repeats):  # alternate so that load changes on this machine hit both alike
-            plain_runs.append(asyncio.run(_one_run(model, tokenizer, prompt_ids, max_tokens, None)))
+        for rep in range(repeats):  # alternate so that load changes on this machine hit both alike
+            if rep % 2 == 0:
+                plain_runs.append(asyncio.run(_one_run(model, tokenizer, prompt_ids, max_tokens, None)))
             for name, config in variants.items():
                 results[name].append(asyncio.run(_one_run(model, tokenizer, prompt_ids, max_tokens, config)))
+            if rep % 2 == 1:
+                plain_runs.append(asyncio.run(_one_run(model, tokenizer, prompt_ids, max_tokens, None)))
         plain_rate = statistics.median(r[2] for r in plain_runs)
         plain_cpu_rate = statistics.median(r[3] for r in plain_runs)
         rows.append(dict(prompt=kind, drafter="plain", tokens=len(plain_tokens), proposed=0, accepted=0,
                          verify_steps=0, accepted_per_verify=0.0, tokens_per_s=plain_rate, speedup=1.0,
-                         cpu_speedup=1.0, same_output=all(r[0] == plain_tokens for r in plain_runs)))
+                         cpu_speedup=1.0, ceiling=1.0, same_output=all(r[0] == plain_tokens for r in plain_runs)))
         for name, runs in results.items():
             tokens, final = runs[0][:2]
             rate = statistics.median(r[2] for r in runs)
@@ -104,6 +128,7 @@ def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: lis
                 accepted_per_verify=final.draft_accepted / max(final.verify_steps, 1),
                 tokens_per_s=rate, speedup=rate / plain_rate,
                 cpu_speedup=statistics.median(r[3] for r in runs) / plain_cpu_rate,
+                ceiling=copy_ceiling(name, prompt_ids, plain_tokens)[1] if name in DRAFTER_KINDS else float("nan"),
                 same_output=all(r[0] == plain_tokens for r in runs)))
     return rows
 
@@ -160,6 +185,27 @@ def rewind_table(model, k: int = 8, keep: int = 3, repeats: int = 5) -> list[dic
     return rows
 
 
+@torch.inference_mode()
+def verify_cost_table(model, prompt_ids: list[int], sizes=(1, 2, 3, 5, 9, 17), repeats: int = 15) -> list[dict]:
+    """CPU time of one decode forward of T positions (T = 1: a plain step; T = k + 1: a verify step of k
+    drafts, with its mark and rewind) after `prompt_ids`, best of `repeats`, and its ratio to T = 1."""
+    cache = model.new_cache()
+    model.forward([torch.tensor(prompt_ids, dtype=torch.long)], [cache])
+    base = cache.length
+    rows = []
+    for T in sizes:
+        fed = torch.arange(T, dtype=torch.long) % model.config.vocab_size
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            cache.mark("snapshot")
+            model.forward([fed], [cache], all_logits=T > 1)
+            cache.rewind(base)
+            best = min(best, time.process_time() - t0)
+        rows.append(dict(positions=T, ms=best * 1e3, ratio=best / rows[0]["ms"] * 1e3 if rows else 1.0))
+    return rows
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     head = " | ".join(title for _, title, _ in columns)
     lines = [head, "-" * len(head)]
@@ -194,17 +240,22 @@ def main(argv=None) -> int:
         ("proposed", "drafted", ">7"), ("accepted", "accepted", ">8"), ("verify_steps", "verifies", ">8"),
         ("accepted_per_verify", "acc/verify", ">10.2f"), ("tokens_per_s", "tok/s", ">7.1f"),
         ("speedup", "speed-up", ">8.2f"), ("cpu_speedup", "CPU-time speed-up", ">17.2f"),
-        ("same_output", "same", ">5")]))
+        ("ceiling", "ceiling", ">7.2f"), ("same_output", "same", ">5")]))
     print("\n(acc/verify: accepted drafts per verify step; a verify step emits that plus one token. speed-up: "
           "decode tokens/s over plain, wall clock; CPU-time speed-up: the same from this process's CPU time, "
-          "steadier on a shared machine.)")
+          "steadier on a shared machine; ceiling: the speed-up with free verification if every token of the plain "
+          "output that the drafter's one-token guess gets right were accepted.)")
+    cost = verify_cost_table(model, tokenizer.encode(PROMPTS["code-like"], add_bos=True))
+    print("\nverify forward cost (CPU time, best of 15; positions = 1 + drafts):\n")
+    print(format_table(cost, [("positions", "positions", ">9"), ("ms", "ms", ">8.2f"),
+                              ("ratio", "x plain step", ">12.2f")]))
     rewind = [] if args.skip_rewind_table else rewind_table(model)
     if rewind:
         print("\nrollback of a verify step of 8 drafts keeping 3 positions:\n")
         print(format_table(rewind, [("size", "size", "<8"), ("method", "method", "<44"), ("ms", "ms", ">8.3f"),
                                     ("log_bytes", "bytes kept", ">12,")]))
     if args.json:
-        args.json.write_text(json.dumps({"speedup": rows, "rewind": rewind}, indent=2))
+        args.json.write_text(json.dumps({"speedup": rows, "verify_cost": cost, "rewind": rewind}, indent=2))
     return 0 if all(r["same_output"] for r in rows) else 1
 
 

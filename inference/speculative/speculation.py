@@ -6,13 +6,16 @@ marks the cache (`cache.mark()`), runs the forward with all logits, calls `judge
 to the kept positions (`cache.rewind(start + 1 + verdict.accepted)`). `speculative_generate` is that loop
 for one sequence on a model; the serving engine runs the same per sequence inside its batches.
 
-Adaptive k. Drafted tokens are modelled as accepted independently with probability a, so a verify step of
-k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs about 1 + c*k plain steps (c =
-`verify_cost`: the price of one more position in a forward). k is the argmax of E(k) / (1 + c*k) over
-0..max_draft_tokens: 0 when drafts are poor, so novel text decodes plainly. The estimate of a is a decayed
-count of accepted drafts over drafts judged (a rejection ends a step's trials). On a plain step the
-drafter is still asked for one token (free: no model work), and whether it equals the token the step chose
-updates a, so a sequence whose text turns repetitive starts speculating again without paying for probes.
+Adaptive k. A copying drafter's guesses come in runs: once the copied text agrees with the model, the next
+copied token very likely agrees too, and a wrong guess usually ends the run. So the model of acceptance has
+two rates: a (the first draft of a step is accepted) and r (a draft is accepted given the one before it
+was). A verify step of k drafts then emits E(k) = 1 + a * (1 - r^k) / (1 - r) tokens (1 + a + a*r + ...
++ a*r^(k-1)) and costs about 1 + c*k plain steps (c = `verify_cost`: the price of one more position in a
+forward). k is the argmax of E(k) / (1 + c*k) over 0..max_draft_tokens: 0 when first drafts are poor, so
+novel text decodes plainly, and large once runs of accepted drafts are long. Both estimates are decayed
+counts (a prior worth `prior_weight` trials each). On a plain step the drafter is still asked for one
+token (free: no model work), and whether it equals the token the step chose updates a, so a sequence
+whose text turns repetitive starts speculating again without paying for probes.
 
 Pauses. The estimate of a moves slowly (a prior worth two drafts, then a decayed count), so on novel text,
 where a drafter's rare guesses are all wrong, it would take several wasted verify steps before k reaches 0.
@@ -42,8 +45,9 @@ class SpeculationConfig:
     max_draft_tokens: int = 8
     verify_cost: float = 0.1  # extra cost of one more position in a forward, relative to a one-token step
     rewind_mode: str = "snapshot"  # how KDA layers roll back (kda.KDARewindLog)
-    prior_acceptance: float = 0.5  # a before anything was judged
-    prior_weight: float = 2.0  # ... worth this many judged drafts
+    prior_acceptance: float = 0.5  # a (first draft of a step accepted) before anything was judged
+    prior_run: float = 0.8  # r (a draft accepted given the one before it was) before anything was judged
+    prior_weight: float = 2.0  # ... each worth this many judged drafts
     memory: float = 0.9  # decay of the acceptance counts per judged step
     miss_limit: int = 2  # verify steps in a row that accept nothing before drafting pauses (0: never pause)
     pause_steps: int = 8  # plain steps of the first pause; each failed probe after a pause doubles it ...
@@ -68,8 +72,8 @@ class SpeculationConfig:
             out.append(f"verify_cost must be >= 0 (got {self.verify_cost})")
         if self.rewind_mode not in REWIND_MODES:
             out.append(f"rewind_mode must be one of {', '.join(REWIND_MODES)} (got {self.rewind_mode!r})")
-        if not 0.0 < self.prior_acceptance < 1.0 or not 0.0 < self.memory <= 1.0:
-            out.append("prior_acceptance must lie in (0, 1) and memory in (0, 1]")
+        if not 0.0 < self.prior_acceptance < 1.0 or not 0.0 < self.prior_run < 1.0 or not 0.0 < self.memory <= 1.0:
+            out.append("prior_acceptance and prior_run must lie in (0, 1) and memory in (0, 1]")
         if self.min_match is not None and self.min_match < 1:
             out.append(f"min_match must be >= 1 (got {self.min_match})")
         if self.miss_limit < 0 or not 1 <= self.pause_steps <= self.max_pause_steps:
@@ -80,34 +84,59 @@ class SpeculationConfig:
         return out
 
 
+class _Rate:
+    """A decayed success count over a decayed trial count, starting from a prior."""
+
+    def __init__(self, prior: float, weight: float, memory: float):
+        self.successes, self.trials, self.memory = prior * weight, weight, memory
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials
+
+    def observe(self, successes: float, trials: float) -> None:
+        if trials > 0:
+            self.successes = self.memory * self.successes + successes
+            self.trials = self.memory * self.trials + trials
+
+
 class DraftLength:
     """The adaptive k of one sequence (see the module docstring)."""
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
-        self.successes = config.prior_acceptance * config.prior_weight
-        self.trials = config.prior_weight
+        self.first = _Rate(config.prior_acceptance, config.prior_weight, config.memory)  # a
+        self.run = _Rate(config.prior_run, config.prior_weight, config.memory)  # r
 
     @property
     def acceptance(self) -> float:
-        return self.successes / self.trials
+        """a: the probability that a step's first draft is accepted."""
+        return self.first.value
 
-    def observe(self, successes: float, trials: float) -> None:
-        m = self.config.memory
-        self.successes = m * self.successes + successes
-        self.trials = m * self.trials + trials
+    def observe_verdict(self, drafted: int, accepted: int) -> None:
+        """A verify step of `drafted` drafts accepted the first `accepted` of them."""
+        if drafted <= 0:
+            return
+        self.first.observe(1.0 if accepted > 0 else 0.0, 1.0)
+        if accepted > 0:  # drafts 2 .. min(accepted + 1, drafted) were judged after an accepted one
+            self.run.observe(accepted - 1, min(accepted + 1, drafted) - 1)
+
+    def observe_guess(self, right: bool) -> None:
+        """The drafter's free one-token guess on a plain step was (not) the chosen token."""
+        self.first.observe(1.0 if right else 0.0, 1.0)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a verify step of k drafts emits (1 + a + a*r + ... + a*r^(k-1))."""
+        a, r = self.first.value, min(self.run.value, 0.999)
+        return 1.0 + a * (1.0 - r ** k) / (1.0 - r)
 
     def best_k(self) -> int:
         c = self.config
         if c.fixed_draft_tokens is not None:
             return c.fixed_draft_tokens
-        a = min(self.acceptance, 0.999)
         best, best_rate = 0, 1.0
-        emitted, power = 1.0, 1.0
         for k in range(1, c.max_draft_tokens + 1):
-            power *= a
-            emitted += power  # E(k) = 1 + a + ... + a^k
-            rate = emitted / (1.0 + c.verify_cost * k)
+            rate = self.expected_tokens(k) / (1.0 + c.verify_cost * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -163,7 +192,7 @@ class SequenceSpeculation:
         self.proposed += drafted
         self.accepted += accepted
         self.verify_steps += 1
-        self.length.observe(accepted, accepted + (1 if accepted < drafted else 0))
+        self.length.observe_verdict(drafted, accepted)
         if self.config.fixed_draft_tokens is not None or self.config.miss_limit == 0:
             return
         if accepted > 0:
@@ -182,7 +211,7 @@ class SequenceSpeculation:
         self.plain_steps += 1
         if self._shadow is not None:
             right = self._shadow == chosen
-            self.length.observe(1.0 if right else 0.0, 1.0)
+            self.length.observe_guess(right)
             self._shadow = None
             if right:
                 self.paused = 0  # the drafter guesses right again: probe on the next step
