@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 FORMAT = "k3-model-envelope"
 VERSION = 1
 MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
+MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8": "fp8", "fp8_e4m3": "fp8",
             "float8_e4m3fn": "fp8", "e4m3": "fp8", "float32": "fp32"}
@@ -77,9 +78,11 @@ class ModelEnvelope:
 
 
 def build_envelope(rows: Sequence[tuple[str, str, bool, int, float]], *, checkpoint: str,
-                   fingerprint: Optional[str] = None, margin: float = MARGIN) -> dict:
+                   fingerprint: Optional[str] = None, margin: float = MARGIN,
+                   min_audits: int = MIN_BIN_AUDITS) -> dict:
     """The envelope file's content from honest audits: rows of (variant, precision, long, prompt tokens,
-    logprob gap). Short and long prompts form separate bins (the bench's two prompt classes)."""
+    logprob gap). Short and long prompts form separate bins (the bench's two prompt classes); a class with
+    fewer than `min_audits` audits gets no bin (its prompt lengths keep the wide bound)."""
     out: dict = {"format": FORMAT, "version": VERSION, "checkpoint": checkpoint, "fingerprint": fingerprint,
                  "margin": margin, "precisions": {}}
     keys = sorted({precision_key(p) for _, p, _, _, _ in rows} - {None, "fp32"})
@@ -89,7 +92,7 @@ def build_envelope(rows: Sequence[tuple[str, str, bool, int, float]], *, checkpo
         bins = []
         for long in (False, True):
             part = [r for r in mine if r[2] == long]
-            if not part:
+            if len(part) < max(1, min_audits):
                 continue
             g = sorted(r[4] for r in part)
             bins.append({"prompt_tokens": [min(r[3] for r in part), max(r[3] for r in part)], "audits": len(part),
@@ -100,6 +103,8 @@ def build_envelope(rows: Sequence[tuple[str, str, bool, int, float]], *, checkpo
             bins = [{**bins[0], "prompt_tokens": [bins[0]["prompt_tokens"][0], bins[1]["prompt_tokens"][1]],
                      "audits": len(mine), "worst": round(gaps[-1], 5), "soft": round(margin * gaps[-1], 4),
                      "false_positive_rate_95": round(3 / len(mine), 5)}]  # overlapping classes: one bin
+        if not bins:
+            continue
         out["precisions"][key] = {"variants": sorted({r[0] for r in mine}), "audits": len(mine),
                                   "worst": round(gaps[-1], 5), "bins": bins}
     return out
@@ -138,4 +143,4 @@ def load_envelope(path: str) -> ModelEnvelope:
 
 
 __all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "build_envelope", "parse_envelope", "load_envelope",
-           "precision_key", "MARGIN"]
+           "precision_key", "MARGIN", "MIN_BIN_AUDITS"]

@@ -25,9 +25,10 @@ ENVELOPE = str(ROOT / "scoring" / "envelopes" / "tiny_trained.json")  # bench_ve
 
 def test_bounds_cover_what_was_measured_and_nothing_else(tmp_path):
     rows = [("bf16", "bf16", False, n, 0.01 + n / 10_000) for n in range(20, 130)]
-    rows += [("bf16", "bf16", True, 513, 0.02), ("fp8-dense", "fp8", False, 40, 0.05), ("fp32", "fp32", False, 40, 0.0)]
+    rows += [("bf16", "bf16", True, 513, 0.02)] * 60 + [("fp32", "fp32", False, 40, 0.0)] * 60
+    rows += [("fp8-dense", "fp8", False, 40, 0.05)] * 49  # too few to tighten anything
     data = build_envelope(rows, checkpoint="ckpt", margin=1.5)
-    assert set(data["precisions"]) == {"bf16", "fp8"}  # fp32 has its own (exact) bound
+    assert set(data["precisions"]) == {"bf16"}  # fp32 has its own (exact) bound
     short, long = data["precisions"]["bf16"]["bins"]
     assert short["prompt_tokens"] == [20, 129] and short["worst"] == pytest.approx(0.0229)
     assert short["soft"] == pytest.approx(1.5 * 0.0229, abs=1e-4) and long["soft"] == pytest.approx(0.03)
@@ -37,12 +38,12 @@ def test_bounds_cover_what_was_measured_and_nothing_else(tmp_path):
     assert env.soft_bound("bf16", 300) == pytest.approx(max(short["soft"], 0.03))  # between bins: the larger
     assert env.soft_bound("bf16", 514) is None  # longer than anything measured: not tightened
     assert env.soft_bound("bf16", 5) is None
-    assert env.soft_bound("fp16", 50) is None  # not measured
+    assert env.soft_bound("fp16", 50) is None and env.soft_bound("fp8", 40) is None  # not (or too little) measured
     path = tmp_path / "env.json"
     path.write_text(json.dumps(data))
     config = ScoringConfig.local_testnet(logprob_gap_envelope=str(path))
     assert logprob_gap_bound(config, "bf16", 50)[0] == pytest.approx(short["soft"])
-    assert logprob_gap_bound(config, "fp16", 50)[0] == config.logprob_gap_soft
+    assert logprob_gap_bound(config, "fp8", 40)[0] == config.logprob_gap_soft
     (tmp_path / "bad.json").write_text('{"format": "k3-model-envelope", "version": 1, "precisions": {"bf16": {}}}')
     for bad, says in ((tmp_path / "missing.json", "cannot read"), (tmp_path / "bad.json", "malformed")):
         with pytest.raises(ScoringConfigError, match=says):
@@ -59,22 +60,24 @@ def test_shipped_envelope_is_the_trained_models():
 @pytest.fixture(scope="module")
 def measured():
     config = ScoringConfig.local_testnet(logprob_gap_envelope=ENVELOPE)
-    common = dict(audits_per_variant=40, max_tokens=24, prompt_lengths=(16, 128), long_length=512, sharded=False,
-                  seed=11)
-    short = measure_envelope(TRAINED_TINY, long_share=0.15, config=config,
-                             only=["bf16", "bf16-gpu-kernels", "cheat-bf16-half-experts"], **common)
-    long = measure_envelope(TRAINED_TINY, long_share=1.0, config=config, only=["bf16", "cheat-bf16-truncated-context"],
-                            **{**common, "audits_per_variant": 60})
-    return {r.variant.name + (":long" if i else ""): r for i, rep in enumerate((short, long)) for r in rep.results}
+    common = dict(audits_per_variant=30, max_tokens=24, prompt_lengths=(16, 128), long_length=512, sharded=False,
+                  seed=11, config=config)  # seed 11: prompts the envelope was not measured on
+    cheats = {**common, "audits_per_variant": 60}  # cheaters run 30% of the audits: 18 each
+    runs = [("", measure_envelope(TRAINED_TINY, long_share=0.0, only=["bf16"], **common)),
+            ("", measure_envelope(TRAINED_TINY, long_share=0.0, only=["cheat-bf16-half-experts"], **cheats)),
+            (":long", measure_envelope(TRAINED_TINY, long_share=1.0, only=["bf16"], **common)),
+            (":long", measure_envelope(TRAINED_TINY, long_share=1.0, only=["cheat-bf16-truncated-context"], **cheats))]
+    return {r.variant.name + suffix: r for suffix, rep in runs for r in rep.results}
 
 
 def test_honest_bf16_passes_and_bf16_cheats_fail_under_the_measured_envelope(measured):
     wide = ScoringConfig.local_testnet()
-    for name in ("bf16", "bf16-gpu-kernels", "bf16:long"):
+    for name in ("bf16", "bf16:long"):
         r = measured[name]
-        assert len(r.answers) >= 12 and not any(r.new_failures), name
+        assert len(r.answers) == 30 and not any(r.new_failures), (name, r.new_failures)
     half, truncated = measured["cheat-bf16-half-experts"], measured["cheat-bf16-truncated-context:long"]
-    for r, least in ((half, 0.3), (truncated, 0.15)):  # 0.15: the audit failure rate that zeroes a miner
+    for r in (half, truncated):  # each fails at least the audit failure rate that zeroes a miner (15%)
+        least = ScoringConfig.local_testnet().audit_failure_rate
         checks = {f.check for fs in r.new_failures for f in fs}
         assert r.rate("new_failures") >= least and checks == {"logprob_gap"}, (r.variant.name, r.rate("new_failures"))
         assert not any(f.hard for fs in r.new_failures for f in fs)  # soft: rounding-sized gaps never zero for 24 h
