@@ -634,8 +634,8 @@ def holdout_table(report: EnvelopeReport, margin: float = MARGIN) -> list[str]:
 
 
 VARIANT_ORDER = ("fp32-batched", "fp32-alone", "fp32-threads-2", "fp32-chunk-16", "fp32-chunk-128", "fp32-recurrent",
-                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "fp8-dense", "sharded-pipeline",
-                 "sharded-expert", "sharded-expert-bf16",
+                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "fp8-dense",
+                 "sharded-pipeline", "sharded-expert", "sharded-expert-bf16",
                  "cheat-other-weights", "cheat-other-weights-relabelled", "cheat-truncated-context",
                  "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts",
                  "cheat-bf16-truncated-context")
@@ -769,6 +769,7 @@ def format_report(report: EnvelopeReport) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["measure_envelope", "format_report", "envelope_file", "rejudge", "holdout_table", "EnvelopeReport", "VariantResult", "Variant", "legacy_failures",
+__all__ = ["measure_envelope", "format_report", "envelope_file", "rejudge", "holdout_table", "EnvelopeReport",
+           "VariantResult", "Variant", "legacy_failures",
            "generate", "reference_scores", "gpu_kernel_emulation", "perturb_experts", "perturbed_experts",
            "load_model"]

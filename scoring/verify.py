@@ -817,8 +817,8 @@ async def verify_item(item: "WorkItem", result: GenerateResult, *, tokenizer, ca
 
 __all__ = [
     "Failure", "validator_prompt_ids", "check_tier0", "Reference", "MinerScoreReference", "ConsensusReference",
-    "ReferenceDisagreement", "AuditResult", "AuditStatistics", "audit_statistics", "judge_statistics", "logprob_gap_bound",
-    "outside_top_k_bound", "audit_tier1", "audit_probability",
+    "ReferenceDisagreement", "AuditResult", "AuditStatistics", "audit_statistics", "judge_statistics",
+    "logprob_gap_bound", "outside_top_k_bound", "audit_tier1", "audit_probability",
     "Canary", "CanaryPool", "CanaryPoolError", "canary_id_for", "Tier2Result", "check_tier2", "check_answer",
     "Verification", "verify_item",
 ]
