@@ -109,6 +109,13 @@ class ScoringConfig:
     from the reference's by more than this many nats on average. Honest numerics (bf16, fp16, other
     kernels, batching, chunking, sharding) stay far below (scripts/bench_verification.py); another model,
     re-quantised experts or a truncated context are far above."""
+    logprob_gap_envelope: str | None = None
+    """(not in the spec) The envelope measured for the served model (a file written by
+    `scripts/bench_verification.py --write-envelope`; scoring/model_envelope.py): per declared precision and
+    prompt length, the soft logprob-gap bound of that model's honest numerics (1.5x the worst honest audit
+    measured). Where it covers the miner's precision and the prompt's length it replaces `logprob_gap_soft`,
+    which was set on the random tiny model's flat distributions and lets a bf16 miner with half the experts or
+    a truncated context pass on a trained one. None: the wide bound everywhere."""
     logprob_gap_hard: float = 1.5
     """(not in the spec) ...and hard above this on a trusted reference, at any temperature."""
     exact_precisions: tuple[str, ...] = ("fp32", "float32")
@@ -344,6 +351,12 @@ class ScoringConfig:
             out.append("weight_exponent must be positive")
         if self.long_context_budget_base_s < 0 or self.long_context_budget_s_per_1k_tokens < 0:
             out.append("long-context budget settings must be non-negative")
+        if self.logprob_gap_envelope is not None:
+            from .model_envelope import ModelEnvelopeError, load_envelope  # noqa: PLC0415
+            try:
+                load_envelope(str(self.logprob_gap_envelope))
+            except ModelEnvelopeError as error:
+                out.append(f"logprob_gap_envelope: {error}")
         return out
 
 

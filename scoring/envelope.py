@@ -34,6 +34,7 @@ from inference.model import KimiK3Model, ModelConfig, load_checkpoint, load_toke
 from inference.serving.sampling import SamplingParams, TokenSampler
 
 from .config import ScoringConfig
+from .model_envelope import MARGIN, build_envelope
 from .verify import AuditStatistics, Failure, audit_statistics, judge_statistics
 
 REFERENCE_TOP_K = 20
@@ -340,6 +341,8 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
                    other_checkpoint: Optional[str | Path] = None, seed: int = 0,
                    long_threshold: int = 512) -> list[Variant]:
     """The honest variants and the cheaters, for one checkpoint (its fp32 model is the reference)."""
+    from .envelope_fp8 import fp8_dense_variant  # noqa: PLC0415 - it builds on this module
+
     config = reference.config
     ref_run = _plain(reference)
     bf16 = load_model(checkpoint, torch.bfloat16)
@@ -410,6 +413,7 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
         Variant("bf16-chunk-64", "bf16, prompt prefilled in chunks of 64", True, kw(_plain(bf16), prefill_chunk=64),
                 precision="bf16"),
         Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16), precision="fp16"),
+        fp8_dense_variant(checkpoint),
     ]
     if sharded:
         variants += [
@@ -530,7 +534,8 @@ def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps,
             stats = audit_statistics(a.tokens, a.logprobs, a.temperature, scores, stop_ids, config, sample)
             result.answers.append(a)
             result.statistics.append(stats)
-            result.new_failures.append(judge_statistics(stats, config, trusted=True, exact=variant.exact(config)))
+            result.new_failures.append(judge_statistics(stats, config, trusted=True, exact=variant.exact(config),
+                                                        precision=variant.precision, prompt_tokens=len(a.prompt)))
             result.old_failures.append(legacy_failures(stats, config))
         if on_batch:
             on_batch()
@@ -539,8 +544,9 @@ def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps,
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
     """The same measured statistics judged under other rules (thresholds)."""
     for r in report.results:
-        r.new_failures = [judge_statistics(st, config, trusted=True, exact=r.variant.exact(config))
-                          for st in r.statistics]
+        r.new_failures = [judge_statistics(st, config, trusted=True, exact=r.variant.exact(config),
+                                           precision=r.variant.precision, prompt_tokens=len(a.prompt) or None)
+                          for st, a in zip(r.statistics, r.answers)]
         r.old_failures = [legacy_failures(st, ScoringConfig.local_testnet()) for st in r.statistics]
     report.config = config
     return report
@@ -550,7 +556,8 @@ def save_report(report: EnvelopeReport, path: str | Path) -> None:
     """The measured statistics (not the judgements), to re-judge later without re-measuring."""
     import pickle  # noqa: PLC0415
     rows = [dict(name=r.variant.name, description=r.variant.description, honest=r.variant.honest,
-                 precision=r.variant.precision, statistics=r.statistics, long=[a.long for a in r.answers], seconds=r.seconds) for r in report.results]
+                 precision=r.variant.precision, statistics=r.statistics, long=[a.long for a in r.answers],
+                 prompt_tokens=[len(a.prompt) for a in r.answers], seconds=r.seconds) for r in report.results]
     Path(path).write_bytes(pickle.dumps(dict(checkpoint=report.checkpoint, rows=rows)))
 
 
@@ -566,7 +573,9 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
                                                  and "bf16" not in row["name"] else row["name"].split("-")[0])
             r = VariantResult(Variant(row["name"], row["description"], row["honest"], run=None, precision=precision))
             r.statistics = row["statistics"]
-            r.answers = [Answer([], [], [], st.temperature, long) for st, long in zip(row["statistics"], row["long"])]
+            lengths = row.get("prompt_tokens") or [0] * len(row["statistics"])  # older files: not recorded
+            r.answers = [Answer([0] * n, [], [], st.temperature, long)
+                         for st, long, n in zip(row["statistics"], row["long"], lengths)]
             r.seconds = row["seconds"]
             results.append(r)
     order = {name: i for i, name in enumerate(VARIANT_ORDER)}
@@ -574,9 +583,59 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
     return rejudge(EnvelopeReport(checkpoint, config, results, config.audit_rate), config)
 
 
+def envelope_file(report: EnvelopeReport, margin: float = MARGIN) -> dict:
+    """The per-model envelope (scoring/model_envelope.py) from the report's honest audits: per declared
+    precision other than fp32, the soft logprob-gap bound of short and of long prompts."""
+    from inference.model import fingerprint  # noqa: PLC0415
+    try:
+        print_ = fingerprint(report.checkpoint)
+    except Exception:  # noqa: BLE001 - informative only
+        print_ = None
+    rows = [(r.variant.name, r.variant.precision, a.long, len(a.prompt), st.logprob_gap_mean)
+            for r in report.honest for st, a in zip(r.statistics, r.answers)
+            if st.logprob_gap_mean is not None and a.prompt]
+    return build_envelope(rows, checkpoint=report.checkpoint, fingerprint=print_, margin=margin)
+
+
+def holdout_table(report: EnvelopeReport, margin: float = MARGIN) -> list[str]:
+    """The envelope checked on audits it was not measured on: each variant's audits split in two halves
+    (alternate audits), the envelope built from one half's honest audits, the other half (honest and
+    cheaters) judged by it, then the other way round. Per variant: audits judged, soft and hard failures."""
+    import json  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    def half(r: VariantResult, k: int) -> VariantResult:
+        out = VariantResult(r.variant, r.statistics[k::2], r.answers[k::2])
+        out.seconds = r.seconds
+        return out
+
+    lines = [f"{'variant':32} {'audits':>6} {'soft':>5} {'hard':>5} {'rate':>6}"]
+    totals: dict[str, list[int]] = {}
+    for k in (0, 1):
+        fit = EnvelopeReport(report.checkpoint, report.config, [half(r, k) for r in report.honest], report.audit_rate)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
+            json.dump(envelope_file(fit, margin), tmp)
+        judged = rejudge(EnvelopeReport(report.checkpoint, report.config, [half(r, 1 - k) for r in report.results],
+                                        report.audit_rate), report.config.replace(logprob_gap_envelope=tmp.name))
+        for r in judged.results:
+            row = totals.setdefault(r.variant.name, [0, 0, 0, int(r.variant.honest)])
+            row[0] += len(r.answers)
+            row[1] += sum(1 for f in r.new_failures if f and not any(x.hard for x in f))
+            row[2] += sum(1 for f in r.new_failures if any(x.hard for x in f))
+        Path(tmp.name).unlink()
+    for name, (n, soft, hard, honest) in totals.items():
+        lines.append(f"{name:32} {n:6d} {soft:5d} {hard:5d} {(soft + hard) / max(1, n):6.3f}"
+                     + ("" if honest else "  (cheater: detection)"))
+    honest_rows = [v for v in totals.values() if v[3]]
+    n = sum(v[0] for v in honest_rows)
+    lines.append(f"{'all honest':32} {n:6d} {sum(v[1] for v in honest_rows):5d} {sum(v[2] for v in honest_rows):5d} "
+                 f"{sum(v[1] + v[2] for v in honest_rows) / max(1, n):6.3f}")
+    return lines
+
+
 VARIANT_ORDER = ("fp32-batched", "fp32-alone", "fp32-threads-2", "fp32-chunk-16", "fp32-chunk-128", "fp32-recurrent",
-                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "sharded-pipeline",
-                 "sharded-expert", "sharded-expert-bf16",
+                 "fp32-gpu-kernels", "bf16", "bf16-gpu-kernels", "bf16-chunk-64", "fp16", "fp8-dense",
+                 "sharded-pipeline", "sharded-expert", "sharded-expert-bf16",
                  "cheat-other-weights", "cheat-other-weights-relabelled", "cheat-truncated-context",
                  "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts",
                  "cheat-bf16-truncated-context")
@@ -710,6 +769,7 @@ def format_report(report: EnvelopeReport) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["measure_envelope", "format_report", "EnvelopeReport", "VariantResult", "Variant", "legacy_failures",
+__all__ = ["measure_envelope", "format_report", "envelope_file", "rejudge", "holdout_table", "EnvelopeReport",
+           "VariantResult", "Variant", "legacy_failures",
            "generate", "reference_scores", "gpu_kernel_emulation", "perturb_experts", "perturbed_experts",
            "load_model"]

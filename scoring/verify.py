@@ -33,6 +33,7 @@ from protocol.schemas import Capabilities, GenerateRequest, ScoreRequest
 from protocol.signature import verify_response
 
 from .config import ScoringConfig
+from .model_envelope import load_envelope, precision_key
 
 if TYPE_CHECKING:
     from .workloads import WorkItem
@@ -394,14 +395,29 @@ def audit_statistics(tokens: Sequence[int], miner_logprobs: Sequence[float], tem
         logprob_gap_max=max(lp_gaps, default=None), quality_diff=diff, quality_positions=len(sample))
 
 
+def logprob_gap_bound(config: ScoringConfig, precision: Optional[str],
+                      prompt_tokens: Optional[int]) -> tuple[float, str]:
+    """The soft logprob-gap bound for a miner declaring `precision` on a prompt of `prompt_tokens`: the served
+    model's measured envelope where it covers them (config.logprob_gap_envelope), else the wide bound; and
+    where it comes from, for the failure's reason."""
+    if config.logprob_gap_envelope is not None:
+        bound = load_envelope(str(config.logprob_gap_envelope)).soft_bound(precision, prompt_tokens)
+        if bound is not None and bound < config.logprob_gap_soft:
+            return bound, (f"the envelope measured for this model in {precision_key(precision)} at "
+                           f"{prompt_tokens}-token prompts: honest audits")
+    return config.logprob_gap_soft, "honest numerics"
+
+
 def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: bool,
-                     exact: bool = False) -> list[Failure]:
+                     exact: bool = False, precision: Optional[str] = None,
+                     prompt_tokens: Optional[int] = None) -> list[Failure]:
     """The tier-1 rules (docs-snippets/verify.md). Every soft threshold sits outside what honest
     numerics produce (bf16/fp16, other kernels, batching, chunking, sharding: the envelope measured
     by scripts/bench_verification.py); a failure is hard only when the reference is trusted (the
     validator's own engine) and the evidence is far outside that envelope, at any temperature.
     `exact`: the miner declared fp32 numerics (config.exact_precisions), whose envelope is far
-    tighter; missing it is a soft failure only."""
+    tighter; missing it is a soft failure only. `precision` (what the miner declared) and `prompt_tokens`
+    pick the served model's measured logprob-gap bound when the config names an envelope file."""
     failures: list[Failure] = []
     n = stats.positions
 
@@ -410,10 +426,12 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
 
     # 1. the miner's own logprobs of its tokens against the reference's: same model, other
     #    numerics stays within a few hundredths of a nat; another model is off by tenths or more
-    if stats.logprob_gap_mean is not None and stats.logprob_gap_mean > config.logprob_gap_soft:
+    gap_soft, gap_source = (config.logprob_gap_soft, "honest numerics") if exact else logprob_gap_bound(
+        config, precision, prompt_tokens)
+    if stats.logprob_gap_mean is not None and stats.logprob_gap_mean > gap_soft:
         fail("logprob_gap", f"the miner's logprobs of its {n} tokens differ from the reference's by "
-                            f"{stats.logprob_gap_mean:.3f} nats on average (honest numerics stay under "
-                            f"{config.logprob_gap_soft:g}; hard at {config.logprob_gap_hard:g})",
+                            f"{stats.logprob_gap_mean:.3f} nats on average ({gap_source} stay under "
+                            f"{gap_soft:g}; hard at {config.logprob_gap_hard:g})",
              stats.logprob_gap_mean > config.logprob_gap_hard)
     elif exact and stats.logprob_gap_mean is not None and stats.logprob_gap_mean > config.logprob_gap_soft_exact:
         fail("logprob_gap", f"the miner declares fp32, yet its logprobs of its {n} tokens differ from the "
@@ -458,10 +476,11 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
 
 
 def _judge(result: GenerateResult, scores: Sequence[Any], config: ScoringConfig, stop_ids: frozenset,
-           sample: list[int], trusted: bool, exact: bool = False) -> tuple[AuditStatistics, list[Failure]]:
+           sample: list[int], trusted: bool, exact: bool = False, precision: Optional[str] = None,
+           prompt_tokens: Optional[int] = None) -> tuple[AuditStatistics, list[Failure]]:
     stats = audit_statistics(result.token_ids, result.logprobs, result.request.temperature, scores, stop_ids,
                              config, sample)
-    return stats, judge_statistics(stats, config, trusted, exact)
+    return stats, judge_statistics(stats, config, trusted, exact, precision, prompt_tokens)
 
 
 async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, reference: Reference,
@@ -504,7 +523,8 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
     trusted = all(getattr(ref, "trusted", True) for ref in references) and not isinstance(reference,
                                                                                          ConsensusReference)
     exact = declared_precision is not None and declared_precision.lower() in config.exact_precisions
-    judged = [_judge(result, answer, config, stop_ids, sample, True, exact) for answer in answers]
+    judged = [_judge(result, answer, config, stop_ids, sample, True, exact, declared_precision, len(prompt_ids))
+              for answer in answers]
     first_stats, first_failures = judged[0]
     common = dict(positions=len(tokens), quality_positions=len(sample),
                   min_reference_logprob=first_stats.min_reference_logprob, outside_top_k=first_stats.outside_top_k,
@@ -797,7 +817,8 @@ async def verify_item(item: "WorkItem", result: GenerateResult, *, tokenizer, ca
 
 __all__ = [
     "Failure", "validator_prompt_ids", "check_tier0", "Reference", "MinerScoreReference", "ConsensusReference",
-    "ReferenceDisagreement", "AuditResult", "AuditStatistics", "audit_statistics", "judge_statistics", "outside_top_k_bound", "audit_tier1", "audit_probability",
+    "ReferenceDisagreement", "AuditResult", "AuditStatistics", "audit_statistics", "judge_statistics",
+    "logprob_gap_bound", "outside_top_k_bound", "audit_tier1", "audit_probability",
     "Canary", "CanaryPool", "CanaryPoolError", "canary_id_for", "Tier2Result", "check_tier2", "check_answer",
     "Verification", "verify_item",
 ]

@@ -1,0 +1,146 @@
+"""The honest-numerics envelope measured for one model, as the logprob-gap bounds a validator judges by.
+
+The wide bound of `ScoringConfig.logprob_gap_soft` (0.75 nats) was set on the random tiny model, whose flat
+distributions move by up to 0.51 nats in honest bf16. A trained model moves far less (about 0.05 nats), so a
+bf16 miner that also halves its experts or truncates the context sits inside the wide bound. The bounds here
+are measured for the served model by `scripts/bench_verification.py --write-envelope FILE` (honest variants
+only) and set with `ScoringConfig(logprob_gap_envelope=FILE)` (or `--scoring-overrides
+'{"logprob_gap_envelope": "FILE"}'`):
+
+    {"format": "k3-model-envelope", "version": 1, "checkpoint": ..., "fingerprint": ..., "margin": 1.5,
+     "precisions": {"bf16": {"variants": [...], "audits": 750, "worst": 0.0547,
+                             "bins": [{"prompt_tokens": [5, 60], "audits": 640, "p99": 0.031, "worst": 0.0547,
+                                       "soft": 0.082, "false_positive_rate_95": 0.0047}, ...]}}}
+
+A bin covers the prompt lengths (in tokens) its honest audits had; its soft bound is `margin` times the worst
+mean |miner logprob - reference logprob| of those audits. With none of n honest audits over the worst, the
+chance that an honest audit of those variants exceeds the bound is under 3/n at 95% confidence (the rule of
+three; `false_positive_rate_95`). A prompt between two bins gets the larger of their bounds; a precision the
+file does not cover, or a prompt longer than any measured, gets the wide bound (what was not measured is not
+tightened).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+FORMAT = "k3-model-envelope"
+VERSION = 1
+MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
+MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)
+
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8": "fp8", "fp8_e4m3": "fp8",
+            "float8_e4m3fn": "fp8", "e4m3": "fp8", "float32": "fp32"}
+
+
+class ModelEnvelopeError(ValueError):
+    """An envelope file that cannot be read or does not have the expected form."""
+
+
+def precision_key(precision: Optional[str]) -> Optional[str]:
+    """A declared precision (Capabilities.precision) as the file's key: "bfloat16" -> "bf16"."""
+    if not precision:
+        return None
+    p = precision.strip().lower()
+    return _ALIASES.get(p, p)
+
+
+@dataclass(frozen=True)
+class GapBin:
+    low: int  # prompt tokens, inclusive
+    high: int
+    soft: float
+    audits: int
+    worst: float
+
+
+@dataclass(frozen=True)
+class ModelEnvelope:
+    checkpoint: str
+    fingerprint: Optional[str]
+    bins: dict  # precision key -> tuple[GapBin, ...] sorted by prompt length
+
+    def soft_bound(self, precision: Optional[str], prompt_tokens: Optional[int]) -> Optional[float]:
+        """The measured soft logprob-gap bound for this precision and prompt length; None where the file
+        does not cover them (then the wide `logprob_gap_soft` applies)."""
+        bins = self.bins.get(precision_key(precision) or "")
+        if not bins or prompt_tokens is None:
+            return None
+        for i, b in enumerate(bins):
+            if b.low <= prompt_tokens <= b.high:
+                return b.soft
+            if prompt_tokens < b.low:
+                return max(b.soft, bins[i - 1].soft) if i else None
+        return None  # longer than anything measured
+
+
+def build_envelope(rows: Sequence[tuple[str, str, bool, int, float]], *, checkpoint: str,
+                   fingerprint: Optional[str] = None, margin: float = MARGIN,
+                   min_audits: int = MIN_BIN_AUDITS) -> dict:
+    """The envelope file's content from honest audits: rows of (variant, precision, long, prompt tokens,
+    logprob gap). Short and long prompts form separate bins (the bench's two prompt classes); a class with
+    fewer than `min_audits` audits gets no bin (its prompt lengths keep the wide bound)."""
+    out: dict = {"format": FORMAT, "version": VERSION, "checkpoint": checkpoint, "fingerprint": fingerprint,
+                 "margin": margin, "precisions": {}}
+    keys = sorted({precision_key(p) for _, p, _, _, _ in rows} - {None, "fp32"})
+    for key in keys:
+        mine = [r for r in rows if precision_key(r[1]) == key]
+        gaps = sorted(r[4] for r in mine)
+        bins = []
+        for long in (False, True):
+            part = [r for r in mine if r[2] == long]
+            if len(part) < max(1, min_audits):
+                continue
+            g = sorted(r[4] for r in part)
+            bins.append({"prompt_tokens": [min(r[3] for r in part), max(r[3] for r in part)], "audits": len(part),
+                         "p50": round(g[len(g) // 2], 5), "p99": round(g[min(len(g) - 1, int(0.99 * len(g)))], 5),
+                         "worst": round(g[-1], 5), "soft": round(margin * g[-1], 4),
+                         "false_positive_rate_95": round(3 / len(part), 5)})
+        if len(bins) == 2 and bins[0]["prompt_tokens"][1] >= bins[1]["prompt_tokens"][0]:
+            bins = [{**bins[0], "prompt_tokens": [bins[0]["prompt_tokens"][0], bins[1]["prompt_tokens"][1]],
+                     "audits": len(mine), "worst": round(gaps[-1], 5), "soft": round(margin * gaps[-1], 4),
+                     "false_positive_rate_95": round(3 / len(mine), 5)}]  # overlapping classes: one bin
+        if not bins:
+            continue
+        out["precisions"][key] = {"variants": sorted({r[0] for r in mine}), "audits": len(mine),
+                                  "worst": round(gaps[-1], 5), "bins": bins}
+    return out
+
+
+def parse_envelope(data: dict, source: str = "envelope") -> ModelEnvelope:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise ModelEnvelopeError(f"{source}: not a {FORMAT} version {VERSION} file")
+    bins = {}
+    try:
+        for key, entry in data["precisions"].items():
+            parsed = sorted((GapBin(int(b["prompt_tokens"][0]), int(b["prompt_tokens"][1]), float(b["soft"]),
+                                    int(b["audits"]), float(b["worst"])) for b in entry["bins"]),
+                            key=lambda b: b.low)
+            for b in parsed:
+                if not (0 <= b.low <= b.high and b.soft > 0 and b.audits > 0):
+                    raise ModelEnvelopeError(f"{source}: precision {key!r} has a bad bin {b}")
+            bins[precision_key(key)] = tuple(parsed)
+    except (KeyError, TypeError, IndexError, ValueError) as error:
+        if isinstance(error, ModelEnvelopeError):
+            raise
+        raise ModelEnvelopeError(f"{source}: malformed ({type(error).__name__}: {error})") from None
+    return ModelEnvelope(str(data.get("checkpoint", "")), data.get("fingerprint"), bins)
+
+
+@functools.lru_cache(maxsize=8)
+def load_envelope(path: str) -> ModelEnvelope:
+    """The envelope file at `path` (read once per path)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ModelEnvelopeError(f"cannot read the envelope file {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ModelEnvelopeError(f"the envelope file {path} is not JSON: {error}") from None
+    return parse_envelope(data, path)
+
+
+__all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "build_envelope", "parse_envelope", "load_envelope",
+           "precision_key", "MARGIN", "MIN_BIN_AUDITS"]
