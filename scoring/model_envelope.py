@@ -144,3 +144,17 @@ def load_envelope(path: str) -> ModelEnvelope:
 
 __all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "build_envelope", "parse_envelope", "load_envelope",
            "precision_key", "MARGIN", "MIN_BIN_AUDITS"]
+
+
+SHIPPED = Path(__file__).resolve().parent / "envelopes"  # envelopes measured for models the project ships
+
+
+def shipped_envelope(model_fingerprint: str, directory: Path = SHIPPED) -> Optional[Path]:
+    """The shipped envelope file measured on the model with this fingerprint, if there is one."""
+    for path in sorted(directory.glob("*.json")):
+        try:
+            if load_envelope(str(path)).fingerprint == model_fingerprint:
+                return path
+        except ModelEnvelopeError:
+            continue
+    return None

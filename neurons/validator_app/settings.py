@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from inference.model import CheckpointError, fingerprint
 from inference.serving import EngineSpec
 from neurons.gateway.settings import GATEWAY, GatewaySettings, host_problem, public_url_problems
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
@@ -18,6 +19,7 @@ from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSetting
                               settings_options)
 from protocol.client import ClientTimeouts
 from scoring.config import ScoringConfig, ScoringConfigError
+from scoring.model_envelope import ModelEnvelopeError, load_envelope, shipped_envelope
 
 SCORING_PROFILES = ("production", "local_testnet")
 ENV_PREFIX = "K3_VALIDATOR_"
@@ -259,12 +261,33 @@ class ValidatorSettings:
                             ("audit_rate_new_or_suspect", self.audits.rate_new)):
             if value is not None:
                 changes[name] = value
+        changes.update(self.envelope_override(changes.get("logprob_gap_envelope")))
         try:
             if self.scoring.profile == "local_testnet":
                 return ScoringConfig.local_testnet(**changes)
             return ScoringConfig(**changes)
         except (ScoringConfigError, TypeError) as error:
             raise ValidatorSetupError(str(error)) from None
+
+    def envelope_override(self, given: Optional[str]) -> dict[str, str]:
+        """The honest-numerics envelope measured on the served model: a given file must have been measured on the
+        checkpoint's model; with none given, a shipped one measured on it is used (scoring/envelopes/)."""
+        try:
+            model = fingerprint(self.engine.checkpoint) if self.engine.checkpoint else None
+        except (CheckpointError, OSError, KeyError, TypeError):
+            model = None  # no manifest to name the model by: problems() and the engine say what is missing
+        if given is None:
+            shipped = shipped_envelope(model) if model else None
+            return {"logprob_gap_envelope": str(shipped)} if shipped else {}
+        try:
+            measured_on = load_envelope(str(given)).fingerprint
+        except ModelEnvelopeError:
+            return {}  # ScoringConfig's own check names the bad file
+        if model and measured_on and measured_on != model:
+            raise ValidatorSetupError(f"logprob_gap_envelope {given} was measured on model {measured_on}, but "
+                                      f"--checkpoint {self.engine.checkpoint} is model {model}: measure the served "
+                                      "model's with scripts/bench_verification.py --write-envelope FILE")
+        return {}
 
     def problems(self) -> list[str]:
         out = list(self.gateway.problems()) + self.stages.problems()
