@@ -9,6 +9,7 @@ Factories are session fixtures so that a module-scoped `world` fixture can use t
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -20,6 +21,13 @@ import torch
 from chain.devnet import DevnetChain
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig, make_random_checkpoint
 from inference.serving import TokenEvent, load_reference_model
+
+# One torch (OpenMP/MKL) thread in this process and in every process a test starts (they inherit the
+# environment): the tiny model gains nothing from a second thread, and on a 2-core machine running
+# servers, miners and shard processes side by side, OpenMP threads spinning on every core starve the
+# processes that have work to do (a test that wants more sets them itself).
+os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+torch.set_num_threads(1)
 
 
 def unused_port() -> int:
