@@ -651,7 +651,9 @@ def _cli_command(world: World, db: Path, canary_pool: Path) -> list[str]:
             "--wallet-path", str(world.root / "wallets"), "--checkpoint", str(world.checkpoint),
             "--db", str(db), "--canary-pool", str(canary_pool), "--uids",
             f"{world.uids['honest_fast']},{world.uids['cheat_inflate']}", "--requests-per-miner", "3",
-            "--round-interval-s", "3", "--round-deadline-s", "60", "--metagraph-refresh-s", "0.5",
+            # rounds must end before the next is due (the kill comes between two rounds): they take 2-10 s when
+            # other tests load the machine
+            "--round-interval-s", "12", "--round-deadline-s", "60", "--metagraph-refresh-s", "0.5",
             "--scoring-profile", "local_testnet", "--scoring-overrides", json.dumps(SHORT_PROFILE),
             "--audit-rate", "1", "--audit-rate-new", "1", "--weights-check-s", "0.5",
             "--log-level", "INFO"]
@@ -773,7 +775,10 @@ def test_the_validator_serves_the_organic_gateway(world, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     db = tmp_path / "gateway.sqlite"
-    settings = validator_settings(world, db, rounds=dict(uids=str(world.uids["honest_fast"]), requests_per_miner=2),
+    # One round, then none while the users' requests are served: a round in flight holds the validator
+    # hotkey's streams at the miner, whose per-caller limit would refuse the gateway's relay (HTTP 429).
+    settings = validator_settings(world, db, rounds=dict(uids=str(world.uids["honest_fast"]), requests_per_miner=2,
+                                                         interval_s=600.0),
                                   profile=SHORT_PROFILE,
                                   gateway=GatewaySettings(enabled=True, host="127.0.0.1", port=port,
                                                           api_keys_file=str(keys)))
