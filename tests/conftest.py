@@ -9,7 +9,10 @@ Factories are session fixtures so that a module-scoped `world` fixture can use t
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -20,6 +23,81 @@ import torch
 from chain.devnet import DevnetChain
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig, make_random_checkpoint
 from inference.serving import TokenEvent, load_reference_model
+
+# One torch (OpenMP/MKL) thread in this process and in every process a test starts (they inherit the
+# environment): the tiny model gains nothing from a second thread, and on a 2-core machine running
+# servers, miners and shard processes side by side, OpenMP threads spinning on every core starve the
+# processes that have work to do (a test that wants more sets them itself).
+os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+torch.set_num_threads(1)
+
+# ---------------------------------------------------------------- two workers (pytest-xdist, scripts/test.sh)
+# Files whose tests take longest (seconds on the 2-core CI machine), run first so that the two workers
+# finish together (xdist hands out whole files in this order: --dist loadfile --no-loadscope-reorder).
+SLOW_FILES_FIRST = (
+    "test_validator_e2e.py", "test_localnet.py", "test_vllm_real.py", "test_stage_rounds.py",
+    "test_benchmark_endpoint.py", "test_sharded.py", "test_selfcheck_endpoint.py", "test_swarm.py",
+    "test_scoring_verify.py", "test_scoring_envelope.py", "test_lm_eval.py", "test_metrics.py",
+    "test_packaging.py", "test_hostile_miner.py", "test_cli.py", "test_engine.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a stable sort: a file's own tests keep their order
+        rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+class _ExclusiveLock:
+    """A lock shared by the workers of one xdist run: a test marked `exclusive` (it measures speed or
+    timing) runs while no other worker runs a test; the others share it. A turnstile lets an exclusive
+    test in as soon as the test running on the other worker ends."""
+
+    def __init__(self, run: str):
+        base = Path(tempfile.gettempdir()) / f"k3-tests-{run}"
+        self.paths = (base.with_suffix(".turn"), base.with_suffix(".lock"))
+        self.turn, self.lock = (os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in self.paths)
+
+    def acquire(self, exclusive: bool) -> None:
+        fcntl.flock(self.turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turn, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        fcntl.flock(self.lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd, path in zip((self.turn, self.lock), self.paths):
+            os.close(fd)
+            path.unlink(missing_ok=True)
+
+
+_exclusive_lock: _ExclusiveLock | None = None
+
+
+def pytest_configure(config):
+    global _exclusive_lock
+    if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        _exclusive_lock = _ExclusiveLock(os.environ["PYTEST_XDIST_TESTRUNUID"])
+
+
+def pytest_unconfigure(config):
+    if _exclusive_lock is not None:
+        _exclusive_lock.close()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's timer: waiting is not the test's time
+def pytest_runtest_protocol(item, nextitem):
+    if _exclusive_lock is None:
+        yield
+        return
+    _exclusive_lock.acquire(item.get_closest_marker("exclusive") is not None)
+    try:
+        yield
+    finally:
+        _exclusive_lock.release()
 
 
 def unused_port() -> int:

@@ -68,7 +68,7 @@ async def test_seeded_sampling_is_reproducible_and_seed_dependent(model, tokeniz
 
 
 async def test_short_request_is_served_during_a_long_prefill(model, tokenizer):
-    long_prompt = [(j * 31) % 256 for j in range(6000)]
+    long_prompt = [(j * 31) % 256 for j in range(3000)]
     async with make_engine(model, tokenizer, step_token_budget=256) as engine:
         long_stream = engine.generate(GenerationRequest(long_prompt, SamplingParams(max_tokens=2)))
         long_task = asyncio.create_task(collect(long_stream))

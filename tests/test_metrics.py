@@ -23,7 +23,8 @@ from inference.serving import EngineSettings, EngineSpec, LocalEngine
 from neurons.gateway import GatewaySettings
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from neurons.settings import ChainSettings, WalletSettings
-from neurons.validator_app import RoundSettings, ScoringSettings, ValidatorSettings, WeightSettings, run_validator
+from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings, WeightSettings,
+                                   run_validator)
 from protocol.auth import SQLiteNonceStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +138,7 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
         wallet=WalletSettings(name="validator", hotkey="default", path=str(tmp_path / "wallets")),
         engine=EngineSpec(checkpoint=str(tiny_checkpoint)),
         reference_engine=True,  # a validator needs a trusted reference or a canary pool
+        audits=AuditSettings(canaries=4),  # computed on the reference before the first round (the default is 64)
         db=str(tmp_path / "validator.sqlite"),
         rounds=RoundSettings(interval_s=1.0, deadline_s=120.0, seed=3),
         scoring=ScoringSettings(profile="local_testnet", overrides=json.dumps(PROFILE)),

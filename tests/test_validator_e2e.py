@@ -291,6 +291,11 @@ class Evaluation:
     durations: list
 
 
+# The main scenario measures the miners' speeds: the tests that read it run while no other xdist worker runs
+# a test (the first of them runs the scenario).
+exclusive = pytest.mark.exclusive
+
+
 @pytest.fixture(scope="module")
 def evaluation(world, reference, tmp_path_factory) -> Evaluation:
     db = tmp_path_factory.mktemp("eval") / "validator.sqlite"
@@ -326,6 +331,7 @@ def evaluation(world, reference, tmp_path_factory) -> Evaluation:
     return asyncio.run(scenario())
 
 
+@exclusive
 def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
     names = uid_names(world)
     store = ValidatorStore(evaluation.db, readonly=True)
@@ -358,6 +364,7 @@ def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
         store.close()
 
 
+@exclusive
 def test_the_sharded_miner_served_through_its_shard_processes(world, evaluation):
     """What the validator learned of the sharded miner: the sharded engine over 2 gloo processes in a
     pipeline, fp32; its other shard process is alive in its process group; its audits all passed."""
@@ -384,11 +391,13 @@ def _process_group(pid: int) -> int | None:
         return None
 
 
+@exclusive
 def test_honest_miners_ordered_by_speed(world, evaluation):
     weights = [evaluation.weights[world.uids[name]] for name in HONEST]  # fastest first
     assert weights[0] > weights[1] > weights[2] > 0, dict(zip(HONEST, weights))
 
 
+@exclusive
 def test_weights_set_on_chain_with_the_version_key(world, evaluation):
     store = ValidatorStore(evaluation.db, readonly=True)
     try:
@@ -405,6 +414,7 @@ def test_weights_set_on_chain_with_the_version_key(world, evaluation):
         assert abs(on_chain[uid] - round(65535 * evaluation.weights[uid] / best)) <= 1
 
 
+@exclusive
 def test_every_request_and_audit_is_stored(world, evaluation):
     store = ValidatorStore(evaluation.db, readonly=True)
     try:
@@ -423,6 +433,7 @@ def test_every_request_and_audit_is_stored(world, evaluation):
         store.close()
 
 
+@exclusive
 def test_status_command_prints_every_miner(world, evaluation):
     table = subprocess.run([sys.executable, "neurons/validator.py", "status", "--db", str(evaluation.db)], cwd=ROOT,
                            env=_env(), capture_output=True, text=True, timeout=120)
@@ -454,6 +465,7 @@ def test_status_command_prints_every_miner(world, evaluation):
     assert missing.returncode == 2 and "no validator database" in missing.stderr
 
 
+@exclusive
 def test_ranked_miners_for_the_gateway(world, evaluation):
     state = ValidatorState.open(evaluation.db)
     try:
@@ -639,7 +651,9 @@ def _cli_command(world: World, db: Path, canary_pool: Path) -> list[str]:
             "--wallet-path", str(world.root / "wallets"), "--checkpoint", str(world.checkpoint),
             "--db", str(db), "--canary-pool", str(canary_pool), "--uids",
             f"{world.uids['honest_fast']},{world.uids['cheat_inflate']}", "--requests-per-miner", "3",
-            "--round-interval-s", "3", "--round-deadline-s", "60", "--metagraph-refresh-s", "0.5",
+            # rounds must end before the next is due (the kill comes between two rounds): they take 2-10 s when
+            # other tests load the machine
+            "--round-interval-s", "12", "--round-deadline-s", "60", "--metagraph-refresh-s", "0.5",
             "--scoring-profile", "local_testnet", "--scoring-overrides", json.dumps(SHORT_PROFILE),
             "--audit-rate", "1", "--audit-rate-new", "1", "--weights-check-s", "0.5",
             "--log-level", "INFO"]
@@ -761,7 +775,10 @@ def test_the_validator_serves_the_organic_gateway(world, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     db = tmp_path / "gateway.sqlite"
-    settings = validator_settings(world, db, rounds=dict(uids=str(world.uids["honest_fast"]), requests_per_miner=2),
+    # One round, then none while the users' requests are served: a round in flight holds the validator
+    # hotkey's streams at the miner, whose per-caller limit would refuse the gateway's relay (HTTP 429).
+    settings = validator_settings(world, db, rounds=dict(uids=str(world.uids["honest_fast"]), requests_per_miner=2,
+                                                         interval_s=600.0),
                                   profile=SHORT_PROFILE,
                                   gateway=GatewaySettings(enabled=True, host="127.0.0.1", port=port,
                                                           api_keys_file=str(keys)))

@@ -159,6 +159,7 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
     assert generated < 450
 
 
+@pytest.mark.exclusive  # two prefills timed against each other
 async def test_a_prefill_longer_than_the_stall_timeout_succeeds(vllm):
     # two prompts of the same length that share no prefix with each other or with the other tests' prompts:
     # vLLM caches prefixes, and a cached prefill is far shorter than the one measured
