@@ -8,8 +8,11 @@
         --validator-wallet val --miner-wallets m1,m2,m3     # a real subtensor node (wallets registered with btcli)
 
 With the embedded devnet (the default) it creates, in a fresh run directory: the tiny checkpoint (once, in
---checkpoints, default ./checkpoints), a devnet with one subnet, wallets without passwords, registrations and stake; then it starts
-the miners (miner 0 single-process, miner 1 sharded over 2 processes, the last one cheating) and the
+--checkpoints, default ./checkpoints: with --model trained, the default in a checkout, a copy of the tiny K3
+trained on real text, inference/model/assets/tiny_trained, as checkpoints/tiny-trained; with --model random, the
+random seed-0 one, checkpoints/tiny; the "weights" cheat serves random weights of the same configuration, seed 1,
+from checkpoints/<name>-seed1), a devnet with one subnet, wallets without passwords, registrations and stake;
+then it starts the miners (miner 0 single-process, miner 1 sharded over 2 processes, the last one cheating) and the
 validator as separate processes, and shows a live dashboard. Logs of every process are in RUN_DIR/logs.
 Ctrl-C or the end of --duration stops everything it started (whole process groups, shards included).
 `--summary FILE` writes what happened (weights, incentive, failures) as JSON at the end.
@@ -47,6 +50,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +80,9 @@ STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-pos
 DRIVER_CHEATS = ("forge-receipts",)
 # The directory holding the packages: a checkout (with pyproject.toml) or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# The tiny K3 trained on real text (scripts/train_tiny.py), shipped with a checkout (not in the wheel).
+TRAINED_ASSET = PACKAGE_ROOT / "inference" / "model" / "assets" / "tiny_trained"
+MODELS = ("trained", "random")
 VALIDATOR_STAKE = 10_000.0
 MINER_MIN_VALIDATOR_STAKE = 1_000.0
 
@@ -109,6 +116,10 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--base-port", type=int, default=18091, help="miners listen on base, base+1, ...")
     ap.add_argument("--metrics-base-port", type=int, default=19091, help="miners' local metrics ports")
     ap.add_argument("--run-dir", type=Path, default=None, help="default: ./runs/localnet-<time>")
+    ap.add_argument("--model", choices=MODELS, default=default_model(),
+                    help="the tiny model every honest neuron serves: trained (on real text, the default in a "
+                         "checkout, copied from inference/model/assets/tiny_trained) or random (seed 0; the "
+                         "default where the trained asset is not shipped)")
     ap.add_argument("--checkpoints", type=Path, default=Path("checkpoints"),
                     help="where the tiny checkpoints are made once and kept (default: ./checkpoints)")
     ap.add_argument("--network", "-n", "--subtensor.network", "--subtensor.chain_endpoint", dest="chain",
@@ -152,6 +163,8 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
         ap.error("--stop-when-caught needs at least one --cheat-stage")
     if args.swarm and (args.chain != "devnet" or args.setup_only or args.swarm < 2):
         ap.error("--swarm N runs on the embedded devnet (no --network, no --setup-only) with N >= 2")
+    if args.model == "trained" and not (TRAINED_ASSET / "k3_manifest.json").exists():
+        ap.error(f"--model trained: the trained tiny checkpoint is not here ({TRAINED_ASSET}); use --model random")
     if args.miners < 2:
         ap.error("--miners must be at least 2 (one honest, one cheating)")
     if args.chain != "devnet" and (args.netuid is None or args.wallet_path is None or not args.miner_wallets):
@@ -165,19 +178,42 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ setup
+def default_model() -> str:
+    """The trained tiny model where its asset ships (a checkout); the random one otherwise (an installed package)."""
+    return "trained" if (TRAINED_ASSET / "k3_manifest.json").exists() else "random"
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig.tiny_trained() if args.model == "trained" else ModelConfig.tiny()
+
+
 def checkpoint_dir(args, cheat_weights: bool = False) -> Path:
-    """The tiny checkpoint, or for the "different weights" cheat the same model with another seed."""
-    return args.checkpoints / ("tiny-seed1" if cheat_weights else "tiny")
+    """The tiny checkpoint the honest neurons serve; for the "different weights" cheat, another model of the same
+    configuration (random weights of another seed)."""
+    name = "tiny-trained" if args.model == "trained" else "tiny"
+    return args.checkpoints / (f"{name}-seed1" if cheat_weights else name)
 
 
 def ensure_checkpoints(args) -> None:
+    """Make (or copy) the checkpoints once into --checkpoints: nothing is ever written into the package's assets.
+    The trained copy is renewed when the shipped asset changes (another manifest)."""
     honest = checkpoint_dir(args)
-    if not (honest / "config.json").exists():
+    if args.model == "trained":
+        manifest = (TRAINED_ASSET / "k3_manifest.json").read_text()
+        copied = honest / "k3_manifest.json"
+        if not copied.exists() or copied.read_text() != manifest:
+            print(f"[localnet] copying the trained tiny checkpoint to {honest}")
+            partial = honest.with_name(honest.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(TRAINED_ASSET, partial)
+            shutil.rmtree(honest, ignore_errors=True)
+            partial.rename(honest)
+    elif not (honest / "config.json").exists():
         print(f"[localnet] making the tiny checkpoint in {honest}")
         make_random_checkpoint(ModelConfig.tiny(), honest, seed=0, progress=True)
     cheat = checkpoint_dir(args, cheat_weights=True)
     if args.cheat == "weights" and not (cheat / "config.json").exists():
-        make_random_checkpoint(ModelConfig.tiny(), cheat, seed=1, progress=True)
+        make_random_checkpoint(model_config(args), cheat, seed=1, progress=True)
 
 
 def free_port_block(n: int) -> int:
@@ -532,7 +568,7 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
     stage serves its block in bf16 with a bf16 wire (the last honest stage0..N-1, else the last spare)."""
     from inference.planning.swarm_plan import stage_blocks  # noqa: PLC0415
 
-    config = ModelConfig.tiny()
+    config = model_config(args)
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, args.swarm)
     cheats = [k for k in args.cheat_stage or [] if k in STAGE_CHEATS]
     mid = len(blocks) // 2

@@ -6,7 +6,7 @@
 3. Per-step overhead outside the model's forward (scheduling, sampling, event emission) as a share of the
    step cycle, per batch size (target: under 20% at batch 16).
 
-    python scripts/bench_engine.py [--checkpoint DIR] [--quick] [--threads N] [--json OUT]
+    python scripts/bench_engine.py [--checkpoint DIR|random] [--quick] [--threads N] [--json OUT]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import SamplingParams  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, TokenEvent  # noqa: E402
+
+TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 
 
 def percentile(values, q):
@@ -90,14 +92,16 @@ async def ttft_under_load(model, tok, long_len, n_short, background):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="tiny checkpoint directory (made with seed 0 if omitted)")
+    ap.add_argument("--checkpoint", default=str(TRAINED_TINY),
+                    help="the checkpoint (default: the tiny K3 trained on real text, inference/model/assets/"
+                         "tiny_trained); random: the tiny model with random weights, seed 0, made in a temp dir")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script works")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", help="also write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = args.checkpoint
-    if ckpt is None:
+    if ckpt == "random":
         ckpt = tempfile.mkdtemp(prefix="k3-bench-")
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
     model, tok, fp = load_reference_model(ckpt)

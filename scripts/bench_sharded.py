@@ -11,7 +11,7 @@
      Python, which the default, sized for fused GPU kernels, does not know about): the second isolates
      what sharding adds.
 
-    .venv/bin/python scripts/bench_sharded.py [--steps 32] [--prompt 16] [--checkpoint DIR] [--threads 1]
+    .venv/bin/python scripts/bench_sharded.py [--steps 32] [--prompt 16] [--checkpoint DIR|random] [--threads 1]
 
 The runtime sends the residual state and partial sums in fp32, so the plans get activation_dtype_bytes=4.
 Not in the cost model: the driver <-> rank 0 pipe and rank 0's step header to every rank (one small
@@ -39,6 +39,8 @@ from inference.planning import CostModel, CostParams  # noqa: E402
 from inference.planning.plan import Link, Links, Plan  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
 from inference.sharding import ShardedModel, ShardTimeouts  # noqa: E402
+
+TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 
 LAYOUTS = [("pipeline", 2, 0), ("expert", 2, 0), ("both", 3, 0), ("expert", 3, 16)]
 
@@ -154,14 +156,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--checkpoint", default=None, help="default: a random tiny checkpoint in a temp dir")
+    parser.add_argument("--checkpoint", default=str(TRAINED_TINY),
+                        help="the checkpoint (default: the tiny K3 trained on real text, inference/model/assets/"
+                             "tiny_trained); random: the tiny model with random weights, seed 0, made in a temp dir")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = opts.checkpoint
-        if ckpt is None:
+        if ckpt == "random":
             ckpt = tmp
             make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
         gloo = measure_gloo()

@@ -17,7 +17,7 @@
      decoding 1 and `--streams` streams, on loopback and emulated 25 GbE, with the cost model's prediction
      for each (per-layer overhead fitted on the 1-rank set, as in 2).
 
-    .venv/bin/python scripts/bench_sharded_speed.py [--checkpoint DIR] [--streams 16] [--steps 8]
+    .venv/bin/python scripts/bench_sharded_speed.py [--checkpoint DIR|random] [--streams 16] [--steps 8]
         [--sections pipelined,speculation,split] [--split-links "loopback,25 GbE"]
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ from inference.model.tokenizer import load_tokenizer  # noqa: E402
 from inference.planning import CostModel, CostParams  # noqa: E402
 from inference.sharding import LinkEmulation, ShardedModel, ShardTimeouts  # noqa: E402
 from inference.speculative.benchmark import speedup_table  # noqa: E402
+
+TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 
 LINKS = {"loopback": LinkEmulation(), "25 GbE": LinkEmulation(latency_ms=0.02, gbps=25.0),
          "WAN 30 ms": LinkEmulation(latency_ms=30.0, gbps=1.0)}
@@ -127,7 +129,9 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=None, help="default: a random tiny checkpoint in a temp dir")
+    parser.add_argument("--checkpoint", default=str(TRAINED_TINY),
+                        help="the checkpoint (default: the tiny K3 trained on real text, inference/model/assets/"
+                             "tiny_trained); random: the tiny model with random weights, seed 0, made in a temp dir")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8, help="decode rounds timed per run")
     parser.add_argument("--prompt", type=int, default=8)
@@ -145,7 +149,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = opts.checkpoint
-        if ckpt is None:
+        if ckpt == "random":
             ckpt = tmp
             make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
         config = read_config(ckpt)

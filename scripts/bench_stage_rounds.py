@@ -5,10 +5,10 @@ stages on 2 threads, the drift chunked prefill alone makes, and the validator's 
 tables.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py --repeats 5 --honest 4
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py \
-        --checkpoint inference/model/assets/tiny_trained
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_stage_rounds.py --checkpoint random
 
-Without --checkpoint the tiny model with random weights (seed 0) is used.
+Without --checkpoint the tiny K3 trained on real text (inference/model/assets/tiny_trained) is used; with
+--checkpoint random the tiny model with random weights (seed 0).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import (SeedCommitment, Thresholds, challenge_steps, compare_heads, compare_states,
                                   plan_steps, reference_stage)
 
+TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 BLOCKS = {"0-2": (0, 3), "3-5": (3, 6), "6-8": (6, 9), "9-12": (9, 13)}
 CHEAT_BLOCK = {"other-weights": "3-5", "skip-layer": "9-12", "echo": "0-2", "session-liar": "3-5",
                "long-position-liar": "6-8", "replay": "6-8", "forwarder": "6-8"}
@@ -229,17 +230,19 @@ def main() -> None:
     ap.add_argument("--honest", type=int, default=4, help="challenges per honest stage")
     ap.add_argument("--limit", type=int, default=30, help="give up on a cheater after this many challenges")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--checkpoint", default="", help="the model (e.g. inference/model/assets/tiny_trained); default: "
-                                                     "the tiny model with random weights, seed 0")
+    ap.add_argument("--checkpoint", default=str(TRAINED_TINY),
+                    help="the model (default: the tiny K3 trained on real text, inference/model/assets/tiny_trained); "
+                         "random: the tiny model with random weights, seed 0")
     ap.add_argument("--chunk-prompts", type=int, default=6, help="prompts per block for the chunked-prefill drift")
     args = ap.parse_args()
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        ckpt = Path(args.checkpoint).resolve() if args.checkpoint else root / "ckpt"
-        if not args.checkpoint:
+        random = args.checkpoint == "random"
+        ckpt = root / "ckpt" if random else Path(args.checkpoint).resolve()
+        if random:
             make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
-        print(f"model: {ckpt if args.checkpoint else 'tiny, random weights (seed 0)'}")
+        print(f"model: {'tiny, random weights (seed 0)' if random else ckpt}")
         names = [f"fp32-{b}" for b in BLOCKS] + [f"fp2t-{b}" for b in BLOCKS] + [f"bf16-{b}" for b in BLOCKS] + \
             [f"cheat-{k}" for k in CHEATS]
         for n in names:

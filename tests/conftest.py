@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -167,6 +168,18 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny model's checkpoint, seed 0, written once per session (read-only for the tests)."""
     path = tmp_path_factory.mktemp("tiny") / "ckpt"
     make_random_checkpoint(ModelConfig.tiny(), path, seed=0)
+    return path
+
+
+TRAINED_ASSET = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory) -> Path:
+    """A copy of the tiny K3 trained on real text (inference/model/assets/tiny_trained), once per session, so
+    that no test writes into the package's assets."""
+    path = tmp_path_factory.mktemp("tiny_trained") / "ckpt"
+    shutil.copytree(TRAINED_ASSET, path)
     return path
 
 

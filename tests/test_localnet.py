@@ -60,7 +60,8 @@ def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = json.loads(summary.read_text())
 
-    model, _, _ = load_reference_model(ROOT / "checkpoints" / "tiny", verify=False)
+    model, _, _ = load_reference_model(ROOT / "checkpoints" / "tiny-trained", verify=False)  # the default model
+    assert model.config.model_id == "kimi-k3-tiny-trained"
     cache, want = model.new_cache(), []
     with torch.no_grad():
         logits = model.forward([torch.tensor(SWARM_PROMPT)], [cache])[0]
@@ -227,3 +228,29 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_the_trained_model_is_the_default_and_the_random_one_stays_a_flag_away(tmp_path):
+    """--model trained (the default in a checkout) copies the shipped asset into --checkpoints, renewed when the
+    asset changes; the weights cheat gets random weights of the same configuration; --model random is the seed-0
+    random model as before. Nothing is written into the package's asset directory."""
+    from inference.model.config import ModelConfig
+    from neurons.localnet import TRAINED_ASSET, checkpoint_dir, ensure_checkpoints, parse_args
+
+    asset_before = {p.name: p.stat().st_mtime_ns for p in TRAINED_ASSET.iterdir()}
+    args = parse_args(["--checkpoints", str(tmp_path), "--cheat", "weights"])
+    assert args.model == "trained" and checkpoint_dir(args) == tmp_path / "tiny-trained"
+    ensure_checkpoints(args)
+    honest, other = checkpoint_dir(args), checkpoint_dir(args, cheat_weights=True)
+    assert (honest / "k3_manifest.json").read_text() == (TRAINED_ASSET / "k3_manifest.json").read_text()
+    assert ModelConfig.from_file(other) == ModelConfig.from_file(honest) == ModelConfig.tiny_trained()
+    assert json.loads((other / "k3_manifest.json").read_text())["fingerprint"] != \
+        json.loads((honest / "k3_manifest.json").read_text())["fingerprint"]
+    (honest / "k3_manifest.json").write_text("{}")  # a stale copy is renewed
+    ensure_checkpoints(args)
+    assert (honest / "k3_manifest.json").read_text() == (TRAINED_ASSET / "k3_manifest.json").read_text()
+    assert {p.name: p.stat().st_mtime_ns for p in TRAINED_ASSET.iterdir()} == asset_before
+
+    random_args = parse_args(["--checkpoints", str(tmp_path), "--model", "random"])
+    assert checkpoint_dir(random_args) == tmp_path / "tiny"
+    assert checkpoint_dir(random_args, cheat_weights=True) == tmp_path / "tiny-seed1"

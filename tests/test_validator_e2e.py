@@ -1,10 +1,11 @@
 """The validator end to end on loopback: a devnet file with a short block interval and tempo, real
-wallets, real miner processes (neurons/miner.py and scripts/cheating_miner.py) on a tiny random
-checkpoint, the validator's own reference engine on the same checkpoint, and SQLite stores.
+wallets, real miner processes (neurons/miner.py and scripts/cheating_miner.py) on the tiny K3 trained on
+real text (inference/model/assets/tiny_trained, copied), the validator's own reference engine on the same
+checkpoint (judging by the envelope shipped for it, scoring/envelopes/tiny_trained.json), and SQLite stores.
 
 Nine miners: three honest fp32 ones of different speeds (throttled with --token-delay-ms), an honest
 one in bf16, an honest one sharded over two shard processes (gloo), and four cheaters: other weights
-(a checkpoint of another seed), a truncated context (last 512 prompt tokens), a buffered stream,
+(random weights of the same configuration), a truncated context (last 512 prompt tokens), a buffered stream,
 inflated usage counts.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ from scoring.verify import CanaryPool
 from scoring.workloads import canary_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ModelConfig.tiny()
+MODEL = ModelConfig.tiny_trained()
 MAX_CONTEXT = 1600
 CAPACITY = 4
 BLOCK_INTERVAL = 0.1
@@ -184,10 +185,10 @@ async def _wait_for_miners(world: World, timeout_s: float = 180.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
+def world(tmp_path_factory, make_wallets, make_subnet, trained_checkpoint):
     root = tmp_path_factory.mktemp("validator")
-    checkpoint, other = tiny_checkpoint, root / "ckpt1"  # the real model (seed 0)
-    make_random_checkpoint(MODEL, other, seed=1)  # the cheater's different weights
+    checkpoint, other = trained_checkpoint, root / "ckpt1"  # the real model: the trained tiny K3
+    make_random_checkpoint(MODEL, other, seed=1)  # the cheater's different weights: the same configuration, random
     wallets = make_wallets(root / "wallets", ("owner",) + VALIDATORS + MINERS)
     netuid, uids = make_subnet(root / "devnet.sqlite", wallets, VALIDATORS + MINERS,
                                {name: VALIDATOR_STAKE for name in VALIDATORS}, block_interval=BLOCK_INTERVAL,
@@ -362,6 +363,12 @@ def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
             assert not any(r.scores[world.uids[name]].zeroed for r in evaluation.reports), name  # never zeroed
     finally:
         store.close()
+
+
+def test_the_validator_judges_the_trained_model_by_its_shipped_envelope(world, tmp_path):
+    """The model served here is the trained one: the validator's scoring takes the envelope measured on it."""
+    config = validator_settings(world, tmp_path / "envelope.sqlite").scoring_config()
+    assert Path(config.logprob_gap_envelope).resolve() == ROOT / "scoring" / "envelopes" / "tiny_trained.json"
 
 
 @exclusive
