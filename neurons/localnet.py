@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -216,12 +217,29 @@ def ensure_checkpoints(args) -> None:
         make_random_checkpoint(model_config(args), cheat, seed=1, progress=True)
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for port-0 binds and outgoing connections (Linux; else its default)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive loopback ports after it that were free a moment ago (for --base-port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+    """A base port with n consecutive loopback ports after it that were free a moment ago (for --base-port),
+    below the kernel's ephemeral range when there is room: a port there can be taken meanwhile by any port-0
+    bind or outgoing connection (the processes' own sinks and clients), before the process meant to listen on it
+    binds it."""
+    low, _ = ephemeral_port_range()
+    pick = random.Random()
+    for _attempt in range(200):
+        if low - n > 10000:
+            base = pick.randrange(10000, low - n)
+        else:  # no room below the ephemeral range: take one the kernel just gave out
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
         if base + n >= 65535:
             continue
         try:
