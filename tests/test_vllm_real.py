@@ -148,7 +148,13 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
         stream = e.generate(GenerationRequest(prompt, SamplingParams(max_tokens=900, ignore_eos=True)))
         tokens, _ = await collect(stream, limit=3)
         assert len(tokens) == 3
-        assert metric_value(server.metrics(), "vllm:num_requests_running") >= 1  # still generating
+        # still generating (vLLM updates its gauges between engine steps: give it a moment to show the request)
+        running, deadline = 0.0, time.monotonic() + 2.0
+        while running < 1 and time.monotonic() < deadline:
+            running = metric_value(server.metrics(), "vllm:num_requests_running")
+            if running < 1:
+                await asyncio.sleep(0.05)
+        assert running >= 1
         before = server.metrics()
         await stream.aclose()  # what the miner does when its client disconnects
         await wait_idle(server, timeout_s=20)
