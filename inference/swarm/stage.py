@@ -156,6 +156,41 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
     return model, stage_fingerprint(config.config_hash(), layers, hashes), nbytes
 
 
+SHARD_MODES = ("expert", "pipeline")
+
+
+def block_pipeline_plan(config: ModelConfig, layers: LayerRange, ranks: int):
+    """A plan for `ranks` local processes running the block `layers` as a pipeline: rank r is the home of the
+    r-th contiguous sub-block of the block's layers (sizes differ by at most one, the larger ones first) and
+    holds every expert of its layers. The plan must still cover the whole model, so the layers before the block
+    belong to rank 0's stage and those after it to the last rank's; a block-restricted shard set
+    (`ShardedModel(layers=...)`) never loads or runs them. The embedding sits on rank 0 and the head on the
+    last rank (used only when the block has them)."""
+    from inference.planning.plan import Plan, compute_memory  # noqa: PLC0415
+    from inference.planning.plan import Stage as PlanStage  # noqa: PLC0415
+
+    size = layers.stop - layers.start
+    if not 1 <= ranks <= size:
+        raise ValueError(f"a pipeline over {ranks} ranks needs 1..{size} ranks for the block {layers}")
+    base = Plan.simple(config, ranks, "pipeline")
+    q, extra = divmod(size, ranks)
+    bounds, at = [], layers.start
+    for r in range(ranks):
+        at += q + (1 if r < extra else 0)
+        bounds.append(at)  # rank r's sub-block ends before bounds[r]
+    starts = [0] + bounds[:-1]
+    ends = bounds[:-1] + [config.num_layers]
+    stages = [PlanStage(r, starts[r], ends[r], (r,)) for r in range(ranks)]
+    home = [next(r for r in range(ranks) if layer < ends[r]) for layer in range(config.num_layers)]
+    placement = {layer: [[home[layer]] for _ in range(config.num_experts)] for layer in config.moe_layers}
+    memory = compute_memory(config, base.devices, home, placement, 0, ranks - 1, base.concurrency, base.context,
+                            base.memory_policy)
+    plan = replace(base, stages=stages, layer_home=home, expert_placement=placement, embedding_rank=0,
+                   lm_head_rank=ranks - 1, memory=memory, cluster_name=f"block-{layers}-pipeline-{ranks}")
+    plan.validate(config)
+    return plan
+
+
 # ------------------------------------------------------------------ errors and limits
 class StageError(Exception):
     """A request the stage refuses; `status` is the HTTP status the wire answers with."""
@@ -259,26 +294,47 @@ class Stage:
         self.tokens = 0
         self.evicted = 0
         self.expired = 0
+        self.shard_mode = ""  # a sharded block's layout ("expert" | "pipeline"; set by from_checkpoint)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
                         limits: StageLimits = StageLimits(), shard_ranks: int = 1,
-                        threads_per_rank: int | None = None) -> "Stage":
+                        threads_per_rank: int | None = None, shard_mode: str = "expert",
+                        shard_timeouts=None) -> "Stage":
         """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
-        runtime, expert parallel: layer homes rotate over the ranks and every MoE layer's experts are spread
-        over all of them). The fingerprint is the same either way (computed from the block's tensors as
-        loaded here once, then dropped)."""
+        runtime). `shard_mode` "expert": layer homes rotate over the ranks and every MoE layer's experts are
+        spread over all of them; "pipeline": each rank holds a contiguous sub-block of the stage's layers
+        (`block_pipeline_plan`). The fingerprint is the same either way (computed from the block's tensors as
+        loaded here once, then dropped). `shard_timeouts`: the shard set's `ShardTimeouts` (None: its defaults)."""
+        if shard_mode not in SHARD_MODES:
+            raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {shard_mode!r}")
         config = read_config(checkpoint)
         if not isinstance(layers, LayerRange):
             layers = LayerRange.parse(layers, config.num_layers)
+        if shard_ranks > 1 and shard_mode == "pipeline" and shard_ranks > layers.stop - layers.start:
+            raise ValueError(f"a pipeline over {shard_ranks} ranks needs at least {shard_ranks} layers; the block "
+                             f"{layers} has {layers.stop - layers.start}")
         model, fp, _ = load_stage_model(checkpoint, layers, dtype)
         if shard_ranks > 1:
-            from inference.sharding.driver import ShardedModel  # noqa: PLC0415 (spawns processes; only when asked)
+            from inference.sharding.driver import ShardedModel, ShardTimeouts  # noqa: PLC0415 (spawns processes)
 
             del model
-            model = ShardedModel(checkpoint, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
-                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank)
-        return cls(model, layers, fp, limits)
+            plan = block_pipeline_plan(config, layers, shard_ranks) if shard_mode == "pipeline" else None
+            model = ShardedModel(checkpoint, plan, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
+                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank,
+                                 timeouts=shard_timeouts or ShardTimeouts())
+            if plan is not None:
+                model.plan_source = f"block pipeline x{shard_ranks}"
+        stage = cls(model, layers, fp, limits)
+        stage.shard_mode = shard_mode if shard_ranks > 1 else ""
+        return stage
+
+    def shard_layout(self) -> dict:
+        """How the block runs over its local ranks ({} in this process): ranks, mode and each layer's home rank."""
+        if not self.sharded:
+            return {}
+        return {"ranks": self.model.world_size, "mode": self.shard_mode or "plan",
+                "layer_home": list(self.model.plan.layer_home[self.layers.start:self.layers.stop])}
 
     def shutdown(self) -> None:
         """Stop a sharded block's processes (nothing to do for an in-process block)."""
