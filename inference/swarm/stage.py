@@ -24,10 +24,13 @@ cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cac
 and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens. The rewind after a
 rejection can come with the next forward (`rewind_and_forward`), so it costs the route no round trip of its own.
 
-The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N)`: the sharded
-runtime restricted to the block, `ShardedModel(layers=...)`); its session state then lives in the shards,
-so there are no snapshots here: a rewind is the marked cache's rewind, or a replay from position 0 of the
-recorded inputs; fork is refused.
+The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N, shard_mode=...)`:
+the sharded runtime restricted to the block, `ShardedModel(layers=...)`, expert parallel or as a pipeline of
+contiguous sub-blocks); its session state then lives in the shards, so there are no snapshots here: a rewind is
+the marked cache's rewind, or a replay from position 0 of the recorded inputs; fork is refused. When the shard
+set fails (a process died or hung) every session is lost with it: the forward that noticed raises 503
+"shard_set_failed", `status()` says "failed", and `restart_shards()` starts a fresh set (opens get 503
+"stage_restarting" until it serves).
 
 Sampling at the head: the token at position p is drawn with a generator seeded from (session seed, p), so a
 token does not depend on how many draws came before it; a rewound or re-prefilled session (after a stage was
@@ -295,6 +298,12 @@ class Stage:
         self.evicted = 0
         self.expired = 0
         self.shard_mode = ""  # a sharded block's layout ("expert" | "pipeline"; set by from_checkpoint)
+        # a sharded block's shard set: "ok" | "failed" (a shard died or hung; its sessions are gone) |
+        # "restarting" (restart_shards is starting a fresh set); an in-process block is always "ok"
+        self.shard_state = "ok"
+        self.shard_detail = ""
+        self.shard_restarts = 0
+        self.lost_sessions = 0  # sessions dropped because the shard set holding their state failed
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
@@ -341,6 +350,54 @@ class Stage:
         if self.sharded:
             self.model.close()
 
+    # ------------------------------------------------------------ the shard set's health and restart
+    def status(self) -> tuple[str, str]:
+        """("ok" | "failed" | "restarting", detail). A sharded block is "failed" as soon as its shard set is
+        (a process died, or stopped beating), even before a forward noticed; the check takes no lock, so it
+        answers while a forward or a restart runs."""
+        if not self.sharded or self.shard_state == "restarting":
+            return self.shard_state, self.shard_detail
+        if self.shard_state == "ok":
+            health = self.model.health()
+            if health.status == "down":
+                return "failed", health.detail
+        return self.shard_state, self.shard_detail
+
+    @property
+    def serving(self) -> bool:
+        return self.shard_state == "ok"
+
+    def check_serving(self) -> None:
+        if self.shard_state != "ok":
+            raise StageError(503, "stage_restarting", f"this stage's shard set is {self.shard_state} "
+                                                      f"({self.shard_detail}); try again once /health says ok")
+
+    def _shard_set_failed(self, reason: str) -> StageError:
+        """The shard set failed under a forward: every session's state lived there, so every session is gone."""
+        self.shard_state, self.shard_detail = "failed", reason
+        self.lost_sessions += len(self.sessions)
+        self.sessions.clear()
+        return StageError(503, "shard_set_failed", f"this stage's shard set failed ({reason}); its sessions are "
+                                                   "lost and it restarts; re-open and re-prefill")
+
+    def restart_shards(self) -> None:
+        """Kill the block's shard processes and start a fresh set (sharded blocks only). Every session is
+        dropped (its state lived in the old set). Refuses opens (503) while it runs; on failure the state
+        stays "failed" (call again)."""
+        if not self.sharded:
+            raise ValueError("an in-process block has no shard set to restart")
+        self.shard_state, self.shard_detail = "restarting", "starting a fresh shard set"
+        with self._lock:
+            self.lost_sessions += len(self.sessions)
+            self.sessions.clear()
+            try:
+                self.model.recover()
+            except Exception as e:  # noqa: BLE001 (ShardFailure, a spawn or load error: report and retry later)
+                self.shard_state, self.shard_detail = "failed", f"restart failed: {type(e).__name__}: {e}"
+                raise
+            self.shard_restarts += 1
+            self.shard_state, self.shard_detail = "ok", ""
+
     # ------------------------------------------------------------ shapes
     @property
     def input_blocks(self) -> int:
@@ -354,7 +411,10 @@ class Stage:
         lim = self.limits
         return {"sessions": lim.max_sessions, "tokens_per_forward": lim.max_tokens_per_forward,
                 "context": min(lim.max_context, self.config.max_position_embeddings),
-                "forward_rewind": 1}  # a forward may carry a rewind (`rewind_and_forward`)
+                "forward_rewind": 1,  # a forward may carry a rewind (`rewind_and_forward`)
+                "shard_ranks": self.model.world_size if self.sharded else 1,
+                "serving": int(self.serving),  # 0 while a sharded block's shard set is failed or restarting
+                "restarts": self.shard_restarts}
 
     # ------------------------------------------------------------ sessions
     def open(self, session_id: str, route_id: str = "", sampling: SamplingParams = SamplingParams(),
@@ -364,7 +424,9 @@ class Stage:
         problems = sampling.problems()
         if problems:
             raise StageError(400, "invalid_sampling", "; ".join(problems))
+        self.check_serving()
         with self._lock:
+            self.check_serving()
             if session_id in self.sessions:
                 raise StageError(409, "session_exists", f"session {session_id!r} is already open here")
             self.expire_idle()
@@ -555,8 +617,20 @@ class Stage:
             inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
                                    inputs.partial.float())
         want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
-        out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
-                                       session.cache, all_logits=want_rows)
+        from inference.sharding.driver import ShardFailure  # noqa: PLC0415 (only sharded blocks get here)
+
+        self.check_serving()
+        try:
+            out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
+                                           session.cache, all_logits=want_rows)
+        except ShardFailure as e:
+            raise self._shard_set_failed(str(e)) from None
+        except ValueError as e:  # its cache belongs to a shard set that was restarted meanwhile
+            if "restarted" not in str(e):
+                raise
+            self.sessions.pop(session.session_id, None)
+            raise StageError(404, "unknown_session", f"session {session.session_id!r} was lost in a restart of "
+                                                     "this stage's shard set; re-open and re-prefill") from None
         if not self.layers.has_head:
             return out, None
         if rows is None:
