@@ -3,11 +3,13 @@
 - in process: the forward that meets the dead set fails within seconds with 503 "shard_set_failed", every session
   is dropped (their state lived in the set), `status()` says failed, opens get 503 "stage_restarting";
   `restart_shards()` starts a fresh set that serves new sessions with the unsharded block's numbers;
+- a stopped (SIGSTOP) shard fails the forward within the heartbeat timeout; the restart replaces it;
 - real processes: a shard process of the head stage miner is SIGKILLed mid-generation. With no spare the route
   driver waits for the stage to restart and re-prefills through it; with a spare it re-prefills through the
   spare. Either way the generation ends with the uninterrupted greedy tokens (logprobs within 1e-4), /health
   answers 503 and the signed capabilities say `serving: 0` while the set is down, and afterwards the stage
-  serves again (restarts 1, new shard pids) and a new generation through it gives the same tokens.
+  serves again (restarts 1, new shard pids) and a new generation through it gives the same tokens; an idle
+  stage (no traffic) notices a dead shard by itself and restarts it.
 """
 import asyncio
 import os
@@ -77,6 +79,35 @@ def test_dead_shard_set_fails_its_sessions_then_restarts(ckpt):
     finally:
         stage.shutdown()
         torch.set_num_threads(threads)
+
+
+def test_a_hung_shard_fails_the_forward_within_the_heartbeat_timeout(ckpt):
+    """A stopped (SIGSTOP) shard process: its heartbeat goes silent; the forward waiting on it fails with
+    shard_set_failed within the heartbeat timeout, and the restart replaces the stopped process too."""
+    stage = Stage.from_checkpoint(ckpt, "6-12", shard_ranks=2, threads_per_rank=1, shard_mode="pipeline",
+                                  shard_timeouts=ShardTimeouts(heartbeat=2.0, startup=120.0))
+    try:
+        front = Stage.from_checkpoint(ckpt, "0-5")
+        front.open("a")
+        x = front.forward("a", 0, torch.tensor(PROMPT))
+        stage.open("a")
+        stage.forward("a", 0, x, mode="sample")
+        stopped = stage.model.pids[1]
+        os.kill(stopped, signal.SIGSTOP)
+        y = front.forward("a", len(PROMPT), torch.tensor([5]))
+        t0 = time.monotonic()
+        with pytest.raises(StageError) as e:
+            stage.forward("a", len(PROMPT), y, mode="sample")
+        waited = time.monotonic() - t0
+        assert e.value.code == "shard_set_failed" and "heartbeat" in e.value.message
+        assert waited < 2.0 + 3.0
+        stage.restart_shards()
+        assert stage.status() == ("ok", "") and stopped not in stage.model.pids.values()
+        assert not os.path.exists(f"/proc/{stopped}")  # killed and reaped, not left stopped
+        stage.open("b")
+        stage.forward("b", 0, x, mode="sample")
+    finally:
+        stage.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +209,26 @@ def test_killing_a_shard_mid_generation(swarm, with_spare):
     # and it serves new sessions afterwards
     tokens, route = asyncio.run(plain_generation(swarm, urls))
     assert tokens == want and route == urls
+
+
+def test_an_idle_stage_notices_a_dead_shard_and_restarts(swarm):
+    """No traffic at all: the stage's own watch finds the dead shard, says so, restarts it and serves again."""
+    async def run():
+        url = swarm["sharded"]["url"]
+        async with aiohttp.ClientSession() as http:
+            status, before = await health(http, url)
+            assert status == 200
+            os.kill(before["shards"]["pids"][0], signal.SIGKILL)  # rank 0 this time
+            seen, deadline = set(), time.monotonic() + 120
+            while time.monotonic() < deadline:
+                status, now = await health(http, url)
+                seen.add((status, now["status"]))
+                if status == 200 and now["shards"]["restarts"] == before["shards"]["restarts"] + 1:
+                    break
+                await asyncio.sleep(0.05)
+            return seen, before["shards"], now["shards"]
+    seen, before, after = asyncio.run(run())
+    assert (503, "failed") in seen or (503, "restarting") in seen
+    assert after["restarts"] == before["restarts"] + 1 and not set(before["pids"]) & set(after["pids"])
+    tokens, route = asyncio.run(plain_generation(swarm, [swarm["first"], swarm["sharded"]["url"]]))
+    assert tokens == reference_greedy(swarm["model"], PROMPT, N_TOKENS)[0]
