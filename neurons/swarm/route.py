@@ -370,7 +370,8 @@ class RouteDriver:
 
     async def _await_restarts(self) -> bool:
         """Poll the health of the stages restarting their shard sets until one serves again (it is then no
-        longer held as failed) or restart_wait_s passes; whether any came back."""
+        longer held as failed) or restart_wait_s passes (then they are no longer waited for: the next request
+        does not wait again); whether any came back."""
         deadline = time.monotonic() + self.restart_wait_s
         while self.restarting:
             for hotkey, url in list(self.restarting.items()):
@@ -385,6 +386,7 @@ class RouteDriver:
                     self.failed.pop(hotkey, None)
                     return True
             if time.monotonic() >= deadline:
+                self.restarting.clear()
                 return False
             await asyncio.sleep(0.25)
         return False
