@@ -70,7 +70,8 @@ import numpy as np
 from chain.interface import (COMMITMENT_MAX_SPACE, AlreadyRegistered, Chain, ChainConnectionError, ChainError,
                              Commitment, Endpoint, Hyperparameters, InvalidWeights, MetagraphSnapshot, NeuronInfo,
                              NotEnoughStake, NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed,
-                             SetWeightsOutcome, SubnetNotFound, commitment_fields, commitment_space)
+                             SetWeightsOutcome, SubnetNotFound, commitment_data, commitment_fields,
+                             commitment_space)
 from chain.weights import WeightsError, conform, exceeds_max_weight, too_few_weights, validated_pairs
 from chain.yuma import (NO_COMMIT, YUMA_VERSIONS, EpochInputs, YumaParams, prune_candidate, run_epoch, stake_weights,
                         top_k_permits, with_owner_permit)
@@ -1042,7 +1043,7 @@ class DevnetChain(Chain):
             rows = self._conn.execute(
                 "SELECT c.hotkey, c.block, c.data FROM commitments c JOIN neurons n "
                 "ON n.netuid = c.netuid AND n.hotkey = c.hotkey WHERE c.netuid = ?", (netuid,)).fetchall()
-            return {hk: Commitment(hk, b, bytes(d).decode("utf-8", "replace")) for hk, b, d in rows}
+            return {hk: Commitment(hk, b, commitment_data([bytes(d)])) for hk, b, d in rows}
 
         return await self._read(query)
 

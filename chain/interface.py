@@ -179,6 +179,23 @@ def commitment_fields(data: str) -> list[bytes]:
     return [raw[i:i + COMMITMENT_FIELD_BYTES] for i in range(0, len(raw), COMMITMENT_FIELD_BYTES)] or [b""]
 
 
+def commitment_info(data: str) -> dict:
+    """`data` as set_commitment's `info` argument (CommitmentInfo): {"fields": [{"Raw<n>": "0x<n bytes hex>"}, ...]},
+    the shape the SDK's SCALE codec composes (Data::Raw<n> is variant n + 1, its n bytes follow; see
+    tests/test_commitment_scale.py for the bytes against the runtime's own metadata)."""
+    return {"fields": [{f"Raw{len(raw)}": "0x" + raw.hex()} for raw in commitment_fields(data)]}
+
+
+def commitment_data(fields: list[bytes]) -> str:
+    """What a reader sees of a commitment's Raw fields, as the SDK reads CommitmentOf: the bytes joined, as UTF-8
+    when they are, else "0x" + hex."""
+    raw = b"".join(fields)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + raw.hex()
+
+
 def commitment_space(fields: list[bytes]) -> int:
     """How much of the epoch's quota one set_commitment with these fields uses."""
     return max(COMMITMENT_MIN_SPACE, sum(len(f) for f in fields))

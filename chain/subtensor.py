@@ -31,7 +31,7 @@ from bittensor.result import ErrorCode
 from chain.interface import (AlreadyRegistered, Chain, ChainConnectionError, ChainError, Commitment, Endpoint,
                              Hyperparameters, InvalidWeights, MetagraphSnapshot, NeuronInfo, NotEnoughStake,
                              NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed, SetWeightsOutcome,
-                             SubnetNotFound, commitment_fields)
+                             SubnetNotFound, commitment_info)
 from chain.weights import conform
 
 log = logging.getLogger(__name__)
@@ -522,9 +522,9 @@ class SubtensorChain(Chain):
         """Commitments.set_commitment, signed by the hotkey (the SDK has no intent for it: a raw call). The data
         goes as plain Raw fields, as the SDK's metagraph reads them back."""
         _check_netuid(netuid)
-        fields = [{f"Raw{len(raw)}": "0x" + raw.hex()} for raw in commitment_fields(data)]
+        info = commitment_info(data)
         wallet = self._wallet(wallet)
-        call = bt.calls.Commitments.set_commitment(netuid=netuid, info={"fields": fields})
+        call = bt.calls.Commitments.set_commitment(netuid=netuid, info=info)
 
         async def submit(client: bt.Client) -> None:
             result = await client.submit_call(call, wallet, signer="hotkey", wait_for_finalization=False)

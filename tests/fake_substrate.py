@@ -610,7 +610,10 @@ class FakeSubstrate:
         if used + needed > self.commitment_max_space:
             return "SpaceLimitExceeded"
         self.commitment_usage[(subnet.netuid, signer)] = (epoch, used + needed)
-        self.commitments[(subnet.netuid, signer)] = {"block": self.head, "deposit": 0, "info": {"fields": fields}}
+        # stored as a node's SCALE codec decodes it back: Raw<n> as "0x" hex, except Raw0 ([u8; 0]), an empty list
+        # (tests/test_commitment_scale.py checks this against the real runtime metadata)
+        stored = [{variant: [] if variant == "Raw0" else value} for entry in fields for variant, value in entry.items()]
+        self.commitments[(subnet.netuid, signer)] = {"block": self.head, "deposit": 0, "info": {"fields": stored}}
         return None
 
     # -------------------------------------------------------------- not modelled

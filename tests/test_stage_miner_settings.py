@@ -70,6 +70,7 @@ def test_defaults_are_the_stage_miners_former_ones():
     assert (b.dtype, b.wire_dtype, b.threads, b.max_sessions, b.max_context, b.max_tokens_per_forward) == (
         "float32", "float32", 0, 16, 4096, 512)
     assert (b.idle_expiry_s, b.max_snapshots, b.rewind_window) == (300.0, 16, 1024)
+    assert (b.shard_ranks, b.shard_mode) == (1, "expert")
     assert (s.server.hop_timeout_s, s.server.max_body_bytes, s.server.metrics, s.log_level) == (
         5.0, 64 * 2**20, False, "WARNING")
 
@@ -80,12 +81,28 @@ def test_defaults_are_the_stage_miners_former_ones():
     (REQUIRED, {"K3_STAGE_PORT": "eighty"}, "environment variable K3_STAGE_PORT='eighty' (for --port)"),
     (REQUIRED + ["--max-sessions", "0"], {}, "must be an integer >= 1"),
     (REQUIRED + ["--wire-dtype", "int8"], {}, "invalid choice: 'int8'"),
+    (REQUIRED + ["--shard-mode", "tensor"], {}, "invalid choice: 'tensor'"),
 ])
 def test_bad_values_are_cli_errors(capsys, argv, environ, says):
     with pytest.raises(SystemExit) as exit_info:
         read(argv, environ)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_shard_layout_comes_from_flags_or_environment():
+    s = read(REQUIRED + ["--shard-ranks", "4", "--shard-mode", "pipeline"])
+    assert (s.block.shard_ranks, s.block.shard_mode) == (4, "pipeline")
+    s = read(REQUIRED, {"K3_STAGE_SHARD_RANKS": "2", "K3_STAGE_SHARD_MODE": "pipeline"})
+    assert (s.block.shard_ranks, s.block.shard_mode) == (2, "pipeline")
+
+
+def test_a_pipeline_with_more_ranks_than_layers_is_a_one_line_error(capsys, tiny_checkpoint):
+    argv = ["--checkpoint", str(tiny_checkpoint), "--serve-layers", "0-1", "--shard-ranks", "3", "--shard-mode",
+            "pipeline"]
+    assert main(argv, prog="sm") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sm: error: ") and "needs at least 3 layers" in err and "Traceback" not in err
 
 
 def test_network_without_netuid_is_refused_before_anything_loads(capsys, tmp_path):

@@ -24,10 +24,13 @@ cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cac
 and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens. The rewind after a
 rejection can come with the next forward (`rewind_and_forward`), so it costs the route no round trip of its own.
 
-The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N)`: the sharded
-runtime restricted to the block, `ShardedModel(layers=...)`); its session state then lives in the shards,
-so there are no snapshots here: a rewind is the marked cache's rewind, or a replay from position 0 of the
-recorded inputs; fork is refused.
+The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N, shard_mode=...)`:
+the sharded runtime restricted to the block, `ShardedModel(layers=...)`, expert parallel or as a pipeline of
+contiguous sub-blocks); its session state then lives in the shards, so there are no snapshots here: a rewind is
+the marked cache's rewind, or a replay from position 0 of the recorded inputs; fork is refused. When the shard
+set fails (a process died or hung) every session is lost with it: the forward that noticed raises 503
+"shard_set_failed", `status()` says "failed", and `restart_shards()` starts a fresh set (opens get 503
+"stage_restarting" until it serves).
 
 Sampling at the head: the token at position p is drawn with a generator seeded from (session seed, p), so a
 token does not depend on how many draws came before it; a rewound or re-prefilled session (after a stage was
@@ -156,6 +159,41 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
     return model, stage_fingerprint(config.config_hash(), layers, hashes), nbytes
 
 
+SHARD_MODES = ("expert", "pipeline")
+
+
+def block_pipeline_plan(config: ModelConfig, layers: LayerRange, ranks: int):
+    """A plan for `ranks` local processes running the block `layers` as a pipeline: rank r is the home of the
+    r-th contiguous sub-block of the block's layers (sizes differ by at most one, the larger ones first) and
+    holds every expert of its layers. The plan must still cover the whole model, so the layers before the block
+    belong to rank 0's stage and those after it to the last rank's; a block-restricted shard set
+    (`ShardedModel(layers=...)`) never loads or runs them. The embedding sits on rank 0 and the head on the
+    last rank (used only when the block has them)."""
+    from inference.planning.plan import Plan, compute_memory  # noqa: PLC0415
+    from inference.planning.plan import Stage as PlanStage  # noqa: PLC0415
+
+    size = layers.stop - layers.start
+    if not 1 <= ranks <= size:
+        raise ValueError(f"a pipeline over {ranks} ranks needs 1..{size} ranks for the block {layers}")
+    base = Plan.simple(config, ranks, "pipeline")
+    q, extra = divmod(size, ranks)
+    bounds, at = [], layers.start
+    for r in range(ranks):
+        at += q + (1 if r < extra else 0)
+        bounds.append(at)  # rank r's sub-block ends before bounds[r]
+    starts = [0] + bounds[:-1]
+    ends = bounds[:-1] + [config.num_layers]
+    stages = [PlanStage(r, starts[r], ends[r], (r,)) for r in range(ranks)]
+    home = [next(r for r in range(ranks) if layer < ends[r]) for layer in range(config.num_layers)]
+    placement = {layer: [[home[layer]] for _ in range(config.num_experts)] for layer in config.moe_layers}
+    memory = compute_memory(config, base.devices, home, placement, 0, ranks - 1, base.concurrency, base.context,
+                            base.memory_policy)
+    plan = replace(base, stages=stages, layer_home=home, expert_placement=placement, embedding_rank=0,
+                   lm_head_rank=ranks - 1, memory=memory, cluster_name=f"block-{layers}-pipeline-{ranks}")
+    plan.validate(config)
+    return plan
+
+
 # ------------------------------------------------------------------ errors and limits
 class StageError(Exception):
     """A request the stage refuses; `status` is the HTTP status the wire answers with."""
@@ -259,31 +297,106 @@ class Stage:
         self.tokens = 0
         self.evicted = 0
         self.expired = 0
+        self.shard_mode = ""  # a sharded block's layout ("expert" | "pipeline"; set by from_checkpoint)
+        # a sharded block's shard set: "ok" | "failed" (a shard died or hung; its sessions are gone) |
+        # "restarting" (restart_shards is starting a fresh set); an in-process block is always "ok"
+        self.shard_state = "ok"
+        self.shard_detail = ""
+        self.shard_restarts = 0
+        self.lost_sessions = 0  # sessions dropped because the shard set holding their state failed
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
                         limits: StageLimits = StageLimits(), shard_ranks: int = 1,
-                        threads_per_rank: int | None = None) -> "Stage":
+                        threads_per_rank: int | None = None, shard_mode: str = "expert",
+                        shard_timeouts=None) -> "Stage":
         """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
-        runtime, expert parallel: layer homes rotate over the ranks and every MoE layer's experts are spread
-        over all of them). The fingerprint is the same either way (computed from the block's tensors as
-        loaded here once, then dropped)."""
+        runtime). `shard_mode` "expert": layer homes rotate over the ranks and every MoE layer's experts are
+        spread over all of them; "pipeline": each rank holds a contiguous sub-block of the stage's layers
+        (`block_pipeline_plan`). The fingerprint is the same either way (computed from the block's tensors as
+        loaded here once, then dropped). `shard_timeouts`: the shard set's `ShardTimeouts` (None: its defaults)."""
+        if shard_mode not in SHARD_MODES:
+            raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {shard_mode!r}")
         config = read_config(checkpoint)
         if not isinstance(layers, LayerRange):
             layers = LayerRange.parse(layers, config.num_layers)
+        if shard_ranks > 1 and shard_mode == "pipeline" and shard_ranks > layers.stop - layers.start:
+            raise ValueError(f"a pipeline over {shard_ranks} ranks needs at least {shard_ranks} layers; the block "
+                             f"{layers} has {layers.stop - layers.start}")
         model, fp, _ = load_stage_model(checkpoint, layers, dtype)
         if shard_ranks > 1:
-            from inference.sharding.driver import ShardedModel  # noqa: PLC0415 (spawns processes; only when asked)
+            from inference.sharding.driver import ShardedModel, ShardTimeouts  # noqa: PLC0415 (spawns processes)
 
             del model
-            model = ShardedModel(checkpoint, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
-                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank)
-        return cls(model, layers, fp, limits)
+            plan = block_pipeline_plan(config, layers, shard_ranks) if shard_mode == "pipeline" else None
+            model = ShardedModel(checkpoint, plan, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
+                                 layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank,
+                                 timeouts=shard_timeouts or ShardTimeouts())
+            if plan is not None:
+                model.plan_source = f"block pipeline x{shard_ranks}"
+        stage = cls(model, layers, fp, limits)
+        stage.shard_mode = shard_mode if shard_ranks > 1 else ""
+        return stage
+
+    def shard_layout(self) -> dict:
+        """How the block runs over its local ranks ({} in this process): ranks, mode and each layer's home rank."""
+        if not self.sharded:
+            return {}
+        return {"ranks": self.model.world_size, "mode": self.shard_mode or "plan",
+                "layer_home": list(self.model.plan.layer_home[self.layers.start:self.layers.stop])}
 
     def shutdown(self) -> None:
         """Stop a sharded block's processes (nothing to do for an in-process block)."""
         if self.sharded:
             self.model.close()
+
+    # ------------------------------------------------------------ the shard set's health and restart
+    def status(self) -> tuple[str, str]:
+        """("ok" | "failed" | "restarting", detail). A sharded block is "failed" as soon as its shard set is
+        (a process died, or stopped beating), even before a forward noticed; the check takes no lock, so it
+        answers while a forward or a restart runs."""
+        if not self.sharded or self.shard_state == "restarting":
+            return self.shard_state, self.shard_detail
+        if self.shard_state == "ok":
+            health = self.model.health()
+            if health.status == "down":
+                return "failed", health.detail
+        return self.shard_state, self.shard_detail
+
+    @property
+    def serving(self) -> bool:
+        return self.shard_state == "ok"
+
+    def check_serving(self) -> None:
+        if self.shard_state != "ok":
+            raise StageError(503, "stage_restarting", f"this stage's shard set is {self.shard_state} "
+                                                      f"({self.shard_detail}); try again once /health says ok")
+
+    def _shard_set_failed(self, reason: str) -> StageError:
+        """The shard set failed under a forward: every session's state lived there, so every session is gone."""
+        self.shard_state, self.shard_detail = "failed", reason
+        self.lost_sessions += len(self.sessions)
+        self.sessions.clear()
+        return StageError(503, "shard_set_failed", f"this stage's shard set failed ({reason}); its sessions are "
+                                                   "lost and it restarts; re-open and re-prefill")
+
+    def restart_shards(self) -> None:
+        """Kill the block's shard processes and start a fresh set (sharded blocks only). Every session is
+        dropped (its state lived in the old set). Refuses opens (503) while it runs; on failure the state
+        stays "failed" (call again)."""
+        if not self.sharded:
+            raise ValueError("an in-process block has no shard set to restart")
+        self.shard_state, self.shard_detail = "restarting", "starting a fresh shard set"
+        with self._lock:
+            self.lost_sessions += len(self.sessions)
+            self.sessions.clear()
+            try:
+                self.model.recover()
+            except Exception as e:  # noqa: BLE001 (ShardFailure, a spawn or load error: report and retry later)
+                self.shard_state, self.shard_detail = "failed", f"restart failed: {type(e).__name__}: {e}"
+                raise
+            self.shard_restarts += 1
+            self.shard_state, self.shard_detail = "ok", ""
 
     # ------------------------------------------------------------ shapes
     @property
@@ -298,7 +411,10 @@ class Stage:
         lim = self.limits
         return {"sessions": lim.max_sessions, "tokens_per_forward": lim.max_tokens_per_forward,
                 "context": min(lim.max_context, self.config.max_position_embeddings),
-                "forward_rewind": 1}  # a forward may carry a rewind (`rewind_and_forward`)
+                "forward_rewind": 1,  # a forward may carry a rewind (`rewind_and_forward`)
+                "shard_ranks": self.model.world_size if self.sharded else 1,
+                "serving": int(self.serving),  # 0 while a sharded block's shard set is failed or restarting
+                "restarts": self.shard_restarts}
 
     # ------------------------------------------------------------ sessions
     def open(self, session_id: str, route_id: str = "", sampling: SamplingParams = SamplingParams(),
@@ -308,7 +424,9 @@ class Stage:
         problems = sampling.problems()
         if problems:
             raise StageError(400, "invalid_sampling", "; ".join(problems))
+        self.check_serving()
         with self._lock:
+            self.check_serving()
             if session_id in self.sessions:
                 raise StageError(409, "session_exists", f"session {session_id!r} is already open here")
             self.expire_idle()
@@ -499,8 +617,20 @@ class Stage:
             inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
                                    inputs.partial.float())
         want_rows = rows is not None and rows != [self._input_len(inputs) - 1]
-        out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
-                                       session.cache, all_logits=want_rows)
+        from inference.sharding.driver import ShardFailure  # noqa: PLC0415 (only sharded blocks get here)
+
+        self.check_serving()
+        try:
+            out = self.model.forward_block(inputs.to(torch.long) if self.layers.has_embedding else inputs,
+                                           session.cache, all_logits=want_rows)
+        except ShardFailure as e:
+            raise self._shard_set_failed(str(e)) from None
+        except ValueError as e:  # its cache belongs to a shard set that was restarted meanwhile
+            if "restarted" not in str(e):
+                raise
+            self.sessions.pop(session.session_id, None)
+            raise StageError(404, "unknown_session", f"session {session.session_id!r} was lost in a restart of "
+                                                     "this stage's shard set; re-open and re-prefill") from None
         if not self.layers.has_head:
             return out, None
         if rows is None:

@@ -349,6 +349,64 @@ def print_table(rows: list[dict], args) -> None:
               f"{1000.0 / r['min_ms']:.1f} | {r['median_ms']:.1f} | {chain} | {law} |")
 
 
+def run_shard_bench(args) -> list[dict]:
+    """One block (all layers of the checkpoint) in process, expert parallel and as a pipeline over
+    --shard-ranks local processes: start time, median single-token sampled forward after a prefill, how soon
+    a forward notices a SIGKILLed shard, and how long `restart_shards` takes."""
+    from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
+    from inference.model.config import ModelConfig  # noqa: PLC0415
+    from inference.swarm.stage import Stage, StageError  # noqa: PLC0415
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="shard-bench-")) / "ckpt"
+    if not args.checkpoint:
+        make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
+    last = read_config(ckpt).num_layers - 1
+    prompt = torch.tensor([(11 * j + 5) % 256 for j in range(args.prompt_tokens)])
+    rows = []
+    layouts = [("in process", {})] + [(f"{mode} x{args.shard_ranks}", dict(shard_ranks=args.shard_ranks,
+                                       shard_mode=mode, threads_per_rank=args.threads))
+                                      for mode in ("expert", "pipeline")]
+    for name, options in layouts:
+        t0 = time.perf_counter()
+        stage = Stage.from_checkpoint(ckpt, f"0-{last}", **options)
+        row = {"layout": name, "start_s": time.perf_counter() - t0}
+        try:
+            stage.open("bench")
+            stage.forward("bench", 0, prompt, mode="sample")
+            gaps = []
+            for position in range(len(prompt), len(prompt) + args.new_tokens):
+                t0 = time.perf_counter()
+                stage.forward("bench", position, torch.tensor([7]), mode="sample")
+                gaps.append(time.perf_counter() - t0)
+            row["forward_ms"] = sorted(gaps)[len(gaps) // 2] * 1000.0
+            if stage.sharded:
+                os.kill(stage.model.pids[1], signal.SIGKILL)
+                t0 = time.perf_counter()
+                try:
+                    stage.forward("bench", len(prompt) + args.new_tokens, torch.tensor([7]), mode="sample")
+                except StageError:
+                    row["noticed_ms"] = (time.perf_counter() - t0) * 1000.0
+                t0 = time.perf_counter()
+                stage.restart_shards()
+                row["restart_s"] = time.perf_counter() - t0
+        finally:
+            stage.shutdown()
+        rows.append(row)
+    return rows
+
+
+def print_shard_table(rows: list[dict], args) -> None:
+    print(f"# bench_swarm --shard-restart: tiny model, one block of every layer, prompt {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} single-token forwards; {os.cpu_count()}-core CPU, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| block layout | start (s) | single-token forward, median (ms) | killed shard noticed (ms) | restart (s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        noticed = f"{r['noticed_ms']:.0f}" if "noticed_ms" in r else "-"
+        restart = f"{r['restart_s']:.1f}" if "restart_s" in r else "-"
+        print(f"| {r['layout']} | {r['start_s']:.1f} | {r['forward_ms']:.1f} | {noticed} | {restart} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="", help="checkpoint dir (default: a fresh tiny one)")
@@ -368,10 +426,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --speculate: also run a drafter whose every guess is wrong")
     p.add_argument("--rewind-message", action="store_true",
                    help="with --speculate: also run speculation with the separate rewind round trip")
+    p.add_argument("--shard-restart", action="store_true",
+                   help="instead: one block in process, expert parallel and as a pipeline over --shard-ranks local "
+                        "processes (forward time, a killed shard noticed, the restart)")
+    p.add_argument("--shard-ranks", type=int, default=2, help="with --shard-restart: local processes per block")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.speculate != "none":
+    if args.shard_restart:
+        rows = run_shard_bench(args)
+        print_shard_table(rows, args)
+    elif args.speculate != "none":
         rows = asyncio.run(run_speculation_bench(args))
         print_speculation_table(rows, args)
     else:

@@ -28,6 +28,10 @@ ones that fail a health probe); the driver plans a new route without it (a spare
 cut), opens a fresh session on every stage of the new route and re-prefills the committed tokens (prompt
 plus every token already streamed), then continues. The caller sees a pause. When no route exists without
 the failed stages, the request ends with EngineError("engine_unavailable") naming the uncovered layers.
+A stage whose block runs sharded over local processes says when that shard set failed (result error
+"shard_set_failed": its sessions are gone) and refuses opens while it restarts the set (503 "stage_restarting";
+its capabilities say `serving: 0`): the driver routes around it like any failed stage, and when no route exists
+without it, waits up to restart_wait_s for it to serve again, then re-prefills through it.
 """
 from __future__ import annotations
 
@@ -70,10 +74,12 @@ log = logging.getLogger("k3.route")
 class RouteFailure(Exception):
     """A step that did not complete on the route; `blame` holds the hotkeys of the stages at fault."""
 
-    def __init__(self, message: str, blame: set[str] | None = None, lost_session: bool = False):
+    def __init__(self, message: str, blame: set[str] | None = None, lost_session: bool = False,
+                 restarting: dict[str, str] | None = None):
         super().__init__(message)
         self.blame = set(blame or ())
         self.lost_session = lost_session
+        self.restarting = dict(restarting or {})  # hotkey -> url of blamed stages restarting their shard set
 
 
 # ------------------------------------------------------------------ the directory of stages
@@ -132,6 +138,8 @@ class StaticDirectory(StageDirectory):
             return None
         if not verify_capabilities(caps) or (self.config_hash and caps.config_hash != self.config_hash):
             log.warning("stage at %s: capabilities unsigned or for another model; ignored", url)
+            return None
+        if caps.capacity.get("serving", 1) == 0:  # its shard set is restarting: not a stage for now
             return None
         return StageInfo(caps)
 
@@ -227,6 +235,17 @@ def uncovered(stages: list[StageInfo], num_layers: int, exclude: set[str]) -> st
     return f"layer {max(reach)}" if num_layers not in reach else ""
 
 
+def server_failure(stage: StageInfo, status: int, answer: bytes) -> RouteFailure:
+    """A stage's 5xx answer as a RouteFailure blaming it (503 stage_restarting: its shard set restarts)."""
+    try:
+        code = json.loads(answer)["error"]["code"]
+    except Exception:  # noqa: BLE001 (no JSON error body)
+        code = ""
+    restarting = {stage.hotkey: stage.url} if status == 503 and code == "stage_restarting" else {}
+    return RouteFailure(f"stage {stage.url} ({stage.start}-{stage.stop - 1}) failed: {status} {code}".rstrip(),
+                        {stage.hotkey}, restarting=restarting)
+
+
 # ------------------------------------------------------------------ the driver
 @dataclass
 class RouteSession:
@@ -271,9 +290,12 @@ class RouteDriver:
 
     def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
                  port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
-                 public_url: str = "", record_steps: int = 0, rewind_in_forward: bool = True):
+                 public_url: str = "", record_steps: int = 0, rewind_in_forward: bool = True,
+                 restart_wait_s: float = 60.0):
         """`rewind_in_forward`: send a deferred rewind (`rewind(..., with_next_forward=True)`) in the next
-        forward's header where every stage of the route takes it (False: always the rewind message)."""
+        forward's header where every stage of the route takes it (False: always the rewind message).
+        `restart_wait_s`: when no route exists without stages that are restarting their shard sets, wait up to
+        this long for one of them to serve again (then re-plan through it)."""
         self.directory = directory
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
@@ -291,6 +313,8 @@ class RouteDriver:
         self._stages_at = 0.0
         self.current: list[StageInfo] = []  # the route last planned
         self.failed: dict[str, float] = {}  # hotkey -> when it failed (kept out of routes for refresh_s)
+        self.restarting: dict[str, str] = {}  # hotkey -> url of failed stages restarting their shard set
+        self.restart_wait_s = restart_wait_s
         self.recoveries = 0
         self.last_receipts: list[Receipt] = []
         self.record_steps = record_steps  # keep the last this many StepRecords (0: none)
@@ -332,6 +356,10 @@ class RouteDriver:
         stages = await self.stages(refresh)
         exclude = self._excluded()
         route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current})
+        if route is None and self.restarting and await self._await_restarts():
+            stages = await self.stages(refresh=True)
+            exclude = self._excluded()
+            route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current})
         if route is None:
             where = uncovered(stages, self.config.num_layers, exclude) or "the model"
             raise EngineError("engine_unavailable",
@@ -339,6 +367,47 @@ class RouteDriver:
                               f"{self.config.num_layers - 1}; {len(stages)} stages known, {len(exclude)} failed)")
         self.current = route
         return route
+
+    async def _await_restarts(self) -> bool:
+        """Poll the health of the stages restarting their shard sets until one serves again (it is then no
+        longer held as failed) or restart_wait_s passes (then they are no longer waited for: the next request
+        does not wait again); whether any came back."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while self.restarting:
+            for hotkey, url in list(self.restarting.items()):
+                try:
+                    async with self._http.get(url + HEALTH_PATH,
+                                              timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                        back = resp.status == 200
+                except Exception:  # noqa: BLE001 (not answering yet)
+                    back = False
+                if back:
+                    del self.restarting[hotkey]
+                    self.failed.pop(hotkey, None)
+                    return True
+            if time.monotonic() >= deadline:
+                self.restarting.clear()
+                return False
+            await asyncio.sleep(0.25)
+        return False
+
+    async def note_restarting(self, failure: RouteFailure, route: list[StageInfo]) -> None:
+        """Remember the blamed stages that are restarting their shard sets: the ones the failure names, and those
+        whose /health answers 503 "failed" or "restarting" (a neighbour may have met one first, as a refused
+        hop)."""
+        self.restarting.update(failure.restarting)
+        urls = {s.hotkey: s.url for s in route}
+
+        async def one(hotkey: str) -> None:
+            try:
+                async with self._http.get(urls[hotkey] + HEALTH_PATH,
+                                          timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                    state = (await resp.json()).get("status") if resp.status == 503 else None
+            except Exception:  # noqa: BLE001 (unreachable or not JSON: a plain failure)
+                state = None
+            if state in ("failed", "restarting"):
+                self.restarting[hotkey] = urls[hotkey]
+        await asyncio.gather(*(one(h) for h in failure.blame - set(self.restarting) if h in urls))
 
     async def open(self, sampling: SamplingParams, seed: int) -> RouteSession:
         route = await self.plan()
@@ -360,7 +429,8 @@ class RouteDriver:
             await self.close(rs)
             if any(isinstance(f, RouteFailure) for f in failures):
                 blame = set().union(*(f.blame for f in failures if isinstance(f, RouteFailure)))
-                raise RouteFailure(f"opening the session failed: {failures[0]}", blame)
+                restarting = {h: u for f in failures if isinstance(f, RouteFailure) for h, u in f.restarting.items()}
+                raise RouteFailure(f"opening the session failed: {failures[0]}", blame, restarting=restarting)
             raise failures[0]
         return rs
 
@@ -374,7 +444,7 @@ class RouteDriver:
         if status == 404:
             raise RouteFailure(f"stage {stage.url} lost the session", set(), lost_session=True)
         if status >= 500:
-            raise RouteFailure(f"stage {stage.url} failed: {status}", {stage.hotkey})
+            raise server_failure(stage, status, answer)
         if status >= 400:
             raise EngineError("engine_failure", f"stage {stage.url} refused {path}: {status} "
                                                 f"{answer[:300].decode(errors='replace')}")
@@ -463,7 +533,7 @@ class RouteDriver:
                 if status == 404:
                     raise RouteFailure(f"stage {first.url} lost the session", set(), lost_session=True)
                 if status >= 500:
-                    raise RouteFailure(f"the first stage {first.url} failed: {status}", {first.hotkey})
+                    raise server_failure(first, status, answer)
                 if status != 202:
                     raise EngineError("engine_failure", f"the first stage refused the forward: {status} "
                                                         f"{answer[:300].decode(errors='replace')}")
@@ -491,6 +561,10 @@ class RouteDriver:
             blame = {e.blame} if e.blame else {e.stage}
             if e.code == "stage_refused" and "no session" in e.message:
                 raise RouteFailure(f"a stage lost the session: {e.message}", set(), lost_session=True)
+            if e.code == "shard_set_failed":  # its sessions are gone; it restarts (a spare, or wait for it)
+                urls = {st.hotkey: st.url for st in rs.route}
+                raise RouteFailure(f"stage {e.stage} reports {e.code}: {e.message}", {e.stage}, lost_session=True,
+                                   restarting={e.stage: urls[e.stage]} if e.stage in urls else {})
             raise RouteFailure(f"stage {e.stage} reports {e.code}: {e.message}", blame)
         problem = verify_receipt_chain(header.receipts, rs.route_id, rs.session, step, pending.input_sha,
                                        pending.hotkeys)
@@ -621,6 +695,7 @@ class RouteEngine(Engine):
         log.warning("route step failed (%s); blaming %s; recovering", failure, sorted(failure.blame))
         for h in failure.blame:
             self.driver.failed[h] = time.monotonic()
+        await self.driver.note_restarting(failure, rs.route if rs is not None else self.driver.current)
         if rs is not None:
             await self.driver.close(rs)
         if attempt > self.max_recoveries:

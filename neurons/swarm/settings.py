@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from inference.serving import EngineSpec
 from inference.speculative.speculation import MAX_DRAFT_TOKENS
-from inference.swarm.stage import StageLimits
+from inference.swarm.stage import SHARD_MODES, StageLimits
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
 from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
                               WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
@@ -56,8 +56,11 @@ class BlockSettings:
     dtype: str = setting("float32", "weights dtype of the block", choices=DTYPES)
     wire_dtype: str = setting("float32", "dtype of the activations this stage sends on", choices=DTYPES)
     threads: int = setting(0, "torch threads (0: leave torch's default)", read=non_negative_int)
-    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime, expert "
-                               "parallel, gloo on CPU); 1: in this process", read=positive_int, metavar="N")
+    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime, gloo on CPU); "
+                               "1: in this process", read=positive_int, metavar="N")
+    shard_mode: str = setting("expert", "how --shard-ranks split the block: expert (layer homes rotate, every MoE "
+                              "layer's experts spread over all ranks) or pipeline (each rank a contiguous sub-block)",
+                              choices=SHARD_MODES)
     max_sessions: int = setting(_LIMITS.max_sessions, "sessions held at once (when full, an idle one may be evicted)",
                                 read=positive_int, metavar="N")
     max_context: int = setting(_LIMITS.max_context, "largest session, in tokens", read=positive_int, metavar="N")

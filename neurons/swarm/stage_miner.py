@@ -84,7 +84,7 @@ async def run(settings: StageMinerSettings) -> None:
     config = read_config(b.checkpoint)
     layers = LayerRange.parse(b.serve_layers, config.num_layers)
     stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits(), shard_ranks=b.shard_ranks,
-                                  threads_per_rank=b.threads or None)
+                                  threads_per_rank=b.threads or None, shard_mode=b.shard_mode)
     try:
         await serve_stage(settings, stage)
     finally:
@@ -116,6 +116,7 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
         info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
                 "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
                 "shard_pids": sorted(stage.model.pids.values()) if stage.sharded else [],
+                "shard_layout": stage.shard_layout(),
                 "metrics_url": f"http://{METRICS_HOST}:{metrics.port}/metrics" if metrics else None}
         log.info("stage %s (layers %s) serving on %s%s", server.hotkey, layers, server.url,
                  f"; metrics on {info['metrics_url']}" if metrics else "")

@@ -57,6 +57,8 @@ class StageServerSettings:
     hop_timeout_s: float = 5.0  # sending to the next hop (connect + its 202)
     wire_dtype: str = "float32"  # what this stage sends on: float32 or bfloat16
     expiry_interval_s: float = 5.0
+    watch_interval_s: float = 0.5  # how often a sharded block's shard set is checked (a dead one is restarted)
+    restart_backoff_s: float = 5.0  # after a failed restart, wait this long before the next attempt
     # drivers and neighbouring stages are few addresses with many connections each
     guard: GuardSettings = GuardSettings(max_connections=512, max_connections_per_address=256)
 
@@ -101,6 +103,7 @@ class StageServer:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self._expiry: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
         self.port = settings.port
         self.refused = 0
         self.rewinds = {"message": 0, "forward": 0}  # rewinds done, by how they came (the message, a forward)
@@ -127,10 +130,13 @@ class StageServer:
         await GuardedSite(self._runner, guard, self.settings.host, self.settings.port).start()
         self.port = self._runner.addresses[0][1]
         self._expiry = asyncio.create_task(self._expire_loop())
+        if self.stage.sharded:
+            self._watch = asyncio.create_task(self._watch_shards())
 
     async def close(self) -> None:
-        if self._expiry:
-            self._expiry.cancel()
+        for task in (self._expiry, self._watch):
+            if task:
+                task.cancel()
         if self._runner:
             await self._runner.cleanup()
         if self._http:
@@ -146,6 +152,34 @@ class StageServer:
         while True:
             await asyncio.sleep(self.settings.expiry_interval_s)
             for sid in await self._in_worker(self.stage.expire_idle):
+                self._queued.pop(sid, None)
+                self._tails.pop(sid, None)
+
+    async def _watch_shards(self) -> None:
+        """A sharded block: when its shard set failed (a process died or stopped beating, noticed here or by a
+        forward), drop its sessions and restart it; the stage refuses opens (503) and says so in /health and
+        its capabilities until the fresh set serves."""
+        while True:
+            await asyncio.sleep(self.settings.watch_interval_s)
+            try:
+                state, detail = await asyncio.to_thread(self.stage.status)
+            except Exception as e:  # noqa: BLE001 (the store itself is gone: the set is as good as dead)
+                state, detail = "failed", f"{type(e).__name__}: {e}"
+            if state != "failed":
+                continue
+            log.warning("stage %s: shard set failed (%s); dropping %d sessions and restarting it",
+                        self.stage.layers, detail, len(self.stage.sessions))
+            self.stage.shard_state, self.stage.shard_detail = "failed", detail
+            self.metrics.failed("shard_set_failed")
+            try:
+                await self._in_worker(self.stage.restart_shards)
+            except Exception as e:  # noqa: BLE001 (stays "failed"; the next round tries again)
+                log.error("stage %s: restarting the shard set failed: %s", self.stage.layers, e)
+                await asyncio.sleep(self.settings.restart_backoff_s)
+            else:
+                log.warning("stage %s: shard set restarted (restart %d); serving again", self.stage.layers,
+                            self.stage.shard_restarts)
+            for sid in [sid for sid in self._queued if sid not in self.stage.sessions]:
                 self._queued.pop(sid, None)
                 self._tails.pop(sid, None)
 
@@ -222,11 +256,20 @@ class StageServer:
 
     # ------------------------------------------------------------ handlers
     async def handle_health(self, request: web.Request) -> web.Response:
+        """200 {"status": "ok", ...} while serving; 503 with status "failed" or "restarting" (and why) while a
+        sharded block's shard set is down or being restarted."""
         st = self.stage
-        return web.json_response({"status": "ok", "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
-                                  "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
-                                  "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
-                                  "refused": self.refused, "rewinds": dict(self.rewinds)})
+        state, detail = await asyncio.to_thread(st.status) if st.sharded else ("ok", "")
+        body = {"status": state, "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
+                "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
+                "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
+                "refused": self.refused, "rewinds": dict(self.rewinds)}
+        if st.sharded:
+            body["shards"] = {**st.shard_layout(), "restarts": st.shard_restarts, "lost_sessions": st.lost_sessions,
+                              "pids": sorted(st.model.pids.values())}
+        if detail:
+            body["detail"] = detail
+        return web.json_response(body, status=200 if state == "ok" else 503)
 
     def capabilities(self):
         cfg, st = self.stage.config, self.stage
@@ -242,6 +285,7 @@ class StageServer:
 
     async def handle_open(self, caller: str, body: bytes) -> web.Response:
         req: OpenRequest = parse_model(OpenRequest, body, "open")
+        self.stage.check_serving()  # here, not behind a restart in the compute thread
         s = req.sampling
         if not self.stage.layers.has_head and req.downstream is None:
             raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
@@ -321,7 +365,8 @@ class StageServer:
         except StageError as e:
             self._queued[header.session] = self.stage.sessions[header.session].position \
                 if header.session in self.stage.sessions else 0
-            await self._report(reply_to, header, "stage_refused", e.message, "")
+            code = "shard_set_failed" if e.code == "shard_set_failed" else "stage_refused"
+            await self._report(reply_to, header, code, e.message, "")
             return
         except Exception as e:  # noqa: BLE001 (a compute failure is the driver's to know)
             log.exception("forward failed")
