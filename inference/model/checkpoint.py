@@ -621,11 +621,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _row_blocks(stored, shape: tuple[int, ...], dtype: torch.dtype, block_bytes: int = ROW_BLOCK_BYTES):
-    """(first row, block) for consecutive blocks of whole rows of a stored tensor (a safetensors slice), in order:
-    their bytes, one after another, are the tensor's bytes; the whole tensor is never in memory at once."""
+def _row_blocks(stored, shape: tuple[int, ...], dtype: torch.dtype):
+    """(first row, block) for consecutive blocks of whole rows (ROW_BLOCK_BYTES, at least one row) of a stored
+    tensor (a safetensors slice), in order: their bytes, one after another, are the tensor's bytes; the whole
+    tensor is never in memory at once."""
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    step = max(1, block_bytes // max(1, row_bytes))
+    step = max(1, ROW_BLOCK_BYTES // max(1, row_bytes))
     for first in range(0, shape[0], step):
         yield first, stored[first:min(shape[0], first + step)]
 
