@@ -170,9 +170,13 @@ def test_each_rank_reads_only_its_parts_and_together_they_are_the_model(checkpoi
         assert len(pieces) == 2, key
         pieces.sort(key=lambda p: p[0].start)
         assert torch.equal(torch.cat([t for _, t in pieces], dim=pieces[0][0].dim), full[key]), key
-    # and much less than loading the shared layers whole (then cutting them) read
+    # and much less than loading the shared layers whole (then cutting them) read; the accounting from the
+    # config alone (the snippet's Kimi K3 table) says the same
     for rank in range(2):
         assert expected_read(plan, rank) < 0.75 * expected_read(plan, rank, whole=True)
+        for whole in (False, True):
+            counted = worker.shard_read_bytes(CONFIG, plan, rank, whole_layers=whole)
+            assert counted["dense"] + counted["experts"] == expected_read(plan, rank, whole), (rank, whole)
 
 
 def test_a_part_is_checked_against_its_whole_tensors_sha256(checkpoint, full, tmp_path, monkeypatch):
@@ -231,3 +235,12 @@ def test_a_part_outside_its_tensor_is_refused(checkpoint):
                         select=TensorSelection(parts={key: TensorPart(0, rows - 8, rows + 8)}))
     with pytest.raises(ValueError, match="dimension 0 or 1"):
         TensorPart(2, 0, 4)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_planners_memory_is_what_each_rank_reads(split):
+    """The planner's weights per rank (compute_memory, bf16) are the bytes each rank's loader reads."""
+    plan = plan_of(split)
+    for rank in range(2):
+        mem = plan.memory[rank]
+        assert mem.weights_dense + mem.weights_experts == expected_read(plan, rank), (split, rank)

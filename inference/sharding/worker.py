@@ -57,12 +57,14 @@ from torch import Tensor, nn
 
 from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
                              fingerprint, load_checkpoint, read_config)
-from inference.model.checkpoint import TensorPart, row_absmax, tensor_site
+from inference.model.checkpoint import (LAYER_PREFIX, TensorPart, expected_tensors, model_key, row_absmax,
+                                        tensor_site)
 from inference.model.fp8 import quantize_dense
 from inference.model.k3 import DecoderLayer
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
-from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, keep_only_split_part, mlp_part,
-                                            split_head, split_layer, split_part_keys, to_meta, vocab_slice)
+from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, head_part, keep_only_split_part,
+                                            layer_parts, mlp_part, mlp_prefix, split_head, split_layer,
+                                            split_part_keys, to_meta, vocab_slice)
 from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
                                          StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
                                          packed_nbytes, state_sources, unpack)
@@ -149,6 +151,50 @@ class SplitParts:
 
     parts: dict[str, TensorPart] = field(default_factory=dict)
     keys: set[str] = field(default_factory=set)
+
+
+def shard_read_bytes(config: ModelConfig, plan: Plan, rank: int, whole_layers: bool = False) -> dict[str, int]:
+    """What `rank` reads of a checkpoint of `config` under `plan` (and so holds, in the checkpoint's dtypes),
+    from the config alone: {"dense": bytes of its layers', embedding's and head's tensors, "experts": bytes of
+    its routed experts, "largest": the largest single tensor (or part) read}. The same selection and parts
+    as `load_shard_model` (tests compare the two on the tiny model). whole_layers: what loading every layer it
+    shares whole and cutting it to its part afterwards read and held at its peak (before parts existed)."""
+    specs = expected_tensors(config)
+    split = SplitParts()
+    head = plan.head_group()
+    if not whole_layers:
+        helped = set(plan.layers_split_with(rank))
+        for layer, group in plan.dense_groups.items():
+            if rank in group:
+                split.parts.update({f"model.layers.{layer}.{k}": p
+                                    for k, p in layer_parts(config, layer, group.index(rank), len(group)).items()})
+        if len(head) > 1 and rank in head:
+            split.parts["lm_head.weight"] = head_part(config, head.index(rank), len(head))
+            if rank != head[0]:
+                split.keys.add("lm_head.weight")
+        for name in specs:
+            key = model_key(name)
+            if key.startswith(LAYER_PREFIX):
+                layer, _, within = key[len(LAYER_PREFIX):].partition(".")
+                mlp = mlp_prefix(config, int(layer)) if int(layer) in helped else None
+                if int(layer) in helped and (within.startswith("self_attn.") or mlp and within.startswith(mlp)):
+                    split.keys.add(key)
+        select = shard_selection(plan, rank, split=split)
+    else:
+        select = TensorSelection.shard(set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank)),
+                                       plan.experts_on(rank), embedding=rank == plan.embedding_rank,
+                                       head=rank in head)
+    out = {"dense": 0, "experts": 0, "largest": 0}
+    for name, spec in specs.items():
+        key = model_key(name)
+        if not select.holds(key):
+            continue
+        part = select.parts.get(key)
+        n = spec.nbytes if part is None or key.endswith(".A_log") else \
+            spec.nbytes // spec.shape[part.dim] * (part.stop - part.start)
+        out["experts" if tensor_site(key).kind == "expert" else "dense"] += n
+        out["largest"] = max(out["largest"], n)
+    return out
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
