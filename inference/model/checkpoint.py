@@ -11,7 +11,8 @@ belong to the release's multimodal wrapper and are skipped. Routed experts are M
 (`weight_packed` / `weight_scale`, uint8); conv weights, A_log, dt_bias, o_norm and the router's
 correction bias are fp32; everything else is bf16.
 
-Public API: `expected_tensors`, `TensorSpec`, `tensor_site`, `TensorSelection`, `TensorPart`, `write_checkpoint`, `state_dict_to_checkpoint_tensors`,
+Public API: `expected_tensors`, `TensorSpec`, `tensor_site`, `TensorSelection`, `TensorPart`, `write_checkpoint`,
+`state_dict_to_checkpoint_tensors`,
 `write_manifest`, `verify_manifest`, `fingerprint`, `read_manifest`, `read_config`, `read_weight_map`,
 `load_tensors`, `load_checkpoint`, `row_absmax`, `random_tensor`, `make_random_checkpoint`, `CheckpointError`.
 """

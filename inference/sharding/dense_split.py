@@ -9,6 +9,10 @@ Each rank of a group keeps part p of P of the layer's weights (`split_layer`, `s
   projections and their norms are whole on every rank, so each keeps the full latent cache (576 per token).
 - Dense MLP and shared experts: hidden units [p F/P, (p+1) F/P) of gate/up (rows) and down (columns).
 - LM head: a contiguous slice of the vocabulary (rows).
+The parts are named per tensor (`layer_parts`, `head_part`: dimension and [start, stop)); the worker cuts the
+meta skeleton to them before loading, and the one loader reads only those bytes of each split tensor
+(`TensorSelection.parts`), so no rank ever holds a whole tensor it shares. fp8 codes of a column part use the
+whole rows' scales (read in row blocks, `checkpoint.row_absmax`): the same codes as the unsplit layer's.
 
 The home (part 0) runs everything else (Attention Residuals, norms, router, latent projections, the routed
 experts' dispatch) and drives each block through a `DenseGroup`: it sends the block's input to the other ranks,

@@ -10,7 +10,8 @@ latent rows it must compute, the holders answer with weighted partial sums, the 
 rank 0, which answers the driver (`inference.sharding.driver.ShardedModel`). Message layouts:
 `inference.sharding.messages`. A layer with a `dense_split` group (and a split LM head) runs its attention
 heads, shared experts and vocabulary split over the group's ranks (`inference.sharding.dense_split`): the home
-sends each block's input, every rank of the group computes its part and returns a partial sum.
+sends each block's input, every rank of the group computes its part and returns a partial sum. Each rank reads
+only its parts of the split tensors from the checkpoint (`load_shard_model`; `shard_read_bytes` counts them).
 
 Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
 driver's store: the driver restarts the whole set, so a half-broken world never lingers.
