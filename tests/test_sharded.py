@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from inference.model import ModelConfig, make_random_checkpoint
+from inference.model.checkpoint import PREFIX, expected_tensors
 from inference.planning import Plan, RoutingRecorder, RoutingStats
 from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine, SamplingParams,
                                TokenEvent, build_engine, load_reference_model)
 from inference.sharding import ShardedModel, ShardFailure, ShardTimeouts
+from inference.sharding.dense_split import head_part, layer_parts
 from inference.sharding.messages import STEP, StepHeader, dispatch_specs, pack, packed_nbytes, unpack
 from inference.sharding.worker import ExpertTable, build_shard_model, choose_expert_holders
 
@@ -179,6 +181,21 @@ def test_each_rank_holds_only_its_part(sharded, reference):
     for info in sharded.ranks:
         assert info["dense_split_layers"] == sharded.plan.layers_split_with(info["rank"])
     assert len({info["pid"] for info in sharded.ranks}) == sharded.world_size
+    # a rank of a dense split read only its parts of the tensors it shares: the most it held of one of them
+    # while loading is its largest part (tests/test_dense_split_loading.py checks every read)
+    specs = expected_tensors(CONFIG)
+    for info in sharded.ranks:
+        r, plan = info["rank"], sharded.plan
+        parts = {f"model.layers.{layer}.{k}": p for layer, g in plan.dense_groups.items() if r in g
+                 for k, p in layer_parts(CONFIG, layer, g.index(r), len(g)).items() if not k.endswith("A_log")}
+        if len(plan.head_group()) > 1 and r in plan.head_group():
+            parts["lm_head.weight"] = head_part(CONFIG, plan.head_group().index(r), len(plan.head_group()))
+        sizes = {k: (specs[PREFIX + k].nbytes // specs[PREFIX + k].shape[p.dim] * (p.stop - p.start),
+                     specs[PREFIX + k].nbytes) for k, p in parts.items()}
+        assert info["largest_part_read"] == max((part for part, _ in sizes.values()), default=0), info
+        if parts:
+            assert info["largest_part_read"] < max(whole for _, whole in sizes.values())
+        assert info["checkpoint_bytes_read"] > 0
 
 
 def test_bad_input_is_refused_without_breaking_the_set(sharded):

@@ -11,9 +11,10 @@ belong to the release's multimodal wrapper and are skipped. Routed experts are M
 (`weight_packed` / `weight_scale`, uint8); conv weights, A_log, dt_bias, o_norm and the router's
 correction bias are fp32; everything else is bf16.
 
-Public API: `expected_tensors`, `TensorSpec`, `tensor_site`, `TensorSelection`, `write_checkpoint`, `state_dict_to_checkpoint_tensors`,
+Public API: `expected_tensors`, `TensorSpec`, `tensor_site`, `TensorSelection`, `TensorPart`, `write_checkpoint`,
+`state_dict_to_checkpoint_tensors`,
 `write_manifest`, `verify_manifest`, `fingerprint`, `read_manifest`, `read_config`, `read_weight_map`,
-`load_tensors`, `load_checkpoint`, `random_tensor`, `make_random_checkpoint`, `CheckpointError`.
+`load_tensors`, `load_checkpoint`, `row_absmax`, `random_tensor`, `make_random_checkpoint`, `CheckpointError`.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -131,24 +132,52 @@ def tensor_site(key: str) -> TensorSite:
 
 
 @dataclass(frozen=True)
+class TensorPart:
+    """The indices [start, stop) of dimension `dim` of a tensor (0: rows / output channels, 1: columns):
+    what a rank of a dense split reads of a tensor it shares. An A_log part counts heads of the flattened
+    tensor (the release may pad or reshape it)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def __post_init__(self):
+        if self.dim not in (0, 1) or not 0 <= self.start < self.stop:
+            raise ValueError(f"a tensor part is [start, stop) of dimension 0 or 1, got {self}")
+
+    def shape_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part's shape within a tensor of `shape`."""
+        if len(shape) <= self.dim or shape[self.dim] < self.stop:
+            raise CheckpointError(f"part [{self.start}, {self.stop}) of dimension {self.dim} lies outside shape "
+                                  f"{list(shape)}")
+        return shape[:self.dim] + (self.stop - self.start,) + shape[self.dim + 1:]
+
+
+@dataclass(frozen=True)
 class TensorSelection:
     """Which tensors a process holds; `load_checkpoint(..., select=...)` loads only those.
 
     layers: the layers whose own tensors are held (None: every layer). experts: per MoE layer, the routed
     experts held (None: every expert of the held layers; a shard of an expert-parallel plan may hold experts of
     layers it is not home to). embedding / head: whether the input embedding and the output head are held.
+    keys: further tensors held by name (model keys), whatever their site (a dense split's shared tensors of a
+    layer homed elsewhere). parts: model key -> the part of that tensor held; only that part is read.
     """
 
     layers: frozenset[int] | None = None
     experts: Mapping[int, frozenset[int]] | None = None
     embedding: bool = True
     head: bool = True
+    keys: frozenset[str] = frozenset()
+    parts: Mapping[str, TensorPart] = field(default_factory=dict)
 
     @classmethod
     def shard(cls, layers: Iterable[int], experts: Mapping[int, Iterable[int]], embedding: bool,
-              head: bool) -> "TensorSelection":
-        """A shard of a placement plan: its home layers, the experts placed on it, embedding and head flags."""
-        return cls(frozenset(layers), {int(k): frozenset(v) for k, v in experts.items()}, embedding, head)
+              head: bool, keys: Iterable[str] = (), parts: Mapping[str, TensorPart] | None = None) -> "TensorSelection":
+        """A shard of a placement plan: its home layers, the experts placed on it, embedding and head flags, the
+        tensors it shares of layers homed elsewhere and the parts it holds of split tensors."""
+        return cls(frozenset(layers), {int(k): frozenset(v) for k, v in experts.items()}, embedding, head,
+                   frozenset(keys), dict(parts or {}))
 
     @classmethod
     def stage(cls, first_layer: int, end_layer: int, embedding: bool, head: bool) -> "TensorSelection":
@@ -158,6 +187,8 @@ class TensorSelection:
         return cls(frozenset(range(first_layer, end_layer)), None, embedding, head)
 
     def holds(self, key: str) -> bool:
+        if key in self.keys:
+            return True
         site = tensor_site(key)
         if site.kind == "embedding":
             return self.embedding
@@ -410,9 +441,14 @@ def read_weight_map(ckpt_dir: str | Path) -> dict[str, str]:
     return weight_map
 
 
+def _stored_bytes(t: torch.Tensor):
+    """A tensor's bytes as stored (row-major, little-endian; MXFP4 blocks as their uint8 bytes)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes as stored (row-major, little-endian; MXFP4 blocks as their uint8 bytes)."""
-    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(_stored_bytes(t).tobytes()).hexdigest()
 
 
 def _tensor_hashes(ckpt_dir: Path, files: list[str], advance: Callable[[int], None]) -> dict[str, str]:
@@ -577,6 +613,84 @@ def _header_specs(ckpt_dir: Path, weight_map: Mapping[str, str]) -> dict[str, tu
     return specs
 
 
+# A tensor read in blocks of whole rows (verifying a part's whole tensor, a row's largest magnitude) holds at
+# most this many bytes of it at once.
+ROW_BLOCK_BYTES = 64 * 2**20
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _row_blocks(stored, shape: tuple[int, ...], dtype: torch.dtype):
+    """(first row, block) for consecutive blocks of whole rows (ROW_BLOCK_BYTES, at least one row) of a stored
+    tensor (a safetensors slice), in order: their bytes, one after another, are the tensor's bytes; the whole
+    tensor is never in memory at once."""
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    step = max(1, ROW_BLOCK_BYTES // max(1, row_bytes))
+    for first in range(0, shape[0], step):
+        yield first, stored[first:min(shape[0], first + step)]
+
+
+def _read_part(stored, name: str, part: TensorPart, sha256: str | None) -> tuple[torch.Tensor, int]:
+    """(part `part` of a stored tensor, the most bytes of it held at once while reading).
+
+    Without a hash only the part's bytes are read. With one, the whole tensor streams through in row blocks
+    (every byte read, hashed in order, at most a block and the part held) and must match it."""
+    shape, dtype = tuple(stored.get_shape()), _SAFETENSORS_DTYPES[stored.get_dtype()]
+    index = slice(part.start, part.stop)
+    if sha256 is None:
+        t = stored[index] if part.dim == 0 else stored[:, index]
+        return t, _nbytes(t)
+    digest, pieces, largest = hashlib.sha256(), [], 0
+    for first, block in _row_blocks(stored, shape, dtype):
+        digest.update(_stored_bytes(block))
+        largest = max(largest, _nbytes(block))
+        if part.dim == 1:
+            pieces.append(block[:, index].clone())
+        elif part.start < first + block.shape[0] and first < part.stop:
+            pieces.append(block[max(part.start - first, 0):part.stop - first].clone())
+        del block
+    if digest.hexdigest() != sha256:
+        raise CheckpointError(f"tensor {name} does not match its sha256 in the manifest: the file was altered or "
+                              "corrupted")
+    t = torch.cat(pieces, dim=part.dim)
+    return t, max(largest, _nbytes(t))
+
+
+def row_absmax(ckpt_dir: str | Path, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The largest magnitude of each row of each matrix `keys` (model keys): {key: fp32 [rows]}, read in row
+    blocks (the whole matrix is never in memory). A rank holding some columns of a matrix quantises them with
+    the whole rows' fp8 scales (the single-process model's) this way."""
+    ckpt_dir = Path(ckpt_dir)
+    weight_map = read_weight_map(ckpt_dir)
+    out = {}
+    for key in keys:
+        name = key if key in weight_map else PREFIX + key
+        if name not in weight_map:
+            raise CheckpointError(f"tensor {key} is not in the checkpoint at {ckpt_dir}")
+        with safe_open(ckpt_dir / weight_map[name], framework="pt") as f:
+            stored = f.get_slice(name)
+            shape, dtype = tuple(stored.get_shape()), _SAFETENSORS_DTYPES[stored.get_dtype()]
+            if len(shape) != 2:
+                raise CheckpointError(f"row_absmax takes matrices; {name} has shape {list(shape)}")
+            out[key] = torch.cat([block.float().abs().amax(dim=1) for _, block in _row_blocks(stored, shape, dtype)])
+    return out
+
+
+def _fits(key: str, shape: tuple[int, ...], target: torch.Tensor, part: TensorPart | None) -> bool:
+    """Whether a stored tensor of `shape` (or its `part`) fits the model tensor `target`."""
+    if key.endswith(".A_log"):  # any shape with at least the heads needed; the first H (or the part's) used
+        return math.prod(shape) >= (part.stop if part else target.numel()) and (
+            part is None or part.stop - part.start == target.numel())
+    if part is None:
+        return shape == tuple(target.shape)
+    try:
+        return part.shape_of(shape) == tuple(target.shape)
+    except CheckpointError:
+        return False
+
+
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool = True, progress: bool = True,
                     select: TensorSelection = EVERY_TENSOR, device: torch.device | str | None = None,
                     verify_tensors: bool = False) -> dict:
@@ -588,11 +702,17 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     used); no text tensor may be unknown to the model. Float tensors are cast to the model tensor's dtype;
     MXFP4 bytes stay uint8. A model tensor on the meta device (a skeleton) is replaced by the loaded one on
     `device` (default: the CPU); others are copied into in place. Unselected tensors are left as they are.
+    A tensor in `select.parts` is read as that part only (safetensors slices read only its bytes; the model
+    tensor has the part's shape): a rank of a dense split never holds the whole tensor.
     `verify_tensors` checks every selected tensor, as read, against the manifest's per-tensor sha256 (a
     CheckpointError naming the first that differs, or saying the manifest has no per-tensor hashes); unlike
-    `verify` it reads only the selected tensors.
-    Returns {"tensors": loaded count, "bytes": bytes read, "skipped": non-text tensors skipped, "verified":
-    tensors checked against their sha256}.
+    `verify` it reads only the selected tensors. A part is checked against its whole tensor's hash: the tensor
+    streams through in row blocks of ROW_BLOCK_BYTES (all its bytes read, never all held), so a rank checks
+    every tensor it holds a part of, bytes of the other ranks' parts included.
+    Returns {"tensors": loaded count, "bytes": bytes of tensor data read (parts: the part's), "parts": tensors
+    read as parts, "largest": the most bytes of one tensor held at once while reading, "largest_part": the
+    same over the tensors read as parts, "skipped": non-text tensors skipped, "verified": tensors checked
+    against their sha256}.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -636,16 +756,14 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
         )
     # only the headers of the files this selection reads: a host may hold only its shard's files
     header = _header_specs(ckpt_dir, {text[k]: weight_map[text[k]] for k in targets})
+    parts = {k: p for k, p in select.parts.items() if k in targets}
     for key, target in targets.items():
         shape, dtype = header[text[key]]
-        if key.endswith(".A_log"):
-            fits = math.prod(shape) >= target.numel()
-        else:
-            fits = shape == tuple(target.shape)
-        if not fits:
+        if not _fits(key, shape, target, parts.get(key)):
+            of = f" (its part {parts[key]})" if key in parts else ""
             raise CheckpointError(
                 f"tensor {text[key]} has shape {list(shape)} in the checkpoint but the model expects "
-                f"{list(target.shape)}"
+                f"{list(target.shape)}{of}"
             )
         if (dtype == torch.uint8) != (target.dtype == torch.uint8):
             raise CheckpointError(
@@ -656,29 +774,46 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     by_shard: dict[str, list[str]] = {}
     for key in targets:
         by_shard.setdefault(weight_map[text[key]], []).append(key)
-    total = sum(math.prod(header[text[k]][0]) * header[text[k]][1].itemsize for k in targets)
+    def stored_bytes(key: str) -> int:
+        shape, dtype = header[text[key]]
+        part = parts.get(key)
+        if part is not None and not key.endswith(".A_log"):
+            shape = part.shape_of(shape)
+        return math.prod(shape) * dtype.itemsize
+
+    total = sum(stored_bytes(k) for k in targets)
+    largest = largest_part = 0
     with torch.no_grad(), byte_progress("loading", total, progress) as advance:
         for fname, keys in sorted(by_shard.items()):
             with safe_open(ckpt_dir / fname, framework="pt") as f:
                 for key in keys:
-                    t = f.get_tensor(text[key])
+                    name, part, target = text[key], parts.get(key), targets[key]
+                    want = None
                     if verify_tensors:
-                        want = expected_sha.get(text[key])
+                        want = expected_sha.get(name)
                         if want is None:
-                            raise CheckpointError(f"tensor {text[key]} has no sha256 in the manifest of {ckpt_dir}")
-                        if tensor_sha256(t) != want:
-                            raise CheckpointError(f"tensor {text[key]} in {fname} does not match its sha256 in "
+                            raise CheckpointError(f"tensor {name} has no sha256 in the manifest of {ckpt_dir}")
+                    if part is not None and not key.endswith(".A_log"):
+                        t, held = _read_part(f.get_slice(name), name, part, want)
+                        largest_part = max(largest_part, held)
+                    else:  # whole (an A_log part is a few heads' values: read whole, then cut)
+                        t = f.get_tensor(name)
+                        held = _nbytes(t)
+                        if want is not None and tensor_sha256(t) != want:
+                            raise CheckpointError(f"tensor {name} in {fname} does not match its sha256 in "
                                                   f"the manifest: the file was altered or corrupted")
-                    target = targets[key]
-                    if key.endswith(".A_log"):
-                        t = t.reshape(-1)[: target.numel()].reshape(target.shape)
+                        if key.endswith(".A_log"):
+                            start = part.start if part is not None else 0
+                            t = t.reshape(-1)[start:start + target.numel()].reshape(target.shape)
+                    largest = max(largest, held)
                     if target.is_meta:
                         _materialise(model, key, t.to(device=device or "cpu", dtype=target.dtype).contiguous())
                     else:
                         target.copy_(t)
-                    advance(t.numel() * t.element_size())
-    return {"tensors": len(targets), "bytes": total, "skipped": len(skipped),
-            "verified": len(targets) if verify_tensors else 0}
+                    advance(stored_bytes(key))
+                    del t
+    return {"tensors": len(targets), "bytes": total, "parts": len(parts), "largest": largest,
+            "largest_part": largest_part, "skipped": len(skipped), "verified": len(targets) if verify_tensors else 0}
 
 
 def _materialise(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
@@ -828,6 +963,7 @@ __all__ = [
     "TensorSpec",
     "TensorSite",
     "TensorSelection",
+    "TensorPart",
     "EVERY_TENSOR",
     "tensor_site",
     "PREFIX",
@@ -846,6 +982,7 @@ __all__ = [
     "read_weight_map",
     "load_tensors",
     "load_checkpoint",
+    "row_absmax",
     "random_tensor",
     "fill_random_weights",
     "random_checkpoint_tensors",

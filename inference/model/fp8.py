@@ -29,12 +29,15 @@ FP8_SUBNORMAL_STEP = 2.0 ** -9  # spacing of e4m3 subnormals (times the row's sc
 KEEP_SUFFIXES = ("res_proj",)
 
 
-def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w [out, in] -> (codes float8_e4m3fn [out, in], scale fp32 [out]); an all-zero row gets scale 1."""
+def quantize_fp8(w: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """w [out, in] -> (codes float8_e4m3fn [out, in], scale fp32 [out]); an all-zero row gets scale 1.
+
+    amax: the rows' largest magnitudes when w holds only some columns of the matrix (a dense split's part):
+    the codes are then exactly those columns of the whole matrix's."""
     if w.dim() != 2:
         raise ValueError(f"fp8 quantisation takes a matrix [out, in], got shape {tuple(w.shape)}")
     w = w.float()
-    amax = w.abs().amax(dim=1)
+    amax = w.abs().amax(dim=1) if amax is None else amax.float().to(w.device)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
@@ -57,10 +60,10 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.float())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, amax: Tensor | None = None) -> "FP8Linear":
         if linear.bias is not None:
             raise ValueError("FP8Linear has no bias")
-        q, scale = quantize_fp8(linear.weight.detach())
+        q, scale = quantize_fp8(linear.weight.detach(), amax)
         return cls(q, scale, linear.weight.dtype)
 
     @property
@@ -97,13 +100,15 @@ def dense_linear_names(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def quantize_dense(model: nn.Module) -> list[str]:
-    """Replace the model's dense linear layers by FP8Linear in place; returns the names replaced."""
+def quantize_dense(model: nn.Module, row_absmax: dict[str, Tensor] | None = None) -> list[str]:
+    """Replace the model's dense linear layers by FP8Linear in place; returns the names replaced.
+
+    row_absmax: layer name -> its whole rows' largest magnitudes, for layers holding only some columns."""
     names = dense_linear_names(model)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_linear(getattr(parent, child)))
+        setattr(parent, child, FP8Linear.from_linear(getattr(parent, child), (row_absmax or {}).get(name)))
     return names
 
 

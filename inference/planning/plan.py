@@ -144,6 +144,34 @@ def lm_head_bytes(config: ModelConfig) -> int:
     return 2 * (config.vocab_size * config.hidden_size + 3 * config.hidden_size)
 
 
+def split_layer_bytes(config: ModelConfig, layer: int, parts: int) -> tuple[int, int]:
+    """(the home's, each other rank's) dense bytes of layer `layer` split over `parts` ranks, as the runtime reads
+    them (inference.sharding.dense_split): the heads' and hidden units' tensors divided evenly; the low-rank
+    tensors every head uses (KDA f_a / g_a and o_norm, A_log, read whole; MLA q_a / kv_a and their norms) on
+    every rank; norms, Attention Residuals sites, router and latent projections on the home only."""
+    lw = layer_weights(config, layer)
+    if parts == 1:
+        return lw.total_bytes, 0
+    c, D = config, config.hidden_size
+    if c.is_mla(layer):
+        shared = 2 * (c.mla_cache_width * D + c.kv_lora_rank + (c.q_lora_rank * (D + 1) if c.q_lora_rank else 0))
+    else:
+        d = c.kda_head_dim
+        shared = 2 * d * D * (1 if c.full_rank_output_gate else 2) + 4 * (d + c.a_log_size)
+    home_only = 2 * c._layer_common_params() + (lw.mlp_bytes if c.is_moe(layer) else 0)
+    each = (lw.total_bytes - shared - home_only) // parts
+    return home_only + shared + each, shared + each
+
+
+def split_head_bytes(config: ModelConfig, parts: int) -> list[int]:
+    """Bytes of the LM head on each rank splitting it (vocabulary slices as the runtime cuts them, sizes
+    differing by at most one row); the first, the head rank, also holds the final norm and output AttnRes site."""
+    V, D = config.vocab_size, config.hidden_size
+    bounds = [round(V * p / parts) for p in range(parts + 1)]
+    rows = [b - a for a, b in zip(bounds, bounds[1:])]
+    return [2 * (n * D + (3 * D if p == 0 else 0)) for p, n in enumerate(rows)]
+
+
 def attn_res_sources(config: ModelConfig, layer: int) -> int:
     """Vectors (each hidden_size wide) that must reach layer `layer` from the previous one.
 
@@ -302,8 +330,10 @@ def compute_memory(
 ) -> list[DeviceMemory]:
     """Per-device memory of a layout: the one accounting both the planner and validation use.
 
-    A split layer's dense weights are divided evenly over its group (each also holds a KDA state or MLA cache
-    share: its heads' KDA state, a full MLA latent cache); fp8 halves the dense weight bytes."""
+    A split layer's dense weights are divided over its group as the runtime reads them (`split_layer_bytes`:
+    the split tensors evenly, the low-rank ones on every rank, the rest on the home; each also holds a KDA
+    state or MLA cache share: its heads' KDA state, a full MLA latent cache); fp8 halves the dense weight
+    bytes."""
     n = len(devices)
     dense = [0] * n
     experts = [0] * n
@@ -316,9 +346,9 @@ def compute_memory(
     groups = dense_groups or {}
     for layer, home in enumerate(layer_home):
         group = groups.get(layer) or (home,)
-        share = int(layer_weights(config, layer).total_bytes * scale) // len(group)
+        home_bytes, other_bytes = split_layer_bytes(config, layer, len(group))
         for r in group:
-            dense[r] += share
+            dense[r] += int((home_bytes if r == home else other_bytes) * scale)
             if config.is_mla(layer):
                 mla[r] += mla_per_layer
             else:
@@ -331,8 +361,8 @@ def compute_memory(
             experts[r] += int(counts[r]) * eb
     dense[embedding_rank] += embedding_bytes(config)
     head_group = lm_head_group or (lm_head_rank,)
-    for r in head_group:
-        dense[r] += int(lm_head_bytes(config) * scale) // len(head_group)
+    for r, nbytes in zip(head_group, split_head_bytes(config, len(head_group))):
+        dense[r] += int(nbytes * scale)
     out = []
     for d in devices:
         r = d.rank
@@ -1155,6 +1185,7 @@ def _parse_coactivation(value, E: int, where: str):
 __all__ = [
     "Plan", "PlanError", "Device", "Link", "Links", "Stage", "DeviceMemory", "MemoryPolicy",
     "LayerWeights", "LayerRouting", "RoutingStats", "layer_weights", "embedding_bytes", "lm_head_bytes",
+    "split_layer_bytes", "split_head_bytes",
     "attn_res_sources", "compute_memory", "buffer_bytes", "kda_reserve_per_layer", "mla_reserve_per_layer",
     "PLAN_FORMAT", "ROUTING_FORMAT", "DENSE_DTYPES", "DENSE_DTYPE_SCALE",
 ]

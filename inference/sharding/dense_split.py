@@ -9,6 +9,10 @@ Each rank of a group keeps part p of P of the layer's weights (`split_layer`, `s
   projections and their norms are whole on every rank, so each keeps the full latent cache (576 per token).
 - Dense MLP and shared experts: hidden units [p F/P, (p+1) F/P) of gate/up (rows) and down (columns).
 - LM head: a contiguous slice of the vocabulary (rows).
+The parts are named per tensor (`layer_parts`, `head_part`: dimension and [start, stop)); the worker cuts the
+meta skeleton to them before loading, and the one loader reads only those bytes of each split tensor
+(`TensorSelection.parts`), so no rank ever holds a whole tensor it shares. fp8 codes of a column part use the
+whole rows' scales (read in row blocks, `checkpoint.row_absmax`): the same codes as the unsplit layer's.
 
 The home (part 0) runs everything else (Attention Residuals, norms, router, latent projections, the routed
 experts' dispatch) and drives each block through a `DenseGroup`: it sends the block's input to the other ranks,
@@ -24,28 +28,11 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from inference.model.fp8 import FP8Linear
+from inference.model.checkpoint import TensorPart
+from inference.model.config import ModelConfig
 
 
 # =================================================================== slicing weights
-def _rows(linear: nn.Module, index: Tensor) -> nn.Module:
-    """The output channels `index` of a bias-free linear layer (bf16/fp32 or fp8)."""
-    if isinstance(linear, FP8Linear):
-        return linear.rows(index)
-    out = nn.Linear(linear.in_features, len(index), bias=False, device="meta")
-    out.weight = nn.Parameter(linear.weight.detach()[index].clone(), requires_grad=False)
-    return out
-
-
-def _columns(linear: nn.Module, index: Tensor) -> nn.Module:
-    """The input features `index` of a bias-free linear layer: its part of a row-split product."""
-    if isinstance(linear, FP8Linear):
-        return linear.columns(index)
-    out = nn.Linear(len(index), linear.out_features, bias=False, device="meta")
-    out.weight = nn.Parameter(linear.weight.detach()[:, index].clone(), requires_grad=False)
-    return out
-
-
 def _part(total: int, part: int, parts: int) -> range:
     if total % parts:
         raise ValueError(f"{total} does not divide into {parts} parts")
@@ -53,67 +40,117 @@ def _part(total: int, part: int, parts: int) -> range:
     return range(part * n, (part + 1) * n)
 
 
-def _channels(heads: range, width: int) -> Tensor:
-    """The channel indices of `heads` when each head has `width` consecutive channels."""
-    return torch.arange(heads.start * width, heads.stop * width)
+def _of(dim: int, heads: range, width: int = 1) -> TensorPart:
+    """The channels of `heads` along `dim` when each head has `width` consecutive channels."""
+    return TensorPart(dim, heads.start * width, heads.stop * width)
 
 
-def _param(t: Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().clone(), requires_grad=False)
+def kda_parts(config: ModelConfig, part: int, parts: int) -> dict[str, TensorPart]:
+    """KDA heads of part `part`: rows of q/k/v/f_b/b/g(_b) projections, conv channels, A_log and dt_bias, the
+    columns of o_proj. f_a_proj, g_a_proj and o_norm (per head dimension, shared by heads) stay whole."""
+    heads, d = _part(config.kda_heads, part, parts), config.kda_head_dim
+    out = {f"{name}.weight": _of(0, heads, d) for name in ("q_proj", "k_proj", "v_proj", "f_b_proj",
+                                                            "q_conv1d", "k_conv1d", "v_conv1d")}
+    out["b_proj.weight"] = _of(0, heads)
+    out["g_proj.weight" if config.full_rank_output_gate else "g_b_proj.weight"] = _of(0, heads, d)
+    out["A_log"] = _of(0, heads)
+    out["dt_bias"] = _of(0, heads, d)
+    out["o_proj.weight"] = _of(1, heads, d)
+    return out
 
 
-def split_kda(attn: nn.Module, part: int, parts: int) -> None:
-    """Keep heads of part `part` of a KDAAttention, in place."""
-    heads = _part(attn.num_heads, part, parts)
-    d = attn.head_dim
-    ch, hs = _channels(heads, d), torch.arange(heads.start, heads.stop)
-    for name in ("q_proj", "k_proj", "v_proj", "f_b_proj"):
-        setattr(attn, name, _rows(getattr(attn, name), ch))
-    attn.b_proj = _rows(attn.b_proj, hs)
-    if attn.config.full_rank_output_gate:
-        attn.g_proj = _rows(attn.g_proj, ch)
-    else:
-        attn.g_b_proj = _rows(attn.g_b_proj, ch)
-    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-        conv = getattr(attn, name)
-        conv.weight = _param(conv.weight[ch])
-        conv.in_channels = conv.out_channels = conv.groups = len(ch)
-    attn.A_log = _param(attn.A_log[hs])
-    attn.dt_bias = _param(attn.dt_bias[ch])
-    attn.o_proj = _columns(attn.o_proj, ch)
-    attn.num_heads, attn.proj_size = len(heads), len(ch)
+def mla_parts(config: ModelConfig, part: int, parts: int) -> dict[str, TensorPart]:
+    """MLA heads of part `part`: rows of q_b (or q), kv_b and g projections, columns of o_proj. The low-rank
+    q_a / kv_a projections and their norms stay whole: every rank keeps the full latent cache."""
+    c = config
+    heads = _part(c.mla_heads, part, parts)
+    out = {("q_b_proj.weight" if c.q_lora_rank else "q_proj.weight"): _of(0, heads, c.qk_head_dim),
+           "kv_b_proj.weight": _of(0, heads, c.qk_nope_head_dim + c.v_head_dim)}
+    if c.mla_output_gate:
+        out["g_proj.weight"] = _of(0, heads, c.v_head_dim)
+    out["o_proj.weight"] = _of(1, heads, c.v_head_dim)
+    return out
 
 
-def split_mla(attn: nn.Module, part: int, parts: int) -> None:
-    """Keep heads of part `part` of an MLAAttention, in place (q_a / kv_a stay whole: the latent is shared)."""
-    cfg = attn.config
-    heads = _part(attn.num_heads, part, parts)
-    if cfg.q_lora_rank:
-        attn.q_b_proj = _rows(attn.q_b_proj, _channels(heads, cfg.qk_head_dim))
-    else:
-        attn.q_proj = _rows(attn.q_proj, _channels(heads, cfg.qk_head_dim))
-    attn.kv_b_proj = _rows(attn.kv_b_proj, _channels(heads, attn.nope + attn.v_dim))
-    values = _channels(heads, attn.v_dim)
-    if cfg.mla_output_gate:
-        attn.g_proj = _rows(attn.g_proj, values)
-    attn.o_proj = _columns(attn.o_proj, values)
-    attn.num_heads = len(heads)
+def mlp_parts(hidden_units: int, part: int, parts: int) -> dict[str, TensorPart]:
+    """Hidden units of part `part` of a dense MLP or the shared experts: rows of gate/up, columns of down."""
+    units = _part(hidden_units, part, parts)
+    return {"gate_proj.weight": _of(0, units), "up_proj.weight": _of(0, units), "down_proj.weight": _of(1, units)}
 
 
-def split_mlp(mlp: nn.Module, part: int, parts: int) -> None:
-    """Keep hidden units of part `part` of a DenseMLP (dense layer or shared experts), in place."""
-    units = torch.tensor(list(_part(mlp.gate_proj.out_features, part, parts)))
-    mlp.gate_proj = _rows(mlp.gate_proj, units)
-    mlp.up_proj = _rows(mlp.up_proj, units)
-    mlp.down_proj = _columns(mlp.down_proj, units)
+def mlp_prefix(config: ModelConfig, layer: int) -> str | None:
+    """Where layer `layer` keeps its dense MLP or shared experts (None: a MoE layer without them)."""
+    if not config.is_moe(layer):
+        return "mlp."
+    return "block_sparse_moe.shared_experts." if config.num_shared_experts else None
 
 
-def split_layer(layer: nn.Module, part: int, parts: int) -> None:
-    """Part `part` of `parts` of a DecoderLayer's attention and shared experts (or dense MLP), in place."""
-    (split_mla if layer.is_mla else split_kda)(layer.self_attn, part, parts)
+def layer_parts(config: ModelConfig, layer: int, part: int, parts: int) -> dict[str, TensorPart]:
+    """Part `part` of `parts` of layer `layer`'s split tensors: key within the layer -> the part held."""
+    attn = (mla_parts if config.is_mla(layer) else kda_parts)(config, part, parts)
+    out = {f"self_attn.{k}": p for k, p in attn.items()}
+    prefix = mlp_prefix(config, layer)
+    if prefix is not None:
+        units = config.shared_expert_intermediate_size if config.is_moe(layer) else config.dense_intermediate_size
+        out.update({prefix + k: p for k, p in mlp_parts(units, part, parts).items()})
+    return out
+
+
+def vocab_slice(vocab: int, part: int, parts: int) -> range:
+    """Part `part` of the vocabulary (contiguous, sizes differ by at most one)."""
+    bounds = torch.linspace(0, vocab, parts + 1).round().long().tolist()
+    return range(bounds[part], bounds[part + 1])
+
+
+def head_part(config: ModelConfig, part: int, parts: int) -> TensorPart:
+    """The rows of the LM head's vocabulary slice `part`."""
+    rows = vocab_slice(config.vocab_size, part, parts)
+    return TensorPart(0, rows.start, rows.stop)
+
+
+def narrow(root: nn.Module, key: str, part: TensorPart) -> None:
+    """Keep part `part` of the parameter `key` of `root`, in place (on the meta device: the part's shape only)."""
+    owner_name, _, name = key.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    t = owner._parameters[name].detach()
+    owner._parameters[name] = nn.Parameter(t.narrow(part.dim, part.start, part.stop - part.start).clone(),
+                                           requires_grad=False)
+
+
+def _fix_sizes(module: nn.Module) -> None:
+    """Linear and convolution sizes after their weights were cut."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.out_features, m.in_features = m.weight.shape
+        elif isinstance(m, nn.Conv1d):
+            m.in_channels = m.out_channels = m.groups = m.weight.shape[0]
+
+
+def split_layer(layer: nn.Module, part: int, parts: int) -> dict[str, TensorPart]:
+    """Part `part` of `parts` of a DecoderLayer's attention and shared experts (or dense MLP), in place; returns
+    `layer_parts`. Split before quantising (the worker cuts the meta skeleton, then loads only the parts;
+    fp8 codes of a column part use the whole rows' scales, `quantize_dense(row_absmax=...)`)."""
+    cut = layer_parts(layer.config, layer.layer_idx, part, parts)
+    for key, p in cut.items():
+        narrow(layer, key, p)
+    attn = layer.self_attn
+    attn.num_heads //= parts
+    if not layer.is_mla:
+        attn.proj_size //= parts
+    _fix_sizes(attn)
     mlp = mlp_part(layer)
     if mlp is not None:
-        split_mlp(mlp, part, parts)
+        _fix_sizes(mlp)
+    return cut
+
+
+def split_part_keys(layer: nn.Module) -> list[str]:
+    """Keys within the layer of what a rank sharing its dense work (not its home) holds: attention, MLP part."""
+    keys = [f"self_attn.{k}" for k in layer.self_attn.state_dict()]
+    prefix = mlp_prefix(layer.config, layer.layer_idx)
+    if prefix is not None:
+        keys += [prefix + k for k in mlp_part(layer).state_dict()]
+    return keys
 
 
 def to_meta(module: nn.Module) -> None:
@@ -152,15 +189,12 @@ def mlp_part(layer: nn.Module) -> nn.Module | None:
     return getattr(layer.block_sparse_moe, "shared_experts", None)
 
 
-def vocab_slice(vocab: int, part: int, parts: int) -> range:
-    """Part `part` of the vocabulary (contiguous, sizes differ by at most one)."""
-    bounds = torch.linspace(0, vocab, parts + 1).round().long().tolist()
-    return range(bounds[part], bounds[part + 1])
-
-
-def split_head(lm_head: nn.Module, part: int, parts: int) -> nn.Module:
-    rows = vocab_slice(lm_head.out_features, part, parts)
-    return _rows(lm_head, torch.arange(rows.start, rows.stop))
+def split_head(model: nn.Module, part: int, parts: int) -> TensorPart:
+    """Keep the LM head's vocabulary slice `part` of `parts`, in place; returns its part of `lm_head.weight`."""
+    cut = head_part(model.config, part, parts)
+    narrow(model, "lm_head.weight", cut)
+    _fix_sizes(model.lm_head)
+    return cut
 
 
 # =================================================================== the group's messages
@@ -240,5 +274,6 @@ class GroupHead(nn.Module):
         return self.group.gather(x, self.local, self.widths)
 
 
-__all__ = ["split_layer", "split_kda", "split_mla", "split_mlp", "split_head", "vocab_slice", "mlp_part",
+__all__ = ["split_layer", "layer_parts", "kda_parts", "mla_parts", "mlp_parts", "head_part", "narrow", "split_head",
+           "split_part_keys", "mlp_prefix", "vocab_slice", "mlp_part",
            "attach_group", "to_meta", "keep_only_split_part", "DenseGroup", "GroupMLP", "GroupHead"]

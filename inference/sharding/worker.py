@@ -10,7 +10,8 @@ latent rows it must compute, the holders answer with weighted partial sums, the 
 rank 0, which answers the driver (`inference.sharding.driver.ShardedModel`). Message layouts:
 `inference.sharding.messages`. A layer with a `dense_split` group (and a split LM head) runs its attention
 heads, shared experts and vocabulary split over the group's ranks (`inference.sharding.dense_split`): the home
-sends each block's input, every rank of the group computes its part and returns a partial sum.
+sends each block's input, every rank of the group computes its part and returns a partial sum. Each rank reads
+only its parts of the split tensors from the checkpoint (`load_shard_model`; `shard_read_bytes` counts them).
 
 Any failure (a peer gone, a timeout, an exception) ends the process at once with the reason written to the
 driver's store: the driver restarts the whole set, so a half-broken world never lingers.
@@ -47,7 +48,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -57,11 +58,14 @@ from torch import Tensor, nn
 
 from inference.model import (CheckpointError, KimiK3Model, ModelConfig, ResidualState, SequenceCache, TensorSelection,
                              fingerprint, load_checkpoint, read_config)
+from inference.model.checkpoint import (LAYER_PREFIX, TensorPart, expected_tensors, model_key, row_absmax,
+                                        tensor_site)
 from inference.model.fp8 import quantize_dense
 from inference.model.k3 import DecoderLayer
 from inference.planning import Plan, RoutingRecorder, RoutingStats, merge_routing_stats
-from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, keep_only_split_part, mlp_part,
-                                            split_head, split_layer, to_meta, vocab_slice)
+from inference.sharding.dense_split import (DenseGroup, GroupHead, attach_group, head_part, keep_only_split_part,
+                                            layer_parts, mlp_part, mlp_prefix, split_head, split_layer,
+                                            split_part_keys, to_meta, vocab_slice)
 from inference.sharding.messages import (LOGITS_TAG, META_LEN, PING, STATS, STEP, STOP, CacheOp, LinkEmulation,
                                          StepHeader, StoreKeys, WorkerArgs, dispatch_specs, dtype_of, pack,
                                          packed_nbytes, state_sources, unpack)
@@ -119,17 +123,79 @@ def choose_expert_holders(ids: Tensor, table: ExpertTable, home: int) -> Tensor:
     return assign
 
 
-def shard_selection(plan: Plan, rank: int, layer_range: tuple[int, int] | None = None) -> TensorSelection:
-    """The tensors `rank` holds under `plan`: its home layers and the layers whose dense work it shares (whole:
-    `split_shard_model` cuts them to its part), the experts placed on it, embedding and head.
-    `layer_range` [start, stop): only what those layers need (the embedding only when start is 0, the head
-    only when stop is the last layer + 1)."""
+def shard_selection(plan: Plan, rank: int, layer_range: tuple[int, int] | None = None,
+                    split: "SplitParts | None" = None) -> TensorSelection:
+    """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head, and
+    (`split`, from `split_shard_model`) only its parts of the split tensors it shares, including those of layers
+    homed elsewhere. `layer_range` [start, stop): only what those layers need (the embedding only when start
+    is 0, the head only when stop is the last layer + 1)."""
     start, stop = layer_range or (0, len(plan.layer_home))
-    layers = sorted(i for i in set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank))
-                    if start <= i < stop)
-    return TensorSelection.shard(layers, {i: e for i, e in plan.experts_on(rank).items() if start <= i < stop},
+    split = split or SplitParts()
+    head = stop == len(plan.layer_home)
+
+    def within(key: str) -> bool:
+        site = tensor_site(key)
+        return site.kind == "head" and head or site.layer is not None and start <= site.layer < stop
+
+    return TensorSelection.shard([i for i in plan.layers_homed_on(rank) if start <= i < stop],
+                                 {i: e for i, e in plan.experts_on(rank).items() if start <= i < stop},
                                  embedding=rank == plan.embedding_rank and start == 0,
-                                 head=rank in plan.head_group() and stop == len(plan.layer_home))
+                                 head=rank == plan.lm_head_rank and head,
+                                 keys=[k for k in split.keys if within(k)],
+                                 parts={k: p for k, p in split.parts.items() if within(k)})
+
+
+@dataclass
+class SplitParts:
+    """What a rank holds of the dense splits it takes part in: model key -> part of a split tensor, and the
+    keys it holds of layers (and an LM head) homed on another rank of its group."""
+
+    parts: dict[str, TensorPart] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
+
+
+def shard_read_bytes(config: ModelConfig, plan: Plan, rank: int, whole_layers: bool = False) -> dict[str, int]:
+    """What `rank` reads of a checkpoint of `config` under `plan` (and so holds, in the checkpoint's dtypes),
+    from the config alone: {"dense": bytes of its layers', embedding's and head's tensors, "experts": bytes of
+    its routed experts, "largest": the largest single tensor (or part) read}. The same selection and parts
+    as `load_shard_model` (tests compare the two on the tiny model). whole_layers: what loading every layer it
+    shares whole and cutting it to its part afterwards read and held at its peak (before parts existed)."""
+    specs = expected_tensors(config)
+    split = SplitParts()
+    head = plan.head_group()
+    if not whole_layers:
+        helped = set(plan.layers_split_with(rank))
+        for layer, group in plan.dense_groups.items():
+            if rank in group:
+                split.parts.update({f"model.layers.{layer}.{k}": p
+                                    for k, p in layer_parts(config, layer, group.index(rank), len(group)).items()})
+        if len(head) > 1 and rank in head:
+            split.parts["lm_head.weight"] = head_part(config, head.index(rank), len(head))
+            if rank != head[0]:
+                split.keys.add("lm_head.weight")
+        for name in specs:
+            key = model_key(name)
+            if key.startswith(LAYER_PREFIX):
+                layer, _, within = key[len(LAYER_PREFIX):].partition(".")
+                mlp = mlp_prefix(config, int(layer)) if int(layer) in helped else None
+                if int(layer) in helped and (within.startswith("self_attn.") or mlp and within.startswith(mlp)):
+                    split.keys.add(key)
+        select = shard_selection(plan, rank, split=split)
+    else:
+        select = TensorSelection.shard(set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank)),
+                                       plan.experts_on(rank), embedding=rank == plan.embedding_rank,
+                                       head=rank in head)
+    out = {"dense": 0, "experts": 0, "largest": 0}
+    for name, spec in specs.items():
+        key = model_key(name)
+        if not select.holds(key):
+            continue
+        part = select.parts.get(key)
+        n = spec.nbytes if part is None or key.endswith(".A_log") else \
+            spec.nbytes // spec.shape[part.dim] * (part.stop - part.start)
+        out["experts" if tensor_site(key).kind == "expert" else "dense"] += n
+        out["largest"] = max(out["largest"], n)
+    return out
 
 
 # Below this size the skeleton is built on the CPU and then emptied onto meta: the same result, but the
@@ -158,28 +224,48 @@ def build_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: st
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                       skeleton: str | None = None, layer_range: tuple[int, int] | None = None) -> KimiK3Model:
     """The model with only `rank`'s tensors materialised (read from `checkpoint`); the rest stay on meta."""
+    return load_shard_model(config, plan, rank, checkpoint, dtype, device, skeleton, layer_range)[0]
+
+
+def load_shard_model(config: ModelConfig, plan: Plan, rank: int, checkpoint: str,
+                     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     skeleton: str | None = None,
+                     layer_range: tuple[int, int] | None = None) -> tuple[KimiK3Model, dict]:
+    """`build_shard_model` and the loader's report (bytes read, the largest tensor held while reading).
+
+    The skeleton is cut to this rank's parts of its dense splits first, so the loader reads only those parts
+    of the split tensors: no rank ever holds a whole tensor it shares."""
     model = model_skeleton(config, dtype, skeleton)
-    load_checkpoint(model, checkpoint, verify=False, progress=False, select=shard_selection(plan, rank, layer_range),
-                    device=device)
-    if plan.dense_dtype == "fp8":  # before any split: the per-row scales are the whole layer's
-        quantize_dense(model)
-    split_shard_model(model, plan, rank)
-    return model
+    split = split_shard_model(model, plan, rank)
+    report = load_checkpoint(model, checkpoint, verify=False, progress=False,
+                             select=shard_selection(plan, rank, layer_range, split), device=device)
+    if plan.dense_dtype == "fp8":  # a column part takes its whole rows' scales, as the unsplit layer's
+        columns = [k for k, p in split.parts.items() if p.dim == 1 and not model.get_parameter(k).is_meta]
+        amax = row_absmax(checkpoint, columns)
+        quantize_dense(model, {k.removesuffix(".weight"): a for k, a in amax.items()})
+    return model, report
 
 
-def split_shard_model(model: KimiK3Model, plan: Plan, rank: int) -> None:
-    """Cut the dense weights of every split layer (and a split LM head) this rank takes part in to its part."""
+def split_shard_model(model: KimiK3Model, plan: Plan, rank: int) -> SplitParts:
+    """Cut the dense weights of every split layer (and a split LM head) this rank takes part in to its part (on a
+    skeleton: to its part's shapes), and drop what only the home uses; returns the parts and shared keys."""
+    split = SplitParts()
     for layer, group in plan.dense_groups.items():
         if rank in group:
-            split_layer(model.layers[layer], group.index(rank), len(group))
+            prefix = f"model.layers.{layer}."
+            cut = split_layer(model.layers[layer], group.index(rank), len(group))
+            split.parts.update({prefix + k: p for k, p in cut.items()})
             if group[0] != rank:
                 keep_only_split_part(model.layers[layer])
+                split.keys.update(prefix + k for k in split_part_keys(model.layers[layer]))
     group = plan.head_group()
     if len(group) > 1 and rank in group:
-        model.lm_head = split_head(model.lm_head, group.index(rank), len(group))
+        split.parts["lm_head.weight"] = split_head(model, group.index(rank), len(group))
         if group[0] != rank:  # the final norm and output AttnRes site run on the head rank
+            split.keys.add("lm_head.weight")
             for module in (model.model.norm, model.model.output_attn_res_norm, model.model.output_attn_res_proj):
                 to_meta(module)
+    return split
 
 
 def tensor_nbytes(model: nn.Module, resident: bool) -> int:
@@ -373,8 +459,8 @@ class ShardRank:
         self.dtype = dtype_of(args.dtype)
         self.start, self.stop = args.layer_range or (0, self.config.num_layers)
         t0 = time.perf_counter()
-        self.model = build_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype, device,
-                                       layer_range=(self.start, self.stop))
+        self.model, self.load_report = load_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype,
+                                                        device, layer_range=(self.start, self.stop))
         self.load_seconds = time.perf_counter() - t0
         self.recorder = RoutingRecorder(self.config.num_experts, self.config.experts_per_token)
         self.model.routing_observer = self.recorder.observe
@@ -413,6 +499,10 @@ class ShardRank:
             "resident_bytes": tensor_nbytes(self.model, resident=True),
             "model_bytes": tensor_nbytes(self.model, resident=False),
             "load_seconds": round(self.load_seconds, 3),
+            # from the checkpoint: bytes of tensor data read, and the most of one tensor held at once while reading
+            "checkpoint_bytes_read": self.load_report["bytes"],
+            "largest_tensor_read": self.load_report["largest"],
+            "largest_part_read": self.load_report["largest_part"],
         }
 
     # ------------------------------------------------------------ headers
