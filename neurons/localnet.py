@@ -81,7 +81,8 @@ STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-pos
 DRIVER_CHEATS = ("forge-receipts",)
 # The directory holding the packages: a checkout (with pyproject.toml) or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-# The tiny K3 trained on real text (scripts/train_tiny.py), shipped with a checkout (not in the wheel).
+# The tiny K3 trained on real text (scripts/train_tiny.py), shipped with a checkout and in the wheel
+# (pyproject.toml package-data).
 TRAINED_ASSET = PACKAGE_ROOT / "inference" / "model" / "assets" / "tiny_trained"
 MODELS = ("trained", "random")
 VALIDATOR_STAKE = 10_000.0
@@ -180,7 +181,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
 
 # ------------------------------------------------------------------ setup
 def default_model() -> str:
-    """The trained tiny model where its asset ships (a checkout); the random one otherwise (an installed package)."""
+    """The trained tiny model where its asset ships (a checkout or an installed wheel); the random one otherwise."""
     return "trained" if (TRAINED_ASSET / "k3_manifest.json").exists() else "random"
 
 

@@ -3,6 +3,7 @@
 
     python scripts/bench_miner.py                      # defaults
     python scripts/bench_miner.py --auth-requests 5000 --streams 8 --tokens 128 --flood 200
+    python scripts/bench_miner.py --checkpoint random     # the random tiny model (default: the trained one)
 
 Prints one table:
 - authentication: btauth/1 verification per request (signature + replay store), and its parts;
@@ -31,8 +32,6 @@ import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
 from chain.interface import connect  # noqa: E402
-from inference.model import ModelConfig  # noqa: E402
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import SamplingParams  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
 from inference.serving import (Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine,  # noqa: E402
@@ -42,6 +41,7 @@ from neurons.settings import ChainSettings  # noqa: E402
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request  # noqa: E402
 from protocol.client import MinerClient  # noqa: E402
 from protocol.schemas import GENERATE_PATH, GenerateRequest, encode_event, encode_model  # noqa: E402
+from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint  # noqa: E402
 
 
 def make_wallet(root: Path, name: str):
@@ -206,9 +206,7 @@ async def bench_flood(miner: MinerServer, validator, wallet_path: Path, flood: i
 
 async def main_async(args) -> list[tuple[str, str]]:
     root = Path(tempfile.mkdtemp(prefix="bench_miner_"))
-    config = ModelConfig.tiny()
-    make_random_checkpoint(config, root / "ckpt", seed=0)
-    model, tokenizer, fingerprint = load_reference_model(root / "ckpt")
+    model, tokenizer, fingerprint = load_reference_model(resolve_checkpoint(args.checkpoint, root))
     wallets = {name: make_wallet(root / "wallets", name) for name in ("owner", "miner", "validator")}
     chain = DevnetChain(root / "devnet.sqlite", create=True)
     netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
@@ -261,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens per generation")
     parser.add_argument("--flood", type=int, default=200, help="concurrent connections in the 429 flood")
     parser.add_argument("--capacity", type=int, default=2, help="engine capacity (streams at once)")
+    add_checkpoint_argument(parser)
     args = parser.parse_args(argv)
     rows = asyncio.run(main_async(args))
     width = max(len(name) for name, _ in rows)

@@ -7,7 +7,9 @@ whether it answers the validator's answer probes (planted fact, exact copy) gree
 Held-out text: the stdlib files the training split holds out (inference/model/training.py). Each model
 scores windows of --seq-len bytes through the inference forward (positions 1..T-1 of each window).
 Probes use the validator's own wording and names (scoring/corpus.py) at three sizes: the fact right before
-the question, the fact inside ~150 bytes of filler, and a short exact-copy request.
+the question, the fact inside ~150 bytes of filler, and a short exact-copy request; and then the validator's
+own probe prompts (scoring/workloads.py, planted fact and exact copy, local-testnet prompt sizes), judged by
+its own check (scoring.verify.check_answer: the answer contains the value or the text).
 """
 from __future__ import annotations
 
@@ -20,10 +22,13 @@ from pathlib import Path
 import torch
 
 from inference.model.config import ModelConfig
+from inference.model.k3 import KimiK3Model
 from inference.model.tokenizer import ByteTokenizer
 from inference.model.training import (bits_per_byte, greedy_answer, heldout_windows, load_model, random_model,
                                       stdlib_corpus, unigram_bits_per_byte)
 from scoring import corpus as probe_text
+from scoring.config import ScoringConfig
+from scoring.workloads import _log_uniform_at, _PromptBuilder, _task_content
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 
@@ -41,6 +46,41 @@ def probe_prompts(rng: random.Random, n: int) -> dict[str, list[tuple[str, str]]
         kinds["copy_16_48B"].append(
             (f"Repeat the following text exactly, with nothing before or after it:\n\n{passage}", passage))
     return kinds
+
+
+def validator_probes(rng: random.Random, n: int, tokenizer: ByteTokenizer) -> dict[str, list[tuple[list[int], str]]]:
+    """(prompt ids, expected text) of the validator's own planted-fact and exact-copy probes, local-testnet sizes."""
+    config = ScoringConfig.local_testnet()
+    builder = _PromptBuilder(tokenizer, config)
+    kinds: dict[str, list[tuple[list[int], str]]] = {"validator_planted_fact": [], "validator_copy": []}
+    for _ in range(n):
+        for kind, task in (("validator_planted_fact", "planted_fact"), ("validator_copy", "copy")):
+            size = _log_uniform_at(rng.random(), *config.chat_prompt_tokens)
+            _, ids, expect = _task_content(rng, task, size, builder, config)
+            kinds[kind].append((ids, expect.answer if task == "planted_fact" else expect.copy_text.strip()))
+    return kinds
+
+
+def run_probes(model: KimiK3Model, n: int, log=None) -> dict[str, tuple[int, int, str]]:
+    """kind -> (passed, probes, first answer) for greedy answers of `model` (n probes of each kind)."""
+    tok = ByteTokenizer.from_config(model.config)
+    stops = sorted(tok.stop_ids)
+    prompts = {kind: [(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True),
+                       answer) for content, answer in items]
+               for kind, items in probe_prompts(random.Random(0), n).items()}
+    prompts.update(validator_probes(random.Random(1), n, tok))
+    out = {}
+    for kind, items in prompts.items():
+        passed, example = 0, ""
+        for ids, answer in items:
+            text = tok.decode(greedy_answer(model, ids, max_new=len(answer) + 16, stop_ids=stops),
+                              skip_special_tokens=True)
+            passed += answer in text
+            example = example or repr(text[:40])
+        out[kind] = (passed, len(items), example)
+        if log:
+            log(f"| {kind} | {passed}/{len(items)} | {example} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,18 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         value = measure()
         print(f"| {name} | {value:.3f} | {time.perf_counter() - t:.1f} |", flush=True)
     if args.probes:
-        tok = ByteTokenizer.from_config(trained.config)
-        stops = sorted(tok.stop_ids)
         print("\n| probe (greedy, chat template) | passed | example answer |\n|---|---|---|")
-        for kind, prompts in probe_prompts(random.Random(0), args.probes).items():
-            passed, example = 0, ""
-            for content, answer in prompts:
-                ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-                text = tok.decode(greedy_answer(trained, ids, max_new=len(answer) + 16, stop_ids=stops),
-                                  skip_special_tokens=True)
-                passed += answer in text
-                example = example or repr(text[:40])
-            print(f"| {kind} | {passed}/{len(prompts)} | {example} |", flush=True)
+        run_probes(trained, args.probes, log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -2,11 +2,13 @@
 """Validator CPU cost per response, and how many miners one validator can evaluate per tempo.
 
     python scripts/bench_validator.py                       # small: tiny model, 16 responses
+    python scripts/bench_validator.py --checkpoint random   # the random tiny model (default: the trained one)
     python scripts/bench_validator.py --responses 64 --scoring-overrides '{"chat_max_tokens": [64, 256]}'
 
 A real miner (neurons.miner_app.server.MinerServer on loopback, on a devnet in a temp dir, with a tiny
-random checkpoint) answers a round of ordinary work from scoring.workloads.plan_round; then, one
-response at a time, the validator's checks are timed with time.process_time:
+checkpoint: the trained one unless --checkpoint says otherwise) answers a round of ordinary work from
+scoring.workloads.plan_round; then, one response at a time, the validator's checks are timed with
+time.process_time:
 - planning a round for one miner (prompt building and tokenisation);
 - receiving a response: decoding its NDJSON events (what the client does as they arrive);
 - tier 0 on a response (scoring.verify.check_tier0);
@@ -36,8 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bittensor as bt  # noqa: E402
 
 from chain.devnet import DevnetChain  # noqa: E402
-from inference.model import ModelConfig  # noqa: E402
-from inference.model import make_random_checkpoint  # noqa: E402
 from inference.serving import load_reference_model  # noqa: E402
 from inference.serving import EngineSettings, LocalEngine  # noqa: E402
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings  # noqa: E402
@@ -48,6 +48,7 @@ from protocol.schemas import decode_event, encode_event  # noqa: E402
 from scoring.config import ScoringConfig  # noqa: E402
 from scoring.verify import audit_tier1, check_tier0  # noqa: E402
 from scoring.workloads import plan_round  # noqa: E402
+from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint  # noqa: E402
 
 PRODUCTION_TEMPO_S = 360 * 12.0  # 360 blocks of 12 s
 
@@ -84,9 +85,8 @@ async def bench(args) -> None:
     config = (ScoringConfig.local_testnet(**overrides) if args.profile == "local_testnet"
               else ScoringConfig(**overrides))
     root = Path(tempfile.mkdtemp(prefix="bench-validator-"))
-    model_config = ModelConfig.tiny()
-    make_random_checkpoint(model_config, root / "ckpt", seed=0)
-    model, tokenizer, fingerprint = load_reference_model(root / "ckpt")
+    model, tokenizer, fingerprint = load_reference_model(resolve_checkpoint(args.checkpoint, root))
+    model_config = model.config
     wallets = {name: _wallet(root / "wallets", name) for name in ("owner", "miner", "validator")}
     chain = DevnetChain(root / "devnet.sqlite", create=True, block_interval=1.0)
     netuid = await chain.create_subnet(wallets["owner"], tempo=10_000)
@@ -203,6 +203,7 @@ def main() -> int:
     parser.add_argument("--tempo-s", type=float, default=PRODUCTION_TEMPO_S, help="seconds per tempo")
     parser.add_argument("--cores", type=int, default=1, help="validator cores given to verification")
     parser.add_argument("--seed", type=int, default=0)
+    add_checkpoint_argument(parser)
     args = parser.parse_args()
     if args.responses < 1:
         parser.error("--responses must be at least 1")

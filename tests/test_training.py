@@ -176,3 +176,78 @@ def test_shipped_checkpoint_loads_with_its_fingerprint_and_beats_the_baselines()
     assert trained < unigram - 0.5 and trained < random - 3, (trained, unigram, random)
     assert ByteTokenizer.from_config(model.config).decode(model.forward(
         [torch.tensor(list(b"def "))], [model.new_cache()])[0].topk(1).indices.tolist())
+
+
+# ------------------------------------------------------------------------------ the probe-task recipe
+def _task_rows(small_stdlib, steps=(0,), **changes):
+    tc = _short(small_stdlib, **{"batch_size": 6, "seq_len": 256, "task_fraction": 1.0, "answer_weight": 7.0,
+                                 **changes})
+    tokenizer = ByteTokenizer.from_config(tc.model_config())
+    batches = training.Batches(stdlib_corpus(small_stdlib), tc, tokenizer)
+    return tokenizer, [batches.next(step) for step in steps], batches
+
+
+def _answers(tokenizer, ids, weights):
+    """The text of each run of heavy-weighted targets, per row."""
+    out = []
+    for row, w in zip(ids, weights):
+        runs, current = [], []
+        for target, weight in zip(row[1:].tolist(), w.tolist()):
+            if weight > 1:
+                current.append(target)
+            elif current:
+                runs.append(tokenizer.decode(current))
+                current = []
+        if current:
+            runs.append(tokenizer.decode(current))
+        out.append(runs)
+    return out
+
+
+def test_answer_weights_cover_exactly_each_answer(small_stdlib):
+    tokenizer, [(ids, weights)], _ = _task_rows(small_stdlib, copy_share=0.5, random_copy_share=0.5)
+    assert set(weights.unique().tolist()) == {1.0, 7.0}
+    for row, runs in zip(ids, _answers(tokenizer, ids, weights)):
+        text = tokenizer.decode(row.tolist())
+        assert len(runs) == 1 and runs[0].endswith("<|im_end|>")
+        answer = runs[0][: -len("<|im_end|>")]
+        prompt = text[: text.index("<|im_assistant|>")]
+        assert answer in prompt  # a planted code or the text to repeat, both in the prompt
+        if "access code" in prompt:
+            assert f"The access code for {prompt.rsplit('access code for ', 1)[1].split('?')[0]} is {answer}." in prompt
+
+
+def test_packed_task_rows_hold_several_answered_exchanges(small_stdlib):
+    tokenizer, [(ids, weights)], _ = _task_rows(small_stdlib, pack_tasks=True, curriculum_steps=1000, copy_share=0.0,
+                                                seq_len=400)  # no filler yet: an exchange is about 150 bytes
+    runs = _answers(tokenizer, ids, weights)
+    assert all(len(r) >= 2 for r in runs), runs
+    assert all(tokenizer.decode(row.tolist()).count("<|im_user|>") >= 2 for row in ids)
+
+
+def test_curriculum_grows_the_filler_around_the_fact(small_stdlib):
+    _, _, batches = _task_rows(small_stdlib, fact_doc_bytes=120, curriculum_steps=100)
+    assert [batches.fact_doc_limit(s) for s in (0, 50, 100, 500)] == [0, 60, 120, 120]
+    tokenizer, [(ids, _)], _ = _task_rows(small_stdlib, fact_doc_bytes=120, curriculum_steps=100, copy_share=0.0)
+    for row in ids:  # at step 0 the fact comes right before the question
+        content = tokenizer.decode(row.tolist()).split("<|im_middle|>", 1)[1]
+        assert content.startswith("The access code for ") and "\n\nWhat is the access code for " in content
+
+
+def test_random_copy_passages_are_codes_and_names_only():
+    rng = __import__("random").Random(3)
+    for _ in range(50):
+        passage = training.random_passage(rng, 40)
+        assert len(passage) == 40
+        assert all(w.isdigit() or w.isalpha() for w in passage.split(" ") if w)
+
+
+def test_the_weighted_loss_trains_deterministically(small_stdlib):
+    changes = dict(task_fraction=1.0, answer_weight=5.0, pack_tasks=True, random_copy_share=0.5,
+                   fact_doc_bytes=8, seq_len=200)  # answers fit in the rows
+    a, _ = train_model(_short(small_stdlib, **changes), log=None)
+    b, _ = train_model(_short(small_stdlib, **changes), log=None)
+    plain, _ = train_model(_short(small_stdlib, **{**changes, "answer_weight": 1.0}), log=None)
+    sa, sb, sp = a.state_dict(), b.state_dict(), plain.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sp[k]) for k in sa)  # the weights change what is learnt

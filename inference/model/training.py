@@ -18,7 +18,12 @@ the sha256 of its relative path falls in a 1/20 bucket, so the split does not de
 exist. A share of the training sequences are synthetic chat exchanges that teach retrieval and copying in
 the format the validator's probes use: a document holding "The access code for NAME is NUMBER." (among
 distractors), the question "What is the access code for NAME? Reply with the number only.", and the answer;
-and "Repeat the following text exactly" requests with their answer.
+and "Repeat the following text exactly" requests with their answer. Knobs for those exchanges (all off by
+default, which keeps the shipped recipe's data stream bit for bit): `answer_weight` (loss weight of the answer
+tokens), `pack_tasks` (exchanges back to back in a row), `fact_doc_bytes` / `curriculum_steps` (filler around
+the fact, growing over the run), `max_distractors`, `copy_share` and `random_copy_share` (copy requests whose
+text is random codes and names, which only copying predicts). None of the recipes tried so far taught the
+answer probes within the budget (docs-snippets/trained7.md has the runs).
 
 Determinism: one seed and one thread count give the same weights bit for bit (the data order comes from
 seeded generators, torch runs with deterministic algorithms; tests/test_training.py checks it). Another
@@ -91,6 +96,13 @@ class TrainConfig:
     grad_clip: float = 1.0
     fake_quant: bool = False  # experts train through the MXFP4 grid (straight-through estimator)
     task_fraction: float = 0.1  # share of sequences that start with a synthetic probe-style exchange
+    copy_share: float = 0.25  # of those exchanges, the share that are exact-copy requests (the rest planted facts)
+    answer_weight: float = 1.0  # loss weight of an exchange's answer tokens (the rest weigh 1)
+    fact_doc_bytes: int = 0  # filler around a planted fact: up to this many bytes (0: seq_len - 150)
+    curriculum_steps: int = 0  # the filler limit grows linearly from 0 to fact_doc_bytes over these steps
+    max_distractors: int = 2  # other people's access codes planted beside the asked one (0..this many)
+    random_copy_share: float = 0.0  # of the copy requests, the share whose text is random codes and names
+    pack_tasks: bool = False  # a task row holds exchanges back to back (else one, then stdlib text)
     balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
     kda_chunk: int = 32  # chunk of the differentiable KDA prefill
     eval_bytes: int = 1 << 15  # held-out bytes scored at the end
@@ -176,11 +188,13 @@ def _filler(rng: random.Random, text: bytes, n_chars: int) -> list[str]:
     return out
 
 
-def planted_fact_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer, size: int) -> list[int]:
-    """Token ids of one chat exchange: a document with planted access codes, the question, the answer."""
+def planted_fact_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer, size: int,
+                          max_distractors: int = 2) -> tuple[list[int], int]:
+    """Token ids of one chat exchange (a document with planted access codes, the question, the answer) and
+    where the answer starts."""
     subject, value = person_name(rng), access_code(rng)
-    body = _filler(rng, text, rng.randint(20, max(21, size)))
-    for _ in range(rng.randint(0, 2)):
+    body = _filler(rng, text, rng.randint(min(20, size), max(21, size))) if size > 0 else []
+    for _ in range(rng.randint(0, max_distractors)):
         other = person_name(rng)
         if other != subject:
             body.insert(rng.randint(0, len(body)), FACT_TEMPLATE.format(subject=other, value=access_code(rng)))
@@ -189,19 +203,32 @@ def planted_fact_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokeni
     return _exchange(tokenizer, content, value)
 
 
-def copy_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer) -> list[int]:
-    passage = " ".join(" ".join(_filler(rng, text, rng.randint(16, 48))).split())[: rng.randint(16, 48)]
+def random_passage(rng: random.Random, n_chars: int) -> str:
+    """Access codes and invented names in random order: text no n-gram statistics predict, only copying."""
+    words: list[str] = []
+    while len(" ".join(words)) < n_chars:
+        words.append(access_code(rng) if rng.random() < 0.4 else person_name(rng).split()[rng.randint(0, 1)])
+    return " ".join(words)[:n_chars]
+
+
+def copy_exchange(rng: random.Random, text: bytes, tokenizer: ByteTokenizer,
+                  random_share: float = 0.0) -> tuple[list[int], int]:
+    if random_share and rng.random() < random_share:
+        passage = random_passage(rng, rng.randint(16, 48))
+    else:
+        passage = " ".join(" ".join(_filler(rng, text, rng.randint(16, 48))).split())[: rng.randint(16, 48)]
     return _exchange(tokenizer, COPY_TEMPLATE.format(text=passage), passage)
 
 
-def _exchange(tokenizer: ByteTokenizer, content: str, answer: str) -> list[int]:
+def _exchange(tokenizer: ByteTokenizer, content: str, answer: str) -> tuple[list[int], int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return ids + tokenizer.encode(answer) + [tokenizer.special_tokens["<|im_end|>"]]
+    return ids + tokenizer.encode(answer) + [tokenizer.special_tokens["<|im_end|>"]], len(ids)
 
 
 class Batches:
     """Seeded training batches [B, T + 1]: random windows of the training text, some opening with a
-    synthetic exchange (the rest of the row continues with stdlib text)."""
+    synthetic exchange (the rest of the row continues with stdlib text); with each, the loss weight of
+    every target [B, T] (an exchange's answer tokens weigh `answer_weight`)."""
 
     def __init__(self, corpus: Corpus, tc: TrainConfig, tokenizer: ByteTokenizer):
         self.text = corpus.train
@@ -209,22 +236,37 @@ class Batches:
         self.tc, self.tokenizer = tc, tokenizer
         self.rng = random.Random(tc.seed)
 
-    def next(self) -> Tensor:
+    def fact_doc_limit(self, step: int) -> int:
+        tc = self.tc
+        limit = tc.fact_doc_bytes or tc.seq_len - 150
+        if tc.curriculum_steps <= 0:
+            return limit
+        return round(limit * min(1.0, step / tc.curriculum_steps))
+
+    def next(self, step: int = 0) -> tuple[Tensor, Tensor]:
         tc, rng = self.tc, self.rng
-        rows = []
+        rows, weights = [], []
         n = tc.seq_len + 1
         for _ in range(tc.batch_size):
             ids: list[int] = []
+            weight = torch.ones(tc.seq_len)
             if rng.random() < tc.task_fraction:
-                if rng.random() < 0.75:
-                    ids = planted_fact_exchange(rng, self.text, self.tokenizer, size=tc.seq_len - 150)
-                else:
-                    ids = copy_exchange(rng, self.text, self.tokenizer)
-                ids = ids[:n]
+                while True:  # one exchange, or (pack_tasks) exchanges back to back until the row is full
+                    if rng.random() < 1.0 - tc.copy_share:
+                        exchange, answer_at = planted_fact_exchange(rng, self.text, self.tokenizer,
+                                                                    self.fact_doc_limit(step), tc.max_distractors)
+                    else:
+                        exchange, answer_at = copy_exchange(rng, self.text, self.tokenizer, tc.random_copy_share)
+                    start = len(ids)
+                    ids = (ids + exchange)[:n]
+                    weight[start + answer_at - 1: len(ids) - 1] = tc.answer_weight  # targets: the answer's tokens
+                    if not tc.pack_tasks or len(ids) >= n:
+                        break
             start = rng.randrange(0, len(self.data) - n)
             rest = self.data[start: start + n - len(ids)].long()
             rows.append(torch.cat([torch.tensor(ids, dtype=torch.long), rest]))
-        return torch.stack(rows)
+            weights.append(weight)
+        return torch.stack(rows), torch.stack(weights)
 
 
 # --------------------------------------------------------------------------- the training forward
@@ -423,11 +465,13 @@ def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=_log) -> tupl
     for step in range(tc.steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, tc)
-        ids = batches.next()
+        ids, weights = batches.next(step)
         logits = training_logits(model, ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        loss = nll.mean()
+        weighted = loss if tc.answer_weight == 1.0 else (nll * weights.reshape(-1)).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        weighted.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         with torch.no_grad():  # aux-loss-free balancing of the expert selection
