@@ -14,6 +14,7 @@
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import aiohttp
@@ -232,3 +233,33 @@ def test_an_idle_stage_notices_a_dead_shard_and_restarts(swarm):
     assert after["restarts"] == before["restarts"] + 1 and not set(before["pids"]) & set(after["pids"])
     tokens, route = asyncio.run(plain_generation(swarm, [swarm["first"], swarm["sharded"]["url"]]))
     assert tokens == reference_greedy(swarm["model"], PROMPT, N_TOKENS)[0]
+
+
+def test_health_reads_never_fail_while_the_shard_set_restarts(ckpt):
+    """/health reads the shard pids and the set's health from the event loop while the compute thread restarts
+    the set: those reads must never raise (an exception there was an HTTP 500 instead of 503 "restarting")."""
+    stage = Stage.from_checkpoint(ckpt, "0-5", shard_ranks=2, threads_per_rank=1, shard_mode="pipeline",
+                                  shard_timeouts=ShardTimeouts(startup=120.0))
+    errors, done = [], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            try:
+                stage.status()
+                sorted(stage.model.pids.values())
+                stage.shard_layout()
+            except Exception as e:  # noqa: BLE001 (collected and asserted on below)
+                errors.append(repr(e))
+
+    try:
+        reader = threading.Thread(target=probe, daemon=True)
+        reader.start()
+        for _ in range(2):
+            os.kill(stage.model.pids[1], signal.SIGKILL)
+            stage.restart_shards()
+        done.set()
+        reader.join(10)
+        assert errors == [] and stage.status() == ("ok", "") and stage.shard_restarts == 2
+    finally:
+        done.set()
+        stage.shutdown()

@@ -208,7 +208,9 @@ class ShardedModel:
         self._store_lock = threading.Lock()
         self._lock = threading.RLock()  # one driver conversation at a time
         self._ctx = multiprocessing.get_context("spawn")
+        # swapped whole, never mutated in place once published: health probes read them from other threads
         self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._pids: dict[int, int] = {}
         self._conn = None
         self._slots = itertools.count(1)
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -233,7 +235,7 @@ class ShardedModel:
     @property
     def pids(self) -> dict[int, int]:
         """Rank -> pid of the shard processes this driver started (rank 0 only in external mode)."""
-        return {r: p.pid for r, p in self._procs.items()}
+        return dict(self._pids)
 
     def start(self) -> None:
         """Spawn a fresh shard set and wait until every rank has loaded its weights and joined."""
@@ -259,11 +261,15 @@ class ShardedModel:
             self._hb_seen = [time.monotonic()] * self.world_size
             parent_conn, child_conn = self._ctx.Pipe()
             local_ranks = range(self.world_size) if not self.external else range(1)
-            for r in local_ranks:
-                proc = self._ctx.Process(target=run_local, args=(args, r, child_conn if r == 0 else None),
-                                         name=f"k3-shard-{r}", daemon=True)
-                proc.start()
-                self._procs[r] = proc
+            procs: dict[int, multiprocessing.process.BaseProcess] = {}
+            try:
+                for r in local_ranks:
+                    proc = self._ctx.Process(target=run_local, args=(args, r, child_conn if r == 0 else None),
+                                             name=f"k3-shard-{r}", daemon=True)
+                    proc.start()
+                    procs[r] = proc
+            finally:
+                self._procs, self._pids = procs, {r: p.pid for r, p in procs.items()}
             child_conn.close()
             self._conn = parent_conn
             self._state, self._detail = "starting", "starting the shard set"
@@ -312,26 +318,26 @@ class ShardedModel:
 
     def _stop_processes(self) -> None:
         """SIGKILL and join every local shard process (a stopped process dies from SIGKILL too)."""
+        if self._state != "closed":
+            self._state = "stopped"  # before the processes go: health() then reads no process object
+        procs, self._procs, self._pids = self._procs, {}, {}
         if self.generation:
             with self._store_lock:
                 self._store.set(StoreKeys(self.generation).closed(), "1")
-        for proc in self._procs.values():
+        for proc in procs.values():
             if proc.is_alive():
                 try:
                     os.kill(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for proc in self._procs.values():
+        for proc in procs.values():
             proc.join(10)
             if proc.exitcode is not None:
                 proc.close()
-        self._procs.clear()
         self._results.clear()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        if self._state != "closed":
-            self._state = "stopped"
 
     # ------------------------------------------------------------------ health
     def health(self) -> ShardSetHealth:
@@ -348,8 +354,12 @@ class ShardedModel:
 
     def _find_fault(self, starting: bool) -> str | None:
         for r, proc in self._procs.items():
-            if proc.exitcode is not None:
-                return f"shard rank {r} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+            try:
+                exitcode, pid = proc.exitcode, proc.pid
+            except ValueError:  # closed by a stop running in another thread
+                return "the shard set is stopping"
+            if exitcode is not None:
+                return f"shard rank {r} (pid {pid}) {_describe_exit(exitcode)}"
         keys = StoreKeys(self.generation)
         with self._store_lock:
             beats = self._store.multi_get([keys.heartbeat(r) for r in range(self.world_size)])
