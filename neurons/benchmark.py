@@ -544,16 +544,9 @@ class OpenAIEndpoint:
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
-                        async with asyncio.timeout_at(due):
-                            data = await anext(events)
+                        data = await _next_event(events, due, first_token is None, due >= total_at, aiohttp.ClientError)
                     except StopAsyncIteration:
                         break
-                    except TimeoutError:
-                        kind = "total" if due >= total_at else ("first_byte" if first_token is None
-                                                                else "between_events")
-                        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
-                    except aiohttp.ClientError as error:
-                        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
                     if data == "[DONE]":  # read on to the body's end, so that the connection is kept
                         with contextlib.suppress(TimeoutError, aiohttp.ClientError):
                             async with asyncio.timeout_at(min(due, loop.time() + DRAIN_S)):
@@ -670,16 +663,9 @@ class ChatEndpoint(OpenAIEndpoint):
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
-                        async with asyncio.timeout_at(due):
-                            sse = await anext(events)
+                        sse = await _next_event(events, due, first_token is None, due >= total_at, (SSEError, httpx.HTTPError))
                     except StopAsyncIteration:
                         break
-                    except TimeoutError:
-                        kind = "total" if due >= total_at else ("first_byte" if first_token is None
-                                                                else "between_events")
-                        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
-                    except (SSEError, httpx.HTTPError) as error:
-                        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
                     if sse.data == "[DONE]":  # the body's end too, so that the connection is kept
                         await _drain(events, min(due, loop.time() + DRAIN_S))
                         break
@@ -732,6 +718,19 @@ class ChatEndpoint(OpenAIEndpoint):
         if self.http is not None:
             await self.http.aclose()
         await super().close()
+
+
+async def _next_event(events, due: float, before_first_token: bool, total: bool, broken):
+    """The stream's next event by `due` (loop time); a missed deadline or a broken stream as an EngineError
+    (`broken`: the transport's error types); StopAsyncIteration at the stream's end."""
+    try:
+        async with asyncio.timeout_at(due):
+            return await anext(events)
+    except TimeoutError:
+        kind = "total" if total else ("first_byte" if before_first_token else "between_events")
+        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
+    except broken as error:
+        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
 
 
 async def sse_data(response: aiohttp.ClientResponse):
