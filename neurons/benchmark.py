@@ -544,7 +544,8 @@ class OpenAIEndpoint:
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
-                        data = await _next_event(events, due, first_token is None, due >= total_at, aiohttp.ClientError)
+                        data = await _next_event(events, due, first_token is None, due >= total_at,
+                                                aiohttp.ClientError)
                     except StopAsyncIteration:
                         break
                     if data == "[DONE]":  # read on to the body's end, so that the connection is kept
@@ -579,8 +580,9 @@ class OpenAIEndpoint:
             failure.partial = result
             raise failure from None
         end = loop.time() - start
-        engine_final = EngineFinal(finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=index, queue_ms=0.0,
-                                   ttft_ms=None if first_token is None else first_token * 1000, total_ms=end * 1000)
+        engine_final = EngineFinal(finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=index,
+                                   queue_ms=0.0, ttft_ms=None if first_token is None else first_token * 1000,
+                                   total_ms=end * 1000)
         result.final = self._final(engine_final, result)
         result.events.append(TimedEvent(result.final, end))
         return result
@@ -663,7 +665,8 @@ class ChatEndpoint(OpenAIEndpoint):
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
-                        sse = await _next_event(events, due, first_token is None, due >= total_at, (SSEError, httpx.HTTPError))
+                        sse = await _next_event(events, due, first_token is None, due >= total_at,
+                                               (SSEError, httpx.HTTPError))
                     except StopAsyncIteration:
                         break
                     if sse.data == "[DONE]":  # the body's end too, so that the connection is kept
