@@ -536,11 +536,11 @@ class OpenAIEndpoint:
             except aiohttp.ClientError as error:
                 raise EngineError("engine_unavailable", f"cannot reach the server: {error!r}",
                                   unreachable=True) from None
+            events = sse_data(response)
             try:
                 if response.status != 200:
                     text = (await response.read())[:4096].decode(errors="replace")
                     raise _error_from_status(response.status, text)
-                events = sse_data(response)
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
@@ -573,7 +573,8 @@ class OpenAIEndpoint:
                                 EngineToken(index, token_id, text, logprob, top)), arrived))
                             index += 1
             finally:
-                response.release()
+                await events.aclose()
+                _leave(response)
             reason = reader.finish_reason(index)
         except EngineError as error:
             failure = _miner_error(error, self.timeouts)
@@ -734,6 +735,16 @@ async def _next_event(events, due: float, before_first_token: bool, total: bool,
         raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
     except broken as error:
         raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
+
+
+def _leave(response: aiohttp.ClientResponse) -> None:
+    """A body read to its end gives its connection back to the pool (keep-alive); one left before its end
+    (a deadline, an error, a cancelled run) closes the connection, so that the server sees the client go
+    and aborts the request (vLLM aborts only on a disconnect) instead of generating on for nobody."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
 
 
 async def sse_data(response: aiohttp.ClientResponse):
