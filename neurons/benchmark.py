@@ -79,7 +79,7 @@ from inference.model.checkpoint import CheckpointError
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
-from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, _VLLMStream,
+from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, _VLLMStream, event_chunk,
                                       openai_sampling_extras, parse_token_key)
 from neurons.observability import setup_logging
 from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
@@ -556,15 +556,7 @@ class OpenAIEndpoint:
                         break
                     if not data:
                         continue
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        raise EngineError("engine_failure", f"malformed event: {data[:200]!r}") from None
-                    if not isinstance(chunk, dict):
-                        raise EngineError("engine_failure", f"unexpected event from the server: {data[:200]!r}")
-                    if chunk.get("error") and not chunk.get("choices"):
-                        raise _stream_error(chunk["error"])
-                    tokens = reader.tokens(chunk)
+                    tokens = reader.tokens(event_chunk(data))
                     if tokens:
                         arrived = loop.time() - start
                         first_token = arrived if first_token is None else first_token
