@@ -52,6 +52,7 @@ The report is report.json and report.md in --out-dir; the Markdown table is prin
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import gc
@@ -71,14 +72,15 @@ from typing import Any, Optional, Sequence
 import aiohttp
 import httpx
 from httpx_sse import EventSource, SSEError
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 from inference.model import read_config
 from inference.model.checkpoint import CheckpointError
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
                                RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
-from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, openai_sampling_extras,
-                                      parse_token_key)
+from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, _VLLMStream, event_chunk,
+                                      openai_sampling_extras, parse_token_key)
 from neurons.observability import setup_logging
 from neurons.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound, WalletSettings,
                               build_parser, build_settings, non_negative_float, non_negative_int, open_wallet,
@@ -450,6 +452,7 @@ class OpenAIEndpoint:
         self.concurrency = concurrency
         self.ignore_eos = ignore_eos
         self.engine: Optional[RemoteEngine] = None
+        self.session: Optional[aiohttp.ClientSession] = None
         self.stop_ids: frozenset[int] = frozenset()
         self.tokenizer = None
 
@@ -488,6 +491,12 @@ class OpenAIEndpoint:
                            total_timeout_s=self.timeouts.total, health_interval_s=NO_HEALTH_POLLS_S),
             vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         await self.engine.start()
+        self._completions_url = self.settings.openai_url.rstrip("/") + "/v1/completions"
+        self._headers = {"Content-Type": "application/json"} | (
+            {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {})
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max(100, self.concurrency + 8)),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
         caps = Capabilities(model_id=self.settings.model[:128], model_fingerprint=UNDECLARED,
                             vocab_size=tokenizer.vocab_size, max_context=max_context,
                             max_concurrent_streams=max(1, self.concurrency), engine="remote", precision="unknown",
@@ -495,30 +504,80 @@ class OpenAIEndpoint:
         return caps, {"model": entry}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """One completions stream, read leanly: the remote adapter's request body and chunk reader, over
+        aiohttp (C HTTP parser) with httpx-sse's decoders fed the body's text; the client's CPU per
+        chunk competes with the server's on a small machine, so it is kept low. The adapter's deadlines:
+        the first token within its prefill budget from the request's start, then the stall timer."""
         result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                                   top_k=request.top_k, seed=request.seed, stop=tuple(request.stop),
                                   logprobs=request.logprobs, ignore_eos=self.ignore_eos)
+        wanted = GenerationRequest(list(request.prompt_token_ids), sampling, request.request_id)
+        engine = self.engine
         loop = asyncio.get_running_loop()
         start = loop.time()
+        t = self.timeouts
+        total_at = start + t.total
+        first_at = min(start + engine.first_token_deadline_s(len(wanted.prompt_token_ids)), total_at)
+        n_prompt, index, first_token = len(wanted.prompt_token_ids), 0, None
         try:
-            stream = self.engine.generate(GenerationRequest(list(request.prompt_token_ids), sampling,
-                                                            request.request_id))
-            async for event in stream:
-                arrived = loop.time() - start
-                if isinstance(event, EngineToken):
-                    result.events.append(TimedEvent(_wire_token(event), arrived))
-                elif isinstance(event, EngineFinal):
-                    result.final = self._final(event, result)
-                    result.events.append(TimedEvent(result.final, arrived))
+            problems = sampling.problems()
+            if problems:
+                raise EngineError("invalid_request", "; ".join(problems))
+            if n_prompt + sampling.max_tokens > engine.settings.max_context:
+                raise EngineError("context_too_long", f"prompt plus max_tokens exceeds {engine.settings.max_context}")
+            reader = _VLLMStream(engine, wanted)
+            body = json.dumps(engine._vllm_generate_body(wanted))
+            try:
+                async with asyncio.timeout_at(first_at):
+                    response = await self.session.post(self._completions_url, data=body, headers=self._headers)
+            except TimeoutError:
+                raise EngineError("engine_stalled", "no answer in time", timeout="first_byte") from None
+            except aiohttp.ClientError as error:
+                raise EngineError("engine_unavailable", f"cannot reach the server: {error!r}",
+                                  unreachable=True) from None
+            events = sse_data(response)
+            try:
+                if response.status != 200:
+                    text = (await response.read())[:4096].decode(errors="replace")
+                    raise _error_from_status(response.status, text)
+                while True:
+                    due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
+                    try:
+                        data = await _next_event(events, due, first_token is None, due >= total_at,
+                                                aiohttp.ClientError)
+                    except StopAsyncIteration:
+                        break
+                    if data == "[DONE]":  # read on to the body's end, so that the connection is kept
+                        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                            async with asyncio.timeout_at(min(due, loop.time() + DRAIN_S)):
+                                async for _ in events:
+                                    pass
+                        break
+                    if not data:
+                        continue
+                    tokens = reader.tokens(event_chunk(data))
+                    if tokens:
+                        arrived = loop.time() - start
+                        first_token = arrived if first_token is None else first_token
+                        for token_id, text, logprob, top in tokens:
+                            result.events.append(TimedEvent(_wire_token(
+                                EngineToken(index, token_id, text, logprob, top)), arrived))
+                            index += 1
+            finally:
+                await events.aclose()
+                _leave(response)
+            reason = reader.finish_reason(index)
         except EngineError as error:
             failure = _miner_error(error, self.timeouts)
             failure.partial = result
             raise failure from None
-        if result.final is None:
-            failure = MinerProtocolError("the server's stream ended without a final event")
-            failure.partial = result
-            raise failure
+        end = loop.time() - start
+        engine_final = EngineFinal(finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=index,
+                                   queue_ms=0.0, ttft_ms=None if first_token is None else first_token * 1000,
+                                   total_ms=end * 1000)
+        result.final = self._final(engine_final, result)
+        result.events.append(TimedEvent(result.final, end))
         return result
 
     def _final(self, event: EngineFinal, result: GenerateResult) -> FinalEvent:
@@ -537,6 +596,8 @@ class OpenAIEndpoint:
             signature=ResponseSignature.model_construct(hotkey="", request_sha256="", tokens_sha256="", signature=""))
 
     async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
         if self.engine is not None:
             await self.engine.stop()
 
@@ -597,16 +658,10 @@ class ChatEndpoint(OpenAIEndpoint):
                 while True:
                     due = first_at if first_token is None else min(loop.time() + t.between_events, total_at)
                     try:
-                        async with asyncio.timeout_at(due):
-                            sse = await anext(events)
+                        sse = await _next_event(events, due, first_token is None, due >= total_at,
+                                               (SSEError, httpx.HTTPError))
                     except StopAsyncIteration:
                         break
-                    except TimeoutError:
-                        kind = "total" if due >= total_at else ("first_byte" if first_token is None
-                                                                else "between_events")
-                        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
-                    except (SSEError, httpx.HTTPError) as error:
-                        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
                     if sse.data == "[DONE]":  # the body's end too, so that the connection is kept
                         await _drain(events, min(due, loop.time() + DRAIN_S))
                         break
@@ -659,6 +714,45 @@ class ChatEndpoint(OpenAIEndpoint):
         if self.http is not None:
             await self.http.aclose()
         await super().close()
+
+
+async def _next_event(events, due: float, before_first_token: bool, total: bool, broken):
+    """The stream's next event by `due` (loop time); a missed deadline or a broken stream as an EngineError
+    (`broken`: the transport's error types); StopAsyncIteration at the stream's end."""
+    try:
+        async with asyncio.timeout_at(due):
+            return await anext(events)
+    except TimeoutError:
+        kind = "total" if total else ("first_byte" if before_first_token else "between_events")
+        raise EngineError("engine_stalled", "the stream stalled", timeout=kind) from None
+    except broken as error:
+        raise EngineError("engine_failure", f"the stream broke: {error!r}") from None
+
+
+def _leave(response: aiohttp.ClientResponse) -> None:
+    """A body read to its end gives its connection back to the pool (keep-alive); one left before its end
+    (a deadline, an error, a cancelled run) closes the connection, so that the server sees the client go
+    and aborts the request (vLLM aborts only on a disconnect) instead of generating on for nobody."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
+
+
+async def sse_data(response: aiohttp.ClientResponse):
+    """The data of each server-sent event of an aiohttp response, through httpx-sse's own line and
+    event decoders (CR, LF and CRLF line ends, comments, multi-line data, as the SSE standard says)."""
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    lines, events = SSELineDecoder(), SSEDecoder()
+    async for raw in response.content.iter_any():
+        for line in lines.decode(text.decode(raw)):
+            event = events.decode(line)
+            if event is not None:
+                yield event.data
+    for line in lines.flush():  # an event left unfinished at the end is dropped, as the standard says
+        event = events.decode(line)
+        if event is not None:
+            yield event.data
 
 
 def _logprob(value: float) -> float:

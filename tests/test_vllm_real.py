@@ -145,24 +145,54 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
     server, _ = vllm
     async with engine(vllm) as e:
         prompt = prompt_of(e)
+        # counted from before the request: the tiny Llama generates 900 tokens in under 2 s on an idle machine,
+        # and /metrics answers late while a stream is served, so a look at vLLM's running gauge after the first
+        # tokens can come after the request has ended; the totals say whether it was cut short, whenever read
+        before = server.metrics()
         stream = e.generate(GenerationRequest(prompt, SamplingParams(max_tokens=900, ignore_eos=True)))
         tokens, _ = await collect(stream, limit=3)
         assert len(tokens) == 3
-        # still generating (vLLM updates its gauges between engine steps: give it a moment to show the request)
-        running, deadline = 0.0, time.monotonic() + 2.0
-        while running < 1 and time.monotonic() < deadline:
-            running = metric_value(server.metrics(), "vllm:num_requests_running")
-            if running < 1:
-                await asyncio.sleep(0.05)
-        assert running >= 1
-        before = server.metrics()
         await stream.aclose()  # what the miner does when its client disconnects
         await wait_idle(server, timeout_s=20)
         after = server.metrics()
-    # the request ended without finishing: no new finished request, far fewer than 900 tokens generated
+    assert_cut_short(before, after)
+
+
+def assert_cut_short(before: str, after: str, max_tokens: int = 900) -> None:
+    """The one request between `before` and `after` ended without finishing (vLLM aborted it): no new
+    finished request, and far fewer tokens generated than it asked for (a request left alone makes all)."""
     assert metric_value(after, "vllm:request_success_total") == metric_value(before, "vllm:request_success_total")
-    generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(before, "vllm:generation_tokens_total")
-    assert generated < 450
+    generated = (metric_value(after, "vllm:generation_tokens_total")
+                 - metric_value(before, "vllm:generation_tokens_total"))
+    assert 0 < generated < max_tokens // 2
+
+
+async def test_leaving_a_benchmark_stream_aborts_the_request_on_the_server(vllm):
+    """The endpoint benchmark's own completions stream (aiohttp), left in the middle by a cancelled run:
+    its connection closes, so vLLM aborts the request."""
+    from inference.serving.remote import served_tokenizer
+    from neurons import benchmark as bench
+    from protocol.client import ClientTimeouts
+
+    server, meta = vllm
+    tokenizer = served_tokenizer(meta)  # the served model's tokenizer.json, as the benchmark reads it
+    endpoint = bench.OpenAIEndpoint(bench.TargetSettings(openai_url=server.url, model=MODEL_NAME),
+                                    ClientTimeouts(first_byte=60.0, between_events=30.0, total=120.0), concurrency=1)
+    try:
+        await endpoint.capabilities(tokenizer)
+        prompt = tokenizer.encode("def main(argv=None):\n    parser = argparse.ArgumentParser(", add_bos=True)
+        before = server.metrics()
+        request = bench.GenerateRequest(request_id="left", prompt_token_ids=prompt, max_tokens=900, logprobs=1)
+        task = asyncio.create_task(endpoint.generate(request))
+        await asyncio.sleep(0.3)  # a few tokens in (its first comes in tens of ms), far from 900
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(server, timeout_s=20)
+        after = server.metrics()
+    finally:
+        await endpoint.close()
+    assert_cut_short(before, after)
 
 
 @pytest.mark.exclusive  # two prefills timed against each other

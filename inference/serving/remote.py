@@ -305,15 +305,7 @@ class RemoteEngine(Engine):
                     return
                 if not sse.data:
                     continue
-                try:
-                    data = json.loads(sse.data)
-                except ValueError:
-                    raise EngineError("engine_failure", f"malformed event from the server: {sse.data[:200]!r}") from None
-                if not isinstance(data, dict):
-                    raise EngineError("engine_failure", f"unexpected event from the server: {sse.data[:200]!r}")
-                if data.get("error") and not data.get("choices"):
-                    raise _stream_error(data["error"])
-                yield data
+                yield event_chunk(sse.data)
         finally:
             await events.aclose()
 
@@ -494,6 +486,19 @@ def _json_body(resp: httpx.Response) -> dict:
 # How long the end of a stream's body may take after its [DONE] event (the chunked encoding's last
 # chunk) before the connection is closed instead of kept for the next request.
 DRAIN_S = 1.0
+
+
+def event_chunk(data: str) -> dict:
+    """One server-sent event's data as the JSON object it must be; an error event as its EngineError."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise EngineError("engine_failure", f"malformed event from the server: {data[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise EngineError("engine_failure", f"unexpected event from the server: {data[:200]!r}")
+    if chunk.get("error") and not chunk.get("choices"):
+        raise _stream_error(chunk["error"])
+    return chunk
 
 
 async def _drain(events, deadline: float) -> None:
