@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import resource
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -33,6 +34,7 @@ from .schemas import JSON_CONTENT_TYPE, ProtocolError
 log = logging.getLogger("k3.http")
 
 FD_RESERVE = 64  # descriptors kept free for everything else a process opens (files, databases, outbound)
+ACCEPT_BURST = FD_RESERVE // 4  # connections accepted per wake-up of a listening socket, before the guard sees them
 
 
 @dataclass(frozen=True)
@@ -238,11 +240,19 @@ class GuardedSite(web.TCPSite):
         self._guard = guard
 
     async def start(self) -> None:
+        """asyncio accepts up to `backlog` connections per wake-up of the listening socket, and the guard can
+        refuse one only once it is accepted, so a flood may hold `fd_budget()` connections plus a whole burst.
+        The burst is kept within the descriptor reserve (ACCEPT_BURST), so accept() never meets EMFILE; the
+        kernel's queue of connections waiting to be accepted keeps the site's backlog."""
         self._runner._reg_site(self)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             self._guard.factory(self._runner.server), self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+            backlog=min(self._backlog, ACCEPT_BURST), reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)
+        for sock in self._server.sockets:  # the queue itself as long as asked (listen() on a duplicate of it)
+            with socket.socket(fileno=os.dup(sock.fileno())) as same:
+                same.listen(self._backlog)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
 
 
