@@ -860,6 +860,13 @@ class Plan:
             if len(layer_range) != 2 or not 0 <= layer_range[0] < layer_range[1]:
                 raise PlanError(f"{source}: layer_range must be [start, stop) with 0 <= start < stop, "
                                 f"got {data['layer_range']!r}")
+            try:
+                num_layers = ModelConfig.from_hf_config(r.get(model, "hf_config", dict, "model")).num_layers
+            except (ConfigError, TypeError, ValueError, KeyError) as exc:
+                raise PlanError(f"{source}: model.hf_config is not a model config ({exc})") from None
+            if num_layers < layer_range[1]:
+                raise PlanError(f"{source}: layer_range {list(layer_range)} does not fit the model's {num_layers} "
+                                "layers")
         first = layer_range[0] if layer_range else 0
         layer_home, placement, dense_groups = [None] * first, {}, {}
         records = r.get(data, "layers", list)
@@ -883,10 +890,6 @@ class Plan:
                     raise PlanError(f"{source}: {w}.experts must be a list of rank lists or null")
                 placement[i] = [r.int_list(h, f"{w}.experts[{e}]") for e, h in enumerate(experts)]
         if layer_range:  # the layers after the block have no home either
-            num_layers = r.get(model, "hf_config", dict, "model").get("num_hidden_layers")
-            if not isinstance(num_layers, int) or num_layers < layer_range[1]:
-                raise PlanError(f"{source}: layer_range {list(layer_range)} does not fit the model's "
-                                f"num_hidden_layers {num_layers!r}")
             layer_home += [None] * (num_layers - layer_range[1])
         head_group = tuple(r.int_list(data.get("lm_head_split") or [], "lm_head_split"))
         dense_dtype = data.get("dense_dtype", "bf16")

@@ -495,7 +495,9 @@ class ShardRank:
             "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device),
             "homed_layers": self.homed,
             "experts": {str(layer): ids for layer, ids in self.plan.experts_on(self.rank).items()},
-            "embedding": self.rank == self.plan.embedding_rank, "lm_head": self.rank == self.plan.lm_head_rank,
+            # what this rank holds of the block it serves (the embedding only from layer 0, the head only to the end)
+            "embedding": self.rank == self.plan.embedding_rank and self.start == 0,
+            "lm_head": self.rank == self.plan.lm_head_rank and self.stop == self.config.num_layers,
             "dense_split_layers": self.helped, "dense_dtype": self.plan.dense_dtype,
             "resident_bytes": tensor_nbytes(self.model, resident=True),
             "model_bytes": tensor_nbytes(self.model, resident=False),
