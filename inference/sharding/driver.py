@@ -180,10 +180,10 @@ class ShardedModel:
         plan.validate(self.config)
         if self.layer_range is None and plan.layer_range is not None:
             self.layer_range = plan.layer_range  # a block plan serves its block
-        start, stop = self.layer_range or (0, self.config.num_layers)
-        if not plan.covers(start, stop):
+        first, end = self.layer_range or (0, self.config.num_layers)
+        if not plan.covers(first, end):
             raise PlanError(f"the plan places layers [{plan.block.start}, {plan.block.stop}), not the requested "
-                            f"block [{start}, {stop}): give a plan for that block, or a whole-model plan")
+                            f"block [{first}, {end}): give a plan for that block, or a whole-model plan")
         self.plan = plan
         self.world_size = plan.num_ranks
         self.dtype = dtype_of(dtype)
