@@ -413,7 +413,7 @@ class Plan:
     devices: list[Device]
     links: Links
     stages: list[Stage]
-    layer_home: list[int]  # index = layer
+    layer_home: list[int | None]  # index = layer; None: outside a block plan's layer_range
     expert_placement: dict[int, list[list[int]]]  # MoE layer -> [expert id] -> ranks, primary first
     embedding_rank: int
     lm_head_rank: int
@@ -510,8 +510,8 @@ class Plan:
         """This plan with every layer's dense work (and the LM head) split over `parts` ranks of its home's host
         and stage: the home, then the ranks of that host in the stage with the most memory left (greedy, layer
         by layer, so the moved weights land where they fit); a block plan splits its block's layers, and the head
-        when it has it. PlanError if a stage has fewer than `parts` ranks
-        on a host, the heads / hidden units do not divide by `parts`, or a device overflows."""
+        when it has it. PlanError if a stage has fewer than `parts` ranks on a host, the heads / hidden units do
+        not divide by `parts`, or a device overflows."""
         if parts < 1:
             raise PlanError("a dense split needs at least 1 part")
         dtype = self.dense_dtype if dense_dtype is None else dense_dtype
