@@ -16,13 +16,15 @@ File format (YAML or JSON, chosen by the file suffix; `format: k3-placement-plan
     links:                         # one message of B bytes takes latency + B / bandwidth
       intra_host: {kind, bandwidth, latency}
       inter_host: {kind, bandwidth, latency}
+    layer_range: [24, 36]          # optional (a block plan): the plan places only layers [start, stop) (a swarm
+                                   # stage's block); absent = the whole model
     stages:                        # contiguous layer groups; layers = [first, end) half-open
       - {index, layers: [first, end], ranks: [...]}
     embedding_rank: 0              # holds the input embedding table (a rank of stage 0)
     lm_head_rank: 7                # holds the final norm and LM head (a rank of the last stage)
     lm_head_split: [7, 6]          # optional: ranks of one host splitting the LM head by vocabulary
     dense_dtype: bf16              # optional: bf16 (the checkpoint's dense weights) | fp8 (e4m3, per-row scales)
-    layers:                        # one record per decoder layer, zero-based
+    layers:                        # one record per decoder layer (of the block), zero-based
       - {layer, attention: kda|mla, mlp: dense|moe, stage, home,
          dense_split: [home, r],   # optional: ranks of the home's host splitting the dense work (home first)
          experts: [[ranks], ...]}  # MoE only: position = expert id; the ranks holding a copy,
@@ -33,6 +35,15 @@ File format (YAML or JSON, chosen by the file suffix; `format: k3-placement-plan
     prediction: {...}              # cost model summary (seconds, tokens/s, tokens/J)
 
 Units are SI base units throughout: bytes, bytes/s, FLOP/s, seconds, watts.
+
+A block plan (`layer_range: [start, stop)`) places one contiguous block of layers, what a swarm stage miner
+serves over its own devices: its stages cover exactly [start, stop), its `layers` records list exactly those
+layers, and nothing outside the block has a home, an expert placement or a dense split (in memory
+`layer_home` keeps one entry per model layer, None outside the block). Its memory counts only the block's
+layers, their experts and per-session state, the embedding only when start == 0, and the final norm and LM
+head only when stop == num_layers; `embedding_rank` / `lm_head_rank` are still written (the first stage's and
+the last stage's ranks) but hold nothing when the block lacks them. Files without `layer_range` are
+whole-model plans, read and validated as before. The cost model and the planner work on whole-model plans.
 `home` runs the layer's attention, router, latent projections and shared experts (or the
 dense MLP of layer 0); it also holds that layer's KDA state / MLA cache reservation.
 With `dense_split` the attention heads, the shared experts' (or dense MLP's) hidden units and
@@ -77,6 +88,8 @@ CONVENTIONS = {
                    "units; one input broadcast and one partial-sum reduce per block; absent = the home alone",
     "dense_dtype": "bf16: dense weights as the checkpoint has them; fp8: float8_e4m3fn with one fp32 scale per "
                    "output channel (routed experts stay MXFP4)",
+    "layer_range": "optional [start, stop): a block plan places only those layers (embedding if start is 0, "
+                   "head if stop is the layer count); absent = the whole model",
 }
 
 DENSE_DTYPES = ("bf16", "fp8")
@@ -290,10 +303,13 @@ class DeviceMemory:
         return d
 
 
-def buffer_bytes(config: ModelConfig, homed_layers: list[int], holds_experts: bool, policy: MemoryPolicy) -> int:
-    """Runtime reserve plus activation workspace for one prefill chunk and its messages."""
+def buffer_bytes(config: ModelConfig, homed_layers: list[int], holds_experts: bool, policy: MemoryPolicy,
+                 last_hop: int | None = None) -> int:
+    """Runtime reserve plus activation workspace for one prefill chunk and its messages. `last_hop`: the widest
+    residual state the ranks move is the one entering that layer (the block's stop; default num_layers, the
+    head)."""
     chunk, D = policy.prefill_chunk_tokens, config.hidden_size
-    sources = attn_res_sources(config, config.num_layers)
+    sources = attn_res_sources(config, config.num_layers if last_hop is None else last_hop)
     total = policy.runtime_reserved_bytes
     if homed_layers:
         widest = 0
@@ -327,13 +343,17 @@ def compute_memory(
     dense_groups: dict[int, tuple[int, ...]] | None = None,
     lm_head_group: tuple[int, ...] = (),
     dense_dtype: str = "bf16",
+    layer_range: tuple[int, int] | None = None,
 ) -> list[DeviceMemory]:
     """Per-device memory of a layout: the one accounting both the planner and validation use.
 
     A split layer's dense weights are divided over its group as the runtime reads them (`split_layer_bytes`:
     the split tensors evenly, the low-rank ones on every rank, the rest on the home; each also holds a KDA
     state or MLA cache share: its heads' KDA state, a full MLA latent cache); fp8 halves the dense weight
-    bytes."""
+    bytes. `layer_range` [start, stop) (a block plan): only those layers' weights, experts and per-session
+    state count, the embedding only when start == 0, the final norm and LM head only when stop == num_layers;
+    homes and placements outside it are ignored."""
+    start, stop = layer_range or (0, config.num_layers)
     n = len(devices)
     dense = [0] * n
     experts = [0] * n
@@ -344,7 +364,8 @@ def compute_memory(
     mla_per_layer = mla_reserve_per_layer(config, concurrency, context, policy.cache_dtype_bytes)
     scale = DENSE_DTYPE_SCALE.get(dense_dtype, 1.0)
     groups = dense_groups or {}
-    for layer, home in enumerate(layer_home):
+    for layer in range(start, stop):
+        home = layer_home[layer]
         group = groups.get(layer) or (home,)
         home_bytes, other_bytes = split_layer_bytes(config, layer, len(group))
         for r in group:
@@ -355,14 +376,18 @@ def compute_memory(
                 kda[r] += kda_per_layer // len(group)
         homed[home].append(layer)
     eb = config.expert_bytes()
-    for holders in expert_placement.values():
+    for layer, holders in expert_placement.items():
+        if not start <= layer < stop:
+            continue
         counts = np.bincount(np.fromiter((r for h in holders for r in h), dtype=np.int64), minlength=n)
         for r in range(n):
             experts[r] += int(counts[r]) * eb
-    dense[embedding_rank] += embedding_bytes(config)
-    head_group = lm_head_group or (lm_head_rank,)
-    for r, nbytes in zip(head_group, split_head_bytes(config, len(head_group))):
-        dense[r] += int(nbytes * scale)
+    if start == 0:
+        dense[embedding_rank] += embedding_bytes(config)
+    if stop == config.num_layers:
+        head_group = lm_head_group or (lm_head_rank,)
+        for r, nbytes in zip(head_group, split_head_bytes(config, len(head_group))):
+            dense[r] += int(nbytes * scale)
     out = []
     for d in devices:
         r = d.rank
@@ -372,7 +397,7 @@ def compute_memory(
             weights_experts=experts[r],
             kda_state=kda[r],
             mla_cache=mla[r],
-            buffers=buffer_bytes(config, homed[r], experts[r] > 0, policy),
+            buffers=buffer_bytes(config, homed[r], experts[r] > 0, policy, stop),
             headroom=int(policy.headroom_fraction * d.memory_bytes),
             capacity=d.memory_bytes,
         ))
@@ -388,7 +413,7 @@ class Plan:
     devices: list[Device]
     links: Links
     stages: list[Stage]
-    layer_home: list[int]  # index = layer
+    layer_home: list[int | None]  # index = layer; None: outside a block plan's layer_range
     expert_placement: dict[int, list[list[int]]]  # MoE layer -> [expert id] -> ranks, primary first
     embedding_rank: int
     lm_head_rank: int
@@ -401,11 +426,34 @@ class Plan:
     dense_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)  # split layer -> ranks, home first
     lm_head_group: tuple[int, ...] = ()  # ranks splitting the LM head, lm_head_rank first (empty: it alone)
     dense_dtype: str = "bf16"
+    layer_range: tuple[int, int] | None = None  # a block plan's [start, stop); None: the whole model
 
     # ---------------------------------------------------------------- queries
     @property
     def num_ranks(self) -> int:
         return len(self.devices)
+
+    @property
+    def block(self) -> range:
+        """The layers this plan places: its layer_range, or every layer."""
+        start, stop = self.layer_range or (0, len(self.layer_home))
+        return range(start, stop)
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.block.start == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.block.stop == len(self.layer_home)
+
+    def covers(self, start: int, stop: int) -> bool:
+        """Whether the layers [start, stop) all lie in this plan's block."""
+        return self.block.start <= start < stop <= self.block.stop
+
+    def _placed(self, layer: int) -> None:
+        if layer not in self.block:
+            raise PlanError(f"layer {layer} is outside this plan's block [{self.block.start}, {self.block.stop})")
 
     def model_config(self) -> ModelConfig:
         config = ModelConfig.from_hf_config(self.hf_config)
@@ -420,6 +468,7 @@ class Plan:
         raise PlanError(f"layer {layer} is in no stage")
 
     def home_of(self, layer: int) -> int:
+        self._placed(layer)
         return self.layer_home[layer]
 
     def expert_holders(self, layer: int, expert: int) -> list[int]:
@@ -429,6 +478,7 @@ class Plan:
 
     def ranks_for_layer(self, layer: int) -> list[int]:
         """Every rank holding part of `layer`: its home and every expert holder."""
+        self._placed(layer)
         ranks = {self.layer_home[layer]}
         for holders in self.expert_placement.get(layer, ()):
             ranks.update(holders)
@@ -439,6 +489,7 @@ class Plan:
 
     def dense_group(self, layer: int) -> tuple[int, ...]:
         """The ranks doing layer `layer`'s dense work, its home first (the home alone when not split)."""
+        self._placed(layer)
         return self.dense_groups.get(layer) or (self.layer_home[layer],)
 
     def head_group(self) -> tuple[int, ...]:
@@ -458,8 +509,9 @@ class Plan:
     def with_dense_split(self, config: ModelConfig, parts: int, dense_dtype: str | None = None) -> "Plan":
         """This plan with every layer's dense work (and the LM head) split over `parts` ranks of its home's host
         and stage: the home, then the ranks of that host in the stage with the most memory left (greedy, layer
-        by layer, so the moved weights land where they fit). PlanError if a stage has fewer than `parts` ranks
-        on a host, the heads / hidden units do not divide by `parts`, or a device overflows."""
+        by layer, so the moved weights land where they fit); a block plan splits its block's layers, and the head
+        when it has it. PlanError if a stage has fewer than `parts` ranks on a host, the heads / hidden units do
+        not divide by `parts`, or a device overflows."""
         if parts < 1:
             raise PlanError("a dense split needs at least 1 part")
         dtype = self.dense_dtype if dense_dtype is None else dense_dtype
@@ -468,12 +520,13 @@ class Plan:
         if parts > 1:
             base = compute_memory(config, self.devices, self.layer_home, self.expert_placement, self.embedding_rank,
                                   self.lm_head_rank, self.concurrency, self.context, self.memory_policy,
-                                  dense_dtype=dtype)
+                                  dense_dtype=dtype, layer_range=self.layer_range)
             free = {m.rank: m.free for m in base}
             scale = DENSE_DTYPE_SCALE[dtype]
-            jobs = [(layer, self.stage_of(layer), home, layer_weights(config, layer).total_bytes)
-                    for layer, home in enumerate(self.layer_home)]
-            jobs.append((None, self.stages[-1], self.lm_head_rank, lm_head_bytes(config)))
+            jobs = [(layer, self.stage_of(layer), self.layer_home[layer], layer_weights(config, layer).total_bytes)
+                    for layer in self.block]
+            if self.has_head:
+                jobs.append((None, self.stages[-1], self.lm_head_rank, lm_head_bytes(config)))
             for layer, stage, home, nbytes in sorted(jobs, key=lambda j: -j[3]):  # biggest first
                 what = "the LM head" if layer is None else f"layer {layer}"
                 self._host_group(stage, home, parts, what)  # enough ranks on the host, or PlanError
@@ -501,7 +554,7 @@ class Plan:
                                    prediction={})
         plan.memory = compute_memory(config, plan.devices, plan.layer_home, plan.expert_placement,
                                      plan.embedding_rank, plan.lm_head_rank, plan.concurrency, plan.context,
-                                     plan.memory_policy, groups, head_group, dtype)
+                                     plan.memory_policy, groups, head_group, dtype, plan.layer_range)
         plan.validate(config)
         return plan
 
@@ -539,8 +592,16 @@ class Plan:
         if [d.rank for d in self.devices] != list(range(n)):
             problems.append("device ranks must be 0..N-1 in order")
         ranks = set(range(n))
-        # stages: contiguous, covering every layer, disjoint device groups
-        expected_first, seen_ranks = 0, set()
+        start, stop = 0, config.num_layers
+        if self.layer_range is not None:
+            a, b = self.layer_range
+            if not 0 <= a < b <= config.num_layers:
+                problems.append(f"layer_range [{a}, {b}) is not a block of the model's {config.num_layers} layers")
+            else:
+                start, stop = a, b
+        block = range(start, stop)
+        # stages: contiguous, covering every layer of the block, disjoint device groups
+        expected_first, seen_ranks = start, set()
         for i, st in enumerate(self.stages):
             if st.index != i:
                 problems.append(f"stage {i} has index {st.index}")
@@ -557,12 +618,16 @@ class Plan:
             if seen_ranks & set(st.ranks):
                 problems.append(f"stage {i} shares ranks {sorted(seen_ranks & set(st.ranks))} with another stage")
             seen_ranks |= set(st.ranks)
-        if expected_first != config.num_layers:
-            problems.append(f"stages cover layers [0, {expected_first}), the model has {config.num_layers}")
+        if expected_first != stop:
+            whole = f"the block is [{start}, {stop})" if self.layer_range else f"the model has {config.num_layers}"
+            problems.append(f"stages cover layers [{start}, {expected_first}), {whole}")
         if len(self.layer_home) != config.num_layers:
             problems.append(f"{len(self.layer_home)} layer homes for {config.num_layers} layers")
+        outside = [layer for layer, home in enumerate(self.layer_home) if layer not in block and home is not None]
+        if outside:
+            problems.append(f"layers {outside} lie outside the block [{start}, {stop}) but have a home")
         stage_ranks = {}
-        for layer in range(min(len(self.layer_home), config.num_layers)):
+        for layer in block if len(self.layer_home) == config.num_layers else ():
             try:
                 st = self.stage_of(layer)
             except PlanError as exc:
@@ -572,9 +637,10 @@ class Plan:
             if self.layer_home[layer] not in st.ranks:
                 problems.append(f"layer {layer}: home rank {self.layer_home[layer]} is not in stage {st.index}")
         # experts
-        moe = set(config.moe_layers)
+        moe = set(config.moe_layers) & set(block)
         for layer in sorted(set(self.expert_placement) - moe):
-            problems.append(f"layer {layer} is not a MoE layer but has an expert placement")
+            problems.append(f"layer {layer} is not a MoE layer but has an expert placement" if layer in block else
+                            f"layer {layer} lies outside the block [{start}, {stop}) but has an expert placement")
         for layer in sorted(moe):
             holders = self.expert_placement.get(layer)
             if holders is None:
@@ -606,7 +672,8 @@ class Plan:
         if not problems:
             fresh = compute_memory(config, self.devices, self.layer_home, self.expert_placement,
                                    self.embedding_rank, self.lm_head_rank, self.concurrency, self.context,
-                                   self.memory_policy, self.dense_groups, self.lm_head_group, self.dense_dtype)
+                                   self.memory_policy, self.dense_groups, self.lm_head_group, self.dense_dtype,
+                                   self.layer_range)
             if len(self.memory) != n:
                 problems.append(f"memory lists {len(self.memory)} devices, the plan has {n}")
             else:
@@ -638,10 +705,17 @@ class Plan:
         n = len(self.devices)
         checks = [(f"layer {layer}", layer, group) for layer, group in sorted(self.dense_groups.items())]
         if self.lm_head_group:
-            checks.append(("the LM head", None, self.lm_head_group))
+            if self.layer_range is not None and self.layer_range[1] != config.num_layers:
+                problems.append(f"lm_head_split {list(self.lm_head_group)}, but the block "
+                                f"[{self.layer_range[0]}, {self.layer_range[1]}) has no LM head")
+            else:
+                checks.append(("the LM head", None, self.lm_head_group))
         for what, layer, group in checks:
             if layer is not None and not 0 <= layer < min(config.num_layers, len(self.layer_home)):
                 problems.append(f"dense_split for {what}, which does not exist")
+                continue
+            if layer is not None and self.layer_home[layer] is None:
+                problems.append(f"dense_split for {what}, which lies outside the plan's block")
                 continue
             home = self.layer_home[layer] if layer is not None else self.lm_head_rank
             if not group or group[0] != home:
@@ -677,7 +751,8 @@ class Plan:
             moe_cfg = self.model_config()
         except (PlanError, ConfigError):
             pass
-        for layer, home in enumerate(self.layer_home):
+        for layer in self.block:
+            home = self.layer_home[layer]
             stage = self.stage_of(layer).index
             holders = self.expert_placement.get(layer)
             rec = {
@@ -706,6 +781,7 @@ class Plan:
             "devices": [dataclasses.asdict(d) for d in self.devices],
             "links": {"intra_host": dataclasses.asdict(self.links.intra_host),
                       "inter_host": dataclasses.asdict(self.links.inter_host)},
+            **({"layer_range": list(self.layer_range)} if self.layer_range is not None else {}),
             "stages": [{"index": s.index, "layers": [s.first_layer, s.end_layer], "ranks": list(s.ranks)}
                        for s in self.stages],
             "embedding_rank": self.embedding_rank,
@@ -776,12 +852,33 @@ class Plan:
                 raise PlanError(f"{source}: {w}.layers must be [first, end] (half-open), got {lay!r}")
             stages.append(Stage(index=r.get(s, "index", int, w), first_layer=lay[0], end_layer=lay[1],
                                 ranks=tuple(r.int_list(r.get(s, "ranks", list, w), f"{w}.ranks"))))
-        layer_home, placement, dense_groups = [], {}, {}
-        for i, rec in enumerate(r.get(data, "layers", list)):
-            w = f"layers[{i}]"
+        layer_range = None
+        if data.get("layer_range") is not None:
+            value = data["layer_range"]
+            ok = isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+            layer_range = tuple(value) if ok else ()
+            if len(layer_range) != 2 or not 0 <= layer_range[0] < layer_range[1]:
+                raise PlanError(f"{source}: layer_range must be [start, stop) with 0 <= start < stop, "
+                                f"got {data['layer_range']!r}")
+            try:
+                num_layers = ModelConfig.from_hf_config(r.get(model, "hf_config", dict, "model")).num_layers
+            except (ConfigError, TypeError, ValueError, KeyError) as exc:
+                raise PlanError(f"{source}: model.hf_config is not a model config ({exc})") from None
+            if num_layers < layer_range[1]:
+                raise PlanError(f"{source}: layer_range {list(layer_range)} does not fit the model's {num_layers} "
+                                "layers")
+        first = layer_range[0] if layer_range else 0
+        layer_home, placement, dense_groups = [None] * first, {}, {}
+        records = r.get(data, "layers", list)
+        if layer_range and len(records) != layer_range[1] - first:
+            raise PlanError(f"{source}: layers lists {len(records)} records, the block [{first}, {layer_range[1]}) "
+                            f"has {layer_range[1] - first} layers")
+        for i, rec in enumerate(records, start=first):
+            w = f"layers[{i - first}]"
             r.mapping(rec, w)
             if r.get(rec, "layer", int, w) != i:
-                raise PlanError(f"{source}: {w}.layer is {rec['layer']}, layers must be listed in order from 0")
+                raise PlanError(f"{source}: {w}.layer is {rec['layer']}, layers must be listed in order from "
+                                f"{first}")
             layer_home.append(r.get(rec, "home", int, w))
             if rec.get("dense_split") is not None:
                 group = tuple(r.int_list(rec["dense_split"], f"{w}.dense_split"))
@@ -792,6 +889,8 @@ class Plan:
                 if not isinstance(experts, list):
                     raise PlanError(f"{source}: {w}.experts must be a list of rank lists or null")
                 placement[i] = [r.int_list(h, f"{w}.experts[{e}]") for e, h in enumerate(experts)]
+        if layer_range:  # the layers after the block have no home either
+            layer_home += [None] * (num_layers - layer_range[1])
         head_group = tuple(r.int_list(data.get("lm_head_split") or [], "lm_head_split"))
         dense_dtype = data.get("dense_dtype", "bf16")
         if dense_dtype not in DENSE_DTYPES:
@@ -829,6 +928,7 @@ class Plan:
             dense_groups=dense_groups,
             lm_head_group=head_group if len(head_group) > 1 else (),
             dense_dtype=dense_dtype,
+            layer_range=layer_range,
         )
 
     # ------------------------------------------------------- local plans
@@ -848,9 +948,12 @@ class Plan:
         preset: str | None = None,
         dense_split: int = 1,
         dense_dtype: str = "bf16",
+        layer_range: tuple[int, int] | None = None,
     ) -> "Plan":
         """A plan for `num_ranks` local processes on one host, without a cluster file.
 
+        `layer_range` [start, stop): a block plan placing only those layers (a swarm stage's block; what the
+        modes below split is then the block's layers, not the model's).
         `dense_split` > 1 splits every layer's dense work (and the LM head) over that many ranks of its stage
         (`with_dense_split`); `dense_dtype` "fp8" stores the dense weights in float8 e4m3.
         mode "pipeline": one stage per rank, layers split evenly, each layer's experts with it.
@@ -866,6 +969,13 @@ class Plan:
         if mode not in ("pipeline", "expert", "both"):
             raise PlanError(f"mode must be 'pipeline', 'expert' or 'both', got {mode!r}")
         L, E = config.num_layers, config.num_experts
+        if layer_range is not None:
+            layer_range = (int(layer_range[0]), int(layer_range[1]))
+            if not 0 <= layer_range[0] < layer_range[1] <= L:
+                raise PlanError(f"layer_range {list(layer_range)} is not a block [start, stop) of 0..{L}")
+            if layer_range == (0, L):
+                layer_range = None  # the whole model
+        block = list(range(*(layer_range or (0, L))))
         if mode == "pipeline":
             groups = [[r] for r in range(num_ranks)]
         elif mode == "expert":
@@ -875,16 +985,16 @@ class Plan:
                 raise PlanError(f"mode 'both' needs at least 3 ranks and 2 <= stages < ranks "
                                 f"(got {num_ranks} ranks, {stages} stages)")
             groups = [list(g) for g in _split_even(list(range(num_ranks)), stages, extra_last=True)]
-        if len(groups) > L:
-            raise PlanError(f"{len(groups)} stages for {L} layers: every stage needs a layer")
+        if len(groups) > len(block):
+            raise PlanError(f"{len(groups)} stages for {len(block)} layers: every stage needs a layer")
         if replicas < 0:
             raise PlanError("replicas must be >= 0")
         if replicas and any(len(g) < 2 for g in groups):
             raise PlanError(f"replicas need at least two ranks in every stage (mode {mode!r}, {num_ranks} ranks)")
         if replicas > E * (min(len(g) for g in groups) - 1):
             raise PlanError(f"at most {E * (min(len(g) for g in groups) - 1)} replicas fit per layer")
-        layer_groups = _split_even(list(range(L)), len(groups), extra_last=False)
-        stage_list, layer_home, placement = [], [0] * L, {}
+        layer_groups = _split_even(block, len(groups), extra_last=False)
+        stage_list, layer_home, placement = [], [0 if layer_range is None else None] * L, {}
         for s, (ranks, layers) in enumerate(zip(groups, layer_groups)):
             stage_list.append(Stage(s, layers[0], layers[-1] + 1, tuple(ranks)))
             G = len(ranks)
@@ -907,20 +1017,21 @@ class Plan:
         devices = [Device(rank=r, host="localhost", kind="cpu-process", memory_bytes=memory_bytes,
                           mem_bandwidth=10e9, flops=100e9, power_w=0.0) for r in range(num_ranks)]
         loopback = Link(bandwidth=2e9, latency=75e-6, kind="loopback gloo")
-        embedding_rank, lm_head_rank = layer_home[0], layer_home[-1]
+        embedding_rank, lm_head_rank = layer_home[block[0]], layer_home[block[-1]]
         memory = compute_memory(config, devices, layer_home, placement, embedding_rank, lm_head_rank,
-                                concurrency, context, policy)
+                                concurrency, context, policy, layer_range=layer_range)
+        where = f"-layers{layer_range[0]}-{layer_range[1]}" if layer_range else ""
         plan = cls(
             config_hash=config.config_hash(), hf_config=config.to_hf_config(), preset=preset,
             devices=devices, links=Links(loopback, loopback), stages=stage_list, layer_home=layer_home,
             expert_placement=placement, embedding_rank=embedding_rank, lm_head_rank=lm_head_rank,
             concurrency=concurrency, context=context, memory=memory, memory_policy=policy,
-            cluster_name=f"local-{mode}-{num_ranks}",
+            cluster_name=f"local-{mode}-{num_ranks}{where}", layer_range=layer_range,
         )
         plan.validate(config)
         if dense_split > 1 or dense_dtype != "bf16":
             plan = plan.with_dense_split(config, dense_split, dense_dtype)
-            plan.cluster_name = f"local-{mode}-{num_ranks}-split{dense_split}-{dense_dtype}"
+            plan.cluster_name = f"local-{mode}-{num_ranks}{where}-split{dense_split}-{dense_dtype}"
         return plan
 
 

@@ -147,7 +147,9 @@ class ShardedModel:
         dense_split=..., dense_dtype=...)`: dense_split > 1 splits every layer's attention, shared experts and
         the LM head over that many ranks of its stage; dense_dtype "fp8" holds the dense weights in e4m3.
         `layers` [start, stop): serve only this block of layers (a swarm stage), driven by `forward_block`;
-        the ranks load only the block's tensors of what the plan gives them."""
+        the ranks load only the block's tensors of what the plan gives them. The plan must cover the block (a
+        whole-model plan covers every block); with no plan the simple plan is made for the block alone
+        (`Plan.simple(..., layer_range=layers)`), and a block plan given without `layers` serves its block."""
         self.checkpoint = str(Path(checkpoint).resolve())
         self.config = read_config(self.checkpoint)
         if layers is not None and not 0 <= layers[0] < layers[1] <= self.config.num_layers:
@@ -164,8 +166,11 @@ class ShardedModel:
         elif plan is None:
             if not shards:
                 raise ValueError("give a plan or a shard count")
-            plan = Plan.simple(self.config, shards, mode, replicas, dense_split=dense_split, dense_dtype=dense_dtype)
+            plan = Plan.simple(self.config, shards, mode, replicas, dense_split=dense_split, dense_dtype=dense_dtype,
+                               layer_range=self.layer_range)
             self.plan_source = f"simple {mode} x{shards}" + (f", {replicas} replicas per layer" if replicas else "")
+            if self.layer_range:
+                self.plan_source += f", layers {self.layer_range[0]}-{self.layer_range[1] - 1}"
             if dense_split > 1:
                 self.plan_source += f", dense split x{dense_split}"
             if dense_dtype != "bf16":
@@ -173,6 +178,12 @@ class ShardedModel:
         if shards and plan.num_ranks != shards:
             raise PlanError(f"the plan places the model on {plan.num_ranks} ranks, but {shards} shards were asked for")
         plan.validate(self.config)
+        if self.layer_range is None and plan.layer_range is not None:
+            self.layer_range = plan.layer_range  # a block plan serves its block
+        first, end = self.layer_range or (0, self.config.num_layers)
+        if not plan.covers(first, end):
+            raise PlanError(f"the plan places layers [{plan.block.start}, {plan.block.stop}), not the requested "
+                            f"block [{first}, {end}): give a plan for that block, or a whole-model plan")
         self.plan = plan
         self.world_size = plan.num_ranks
         self.dtype = dtype_of(dtype)

@@ -127,9 +127,9 @@ def shard_selection(plan: Plan, rank: int, layer_range: tuple[int, int] | None =
                     split: "SplitParts | None" = None) -> TensorSelection:
     """The tensors `rank` holds under `plan`: its home layers, the experts placed on it, embedding and head, and
     (`split`, from `split_shard_model`) only its parts of the split tensors it shares, including those of layers
-    homed elsewhere. `layer_range` [start, stop): only what those layers need (the embedding only when start
-    is 0, the head only when stop is the last layer + 1)."""
-    start, stop = layer_range or (0, len(plan.layer_home))
+    homed elsewhere. `layer_range` [start, stop) (default: the plan's block): only what those layers need (the
+    embedding only when start is 0, the head only when stop is the last layer + 1)."""
+    start, stop = layer_range or (plan.block.start, plan.block.stop)
     split = split or SplitParts()
     head = stop == len(plan.layer_home)
 
@@ -183,8 +183,9 @@ def shard_read_bytes(config: ModelConfig, plan: Plan, rank: int, whole_layers: b
         select = shard_selection(plan, rank, split=split)
     else:
         select = TensorSelection.shard(set(plan.layers_homed_on(rank)) | set(plan.layers_split_with(rank)),
-                                       plan.experts_on(rank), embedding=rank == plan.embedding_rank,
-                                       head=rank in head)
+                                       plan.experts_on(rank),
+                                       embedding=rank == plan.embedding_rank and plan.has_embedding,
+                                       head=rank in head and plan.has_head)
     out = {"dense": 0, "experts": 0, "largest": 0}
     for name, spec in specs.items():
         key = model_key(name)
@@ -457,7 +458,7 @@ class ShardRank:
             raise ValueError(f"the plan has {self.plan.num_ranks} devices, the shard set {args.world_size} ranks")
         self.device = device
         self.dtype = dtype_of(args.dtype)
-        self.start, self.stop = args.layer_range or (0, self.config.num_layers)
+        self.start, self.stop = args.layer_range or (self.plan.block.start, self.plan.block.stop)
         t0 = time.perf_counter()
         self.model, self.load_report = load_shard_model(self.config, self.plan, rank, args.checkpoint, self.dtype,
                                                         device, layer_range=(self.start, self.stop))
@@ -494,7 +495,9 @@ class ShardRank:
             "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device),
             "homed_layers": self.homed,
             "experts": {str(layer): ids for layer, ids in self.plan.experts_on(self.rank).items()},
-            "embedding": self.rank == self.plan.embedding_rank, "lm_head": self.rank == self.plan.lm_head_rank,
+            # what this rank holds of the block it serves (the embedding only from layer 0, the head only to the end)
+            "embedding": self.rank == self.plan.embedding_rank and self.start == 0,
+            "lm_head": self.rank == self.plan.lm_head_rank and self.stop == self.config.num_layers,
             "dense_split_layers": self.helped, "dense_dtype": self.plan.dense_dtype,
             "resident_bytes": tensor_nbytes(self.model, resident=True),
             "model_bytes": tensor_nbytes(self.model, resident=False),

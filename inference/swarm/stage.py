@@ -162,36 +162,28 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
 SHARD_MODES = ("expert", "pipeline")
 
 
-def block_pipeline_plan(config: ModelConfig, layers: LayerRange, ranks: int):
-    """A plan for `ranks` local processes running the block `layers` as a pipeline: rank r is the home of the
-    r-th contiguous sub-block of the block's layers (sizes differ by at most one, the larger ones first) and
-    holds every expert of its layers. The plan must still cover the whole model, so the layers before the block
-    belong to rank 0's stage and those after it to the last rank's; a block-restricted shard set
-    (`ShardedModel(layers=...)`) never loads or runs them. The embedding sits on rank 0 and the head on the
-    last rank (used only when the block has them)."""
-    from inference.planning.plan import Plan, compute_memory  # noqa: PLC0415
-    from inference.planning.plan import Stage as PlanStage  # noqa: PLC0415
+def block_plan(config: ModelConfig, layers: LayerRange, ranks: int, mode: str = "expert", **simple):
+    """A block plan (`Plan.layer_range`) for `ranks` local processes serving the block `layers`: it places only
+    the block's layers (the embedding when it starts at 0, the head when it ends with the last layer), and its
+    memory counts only what the ranks load. mode "expert": one stage over every rank, layer homes rotating, each
+    MoE layer's experts spread over all ranks; "pipeline": rank r is the home of the r-th contiguous sub-block
+    of the block's layers (sizes differ by at most one, the larger ones first) and holds every expert of its
+    layers. `simple`: further `Plan.simple` keywords (memory_bytes, policy, concurrency, context, ...)."""
+    from inference.planning.plan import Plan  # noqa: PLC0415
 
+    if mode not in SHARD_MODES:
+        raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {mode!r}")
     size = layers.stop - layers.start
-    if not 1 <= ranks <= size:
+    if mode == "pipeline" and not 1 <= ranks <= size:
         raise ValueError(f"a pipeline over {ranks} ranks needs 1..{size} ranks for the block {layers}")
-    base = Plan.simple(config, ranks, "pipeline")
-    q, extra = divmod(size, ranks)
-    bounds, at = [], layers.start
-    for r in range(ranks):
-        at += q + (1 if r < extra else 0)
-        bounds.append(at)  # rank r's sub-block ends before bounds[r]
-    starts = [0] + bounds[:-1]
-    ends = bounds[:-1] + [config.num_layers]
-    stages = [PlanStage(r, starts[r], ends[r], (r,)) for r in range(ranks)]
-    home = [next(r for r in range(ranks) if layer < ends[r]) for layer in range(config.num_layers)]
-    placement = {layer: [[home[layer]] for _ in range(config.num_experts)] for layer in config.moe_layers}
-    memory = compute_memory(config, base.devices, home, placement, 0, ranks - 1, base.concurrency, base.context,
-                            base.memory_policy)
-    plan = replace(base, stages=stages, layer_home=home, expert_placement=placement, embedding_rank=0,
-                   lm_head_rank=ranks - 1, memory=memory, cluster_name=f"block-{layers}-pipeline-{ranks}")
-    plan.validate(config)
+    plan = Plan.simple(config, ranks, mode, layer_range=(layers.start, layers.stop), **simple)
+    plan.cluster_name = f"block-{layers}-{mode}-{ranks}"
     return plan
+
+
+def block_pipeline_plan(config: ModelConfig, layers: LayerRange, ranks: int, **simple):
+    """`block_plan` in pipeline mode: one contiguous sub-block of `layers` per rank."""
+    return block_plan(config, layers, ranks, "pipeline", **simple)
 
 
 # ------------------------------------------------------------------ errors and limits
@@ -312,9 +304,10 @@ class Stage:
                         shard_timeouts=None) -> "Stage":
         """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
         runtime). `shard_mode` "expert": layer homes rotate over the ranks and every MoE layer's experts are
-        spread over all of them; "pipeline": each rank holds a contiguous sub-block of the stage's layers
-        (`block_pipeline_plan`). The fingerprint is the same either way (computed from the block's tensors as
-        loaded here once, then dropped). `shard_timeouts`: the shard set's `ShardTimeouts` (None: its defaults)."""
+        spread over all of them; "pipeline": each rank holds a contiguous sub-block of the stage's layers (both
+        `block_plan`: a plan of the block alone). The fingerprint is the same either way (computed from the
+        block's tensors as loaded here once, then dropped). `shard_timeouts`: the shard set's `ShardTimeouts`
+        (None: its defaults)."""
         if shard_mode not in SHARD_MODES:
             raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {shard_mode!r}")
         config = read_config(checkpoint)
@@ -328,12 +321,11 @@ class Stage:
             from inference.sharding.driver import ShardedModel, ShardTimeouts  # noqa: PLC0415 (spawns processes)
 
             del model
-            plan = block_pipeline_plan(config, layers, shard_ranks) if shard_mode == "pipeline" else None
-            model = ShardedModel(checkpoint, plan, shards=shard_ranks, mode="expert", dtype=str(dtype).split(".")[-1],
+            plan = block_plan(config, layers, shard_ranks, shard_mode)
+            model = ShardedModel(checkpoint, plan, shards=shard_ranks, dtype=str(dtype).split(".")[-1],
                                  layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank,
                                  timeouts=shard_timeouts or ShardTimeouts())
-            if plan is not None:
-                model.plan_source = f"block pipeline x{shard_ranks}"
+            model.plan_source = f"block {shard_mode} x{shard_ranks}"
         stage = cls(model, layers, fp, limits)
         stage.shard_mode = shard_mode if shard_ranks > 1 else ""
         return stage
