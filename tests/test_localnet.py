@@ -123,7 +123,9 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
         blame, reason = cheaters[kind]["blame"], cheaters[kind]["reason"]
         assert blame["kind"] in ("challenge", "bisection"), (kind, blame)
         assert any(w in reason for w in ("diverge", "replays", "pass-through")), (kind, reason)
-        assert blame["challenges"] <= 3, (kind, blame)
+        # scripts/bench_stage_rounds.py measured 1-5 challenges to blame for every cheater kind; CI once took 5 for
+        # the replayer (a challenge whose forward lengths it has not served yet is answered honestly)
+        assert blame["challenges"] <= 8, (kind, blame)
     # the forwarder's answers are right (the honest spare's or the decoy's): the decoy catches it
     forwarder = cheaters["forwarder"]
     assert forwarder["blame"]["kind"] == "decoy" and "without saying so" in forwarder["reason"], forwarder

@@ -163,7 +163,8 @@ def test_planner_finds_a_shipped_cluster_by_name(installed):
 
 def test_installed_localnet_sets_up_a_devnet_the_installed_chain_cli_reads(installed):
     """Beyond --help: k3-localnet --setup-only (compose.yaml's setup service) from the installed package
-    makes the tiny checkpoint, the devnet, wallets, registrations and stake; k3-chain reads them back."""
+    copies the shipped trained tiny checkpoint, makes the devnet, wallets, registrations and stake; k3-chain
+    reads them back."""
     venv, elsewhere = installed
     run_dir = elsewhere / "net"
     setup = [str(venv / "bin" / "k3-localnet"), "--setup-only", "--run-dir", str(run_dir), "--miners", "2",
@@ -171,7 +172,9 @@ def test_installed_localnet_sets_up_a_devnet_the_installed_chain_cli_reads(insta
     proc = subprocess.run(setup, cwd=elsewhere, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     made = json.loads((run_dir / "localnet.json").read_text())
-    assert (elsewhere / "checkpoints" / "tiny" / "config.json").exists()
+    # the wheel ships the trained tiny K3, so the installed localnet serves it (copied next to the run)
+    assert (elsewhere / "checkpoints" / "tiny-trained" / "config.json").exists()
+    assert not (elsewhere / "checkpoints" / "tiny").exists()
     meta = subprocess.run([str(venv / "bin" / "k3-chain"), "metagraph", "--db", str(run_dir / "devnet.sqlite"),
                            "--netuid", str(made["netuid"]), "--json"], cwd=elsewhere, env=clean_env(),
                           capture_output=True, text=True, timeout=120)

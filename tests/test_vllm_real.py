@@ -141,6 +141,21 @@ async def wait_idle(server, timeout_s=30.0) -> float:
     raise AssertionError(f"vLLM still runs requests after {timeout_s} s")
 
 
+async def settled_metrics(server) -> str:
+    """vLLM's metrics once it is idle and its finished-request count has stopped moving: a request of an earlier
+    step (a capabilities probe, another test's stream) is counted a moment after it ends, and must not land
+    between a test's `before` and `after`."""
+    await wait_idle(server)
+    last = server.metrics()
+    for _ in range(20):
+        await asyncio.sleep(0.5)
+        now = server.metrics()
+        if metric_value(now, "vllm:request_success_total") == metric_value(last, "vllm:request_success_total"):
+            return now
+        last = now
+    raise AssertionError("vLLM's finished-request count kept moving while it was idle")
+
+
 async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
     server, _ = vllm
     async with engine(vllm) as e:
@@ -148,7 +163,7 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
         # counted from before the request: the tiny Llama generates 900 tokens in under 2 s on an idle machine,
         # and /metrics answers late while a stream is served, so a look at vLLM's running gauge after the first
         # tokens can come after the request has ended; the totals say whether it was cut short, whenever read
-        before = server.metrics()
+        before = await settled_metrics(server)
         stream = e.generate(GenerationRequest(prompt, SamplingParams(max_tokens=900, ignore_eos=True)))
         tokens, _ = await collect(stream, limit=3)
         assert len(tokens) == 3
@@ -181,7 +196,7 @@ async def test_leaving_a_benchmark_stream_aborts_the_request_on_the_server(vllm)
     try:
         await endpoint.capabilities(tokenizer)
         prompt = tokenizer.encode("def main(argv=None):\n    parser = argparse.ArgumentParser(", add_bos=True)
-        before = server.metrics()
+        before = await settled_metrics(server)
         request = bench.GenerateRequest(request_id="left", prompt_token_ids=prompt, max_tokens=900, logprobs=1)
         task = asyncio.create_task(endpoint.generate(request))
         await asyncio.sleep(0.3)  # a few tokens in (its first comes in tens of ms), far from 900
@@ -219,7 +234,7 @@ async def test_the_first_token_deadline_counts_from_the_start_and_aborts_the_req
     server, _ = vllm
     async with engine(vllm, first_token_floor_s=0.001, prefill_tokens_per_s=1e9) as e:
         long_prompt = (prompt_of(e) * 100)[: MAX_MODEL_LEN - 8]
-        before = server.metrics()
+        before = await settled_metrics(server)
         t0 = time.monotonic()
         with pytest.raises(EngineError) as err:
             await collect(e.generate(GenerationRequest(long_prompt, SamplingParams(max_tokens=4))))
