@@ -182,36 +182,6 @@ def assert_cut_short(before: str, after: str, max_tokens: int = 900) -> None:
     assert 0 < generated < max_tokens // 2
 
 
-async def test_leaving_a_benchmark_stream_aborts_the_request_on_the_server(vllm):
-    """The endpoint benchmark's own completions stream (aiohttp), left in the middle by a cancelled run:
-    its connection closes, so vLLM aborts the request."""
-    from inference.serving.remote import served_tokenizer
-    from neurons import benchmark as bench
-    from protocol.client import ClientTimeouts
-
-    server, meta = vllm
-    tokenizer = served_tokenizer(meta)  # the served model's tokenizer.json, as the benchmark reads it
-    endpoint = bench.OpenAIEndpoint(bench.TargetSettings(openai_url=server.url, model=MODEL_NAME),
-                                    ClientTimeouts(first_byte=60.0, between_events=30.0, total=120.0), concurrency=1,
-                                    ignore_eos=True)  # sampled at T = 1, the random Llama may draw its EOS early
-    try:
-        await endpoint.capabilities(tokenizer)
-        prompt = tokenizer.encode("def main(argv=None):\n    parser = argparse.ArgumentParser(", add_bos=True)
-        before = await settled_metrics(server)
-        request = bench.GenerateRequest(request_id="left", prompt_token_ids=prompt, max_tokens=900, logprobs=1)
-        task = asyncio.create_task(endpoint.generate(request))
-        await asyncio.sleep(0.3)  # a few tokens in (its first comes in tens of ms), far from 900
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await wait_idle(server, timeout_s=20)
-        after = server.metrics()
-    finally:
-        await endpoint.close()
-    assert_cut_short(before, after)
-
-
-@pytest.mark.exclusive  # two prefills timed against each other
 async def test_a_prefill_longer_than_the_stall_timeout_succeeds(vllm):
     # two prompts of the same length that share no prefix with each other or with the other tests' prompts:
     # vLLM caches prefixes, and a cached prefill is far shorter than the one measured
