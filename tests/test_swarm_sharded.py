@@ -1,6 +1,6 @@
 """A stage block sharded over the operator's own processes (`--shard-ranks N --shard-mode expert|pipeline`): the
 sharded runtime restricted to the block's layers (ShardedModel(layers=(A, B + 1))) over gloo ranks, expert parallel
-or as a pipeline of contiguous sub-blocks (`block_pipeline_plan`), taking and giving the residual state at the
+or as a pipeline of contiguous sub-blocks (`block_plan(..., "pipeline")`), taking and giving the residual state at the
 block's edges.
 
 - in process: a sharded block's output states (or head logprobs) equal the unsharded block's within 1e-4 (fp32)

@@ -181,11 +181,6 @@ def block_plan(config: ModelConfig, layers: LayerRange, ranks: int, mode: str = 
     return plan
 
 
-def block_pipeline_plan(config: ModelConfig, layers: LayerRange, ranks: int, **simple):
-    """`block_plan` in pipeline mode: one contiguous sub-block of `layers` per rank."""
-    return block_plan(config, layers, ranks, "pipeline", **simple)
-
-
 # ------------------------------------------------------------------ errors and limits
 class StageError(Exception):
     """A request the stage refuses; `status` is the HTTP status the wire answers with."""
