@@ -241,3 +241,12 @@ def test_a_shard_set_from_a_block_plan_file_reads_what_the_plan_says(ckpt, tmp_p
         assert sorted(i for info in model.ranks for i in info["homed_layers"]) == list(range(5, TINY.num_layers))
     finally:
         model.close()
+
+
+def test_the_cost_model_refuses_a_block_plan_and_prices_the_whole_model():
+    from inference.planning.cost_model import CostModel
+    with pytest.raises(ValueError, match=r"block plan of layers \[3, 9\)"):
+        CostModel(TINY, tiny_block_plan(3, 9, "expert"))
+    whole = tiny_block_plan(0, TINY.num_layers, "expert")
+    whole = dataclasses.replace(whole, layer_range=None)
+    assert CostModel(TINY, whole).token_time(context=64).tokens_per_s > 0

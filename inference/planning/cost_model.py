@@ -252,7 +252,12 @@ class CostModel:
     def __init__(self, config: ModelConfig, plan: Plan, params: CostParams | None = None,
                  routing: RoutingStats | None = None, coactivation: bool = True):
         """`routing` gives per-expert load (and co-activation, used unless coactivation=False);
-        without it every expert is equally likely."""
+        without it every expert is equally likely. A block plan (`plan.layer_range`, a swarm stage's own
+        devices) has no whole token to price and is refused."""
+        if plan.layer_range is not None:
+            start, stop = plan.layer_range
+            raise ValueError(f"the cost model prices whole-model plans; this is a block plan of layers "
+                             f"[{start}, {stop}) (price the swarm's route instead: inference.planning.swarm_plan)")
         self.config, self.plan = config, plan
         self.params = params = params or CostParams()
         self.k = config.experts_per_token
