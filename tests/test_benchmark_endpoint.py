@@ -59,6 +59,7 @@ async def miner(world, tmp_path):
     await server.start()
     yield server
     await server.close(grace_s=0.0)
+    server.nonce_store.close()
     await chain.close()
 
 
