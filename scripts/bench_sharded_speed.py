@@ -10,6 +10,8 @@
      gloo alpha and bandwidth plus the emulated link, this CPU's copy bandwidth and FLOP/s, fp32 activations,
      `return_logits`; the per-layer overhead (PyTorch eager on a CPU) is fitted per micro-batch size on a
      1-rank shard set, so the prediction's sharding terms (hops, link latency, pipelining) are what is checked.
+     The shard processes share this machine's cores, so the prediction has `shared_cores` set to them: in
+     flight, S stages' work cannot go faster than the cores (3 stages on 2 cores).
   3. Speculative decoding through the serving engine on the 2-stage shard set (one stream, greedy, ngram and
      suffix drafts), with the cost model's speed-up at the measured acceptance (`speculative_token_time`).
   4. Dense split: 1 process, 2 ranks as a 2-stage pipeline, and 2 ranks splitting every layer's attention,
@@ -49,6 +51,7 @@ TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "as
 LINKS = {"loopback": LinkEmulation(), "25 GbE": LinkEmulation(latency_ms=0.02, gbps=25.0),
          "WAN 30 ms": LinkEmulation(latency_ms=30.0, gbps=1.0)}
 TIMEOUTS = ShardTimeouts(comm=120, heartbeat=30, startup=300)
+CORES = len(os.sched_getaffinity(0))  # the shard processes share this machine's cores (CostParams.shared_cores)
 
 
 def decode_streams(model, streams: int, micro_batches: int, steps: int, prompt: int,
@@ -186,7 +189,8 @@ def main() -> None:
                 sequential = results[(stages, 1)][0]
                 for (m, f), (round_s, tokens) in results.items():
                     b = -(-opts.streams // m)
-                    predicted = CostModel(config, plan, fitted[b]).decode_round(opts.streams, m, context, f)
+                    params = dataclasses.replace(fitted[b], shared_cores=CORES)  # the ranks share this CPU
+                    predicted = CostModel(config, plan, params).decode_round(opts.streams, m, context, f)
                     rows.append(dict(stages=stages, link=link_name, micro=f"{m} x {b}", in_flight=f,
                                      tps=opts.streams / round_s, ratio=sequential / round_s,
                                      same="yes" if tokens == results[(1, 1)][1] else "no",

@@ -228,13 +228,40 @@ def test_cost_model_pipelined_round_is_the_loop_or_the_busiest_stage():
     model = CostModel(CONFIG, link_plan(3, 1e-3), CostParams(return_logits=True))
     for m in (1, 2, 3):
         r = model.decode_round(16, m, context=64)
-        times = [sum(st.values()) for st in model.stage_times(-(-16 // m), 64)]
-        assert r["round_s"] == pytest.approx(max(sum(times), m * max(times)))
+        loop = sum(sum(st.values()) for st in model.stage_times(-(-16 // m), 64))
+        busy = [sum(st.values()) for st in model.stage_times(-(-16 // m), 64, propagation=False)]
+        assert r["round_s"] == pytest.approx(max(loop, m * max(busy)))
         assert r["tokens_per_s"] == pytest.approx(16 / r["round_s"])
     assert model.throughput(16, context=64)["tokens_per_s"] == pytest.approx(
         max(model.decode_round(16, m, context=64)["tokens_per_s"] for m in (1, 2, 3)))
     with pytest.raises(ValueError):
         model.decode_round(4, 5)
+
+
+def test_link_latency_delays_the_loop_but_does_not_occupy_a_stage():
+    """30 ms one way between 2 stages: one micro-batch at a time pays it in the loop; with 2 in flight the
+    round is bound by the loop / 2, not by a stage 'busy' for the latency."""
+    slow, fast = (CostModel(CONFIG, link_plan(2, latency), CostParams(return_logits=True)) for latency in (0.03, 0.0))
+    one, two = slow.decode_round(16, 2, context=64, in_flight=1), slow.decode_round(16, 2, context=64)
+    assert one["loop_s"] - fast.decode_round(16, 2, context=64, in_flight=1)["loop_s"] == pytest.approx(
+        2 * 0.03, rel=1e-6)  # the loop crosses the link there and back
+    assert one["round_s"] == pytest.approx(2 * one["loop_s"])
+    assert two["round_s"] == pytest.approx(one["loop_s"]) and two["bound"] == "loop latency"
+    assert two["slowest_stage_s"] == pytest.approx(fast.decode_round(16, 2, context=64)["slowest_stage_s"])
+
+
+def test_stages_sharing_cores_cannot_run_faster_than_the_cores():
+    own = CostModel(CONFIG, link_plan(3, 0.0), CostParams(return_logits=True))
+    shared = CostModel(CONFIG, link_plan(3, 0.0), CostParams(return_logits=True, shared_cores=2))
+    busy = [sum(st.values()) for st in own.stage_times(6, 64, propagation=False)]
+    r = shared.decode_round(16, 3, context=64)
+    assert r["bound"] == "shared cores" and r["round_s"] == pytest.approx(3 * sum(busy) / 2)
+    assert own.decode_round(16, 3, context=64)["round_s"] < r["round_s"]
+    # one micro-batch at a time already runs one stage at once: the cores change nothing
+    assert shared.decode_round(16, 3, context=64, in_flight=1)["round_s"] == pytest.approx(
+        own.decode_round(16, 3, context=64, in_flight=1)["round_s"])
+    with pytest.raises(ValueError, match="shared_cores"):
+        CostParams(shared_cores=-1)
 
 
 def test_cost_model_logits_return_and_step_overhead():

@@ -23,8 +23,10 @@ bound: idle devices draw less).
 
 Pipelined decode (`decode_round`): the c streams go in m micro-batches of ceil(c / m), up to
 f of them in flight; each micro-batch's next step starts when its logits are back, so a round
-(every stream one token) takes m x max(loop latency / f, slowest stage), the loop and the stage
-times those of one micro-batch. f = 1 is one step at a time; f = m >= S keeps every stage busy
+(every stream one token) takes m x max(loop latency / f, slowest stage[, the stages' sum / N when
+`shared_cores` N: ranks that are processes on one CPU]), the loop and the stage
+times those of one micro-batch (a stage's time without the links' propagation latency, which
+delays a micro-batch but does not keep the stage from the next one). f = 1 is one step at a time; f = m >= S keeps every stage busy
 when the loop is short enough.
 
 Speculative decoding (`speculative_token_time`): a verify step runs 1 + k positions of one
@@ -79,6 +81,9 @@ class CostParams:
     return_logits: bool = False
     # Fixed cost of a step outside the layers: the driver's pipe to rank 0, the step header (0: none).
     step_overhead_s: float = 0.0
+    # 0: every device computes on its own. N: the plan's devices are processes sharing N CPU cores (an
+    # emulation on one machine), so the stages' work in a pipelined round cannot run faster than N at once.
+    shared_cores: int = 0
 
     def __post_init__(self):
         for name in ("mem_efficiency", "compute_efficiency", "link_efficiency"):
@@ -86,6 +91,8 @@ class CostParams:
                 raise ValueError(f"{name} must lie in (0, 1]")
         if self.dense_split < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("dense_split and prefill_chunk_tokens must be >= 1")
+        if self.shared_cores < 0:
+            raise ValueError("shared_cores must be >= 0 (0: devices do not share cores)")
 
     def with_overrides(self, overrides: dict | None) -> "CostParams":
         if not overrides:
@@ -293,11 +300,13 @@ class CostModel:
     def link_between(self, a: int, b: int):
         return self.plan.links.between(self.plan.devices[a], self.plan.devices[b])
 
-    def hop_time(self, src: int, dst: int, nbytes: float) -> float:
+    def hop_time(self, src: int, dst: int, nbytes: float, propagation: bool = True) -> float:
+        """One message: the link's one-way latency (left out with propagation=False: the time the message
+        occupies its sender, which can send the next one meanwhile) plus bytes / bandwidth."""
         link = self.link_between(src, dst)
         if link is None:
             return 0.0
-        return link.latency + nbytes / (link.bandwidth * self.params.link_efficiency)
+        return link.latency * propagation + nbytes / (link.bandwidth * self.params.link_efficiency)
 
     def _dense_split_feasible(self) -> bool:
         n = self.params.dense_split
@@ -483,16 +492,19 @@ class CostModel:
         return b * attn_res_sources(self.config, layer) * self.config.hidden_size * self.act_bytes
 
     def stage_times(self, b: int, positions: float, prefill: bool = False,
-                    components: bool = True) -> list[dict[str, float]]:
-        """Per stage, its time for one step of b tokens by category (the loop closes in the last)."""
+                    components: bool = True, propagation: bool = True) -> list[dict[str, float]]:
+        """Per stage, its time for one step of b tokens by category (the loop closes in the last). With
+        propagation=False the hops between stages count only their serialisation: how long the stage is
+        occupied, which bounds pipelined throughput (a link carries several micro-batches at once)."""
         c, plan = self.config, self.plan
         out = []
         for stage in plan.stages:
             acc = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
             for layer in stage.layers:
                 prev = plan.embedding_rank if layer == 0 else plan.layer_home[layer - 1]
-                hop = self.hop_time(prev, plan.layer_home[layer], self._hop_bytes(layer, b))
                 same_stage = layer > 0 and self.stage_of_layer[layer - 1] == stage.index
+                hop = self.hop_time(prev, plan.layer_home[layer], self._hop_bytes(layer, b),
+                                    propagation or same_stage)
                 acc["home_hops" if same_stage else "stage_hops"] += hop
                 for key, value in self.layer_time(layer, b, positions, prefill, components).items():
                     acc[key] += value
@@ -501,7 +513,7 @@ class CostModel:
                 acc["head"] += b * c.hidden_size * 2 / self.bw[emb]
             if stage.index == len(plan.stages) - 1:
                 last, head = plan.layer_home[c.num_layers - 1], plan.lm_head_rank
-                acc["stage_hops"] += self.hop_time(last, head, self._hop_bytes(c.num_layers, b))
+                acc["stage_hops"] += self.hop_time(last, head, self._hop_bytes(c.num_layers, b), propagation)
                 rows = 1 if prefill else b  # prefill needs logits of the last prompt token only
                 bw, fl, n = self.bw[head], self.fl[head], self.split_of(None)
                 acc["head"] += max(lm_head_bytes(c) * self.dense_scale / bw,
@@ -509,7 +521,7 @@ class CostModel:
                 acc["home_hops"] += self._block_sync(n, rows, c.vocab_size // n)
                 if not prefill:  # the sampled token (or the logits) goes back to the embedding's device
                     back = b * c.vocab_size * 4 if self.params.return_logits else 8 * b
-                    acc["stage_hops"] += self.hop_time(head, plan.embedding_rank, back)
+                    acc["stage_hops"] += self.hop_time(head, plan.embedding_rank, back, propagation)
                 acc["launch"] += self.params.step_overhead_s
             out.append(acc)
         return out
@@ -549,20 +561,24 @@ class CostModel:
         `in_flight` (default: all) are in the pipeline at once (see the module docstring): the round time
         (every stream one token), aggregate tokens/s and what bounds it. Micro-batches complete at the rate
         min(in_flight / loop latency, 1 / slowest stage), so a round takes
-        micro_batches x max(loop / in_flight, slowest stage)."""
+        micro_batches x max(loop / in_flight, slowest stage). The loop counts the links' propagation
+        latency; a stage's occupancy does not (its link carries the next micro-batch meanwhile)."""
         in_flight = micro_batches if in_flight is None else in_flight
         if concurrency < 1 or not 1 <= micro_batches <= concurrency or not 1 <= in_flight <= micro_batches:
             raise ValueError("need concurrency >= 1, 1 <= micro_batches <= concurrency and "
                              "1 <= in_flight <= micro_batches")
         positions = self.plan.context if context is None else context
         b = math.ceil(concurrency / micro_batches)
-        times = [sum(st.values()) for st in self.stage_times(b, positions)]
-        loop = sum(times)
-        round_s = micro_batches * max(loop / in_flight, max(times))
+        loop = sum(sum(st.values()) for st in self.stage_times(b, positions))
+        times = [sum(st.values()) for st in self.stage_times(b, positions, propagation=False)]
+        bounds = {"loop latency": loop / in_flight, "slowest stage": max(times)}
+        if self.params.shared_cores:
+            bounds["shared cores"] = sum(times) / self.params.shared_cores
+        bound = max(bounds, key=bounds.get)
+        round_s = micro_batches * bounds[bound]
         return {"tokens_per_s": concurrency / round_s, "round_s": round_s, "micro_batches": micro_batches,
                 "in_flight": in_flight, "micro_batch": b, "loop_s": loop, "slowest_stage": int(np.argmax(times)),
-                "slowest_stage_s": max(times),
-                "bound": "loop latency" if loop / in_flight >= max(times) else "slowest stage"}
+                "slowest_stage_s": max(times), "bound": bound}
 
     @staticmethod
     def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
