@@ -156,6 +156,50 @@ async def settled_metrics(server) -> str:
     raise AssertionError("vLLM's finished-request count kept moving while it was idle")
 
 
+@pytest.mark.parametrize("when", ["after its first tokens", "before its first byte"])
+async def test_leaving_a_benchmark_stream_aborts_the_request_on_the_server(vllm, monkeypatch, when):
+    """The endpoint benchmark's own completions stream (aiohttp), left by a cancelled run once tokens flow, or
+    before any answer: its connection closes, so vLLM aborts the request rather than run it to its end."""
+    from inference.serving.remote import served_tokenizer
+    from neurons import benchmark as bench
+    from protocol.client import ClientTimeouts
+
+    server, meta = vllm
+    tokenizer = served_tokenizer(meta)  # the served model's tokenizer.json, as the benchmark reads it
+    endpoint = bench.OpenAIEndpoint(bench.TargetSettings(openai_url=server.url, model=MODEL_NAME),
+                                    ClientTimeouts(first_byte=60.0, between_events=30.0, total=120.0), concurrency=1,
+                                    ignore_eos=True)  # sampled at T = 1, the random Llama may draw its EOS early
+    flowing = asyncio.Event()
+    read_tokens = bench._VLLMStream.tokens
+
+    def tokens(reader, chunk):  # the stream's own reader, watched: cancel once tokens have come (not by a clock)
+        out = read_tokens(reader, chunk)
+        if out:
+            flowing.set()
+        return out
+
+    monkeypatch.setattr(bench._VLLMStream, "tokens", tokens)
+    try:
+        await endpoint.capabilities(tokenizer)
+        prompt = tokenizer.encode("def main(argv=None):\n    parser = argparse.ArgumentParser(", add_bos=True)
+        before = await settled_metrics(server)
+        request = bench.GenerateRequest(request_id="left", prompt_token_ids=prompt, max_tokens=900, logprobs=1)
+        task = asyncio.create_task(endpoint.generate(request))
+        if when == "after its first tokens":
+            await asyncio.wait_for(flowing.wait(), 60)
+        else:
+            await asyncio.sleep(0.005)  # the request is on its way; no answer can be back yet
+            assert not flowing.is_set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(server, timeout_s=20)
+        after = await settled_metrics(server)
+    finally:
+        await endpoint.close()
+    assert_cut_short(before, after, started=when == "after its first tokens")
+
+
 async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
     server, _ = vllm
     async with engine(vllm) as e:
@@ -173,15 +217,24 @@ async def test_leaving_a_stream_aborts_the_request_on_the_server(vllm):
     assert_cut_short(before, after)
 
 
-def assert_cut_short(before: str, after: str, max_tokens: int = 900) -> None:
+def completed(exposition: str) -> float:
+    """Requests vLLM ran to an end of their own (stop, length, error, repetition). Its success counter also has
+    a finished_reason "abort" series, where an abort reported by the engine core is counted: an aborted request
+    must not count as one that ran to its end."""
+    return (metric_value(exposition, "vllm:request_success_total")
+            - metric_value(exposition, "vllm:request_success_total", finished_reason="abort"))
+
+
+def assert_cut_short(before: str, after: str, max_tokens: int = 900, started: bool = True) -> None:
     """The one request between `before` and `after` ended without finishing (vLLM aborted it): no new
     finished request, and far fewer tokens generated than it asked for (a request left alone makes all)."""
-    assert metric_value(after, "vllm:request_success_total") == metric_value(before, "vllm:request_success_total")
+    assert completed(after) == completed(before)
     generated = (metric_value(after, "vllm:generation_tokens_total")
                  - metric_value(before, "vllm:generation_tokens_total"))
-    assert 0 < generated < max_tokens // 2
+    assert (0 < generated if started else 0 <= generated) and generated < max_tokens // 2, generated
 
 
+@pytest.mark.exclusive  # two prefills timed against each other
 async def test_a_prefill_longer_than_the_stall_timeout_succeeds(vllm):
     # two prompts of the same length that share no prefix with each other or with the other tests' prompts:
     # vLLM caches prefixes, and a cached prefill is far shorter than the one measured
@@ -213,7 +266,7 @@ async def test_the_first_token_deadline_counts_from_the_start_and_aborts_the_req
         assert time.monotonic() - t0 < 5
     await wait_idle(server)
     after = server.metrics()
-    assert metric_value(after, "vllm:request_success_total") == metric_value(before, "vllm:request_success_total")
+    assert completed(after) == completed(before)
 
 
 async def test_vllm_4xx_answers_map_to_our_errors(vllm):
