@@ -39,7 +39,7 @@ def test_round_trip_error_is_within_the_e4m3_bound():
     assert float(rel.max()) > 2 ** -6
 
 
-def test_fp8_linear_equals_the_dequantised_matmul_and_splits_exactly():
+def test_fp8_linear_equals_the_dequantised_matmul():
     g = torch.Generator().manual_seed(1)
     lin = nn.Linear(48, 32, bias=False)
     with torch.no_grad():
@@ -50,10 +50,6 @@ def test_fp8_linear_equals_the_dequantised_matmul_and_splits_exactly():
     assert torch.allclose(f(x), want, atol=1e-5)
     with torch.no_grad():
         assert float((f(x) - lin(x)).norm() / lin(x).norm()) < 0.04  # e4m3: about 2.5% per product
-    rows = torch.arange(8, 24)
-    assert torch.allclose(f.rows(rows)(x), f(x)[:, rows], atol=1e-6)
-    halves = [torch.arange(0, 24), torch.arange(24, 48)]
-    assert torch.allclose(sum(f.columns(h)(x[:, h]) for h in halves), f(x), atol=1e-5)
     with pytest.raises(ValueError, match="matrix"):
         quantize_fp8(torch.zeros(3))
 

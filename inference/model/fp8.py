@@ -75,14 +75,6 @@ class FP8Linear(nn.Module):
         y = torch.nn.functional.linear(x, self.weight_fp8.to(x.dtype))
         return y * self.weight_scale.to(x.dtype)
 
-    def rows(self, index: Tensor) -> "FP8Linear":
-        """The output channels `index` (a column split of the layer)."""
-        return FP8Linear(self.weight_fp8[index].clone(), self.weight_scale[index].clone(), self.dtype)
-
-    def columns(self, index: Tensor) -> "FP8Linear":
-        """The input features `index` (a row split: the scales stay the whole row's)."""
-        return FP8Linear(self.weight_fp8[:, index].clone(), self.weight_scale.clone(), self.dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel scales"
 
