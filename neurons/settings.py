@@ -638,8 +638,8 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
                       "suffix: a suffix index over prompt and output) or a draft table distilled from the checkpoint "
                       "(distilled: needs --draft-model); the output is exactly the model's",
                       choices=("none", "ngram", "suffix", "distilled")),
-    draft_model=Setting("with --speculate distilled: the draft table scripts/distill_drafter.py made for the checkpoint",
-                        metavar="FILE"),
+    draft_model=Setting("with --speculate distilled: the draft table scripts/distill_drafter.py made for the "
+                        "checkpoint", metavar="FILE"),
     draft_tokens=Setting("with --speculate: most tokens drafted per step (fewer when drafts are poor)"),
     settings=Section(fields=dict(
         max_context=Setting("largest prompt plus output, in tokens"),

@@ -87,3 +87,31 @@ def test_the_shipped_table_belongs_to_the_shipped_checkpoint():
     assets = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets"
     table = load_table(assets / "tiny_trained_drafter.k3d", fingerprint(assets / "tiny_trained"))
     assert len(table.entries) > 1000
+
+
+async def test_the_miner_serves_with_the_shipped_table_and_refuses_it_for_another_checkpoint(trained_checkpoint,
+                                                                                           tiny_checkpoint):
+    from conftest import collect_events  # noqa: PLC0415
+
+    from inference.serving import build_engine  # noqa: PLC0415
+    from inference.serving.builders import EngineSpecError  # noqa: PLC0415
+    from inference.serving.engine import GenerationRequest  # noqa: PLC0415
+    from neurons.miner_app import read_miner_settings  # noqa: PLC0415
+
+    shipped = str(Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained_drafter.k3d")
+    flags = ["--speculate", "distilled", "--draft-model", shipped]
+
+    def settings(ckpt, extra):
+        return read_miner_settings(["--netuid", "1", "--network", "devnet:/nonexistent.sqlite", "--checkpoint",
+                                    str(ckpt)] + extra, {})[0]
+    request = GenerationRequest(list(b"def add(a, b):\n    return a + b\n\ndef "), SamplingParams(max_tokens=24))
+    async with build_engine(settings(trained_checkpoint, []).engine) as plain:
+        want, _ = await collect_events(plain.generate(request))
+    fast_settings = settings(trained_checkpoint, flags)
+    assert fast_settings.engine.draft_model == shipped
+    async with build_engine(fast_settings.engine) as fast:
+        got, final = await collect_events(fast.generate(request))
+    assert [t.token_id for t in got] == [t.token_id for t in want]
+    assert final.draft_accepted > 0
+    with pytest.raises(EngineSpecError, match="distilled from checkpoint"):
+        build_engine(settings(tiny_checkpoint, flags).engine)

@@ -45,7 +45,7 @@ class EngineSpec:
     remote_first_token_floor_s: float = 60.0
     remote_stall_timeout_s: float = 30.0  # after the first token (the miner passes its --stall-timeout-s)
     dtype: str = "float32"
-    speculate: str = "none"  # reference, sharded: drafts ("ngram", "suffix", "distilled"), verified exactly by the model
+    speculate: str = "none"  # reference, sharded: "ngram", "suffix" or "distilled" drafts, verified by the model
     draft_tokens: int = 8  # with speculate: most tokens drafted per step (fewer when drafts are poor)
     draft_model: str | None = None  # speculate "distilled": the draft table (scripts/distill_drafter.py)
     # sharded on one host: make every inter-shard message cross an emulated link (benchmarks; 0 = off)

@@ -145,7 +145,8 @@ class ContextCounter:
                 if total < min_count_long:
                     continue
                 parent = best.get(ctx[1:])
-                if parent is not None and parent[0] == tok and (parent[1] >= min_confidence) == (conf >= min_confidence):
+                same_stop = (parent is not None) and (parent[1] >= min_confidence) == (conf >= min_confidence)
+                if same_stop and parent[0] == tok:
                     continue
             entries[ctx] = (tok, conf)
         return DistilledTable(target_fingerprint, self.n_min, self.n_max, entries, source or {}, min_confidence)
@@ -217,8 +218,8 @@ def distill(model, target_fingerprint: str, texts: Sequence[bytes], bos: int, *,
                 counter.add(p + out[:-1], [0] * (len(p) - 1) + out, start=len(p))
             if log and b0 % (batch * 8) == 0:
                 log(f"generated {b0 + len(prompts)}/{len(gstarts)} continuations, {len(counter.counts)} contexts")
-    source = dict(window=window, forced_windows=len(starts), excluded_texts=len(banned), generated=len(gstarts), prompt_bytes=prompt_bytes,
-                  gen_tokens=gen_tokens, corpus_bytes=len(data))
+    source = dict(window=window, forced_windows=len(starts), excluded_texts=len(banned), generated=len(gstarts),
+                  prompt_bytes=prompt_bytes, gen_tokens=gen_tokens, corpus_bytes=len(data))
     return counter.table(target_fingerprint, min_count_long, source, min_confidence)
 
 

@@ -41,7 +41,7 @@ MAX_DRAFT_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    drafter: str = "none"  # "none" | "ngram" | "suffix" | "distilled" (needs drafter_factory: distilled.speculation_with_table)
+    drafter: str = "none"  # "none" | "ngram" | "suffix" | "distilled" (with drafter_factory set)
     max_draft_tokens: int = 8
     verify_cost: float = 0.1  # extra cost of one more position in a forward, relative to a one-token step
     rewind_mode: str = "snapshot"  # how KDA layers roll back (kda.KDARewindLog)
