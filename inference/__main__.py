@@ -3,6 +3,7 @@
     python -m inference generate --checkpoint DIR --prompt "Hello" --max-tokens 32 [--json]
     python -m inference generate --checkpoint DIR --token-ids 1,2,3 --temperature 0.8 --seed 7 --logprobs 5 --json
     python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate suffix --json
+    python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate distilled --draft-model FILE
     python -m inference score --checkpoint DIR --token-ids 1,2,3,4 --top-k 5 --json
     python -m inference info --checkpoint DIR
     python -m inference manifest RELEASE_DIR [--sha256 SHA256SUMS] [--out DIR]
@@ -26,6 +27,7 @@ from pathlib import Path
 from inference.model import CheckpointError, ConfigError
 from inference.serving import (EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent,
                                load_reference_model)
+from inference.speculative.distilled import speculation_with_table
 from inference.speculative.drafters import DRAFTER_KINDS
 from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
@@ -64,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     g.add_argument("--speculate", choices=DRAFTER_KINDS, default="none",
-                   help="speculative decoding with a model-free drafter (the output is the same; --json reports "
-                        "the drafted and accepted tokens)")
+                   help="speculative decoding with a model-free drafter, or the distilled draft model (needs "
+                        "--draft-model); the output is the same; --json reports the drafted and accepted tokens")
+    g.add_argument("--draft-model", help="with --speculate distilled: the draft table scripts/distill_drafter.py "
+                                         "made for this checkpoint")
     g.add_argument("--draft-tokens", type=int, default=8,
                    help=f"most tokens drafted per step (1..{MAX_DRAFT_TOKENS}); fewer when drafts are poor")
     s = sub.add_parser("score", help="teacher-forced logprobs of given token ids")
@@ -85,10 +89,14 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _generate(args) -> dict:
     speculation = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
-    problems = speculation.problems()
+    problems = [p for p in speculation.problems() if not (args.draft_model and p.startswith("speculate distilled"))]
     if problems:
         raise UsageError("; ".join(problems).replace("max_draft_tokens", "--draft-tokens"))
     model, tokenizer, fp = load_reference_model(args.checkpoint)
+    try:
+        speculation = speculation_with_table(speculation, args.draft_model, fp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     prompt_ids = _token_ids(args.token_ids) if args.token_ids else tokenizer.encode(args.prompt, add_bos=True)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs)

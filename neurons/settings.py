@@ -635,8 +635,11 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
                                        read=positive_float),
     dtype=Setting("weights dtype of the in-process model", choices=("float32", "bfloat16")),
     speculate=Setting("reference and sharded engines: speculative decoding with model-free drafts (ngram: prompt lookup; "
-                      "suffix: a suffix index over prompt and output); the output is exactly the model's",
-                      choices=("none", "ngram", "suffix")),
+                      "suffix: a suffix index over prompt and output) or a draft table distilled from the checkpoint "
+                      "(distilled: needs --draft-model); the output is exactly the model's",
+                      choices=("none", "ngram", "suffix", "distilled")),
+    draft_model=Setting("with --speculate distilled: the draft table scripts/distill_drafter.py made for the "
+                        "checkpoint", metavar="FILE"),
     draft_tokens=Setting("with --speculate: most tokens drafted per step (fewer when drafts are poor)"),
     settings=Section(fields=dict(
         max_context=Setting("largest prompt plus output, in tokens"),

@@ -15,6 +15,7 @@ import torch
 
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
+from inference.speculative.distilled import speculation_with_table
 from inference.speculative.drafters import DRAFTER_KINDS
 from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
@@ -44,8 +45,9 @@ class EngineSpec:
     remote_first_token_floor_s: float = 60.0
     remote_stall_timeout_s: float = 30.0  # after the first token (the miner passes its --stall-timeout-s)
     dtype: str = "float32"
-    speculate: str = "none"  # reference, sharded: model-free drafts ("ngram", "suffix"), verified exactly by the model
+    speculate: str = "none"  # reference, sharded: "ngram", "suffix" or "distilled" drafts, verified by the model
     draft_tokens: int = 8  # with speculate: most tokens drafted per step (fewer when drafts are poor)
+    draft_model: str | None = None  # speculate "distilled": the draft table (scripts/distill_drafter.py)
     # sharded on one host: make every inter-shard message cross an emulated link (benchmarks; 0 = off)
     shard_link_latency_ms: float = 0.0
     shard_link_gbps: float = 0.0
@@ -75,6 +77,13 @@ class EngineSpec:
         elif self.speculate != "none" and self.kind not in ("reference", "sharded"):
             out.append(f"speculative decoding runs in the reference and sharded engines only (the {self.kind} "
                        "engine's caches cannot rewind): use --speculate none")
+        if self.speculate == "distilled" and not self.draft_model:
+            out.append("speculate distilled needs its draft table (--draft-model FILE, made by "
+                       "scripts/distill_drafter.py)")
+        elif self.draft_model and self.speculate != "distilled":
+            out.append("--draft-model is for --speculate distilled")
+        elif self.draft_model and not Path(self.draft_model).is_file():
+            out.append(f"draft model {self.draft_model} is not a file")
         if not (self.shard_link_latency_ms >= 0 and self.shard_link_gbps >= 0):
             out.append("the emulated shard links need latency >= 0 ms and bandwidth >= 0 Gbit/s (0: unlimited)")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
@@ -112,14 +121,19 @@ def build_sharded_engine(spec: EngineSpec, timeouts=None) -> LocalEngine:
     try:
         tokenizer = load_tokenizer(spec.checkpoint, model.config)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=model.fingerprint,
-                           engine_kind="sharded", layout=model.layout(), speculation=_speculation(spec))
+                           engine_kind="sharded", layout=model.layout(),
+                           speculation=_speculation(spec, model.fingerprint))
     except BaseException:
         model.close()
         raise
 
 
-def _speculation(spec: EngineSpec) -> SpeculationConfig | None:
+def _speculation(spec: EngineSpec, fingerprint: str) -> SpeculationConfig | None:
     speculation = SpeculationConfig(drafter=spec.speculate, max_draft_tokens=spec.draft_tokens)
+    try:  # a distilled draft table must have been made from this checkpoint
+        speculation = speculation_with_table(speculation, spec.draft_model, fingerprint)
+    except ValueError as exc:
+        raise EngineSpecError(str(exc)) from None
     return speculation if speculation.enabled else None
 
 
@@ -130,7 +144,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     if spec.kind == "reference":
         model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
-                           speculation=_speculation(spec), layout={"processes": 1})
+                           speculation=_speculation(spec, fp), layout={"processes": 1})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
     from inference.serving.remote import RemoteSettings, RemoteSetupError, build_remote_engine  # noqa: PLC0415

@@ -40,6 +40,7 @@ from inference.model.kda import KDALayerCache
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.sampling import SamplingParams
+from inference.speculative.distilled import DistilledDrafter, load_table
 from inference.speculative.drafters import DRAFTER_KINDS, ReplayDrafter, make_drafter
 from inference.speculative.speculation import SpeculationConfig
 
@@ -70,10 +71,11 @@ async def _one_run(model, tokenizer, prompt_ids, max_tokens, speculation):
     return tokens, final, (len(tokens) - 1) / decode_s, (len(tokens) - 1) / cpu_s
 
 
-def copy_ceiling(drafter_kind: str, prompt_ids: list[int], output: list[int]) -> tuple[int, float]:
+def copy_ceiling(drafter_kind: str, prompt_ids: list[int], output: list[int], drafter=None) -> tuple[int, float]:
     """(right, ceiling): how many of output[1:] the drafter's one-token guess from the history before each
-    gets right, and the decode speed-up that would give with free verification (see the module docstring)."""
-    drafter = make_drafter(drafter_kind)
+    gets right, and the decode speed-up that would give with free verification (see the module docstring).
+    `drafter`: use this one instead of a fresh `drafter_kind`."""
+    drafter = drafter if drafter is not None else make_drafter(drafter_kind)
     history = list(prompt_ids) + list(output[:1])
     right = 0
     for token in output[1:]:
@@ -84,8 +86,10 @@ def copy_ceiling(drafter_kind: str, prompt_ids: list[int], output: list[int]) ->
     return right, steps / max(steps - right, 1)
 
 
-def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: list[str] | None = None) -> list[dict]:
-    """`drafters`: the variants to run (default all: ngram, suffix and the oracles)."""
+def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: list[str] | None = None,
+                  draft_table=None) -> list[dict]:
+    """`drafters`: the variants to run (default all: ngram, suffix, distilled when `draft_table` is given, and
+    the oracles). `draft_table`: a DistilledTable for the "distilled" rows."""
     rows = []
     for kind, text in PROMPTS.items():
         prompt_ids = tokenizer.encode(text, add_bos=True)
@@ -99,6 +103,9 @@ def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: lis
         variants = {
             "ngram": SpeculationConfig(drafter="ngram"),
             "suffix": SpeculationConfig(drafter="suffix"),
+            **({"distilled": SpeculationConfig(drafter="distilled",
+                                               drafter_factory=lambda prompt: DistilledDrafter(draft_table))}
+               if draft_table is not None else {}),
             "oracle (all right)": SpeculationConfig(drafter_factory=oracle(0)),
             "oracle (1 in 4 wrong)": SpeculationConfig(drafter_factory=oracle(4)),
             "oracle (all wrong)": SpeculationConfig(drafter_factory=oracle(1)),  # adaptive k must give up fast
@@ -128,7 +135,9 @@ def speedup_table(model, tokenizer, max_tokens: int, repeats: int, drafters: lis
                 accepted_per_verify=final.draft_accepted / max(final.verify_steps, 1),
                 tokens_per_s=rate, speedup=rate / plain_rate,
                 cpu_speedup=statistics.median(r[3] for r in runs) / plain_cpu_rate,
-                ceiling=copy_ceiling(name, prompt_ids, plain_tokens)[1] if name in DRAFTER_KINDS else float("nan"),
+                ceiling=copy_ceiling(name, prompt_ids, plain_tokens, variants[name].drafter_factory(prompt_ids)
+                                     if name == "distilled" else None)[1]
+                if name in DRAFTER_KINDS else float("nan"),
                 same_output=all(r[0] == plain_tokens for r in runs)))
     return rows
 
@@ -222,7 +231,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--drafters", type=lambda s: s.split(","), default=None,
-                        help="comma-separated subset of ngram,suffix,oracle (default all)")
+                        help="comma-separated subset of ngram,suffix,distilled,oracle (default all)")
+    parser.add_argument("--draft-model", type=Path, help="a distilled draft table for the checkpoint "
+                        "(scripts/distill_drafter.py): adds the \"distilled\" rows")
     parser.add_argument("--skip-rewind-table", action="store_true", help="leave out the rollback cost table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -234,7 +245,11 @@ def main(argv=None) -> int:
         model, tokenizer, fp = load_reference_model(ckpt)
     print(f"checkpoint {args.checkpoint or 'random tiny (seed 0)'} ({fp}), {args.tokens} tokens per run, "
           f"greedy, one stream, median of {args.repeats}, {args.threads} thread(s)\n")
-    rows = speedup_table(model, tokenizer, args.tokens, args.repeats, args.drafters)
+    table = load_table(args.draft_model, fp) if args.draft_model else None
+    if table is not None:
+        print(f"distilled draft table {args.draft_model}: {len(table.entries)} contexts, "
+              f"{args.draft_model.stat().st_size} bytes\n")
+    rows = speedup_table(model, tokenizer, args.tokens, args.repeats, args.drafters, table)
     print(format_table(rows, [
         ("prompt", "prompt", "<10"), ("drafter", "drafter", "<29"), ("tokens", "tokens", ">6"),
         ("proposed", "drafted", ">7"), ("accepted", "accepted", ">8"), ("verify_steps", "verifies", ">8"),

@@ -15,6 +15,9 @@ Both continue periodically past the end of the history: if the match is at dista
 j-th proposal is the token P positions back in history + proposals, which is how a repeating loop goes on.
 Both index the history incrementally (each call looks only at tokens added since the last one), so a
 drafter instance belongs to one sequence.
+
+`inference.speculative.distilled.DistilledDrafter` is a draft model behind the same interface: a context
+table of the target's own greedy choices, distilled from it (deterministic too, so q is a point mass).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-DRAFTER_KINDS = ("none", "ngram", "suffix")
+DRAFTER_KINDS = ("none", "ngram", "suffix", "distilled")  # distilled: a table file (speculative.distilled)
 
 
 @dataclass
@@ -179,6 +182,9 @@ def make_drafter(kind: str, min_match: int | None = None) -> Drafter | None:
         return NgramDrafter() if min_match is None else NgramDrafter(min_match, max(min_match, 6))
     if kind == "suffix":
         return SuffixDrafter() if min_match is None else SuffixDrafter(min_match)
+    if kind == "distilled":
+        raise ValueError("the distilled drafter needs its table: give --draft-model FILE "
+                         "(made by scripts/distill_drafter.py; SpeculationConfig.drafter_factory)")
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
 
 

@@ -41,7 +41,7 @@ MAX_DRAFT_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    drafter: str = "none"  # "none" | "ngram" | "suffix"
+    drafter: str = "none"  # "none" | "ngram" | "suffix" | "distilled" (with drafter_factory set)
     max_draft_tokens: int = 8
     verify_cost: float = 0.1  # extra cost of one more position in a forward, relative to a one-token step
     rewind_mode: str = "snapshot"  # how KDA layers roll back (kda.KDARewindLog)
@@ -66,6 +66,9 @@ class SpeculationConfig:
         out = []
         if self.drafter not in DRAFTER_KINDS:
             out.append(f"speculate must be one of {', '.join(DRAFTER_KINDS)} (got {self.drafter!r})")
+        elif self.drafter == "distilled" and self.drafter_factory is None:
+            out.append("speculate distilled needs its draft table (--draft-model FILE, made by "
+                       "scripts/distill_drafter.py)")
         if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"max_draft_tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.max_draft_tokens})")
         if not self.verify_cost >= 0.0:
