@@ -3,10 +3,14 @@ micro_batches > 1, issue 17): real shard processes over gloo on loopback; every 
 single-process engine's, with late arrivals, scoring, speculation and a cancellation mid-flight."""
 import asyncio
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 
-from inference.serving import EngineSettings, EngineSpec, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
+from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine,
+                               SamplingParams, TokenEvent)
 from inference.sharding import ShardedModel, ShardTimeouts
 from inference.speculative.speculation import SpeculationConfig
 
@@ -27,7 +31,8 @@ def requests(longer: int = 0) -> list[tuple[float, GenerationRequest]]:
     each), three arriving late."""
     texts = [b"the cat sat on the mat. the cat", b"abc", bytes(range(40, 120)), b"def f(a):\n    return a\n" * 2,
              b"x", b"hello hello hello", b"0123456789" * 3]
-    return [(0.0 if i < 4 else 0.05 * i, GenerationRequest(list(t), SamplingParams(max_tokens=4 + 2 * i + longer, logprobs=1)))
+    return [(0.0 if i < 4 else 0.05 * i,
+             GenerationRequest(list(t), SamplingParams(max_tokens=4 + 2 * i + longer, logprobs=1)))
             for i, t in enumerate(texts)]
 
 
@@ -134,3 +139,33 @@ def test_micro_batches_need_a_model_with_steps_in_flight(tiny_reference, tiny_ch
     spec = EngineSpec(kind="sharded", checkpoint=str(tiny_checkpoint), shards=2,
                       settings=EngineSettings(micro_batches=2))
     assert spec.problems() == []
+
+
+@pytest.mark.timeout(300)
+async def test_a_lost_shard_fails_every_step_in_flight_and_the_engine_recovers(pipeline2, tiny_reference):
+    model, tokenizer, _ = tiny_reference
+    reqs = requests(200)[:4]  # long enough to be streaming when the shard dies
+    after = requests()[1][1]
+    want = await serve(LocalEngine(model, tokenizer, SETTINGS, model_fingerprint="t"), [(0.0, after)])
+    engine = LocalEngine(pipeline2, tokenizer, dataclasses.replace(SETTINGS, micro_batches=2), model_fingerprint="t")
+    old = dict(pipeline2.pids)
+
+    async def until_failure(request):
+        seen = 0
+        with pytest.raises(EngineError) as failure:
+            async for ev in engine.generate(request):
+                seen += 1
+                if seen == 3 and pipeline2.pids == old:
+                    os.kill(old[1], signal.SIGKILL)
+        return failure.value.code
+
+    async with engine:
+        codes = await asyncio.gather(*(until_failure(r) for _, r in reqs))
+        assert codes == ["engine_failure"] * 4 and engine.most_steps_in_flight == 2
+        deadline = time.monotonic() + 120
+        while not (engine.health().ok and pipeline2.health().ok):
+            assert time.monotonic() < deadline, engine.health()
+            await asyncio.sleep(0.1)
+        assert set(pipeline2.pids.values()).isdisjoint(old.values())
+        again = await collect(engine, after)
+    assert [t.token_id for t in again[0]] == [t.token_id for t in want[0][0]]
