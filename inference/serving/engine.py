@@ -660,9 +660,7 @@ class LocalEngine(Engine):
                 continue
             cycle_start = time.perf_counter()
             batch = self._plan_step()
-            all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill for seq, chunk in batch)
-            ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
-            caches = [seq.cache for seq, _ in batch]
+            all_logits, ids, caches = self._step_inputs(batch)
             t0 = time.perf_counter()
             self._in_forward_since = time.monotonic()
             try:
@@ -676,17 +674,29 @@ class LocalEngine(Engine):
                 await self._on_step_failure(exc)
                 continue
             self._in_forward_since = None
-            self._beat = time.monotonic()
-            self._after_step(batch, logits, all_logits)
-            self.steps += 1
-            await asyncio.sleep(0)  # let consumers read and new requests arrive
-            t2 = time.perf_counter()
-            self.metrics.step_seconds.observe(t2 - t0)
-            # per batch size: [steps, whole cycle seconds, seconds inside the model's forward]
-            stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
-            stat[0] += 1
-            stat[1] += t2 - cycle_start
-            stat[2] += self._last_forward_s
+            await self._step_done(batch, logits, all_logits, t0, cycle_start)
+
+    async def _step_done(self, batch, logits, all_logits, started: float, cycle_start: float) -> float:
+        """A step came back: emit its tokens, let the loop breathe, count it. Returns when it was counted.
+        step_stats, per batch size: [steps, cycle seconds (since `cycle_start`), seconds in the model]."""
+        self._beat = time.monotonic()
+        self._after_step(batch, logits, all_logits)
+        self.steps += 1
+        await asyncio.sleep(0)  # let consumers read and new requests arrive
+        t2 = time.perf_counter()
+        self.metrics.step_seconds.observe(t2 - started)
+        stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
+        stat[0] += 1
+        stat[1] += t2 - cycle_start
+        stat[2] += self._last_forward_s
+        return t2
+
+    @staticmethod
+    def _step_inputs(batch):
+        """all_logits, token id tensors and caches of a planned step."""
+        all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill for seq, chunk in batch)
+        ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
+        return all_logits, ids, [seq.cache for seq, _ in batch]
 
     def _forward(self, ids, caches, all_logits):
         t0 = time.perf_counter()
@@ -724,10 +734,7 @@ class LocalEngine(Engine):
                     if g in busy or not groups[g]:
                         continue
                     batch = self._plan_step(groups[g])
-                    all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill
-                                     for seq, chunk in batch)
-                    ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
-                    caches = [seq.cache for seq, _ in batch]
+                    all_logits, ids, caches = self._step_inputs(batch)
                     submitted = time.perf_counter()
                     try:
                         ticket = await self._in_step(self.model.submit, ids, caches, all_logits)
@@ -759,18 +766,8 @@ class LocalEngine(Engine):
                     await self._pipeline_failed(exc, groups, in_flight, busy)
                     continue
                 busy.discard(g)
-                self._beat = time.monotonic()
-                self._after_step(batch, logits, all_logits)
-                self.steps += 1
-                await asyncio.sleep(0)  # let consumers read and new requests arrive
-                t2 = time.perf_counter()
-                self.metrics.step_seconds.observe(t2 - submitted)
-                # per batch size: [steps, seconds since the previous step came back, seconds waiting for it]
-                stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
-                stat[0] += 1
-                stat[1] += t2 - round_end
-                stat[2] += self._last_forward_s
-                round_end = t2
+                # cycle: since the previous step came back; in the model: waiting for this one
+                round_end = await self._step_done(batch, logits, all_logits, submitted, round_end)
         except Exception:  # a bug outside the model: take the answers still owed, then _run fails the sequences
             for _, ticket, *_ in in_flight:
                 with contextlib.suppress(Exception):
