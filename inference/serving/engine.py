@@ -652,11 +652,7 @@ class LocalEngine(Engine):
             self._update_gauges()
             if not self._running:
                 # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    await self._recover_if_broken()
+                await self._idle()
                 continue
             cycle_start = time.perf_counter()
             batch = self._plan_step()
@@ -675,6 +671,14 @@ class LocalEngine(Engine):
                 continue
             self._in_forward_since = None
             await self._step_done(batch, logits, all_logits, t0, cycle_start)
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for a request (at most 1 s; then a broken model is recovered)."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            await self._recover_if_broken()
 
     async def _step_done(self, batch, logits, all_logits, started: float, cycle_start: float) -> float:
         """A step came back: emit its tokens, let the loop breathe, count it. Returns when it was counted.
@@ -749,11 +753,7 @@ class LocalEngine(Engine):
                 self._update_gauges()
                 if not in_flight:
                     if not self._running:
-                        self._wake.clear()
-                        try:
-                            await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                        except asyncio.TimeoutError:
-                            await self._recover_if_broken()
+                        await self._idle()
                     else:
                         await asyncio.sleep(0)
                     continue
