@@ -648,6 +648,10 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
         cache_memory_budget_bytes=Setting("memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits "
                                           "or is refused", flag="--cache-memory", read=byte_size, metavar="SIZE"),
         max_waiting=Setting("requests that may wait for cache memory before new ones are refused"),
+        micro_batches=Setting("sharded engine: split the running sequences into up to N groups and keep one step "
+                              "per group in flight, so pipeline stages work on different groups at once "
+                              "(1: one step at a time; more than the number of stages gains nothing)",
+                              metavar="N"),
     )),
 )
 

@@ -18,14 +18,21 @@
      shared experts and the LM head (`Plan.simple(..., "expert", dense_split=2)`, routed experts expert-parallel),
      decoding 1 and `--streams` streams, on loopback and emulated 25 GbE, with the cost model's prediction
      for each (per-layer overhead fitted on the 1-rank set, as in 2).
+  5. Engine (`--sections engine`): `--streams` concurrent greedy requests through the serving engine
+     (`LocalEngine`) on 2 and 3 pipeline stages, one step at a time (micro_batches 1) against the engine's
+     pipelined decode (micro_batches = stages: that many groups of sequences, one step each in flight), on
+     the same links as 1. Aggregate tokens/s over the whole run (prefill included) and whether the tokens
+     were the same.
 
     .venv/bin/python scripts/bench_sharded_speed.py [--checkpoint DIR|random] [--streams 16] [--steps 8]
-        [--sections pipelined,speculation,split] [--split-links "loopback,25 GbE"]
+        [--sections pipelined,speculation,split,engine] [--split-links "loopback,25 GbE"] [--engine-tokens 24]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import os
 import sys
@@ -43,6 +50,7 @@ from bench_sharded import local_plan, measure_cpu, measure_gloo  # noqa: E402
 from inference.model import ModelConfig, make_random_checkpoint, read_config  # noqa: E402
 from inference.model.tokenizer import load_tokenizer  # noqa: E402
 from inference.planning import CostModel, CostParams  # noqa: E402
+from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent  # noqa: E402
 from inference.sharding import LinkEmulation, ShardedModel, ShardTimeouts  # noqa: E402
 from inference.speculative.benchmark import speedup_table  # noqa: E402
 
@@ -142,12 +150,14 @@ def main() -> None:
     parser.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of: {', '.join(LINKS)}")
     parser.add_argument("--spec-tokens", type=int, default=48, help="tokens per speculative run (0: skip)")
     parser.add_argument("--sections", default="pipelined,speculation,split",
-                        help="comma-separated, of: pipelined, speculation, split")
+                        help="comma-separated, of: pipelined, speculation, split, engine")
+    parser.add_argument("--engine-tokens", type=int, default=24, help="engine section: tokens per request")
     parser.add_argument("--split-links", default="loopback,25 GbE", help="links for the dense-split rows")
     opts = parser.parse_args()
     sections = set(opts.sections.split(","))
-    if sections - {"pipelined", "speculation", "split"}:
-        parser.error(f"unknown sections {sorted(sections - {'pipelined', 'speculation', 'split'})}")
+    known = {"pipelined", "speculation", "split", "engine"}
+    if sections - known:
+        parser.error(f"unknown sections {sorted(sections - known)}")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +178,8 @@ def main() -> None:
         context = opts.prompt + 1 + opts.steps // 2
         # calibration: a 1-rank shard set (the same driver, pipe and worker, no hops) per micro-batch size
         fitted = {}
-        with ShardedModel(ckpt, shards=1, mode="pipeline", threads_per_rank=1, timeouts=TIMEOUTS) as one:
+        with (ShardedModel(ckpt, shards=1, mode="pipeline", threads_per_rank=1, timeouts=TIMEOUTS) if micro_sizes
+              else contextlib.nullcontext()) as one:
             plan1 = local_plan(config, "pipeline", 1, 0, gloo["alpha"], gloo["bandwidth"], *cpu)
             for b in micro_sizes:
                 measured, _ = decode_streams(one, b, 1, opts.steps, opts.prompt)
@@ -238,7 +249,54 @@ def main() -> None:
                          ("streams", "streams", "d"), ("tps", "tokens/s", ".1f"), ("measured_ms", "measured ms", ".1f"),
                          ("predicted_ms", "predicted ms", ".1f"), ("error", "error", ".2f"),
                          ("same", "same tokens", "s")])
+        if "engine" in sections:
+            engine_rows = []
+            for stages in stage_counts:
+                for link_name in opts.links.split(","):
+                    engine_rows += engine_runs(ckpt, config, stages, link_name, opts)
+            print_table(f"the serving engine (LocalEngine) over pipeline stages, {opts.streams} concurrent greedy "
+                        f"requests of {opts.engine_tokens} tokens (prompts {opts.prompt}.."
+                        f"{opts.prompt + opts.streams - 1} tokens); micro-batches = EngineSettings.micro_batches (1: one step at a time); ratio = "
+                        "tokens/s over micro-batches 1; same tokens = as micro-batches 1; load = 1-minute load "
+                        "average after the run", engine_rows,
+                        [("stages", "stages", "d"), ("link", "link          ", "s"), ("micro", "micro-batches", "d"),
+                         ("tps", "tokens/s", ".1f"), ("ratio", "ratio", ".2f"), ("same", "same tokens", "s"),
+                         ("in_flight", "most in flight", "d"), ("load", "load", ".2f")])
         print(f"\nload average at the end: {os.getloadavg()}")
+
+
+def engine_runs(ckpt, config, stages: int, link_name: str, opts) -> list[dict]:
+    """--streams greedy requests at once through LocalEngine on one shard set, micro_batches 1 and `stages`."""
+    tokenizer = load_tokenizer(ckpt, config)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, config.vocab_size, (opts.prompt + i,), generator=g).tolist()
+               for i in range(opts.streams)]
+    sampling = SamplingParams(max_tokens=opts.engine_tokens, ignore_eos=True)
+
+    async def one(engine, prompt):
+        return [ev.token_id async for ev in engine.generate(GenerationRequest(prompt, sampling))
+                if isinstance(ev, TokenEvent)]
+
+    async def run(model, micro_batches: int):
+        settings = EngineSettings(max_context=config.max_position_embeddings, max_concurrent_sequences=opts.streams,
+                                  micro_batches=micro_batches)
+        async with LocalEngine(Borrowed(model), tokenizer, settings, engine_kind="sharded") as engine:
+            await one(engine, prompts[0][:4])  # warm-up
+            t0 = time.perf_counter()
+            tokens = await asyncio.gather(*(one(engine, p) for p in prompts))
+            return time.perf_counter() - t0, tokens, engine.most_steps_in_flight
+
+    rows = []
+    with ShardedModel(ckpt, shards=stages, mode="pipeline", threads_per_rank=1, timeouts=TIMEOUTS,
+                      link=LINKS[link_name]) as model:
+        results = {}
+        for m in (1, stages):
+            results[m] = asyncio.run(run(model, m))
+            seconds, tokens, in_flight = results[m]
+            rows.append(dict(stages=stages, link=link_name, micro=m, tps=sum(map(len, tokens)) / seconds,
+                             ratio=results[1][0] / seconds, same="yes" if tokens == results[1][1] else "no",
+                             in_flight=max(in_flight, 1), load=os.getloadavg()[0]))
+    return rows
 
 
 SPLIT_LAYOUTS = {"1 process": dict(shards=1, mode="pipeline"), "2 ranks, pipeline": dict(shards=2, mode="pipeline"),

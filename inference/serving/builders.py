@@ -86,6 +86,12 @@ class EngineSpec:
             out.append(f"draft model {self.draft_model} is not a file")
         if not (self.shard_link_latency_ms >= 0 and self.shard_link_gbps >= 0):
             out.append("the emulated shard links need latency >= 0 ms and bandwidth >= 0 Gbit/s (0: unlimited)")
+        if self.settings.micro_batches < 1:
+            out.append(f"micro-batches must be >= 1 (got {self.settings.micro_batches})")
+        elif self.settings.micro_batches > 1 and self.kind != "sharded":
+            out.append(f"micro-batches {self.settings.micro_batches} keeps several steps in flight over pipeline "
+                       f"stages: only the sharded engine can (the {self.kind} engine runs one step at a time); "
+                       "use --micro-batches 1")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"draft tokens {self.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}")
         return out

@@ -31,6 +31,12 @@ from inference.speculative.speculation import SequenceSpeculation, SpeculationCo
 log = logging.getLogger(__name__)
 
 
+def pipelined_model(model) -> bool:
+    """Whether `model` keeps several steps in flight: `submit(ids, caches, all_logits) -> ticket` starts one,
+    `collect(ticket)` returns its logits (inference.sharding.ShardedModel)."""
+    return callable(getattr(model, "submit", None)) and callable(getattr(model, "collect", None))
+
+
 # ------------------------------------------------------------------- types
 class EngineError(Exception):
     """A request the engine will not or cannot serve. `code` is machine-readable: one of ERROR_CODES.
@@ -227,6 +233,10 @@ class EngineSettings:
     scheduler_stall_s: float = 5.0
     forward_stall_s: float = 120.0
     watchdog_s: float = 0.5
+    # Pipelined decode (issue 17): split the running sequences into up to this many groups and keep one step
+    # per group in flight, so pipeline stages work on different groups at once. 1 = one step at a time.
+    # > 1 needs a model that keeps steps in flight (`submit` / `collect`: the sharded runtime).
+    micro_batches: int = 1
 
 
 class _Sequence:
@@ -234,7 +244,7 @@ class _Sequence:
         "request_id", "kind", "token_ids", "prompt_len", "sampling", "sampler", "cache", "consumed",
         "generated", "text", "text_emitted", "queue", "reserved", "submitted_at", "admitted_at",
         "prefill_done_at", "first_token_at", "last_token_at", "cancelled", "finished",
-        "positions", "top_k", "scores", "future", "decoder", "speculation", "draft",
+        "positions", "top_k", "scores", "future", "decoder", "speculation", "draft", "group",
     )
 
     def __init__(self, kind, token_ids, sampling=None, request_id=""):
@@ -265,6 +275,7 @@ class _Sequence:
         self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
         self.speculation: SequenceSpeculation | None = None  # drafter and statistics, when the engine speculates
         self.draft = None  # this step's drafted tokens (inference.speculative.drafters.Draft)
+        self.group: int | None = None  # micro_batches > 1: the group whose steps carry this sequence
 
     @property
     def in_prefill(self) -> bool:
@@ -317,10 +328,17 @@ class LocalEngine(Engine):
                 problems.append(f"speculative decoding needs caches that rewind; {type(probe).__name__} cannot")
             if problems:
                 raise ValueError("; ".join(problems))
+        if settings.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 (got {settings.micro_batches})")
+        if settings.micro_batches > 1 and not pipelined_model(model):
+            raise ValueError(f"micro_batches={settings.micro_batches} needs a model that keeps several steps in "
+                             f"flight (submit/collect, as the sharded runtime's ShardedModel); {type(model).__name__} "
+                             "runs one step at a time: use micro_batches 1")
         self._watchdog: asyncio.Task | None = None
         self._beat = time.monotonic()  # the scheduler loop's last round
         self._in_forward_since: float | None = None
         self.scheduler_restarts = 0
+        self.most_steps_in_flight = 0  # micro_batches > 1: the most steps that were in flight at once
 
     # ------------------------------------------------------------ memory
     def sequence_bytes(self, length: int) -> int:
@@ -509,18 +527,20 @@ class LocalEngine(Engine):
         n = int((-b + math.sqrt(b * b + 4.0 * max(units, 0.0) / a)) * a / 2.0)
         return max(0, min(n, seq.prompt_len - start))
 
-    def _plan_step(self) -> list[tuple[_Sequence, list[int]]]:
+    def _plan_step(self, running: list[_Sequence] | None = None) -> list[tuple[_Sequence, list[int]]]:
         """Decode tokens for every sequence past its prompt, then prefill chunks within the step's budget.
 
         The budget counts work, not tokens: a chunk deep into a long prompt attends to everything before
         it, so it gets fewer tokens, and every step stays short enough for the decoding sequences' next
         tokens. Prefill goes shortest-remaining-first, so a short prompt is not stuck behind a long one;
         the oldest prefilling sequence always advances (by `min_prefill_chunk` tokens of work, at least one
-        token), so a long prompt is never starved by a stream of short ones."""
+        token), so a long prompt is never starved by a stream of short ones. `running`: the sequences to plan
+        for (one group's, with micro_batches > 1), else every running one."""
         s = self.settings
-        batch = [(seq, self._decode_positions(seq)) for seq in self._running if not seq.in_prefill]
+        running = self._running if running is None else running
+        batch = [(seq, self._decode_positions(seq)) for seq in running if not seq.in_prefill]
         units = float(max(s.step_token_budget - sum(len(chunk) for _, chunk in batch), s.min_prefill_chunk))
-        prefilling = [seq for seq in self._running if seq.in_prefill]
+        prefilling = [seq for seq in running if seq.in_prefill]
         grant: dict[int, int] = {}
         if prefilling:
             oldest = prefilling[0]
@@ -620,6 +640,9 @@ class LocalEngine(Engine):
                 await asyncio.sleep(0)
 
     async def _schedule(self) -> None:
+        if self.settings.micro_batches > 1:
+            await self._schedule_pipelined()
+            return
         loop = asyncio.get_running_loop()
         while True:
             self._beat = time.monotonic()
@@ -629,17 +652,11 @@ class LocalEngine(Engine):
             self._update_gauges()
             if not self._running:
                 # nothing admitted means nothing is waiting (every waiting request fits an empty engine)
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    await self._recover_if_broken()
+                await self._idle()
                 continue
             cycle_start = time.perf_counter()
             batch = self._plan_step()
-            all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill for seq, chunk in batch)
-            ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
-            caches = [seq.cache for seq, _ in batch]
+            all_logits, ids, caches = self._step_inputs(batch)
             t0 = time.perf_counter()
             self._in_forward_since = time.monotonic()
             try:
@@ -653,17 +670,37 @@ class LocalEngine(Engine):
                 await self._on_step_failure(exc)
                 continue
             self._in_forward_since = None
-            self._beat = time.monotonic()
-            self._after_step(batch, logits, all_logits)
-            self.steps += 1
-            await asyncio.sleep(0)  # let consumers read and new requests arrive
-            t2 = time.perf_counter()
-            self.metrics.step_seconds.observe(t2 - t0)
-            # per batch size: [steps, whole cycle seconds, seconds inside the model's forward]
-            stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
-            stat[0] += 1
-            stat[1] += t2 - cycle_start
-            stat[2] += self._last_forward_s
+            await self._step_done(batch, logits, all_logits, t0, cycle_start)
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for a request (at most 1 s; then a broken model is recovered)."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            await self._recover_if_broken()
+
+    async def _step_done(self, batch, logits, all_logits, started: float, cycle_start: float) -> float:
+        """A step came back: emit its tokens, let the loop breathe, count it. Returns when it was counted.
+        step_stats, per batch size: [steps, cycle seconds (since `cycle_start`), seconds in the model]."""
+        self._beat = time.monotonic()
+        self._after_step(batch, logits, all_logits)
+        self.steps += 1
+        await asyncio.sleep(0)  # let consumers read and new requests arrive
+        t2 = time.perf_counter()
+        self.metrics.step_seconds.observe(t2 - started)
+        stat = self.step_stats.setdefault(len(batch), [0, 0.0, 0.0])
+        stat[0] += 1
+        stat[1] += t2 - cycle_start
+        stat[2] += self._last_forward_s
+        return t2
+
+    @staticmethod
+    def _step_inputs(batch):
+        """all_logits, token id tensors and caches of a planned step."""
+        all_logits = any(seq.kind == "score" or len(chunk) > 1 and not seq.in_prefill for seq, chunk in batch)
+        ids = [torch.tensor(chunk, dtype=torch.long) for _, chunk in batch]
+        return all_logits, ids, [seq.cache for seq, _ in batch]
 
     def _forward(self, ids, caches, all_logits):
         t0 = time.perf_counter()
@@ -671,6 +708,103 @@ class LocalEngine(Engine):
             out = self.model.forward(ids, caches, all_logits=all_logits)
         self._last_forward_s = time.perf_counter() - t0
         return out
+
+    async def _schedule_pipelined(self) -> None:
+        """micro_batches > 1. The running sequences are split into groups (a sequence keeps its group; a new one
+        joins the smallest) and each group has at most one step in flight. The oldest step is collected while
+        the others run; when it comes back, its group's tokens are emitted and the group's next step is
+        submitted behind the others, so pipeline stage s works on one group while stage s + 1 works on the one
+        before. A sequence is in one group, so no step of it is submitted while its previous one is in flight
+        (speculation's cache marks and rewinds stay in order). Cancellations, admission and the prefill
+        budget (per group) are as in the one-step loop; the watchdog sees every submit and collect."""
+        m = self.settings.micro_batches
+        groups: list[list[_Sequence]] = [[] for _ in range(m)]
+        in_flight: deque = deque()  # (group, ticket, batch, all_logits, submitted at)
+        busy: set[int] = set()
+        round_end = time.perf_counter()
+        try:
+            while True:
+                self._beat = time.monotonic()
+                self._admit()
+                for seq in self._running:
+                    if seq.group is None:
+                        seq.group = min(range(m), key=lambda i: len(groups[i]))
+                        groups[seq.group].append(seq)
+                for g in range(m):
+                    if g not in busy:
+                        for seq in [q for q in groups[g] if q.cancelled]:
+                            self._finish(seq, "cancelled")
+                    groups[g] = [q for q in groups[g] if not q.finished]
+                    if g in busy or not groups[g]:
+                        continue
+                    batch = self._plan_step(groups[g])
+                    all_logits, ids, caches = self._step_inputs(batch)
+                    submitted = time.perf_counter()
+                    try:
+                        ticket = await self._in_step(self.model.submit, ids, caches, all_logits)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        await self._pipeline_failed(exc, groups, in_flight, busy)
+                        break
+                    in_flight.append((g, ticket, batch, all_logits, submitted))
+                    busy.add(g)
+                    self.most_steps_in_flight = max(self.most_steps_in_flight, len(in_flight))
+                self._update_gauges()
+                if not in_flight:
+                    if not self._running:
+                        await self._idle()
+                    else:
+                        await asyncio.sleep(0)
+                    continue
+                g, ticket, batch, all_logits, submitted = in_flight.popleft()
+                try:
+                    logits = await self._in_step(self._collect, ticket)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a model or shard failure: fail every sequence in flight, recover
+                    await self._pipeline_failed(exc, groups, in_flight, busy)
+                    continue
+                busy.discard(g)
+                # cycle: since the previous step came back; in the model: waiting for this one
+                round_end = await self._step_done(batch, logits, all_logits, submitted, round_end)
+        except Exception:  # a bug outside the model: take the answers still owed, then _run fails the sequences
+            for _, ticket, *_ in in_flight:
+                with contextlib.suppress(Exception):
+                    await self._in_step(self.model.collect, ticket)
+            raise
+
+    async def _in_step(self, fn, *args):
+        """fn(*args) in the step thread, watched by the watchdog like a model forward."""
+        self._in_forward_since = time.monotonic()
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except asyncio.CancelledError:
+            raise  # still in the step thread: _restart_scheduler sees _in_forward_since and takes a fresh one
+        except BaseException:
+            self._in_forward_since = None
+            raise
+        self._in_forward_since = None
+        return out
+
+    def _collect(self, ticket):
+        t0 = time.perf_counter()
+        out = self.model.collect(ticket)
+        self._last_forward_s = time.perf_counter() - t0
+        return out
+
+    async def _pipeline_failed(self, exc: Exception, groups: list[list[_Sequence]], in_flight: deque,
+                               busy: set[int]) -> None:
+        """A submit or collect failed: every running sequence fails (as in the one-step loop), the model
+        recovers, and the steps still in flight are dropped (a recovered shard set answers them at once)."""
+        await self._on_step_failure(exc)
+        for _, ticket, *_ in in_flight:
+            with contextlib.suppress(Exception):
+                await self._in_step(self.model.collect, ticket)
+        in_flight.clear()
+        busy.clear()
+        for group in groups:
+            group.clear()
 
     async def _recover_if_broken(self) -> None:
         """While idle: a model that reports itself broken (a shard died) is recovered before the next request."""
