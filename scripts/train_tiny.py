@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
-        if isinstance(default, bool):
+        if field.name == "kda_decay_init":
+            parser.add_argument(flag, type=lambda s: tuple(float(x) for x in s.split(",")), default=default,
+                                help="SLOWEST,FASTEST per-token KDA decay (nats) to start from "
+                                     f"(default {default})")
+        elif isinstance(default, bool):
             parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=default,
                                 help=f"true/false (default {default})")
         else:

@@ -251,3 +251,21 @@ def test_the_weighted_loss_trains_deterministically(small_stdlib):
     sa, sb, sp = a.state_dict(), b.state_dict(), plain.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sp[k]) for k in sa)  # the weights change what is learnt
+
+
+@pytest.mark.parametrize("preset", ["tiny_trained", "tiny_kimi_linear"])
+def test_kda_decay_init_puts_each_head_on_the_ladder(preset):
+    config = ModelConfig.preset(preset)
+    plain = make_trainable(config, seed=0, fake_quant=False)
+    laddered = make_trainable(config, seed=0, fake_quant=False, decay_init=(0.01, 1.0))
+    for before, after in zip(plain.modules(), laddered.modules()):
+        if not isinstance(after, KDAAttention):
+            continue
+        H, d = after.num_heads, after.head_dim
+        nats = -after.log_decay(torch.zeros(H, d)).detach().double()  # decay at zero gate input, per token
+        assert nats.min().item() == pytest.approx(0.01, rel=1e-4)  # the layer spans 0.01 .. 1.0 nats a token
+        assert nats.max().item() == pytest.approx(1.0, rel=1e-4)
+        for head in nats:  # interleaved: each head holds slow and fast channels
+            assert head.min() < 0.013 and head.max() > 0.75
+        torch.testing.assert_close(after.A_log, before.A_log)  # only dt_bias moves
+        assert (-before.log_decay(torch.zeros(H, d))).median() > 0.5  # the model's own init forgets far faster

@@ -105,6 +105,9 @@ class TrainConfig:
     pack_tasks: bool = False  # a task row holds exchanges back to back (else one, then stdlib text)
     balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
     kda_chunk: int = 32  # chunk of the differentiable KDA prefill
+    kda_decay_init: tuple[float, float] | None = None  # (slowest, fastest) per-token decay in nats: dt_bias is
+    # set so that each KDA channel's decay at z = dt_bias starts on a geometric ladder between them (the
+    # model's own init gives about 2.5 nats a token, which forgets within a byte or two); None: model init
     eval_bytes: int = 1 << 15  # held-out bytes scored at the end
     stdlib_dir: str | None = None  # default: the running interpreter's Lib directory
 
@@ -330,7 +333,25 @@ def training_logits(model: KimiK3Model, ids: Tensor) -> Tensor:
     return model.lm_head(model.model.norm(h).to(model.dtype)).float().view(B, T, -1)
 
 
-def make_trainable(release: ModelConfig, seed: int, fake_quant: bool) -> KimiK3Model:
+def init_kda_decay(attn: KDAAttention, slowest: float, fastest: float) -> None:
+    """Set dt_bias so that channel c of the layer decays by t_c nats a token when its gate input is zero,
+    t_c geometric from `fastest` to `slowest` over the layer's channels, interleaved over the heads (each
+    head holds slow and fast channels); inverts KDAAttention.log_decay for the layer's own A_log."""
+    H, d = attn.num_heads, attn.head_dim
+    t = torch.logspace(math.log10(fastest), math.log10(slowest), H * d, dtype=torch.float64)
+    t = t.view(d, H).t()  # channel j of head h: rung j * H + h
+    a = attn.A_log.detach().double().exp()[:, None]
+    if attn.gate_lower_bound is None:  # -a softplus(z) = -t
+        z = torch.log(torch.expm1(t / a))
+    else:  # lb sigmoid(a z) = -t
+        p = t / -attn.gate_lower_bound
+        z = torch.log(p / (1 - p)) / a
+    with torch.no_grad():
+        attn.dt_bias.copy_(z.reshape(-1).to(attn.dt_bias.dtype))
+
+
+def make_trainable(release: ModelConfig, seed: int, fake_quant: bool,
+                   decay_init: tuple[float, float] | None = None) -> KimiK3Model:
     """A float-expert copy of the architecture for training, initialised by the model's own recipe."""
     model = KimiK3Model(dataclasses.replace(release, mxfp4_experts=False), seed=seed)
     with torch.no_grad():  # start near uniform next-byte distributions (the random recipe aims at peaked ones)
@@ -338,6 +359,8 @@ def make_trainable(release: ModelConfig, seed: int, fake_quant: bool) -> KimiK3M
     for module in model.modules():
         if isinstance(module, KDAAttention):
             module.differentiable_prefill = True
+            if decay_init is not None:
+                init_kda_decay(module, *decay_init)
         if fake_quant and isinstance(module, Expert):
             for name in ("w1", "w2", "w3"):
                 old = getattr(module, name)
@@ -447,7 +470,7 @@ def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=_log) -> tupl
     corpus = corpus or stdlib_corpus(tc.stdlib_dir)
     release = tc.model_config()
     tokenizer = ByteTokenizer.from_config(release)
-    model = make_trainable(release, tc.seed, tc.fake_quant)
+    model = make_trainable(release, tc.seed, tc.fake_quant, tc.kda_decay_init)
     model.train()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
