@@ -352,9 +352,12 @@ class Stage:
 
     @property
     def serving(self) -> bool:
-        return self.shard_state == "ok"
+        """What /health says: a shard set seen down counts before a forward noticed (capabilities agree)."""
+        return self.status()[0] == "ok"
 
     def check_serving(self) -> None:
+        """Refuses work while the set is failed or restarting (a set seen down but not yet failed under a forward
+        lets the forward through: its failure is what starts the restart)."""
         if self.shard_state != "ok":
             raise StageError(503, "stage_restarting", f"this stage's shard set is {self.shard_state} "
                                                       f"({self.shard_detail}); try again once /health says ok")
