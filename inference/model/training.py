@@ -55,7 +55,7 @@ from inference.model.k3 import KimiK3Model
 from inference.model.kda import CHUNKED_MIN_TOKENS, KDAAttention
 from inference.model.layers import attn_res
 from inference.model.mla import MLAAttention
-from inference.model.moe import Expert, LatentMoE
+from inference.model.moe import Expert, LatentMoE, situ_glu
 from inference.model.tokenizer import ByteTokenizer
 
 INFO_FILE = "training_info.json"
@@ -63,6 +63,9 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "i
 HELDOUT_BUCKETS = 20  # one file in 20 (by path hash) is held out
 LN2 = math.log(2.0)
 TRAIN_LM_HEAD_SCALE = 0.1  # lm_head starts at a tenth of the random recipe's (logit std ~0.3, not ~3)
+RECALL_EMBED_SCALE = 0.3  # init_for_recall: embedding std
+RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                           "routed_expert_up_proj.weight")
 
 # The probe formats of the validator (scoring/corpus.py words them the same way; inference/ cannot import it).
 FACT_TEMPLATE = "The access code for {subject} is {value}."
@@ -105,6 +108,7 @@ class TrainConfig:
     pack_tasks: bool = False  # a task row holds exchanges back to back (else one, then stdlib text)
     balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
     kda_chunk: int = 32  # chunk of the differentiable KDA prefill
+    recall_init: bool = False  # start from init_for_recall (KDA as a next-token memory, zero branch outputs)
     kda_decay_init: tuple[float, float] | None = None  # (slowest, fastest) per-token decay in nats: dt_bias is
     # set so that each KDA channel's decay at z = dt_bias starts on a geometric ladder between them (the
     # model's own init gives about 2.5 nats a token, which forgets within a byte or two); None: model init
@@ -284,19 +288,53 @@ class FakeQuantLinear(nn.Linear):
 
 
 def _mla_attention(attn: MLAAttention, x: Tensor, B: int, T: int) -> Tensor:
-    """The naive MLA form (MLAAttention.forward_naive) for B whole sequences of T tokens at once; x [B*T, D]."""
+    """The naive MLA form (MLAAttention.forward_naive) for B whole sequences of T tokens at once; x [B*T, D].
+    The causal softmax runs in torch's fused attention kernel (scores never materialised), the shared k_pe
+    channel broadcast to every head."""
     H, nope, r = attn.num_heads, attn.nope, attn.kv_rank
-    q = attn._queries(x).view(B, T, H, -1)
+    q = attn._queries(x).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope + rope]
     lat = attn.latents(x).view(B, T, -1)
-    kv = attn.kv_b_proj(lat[..., :r]).float().view(B, T, H, nope + attn.v_dim)
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    k_pe = lat[..., r:].float()
-    scores = (torch.einsum("bthd,bshd->bhts", q[..., :nope], k_nope)
-              + torch.einsum("bthd,bsd->bhts", q[..., nope:], k_pe))
-    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-    p = torch.softmax((scores * attn.scale).masked_fill(future, float("-inf")), dim=-1)
-    o = torch.einsum("bhts,bshv->bthv", p, v)
-    return attn._output(o.reshape(B * T, H * attn.v_dim), x)
+    kv = attn.kv_b_proj(lat[..., :r]).float().view(B, T, H, nope + attn.v_dim).transpose(1, 2)
+    k_pe = lat[..., r:].float().unsqueeze(1).expand(B, H, T, attn.rope)
+    k = torch.cat([kv[..., :nope], k_pe], dim=-1)
+    o = F.scaled_dot_product_attention(q, k, kv[..., nope:].contiguous(), is_causal=True, scale=attn.scale)
+    return attn._output(o.transpose(1, 2).reshape(B * T, H * attn.v_dim), x)
+
+
+def _effective_weight(linear: nn.Linear) -> Tensor:
+    """The weight a routed expert's matrix multiplies by in training (through the MXFP4 grid when fake-quantised)."""
+    w = linear.weight
+    if isinstance(linear, FakeQuantLinear):
+        packed, scale = mxfp4.quantize(w.detach())
+        w = w + (mxfp4.dequantize(packed, scale, w.dtype) - w).detach()
+    return w
+
+
+def _moe_forward(moe: LatentMoE, x: Tensor) -> Tensor:
+    """LatentMoE.forward for training: the routed experts run as three batched matmuls over their stacked
+    weights, each expert on its own tokens (padded to the busiest expert's count), instead of one small matmul
+    chain per expert. Same routing, weights and sums as `LatentMoE.expert_partial`."""
+    ids, weights = moe.route(x)
+    z = moe.down(x)
+    N, k = ids.shape
+    E, Lat = moe.config.num_experts, moe.config.latent_size
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    cap = int(counts.max())
+    first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`
+    expert_sorted = flat[order]
+    slot = expert_sorted * cap + torch.arange(N * k, device=x.device) - first[expert_sorted]
+    token_of = order // k
+    packed = z.new_zeros(E * cap, Lat).index_copy(0, slot, z[token_of]).view(E, cap, Lat)
+    w1, w3, w2 = (torch.stack([_effective_weight(getattr(ex, name)) for ex in moe.experts])
+                  for name in ("w1", "w3", "w2"))
+    act = situ_glu(torch.bmm(packed, w1.transpose(1, 2)), torch.bmm(packed, w3.transpose(1, 2)),
+                   moe.config.situ_beta, moe.config.situ_linear_beta)
+    out = torch.bmm(act.to(z.dtype), w2.transpose(1, 2)).view(E * cap, Lat)[slot]
+    y = torch.zeros(N, Lat, dtype=torch.float32, device=x.device).index_add(
+        0, token_of, out.float() * weights.reshape(-1)[order, None].float())
+    return moe.finish(y, x)
 
 
 def _kda_attention(attn: KDAAttention, x: Tensor, B: int, T: int) -> Tensor:
@@ -328,7 +366,8 @@ def training_logits(model: KimiK3Model, ids: Tensor) -> Tensor:
         a = attend(layer.self_attn, x, B, T).float()
         partial = a if partial is None else partial + a
         h = attn_res(partial, blocks, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
-        partial = partial + layer.mlp_forward(layer.post_attention_layernorm(h).to(layer.compute_dtype)).float()
+        x = layer.post_attention_layernorm(h).to(layer.compute_dtype)
+        partial = partial + (_moe_forward(layer.block_sparse_moe, x) if layer.is_moe else layer.mlp(x)).float()
     h = attn_res(partial, blocks, model.model.output_attn_res_proj.weight, model.model.output_attn_res_norm.weight, eps)
     return model.lm_head(model.model.norm(h).to(model.dtype)).float().view(B, T, -1)
 
@@ -350,12 +389,47 @@ def init_kda_decay(attn: KDAAttention, slowest: float, fastest: float) -> None:
         attn.dt_bias.copy_(z.reshape(-1).to(attn.dt_bias.dtype))
 
 
+def init_for_recall(model: KimiK3Model, embed_scale: float = RECALL_EMBED_SCALE) -> None:
+    """An initialisation from which copying and in-context recall form within a few hundred steps (the model's
+    own recipe plateaus for longer than the whole training budget: 0 of 25 answer probes after 900 steps).
+
+    - Each KDA layer starts as an associative memory of "which token followed this one": the short convolutions
+      start as one-tap filters (q and v read the current token, k the previous one) and k_proj starts equal to
+      q_proj, so a query matches the keys written one token after the same token, and the value read back is the
+      token that followed. This is mimetic initialisation (Trockman and Kolter, 2023: start W_q W_k^T near the
+      identity) applied to the delta rule. The gate's low-rank input starts at zero, so each channel's decay is
+      its dt_bias (set on a ladder by `init_kda_decay`) until training moves it.
+    - Every branch that writes into the residual stream (attention o_proj, MLP and shared-expert down_proj, the
+      LatentMoE up_proj) starts at zero, so the network starts as its embedding and lm_head and each branch grows
+      only as far as it helps (with 13 layers of random branches mixed by the Attention Residuals, the signal of
+      the first layers' memory drowns and no recall forms).
+    - The embedding is scaled down (std `embed_scale`), so that what the branches add is not small beside it.
+    Everything stays trainable; only the starting point changes.
+    """
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+        for name, param in model.named_parameters():
+            if name.endswith(RESIDUAL_BRANCH_OUTPUTS):
+                param.zero_()
+        for module in model.modules():
+            if isinstance(module, KDAAttention):
+                for conv, lag in ((module.q_conv1d, 0), (module.k_conv1d, 1), (module.v_conv1d, 0)):
+                    taps = conv.weight.shape[-1]
+                    conv.weight.zero_()
+                    conv.weight[:, 0, taps - 1 - lag] = 1.0
+                module.k_proj.weight.copy_(module.q_proj.weight)
+                module.f_b_proj.weight.zero_()
+
+
 def make_trainable(release: ModelConfig, seed: int, fake_quant: bool,
-                   decay_init: tuple[float, float] | None = None) -> KimiK3Model:
-    """A float-expert copy of the architecture for training, initialised by the model's own recipe."""
+                   decay_init: tuple[float, float] | None = None, recall_init: bool = False) -> KimiK3Model:
+    """A float-expert copy of the architecture for training, initialised by the model's own recipe (and, with
+    `recall_init`, moved to the starting point of `init_for_recall`)."""
     model = KimiK3Model(dataclasses.replace(release, mxfp4_experts=False), seed=seed)
     with torch.no_grad():  # start near uniform next-byte distributions (the random recipe aims at peaked ones)
         model.lm_head.weight.mul_(TRAIN_LM_HEAD_SCALE)
+    if recall_init:
+        init_for_recall(model)
     for module in model.modules():
         if isinstance(module, KDAAttention):
             module.differentiable_prefill = True
@@ -470,7 +544,7 @@ def train_model(tc: TrainConfig, corpus: Corpus | None = None, log=_log) -> tupl
     corpus = corpus or stdlib_corpus(tc.stdlib_dir)
     release = tc.model_config()
     tokenizer = ByteTokenizer.from_config(release)
-    model = make_trainable(release, tc.seed, tc.fake_quant, tc.kda_decay_init)
+    model = make_trainable(release, tc.seed, tc.fake_quant, tc.kda_decay_init, tc.recall_init)
     model.train()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
