@@ -1,17 +1,21 @@
 """The serving engine over a pipeline-sharded model with several micro-batches in flight (EngineSettings
 micro_batches > 1, issue 17): real shard processes over gloo on loopback; every output equals the
-single-process engine's, with late arrivals, scoring, speculation and a cancellation mid-flight."""
+single-process engine's, with late arrivals, scoring, speculation and a cancellation mid-flight. A restart of
+the shard set drops every step still in flight (the driver keeps nothing of the old set), and a pipelined step
+that hangs is caught by the engine's watchdog, which restarts the shard set and goes on serving."""
 import asyncio
 import dataclasses
 import os
 import signal
 import time
 
+import psutil
 import pytest
+import torch
 
 from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine,
                                SamplingParams, TokenEvent)
-from inference.sharding import ShardedModel, ShardTimeouts
+from inference.sharding import ShardedModel, ShardFailure, ShardTimeouts
 from inference.speculative.speculation import SpeculationConfig
 
 TIMEOUTS = ShardTimeouts(comm=30.0, heartbeat=10.0, startup=180.0, keepalive=0.5)
@@ -168,4 +172,92 @@ async def test_a_lost_shard_fails_every_step_in_flight_and_the_engine_recovers(p
             await asyncio.sleep(0.1)
         assert set(pipeline2.pids.values()).isdisjoint(old.values())
         again = await collect(engine, after)
+    assert [t.token_id for t in again[0]] == [t.token_id for t in want[0][0]]
+    assert pipeline2.steps_in_flight == 0 and pipeline2._results == {}  # nothing kept of the lost set's steps
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_drops_every_step_in_flight(pipeline2, tiny_reference):
+    """Steps submitted and not collected when the shard set restarts (recover()), or when a shard dies under
+    them and the set restarts, are dropped: the driver keeps neither the steps nor answers for them, collecting
+    one raises ShardFailure naming the restart, and the next steps are served as the single-process model."""
+    model, _, _ = tiny_reference
+    prompts = [list(b"abc"), list(b"hello hello"), list(b"xyz")]
+
+    def submit_all():
+        caches = [pipeline2.new_cache() for _ in prompts]
+        return [pipeline2.submit([torch.tensor(p)], [c]) for p, c in zip(prompts, caches)]
+
+    tickets = submit_all()
+    assert pipeline2.steps_in_flight == 3
+    pipeline2.recover()  # a restart with steps in flight (some answers may have come back, some not)
+    assert pipeline2.steps_in_flight == 0 and pipeline2._results == {}
+    with pytest.raises(ShardFailure, match="restarted"):
+        pipeline2.collect(tickets[1])
+
+    victim = pipeline2.pids[1]
+    os.kill(victim, signal.SIGKILL)  # a shard dies; the steps submitted next fail under it
+    tickets = submit_all()
+    with pytest.raises(ShardFailure, match="rank 1"):
+        pipeline2.collect(tickets[0])
+    pipeline2.recover()
+    assert pipeline2.steps_in_flight == 0 and pipeline2._results == {}
+    for ticket in tickets:
+        with pytest.raises(ShardFailure, match="restarted"):
+            pipeline2.collect(ticket)
+
+    caches = [pipeline2.new_cache() for _ in prompts]
+    got = pipeline2.forward_pipelined([([torch.tensor(p)], [c], False) for p, c in zip(prompts, caches)])
+    for p, (logits,) in zip(prompts, got):
+        want = model.forward([torch.tensor(p)], [model.new_cache()])[0]
+        assert torch.allclose(logits, want, atol=ATOL)
+
+
+# the shard set's own fault detection far away: only the engine's watchdog can catch a stage that stops answering
+HANG_TIMEOUTS = ShardTimeouts(comm=120.0, heartbeat=120.0, startup=180.0, keepalive=0.5)
+FORWARD_STALL_S = 15.0  # above a shard-set restart on this loaded box (a recovery is watched like a step)
+
+
+@pytest.mark.timeout(300)
+async def test_the_watchdog_catches_a_pipelined_step_that_hangs(tiny_checkpoint, tiny_reference):
+    """A stage stops answering (SIGSTOP) while both groups have steps in flight, and neither its heartbeat nor a
+    transfer timeout will say so for 120 s: the engine's watchdog gives up on the step after forward_stall_s,
+    every request in flight fails with its reason, the shard set is killed (the stopped process too) and
+    restarted, the driver keeps nothing of the old set, and the next request is served."""
+    model, tokenizer, _ = tiny_reference
+    reqs = requests(200)[:4]  # long enough to be streaming when the stage stops
+    after = requests()[1][1]
+    want = await serve(LocalEngine(model, tokenizer, SETTINGS, model_fingerprint="t"), [(0.0, after)])
+    settings = dataclasses.replace(SETTINGS, micro_batches=2, forward_stall_s=FORWARD_STALL_S, watchdog_s=0.2)
+    with ShardedModel(tiny_checkpoint, shards=2, mode="pipeline", timeouts=HANG_TIMEOUTS,
+                      threads_per_rank=1) as sharded:
+        engine = LocalEngine(sharded, tokenizer, settings, model_fingerprint="t")
+        old = dict(sharded.pids)
+        stopped: dict[str, float] = {}
+
+        async def until_failure(request):
+            seen = 0
+            with pytest.raises(EngineError) as failure:
+                async for _ in engine.generate(request):
+                    seen += 1
+                    if seen == 3 and not stopped:
+                        os.kill(old[1], signal.SIGSTOP)
+                        stopped["at"] = time.monotonic()
+            return failure.value, time.monotonic()
+
+        async with engine:
+            failures = await asyncio.gather(*(until_failure(r) for _, r in reqs))
+            for error, at in failures:
+                assert error.code == "engine_failure" and "a model step has run for" in error.message, error
+                assert at - stopped["at"] < FORWARD_STALL_S + 10, f"failed {at - stopped['at']:.1f} s after the stop"
+            assert engine.scheduler_restarts >= 1 and engine.most_steps_in_flight == 2
+            deadline = time.monotonic() + 120
+            while not (engine.health().ok and sharded.health().ok):
+                assert time.monotonic() < deadline, engine.health()
+                await asyncio.sleep(0.1)
+            assert set(sharded.pids.values()).isdisjoint(old.values())
+            for pid in old.values():  # killed and reaped, the stopped one included
+                assert not psutil.pid_exists(pid), f"old shard process {pid} is still there"
+            assert sharded.steps_in_flight == 0 and sharded._results == {}
+            again = await asyncio.wait_for(collect(engine, after), 120)
     assert [t.token_id for t in again[0]] == [t.token_id for t in want[0][0]]

@@ -606,12 +606,18 @@ class LocalEngine(Engine):
             old.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(old, 1.0)
-        if self._in_forward_since is not None:  # a model step that hangs keeps its thread; take a fresh one
+        hung = self._in_forward_since is not None
+        if hung:  # a model step that hangs keeps its thread; take a fresh one
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="k3-step", initializer=torch.set_num_threads,
                 initargs=(torch.get_num_threads(),))
             self._in_forward_since = None
+        abort = getattr(self.model, "abort", None)
+        if callable(abort) and (hung or getattr(self.model, "steps_in_flight", 0)):
+            # a shard set: the step that hangs (or the old scheduler's steps in flight, which nobody will collect
+            # now) dies with the set, which frees the old step thread; the new scheduler recovers it first
+            abort(f"the engine's watchdog gave up on it: {problem}")
         err = EngineError("engine_failure", f"the engine's scheduler failed ({problem}); retry")
         for seq in list(self._running) + list(self._waiting):
             self._fail(seq, err)
@@ -625,7 +631,9 @@ class LocalEngine(Engine):
         self._health = EngineHealth("ok", f"scheduler restarted after: {problem}")
 
     async def _run(self) -> None:
-        """The scheduler. A bug anywhere in a step fails that step's sequences and the loop goes on."""
+        """The scheduler. A bug anywhere in a step fails that step's sequences and the loop goes on. It first
+        recovers a model that reports itself broken (one the watchdog aborted), so requests wait for that."""
+        await self._recover_if_broken()
         while True:
             try:
                 await self._schedule()
@@ -796,7 +804,8 @@ class LocalEngine(Engine):
     async def _pipeline_failed(self, exc: Exception, groups: list[list[_Sequence]], in_flight: deque,
                                busy: set[int]) -> None:
         """A submit or collect failed: every running sequence fails (as in the one-step loop), the model
-        recovers, and the steps still in flight are dropped (a recovered shard set answers them at once)."""
+        recovers, and the steps still in flight are dropped (a restarted shard set has dropped them already;
+        collecting them takes what a model that was not restarted still holds)."""
         await self._on_step_failure(exc)
         for _, ticket, *_ in in_flight:
             with contextlib.suppress(Exception):
@@ -807,13 +816,14 @@ class LocalEngine(Engine):
             group.clear()
 
     async def _recover_if_broken(self) -> None:
-        """While idle: a model that reports itself broken (a shard died) is recovered before the next request."""
+        """While idle, and when a scheduler starts: a model that reports itself broken (a shard died, or the
+        watchdog aborted it) is recovered before the next request."""
         model_health = getattr(self.model, "health", None)
         recover = getattr(self.model, "recover", None)
         if not (callable(model_health) and callable(recover)) or model_health().ok:
             return
         detail = model_health().detail
-        log.warning("model unhealthy while idle (%s): recovering", detail)
+        log.warning("model unhealthy (%s): recovering", detail)
         self._health = EngineHealth("degraded", f"recovering: {detail}")
         try:
             self._in_forward_since = time.monotonic()  # a recovery is watched like a model step

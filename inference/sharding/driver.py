@@ -19,7 +19,9 @@ top of it (`inference.serving.builders.build_sharded_engine`). Underneath (docs/
 - Faults: a shard that dies is noticed at once (its process sentinel locally, a closed connection
   remotely); one that hangs, by its heartbeat going silent (`ShardTimeouts.heartbeat`); every transfer has a
   timeout as well. The forward in flight raises `ShardFailure`, `health()` reports the set down, and
-  `recover()` kills every local shard process (joined: no zombies) and starts a fresh set.
+  `recover()` kills every local shard process (joined: no zombies) and starts a fresh set. Steps submitted
+  to a set that is gone are dropped with it (collecting one raises `ShardFailure`). `abort()` fails the set
+  from another thread when a step hangs past a caller's own deadline (the serving engine's watchdog).
 - Speed (issue 17): `submit()` / `collect()` keep several steps (micro-batches of different sequences) in
   flight, so pipeline stages work on different micro-batches at once (`forward_pipelined` sends a list of
   them); `ShardCache.mark()` / `rewind()` give speculative decoding the single-process cache's rewind, the
@@ -226,8 +228,10 @@ class ShardedModel:
         self._slots = itertools.count(1)
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
         self._messages = itertools.count(1)
-        self._in_flight: dict[int, tuple[list[int], bool, int]] = {}  # submitted steps not yet collected
+        # steps of the current shard set: submitted, not yet collected; a set's end drops them
+        self._in_flight: dict[int, tuple[list[int], bool]] = {}
         self._results: dict[int, np.ndarray] = {}  # logits that came back before their step was collected
+        self._dropped_below = 0  # tickets below this were submitted to a shard set that is gone
         self.generation = 0
         self.ranks: list[dict] = []
         self._state = "stopped"  # stopped -> starting -> ready -> failed -> (recover) starting ... -> closed
@@ -303,6 +307,17 @@ class ShardedModel:
             self.restarts += 1
             self.start()
 
+    def abort(self, reason: str) -> None:
+        """Fail the shard set from another thread, without waiting for the driver (a step that hangs holds it):
+        every local shard process is killed, so a thread waiting for one of the set's steps raises ShardFailure
+        at once. recover() then starts a fresh set; until then nothing is sent to this one."""
+        self._state, self._detail = "failed", reason
+        for proc in list(self._procs.values()):
+            try:
+                proc.kill()  # multiprocessing signals only a process it has not reaped
+            except ValueError:  # closed by a stop running in another thread
+                pass
+
     def close(self) -> None:
         """Stop the shard set: politely when it is healthy, by SIGKILL otherwise."""
         with self._lock:
@@ -345,7 +360,10 @@ class ShardedModel:
             proc.join(10)
             if proc.exitcode is not None:
                 proc.close()
+        # every step submitted so far ran on this set: nothing will answer them now
+        self._in_flight.clear()
         self._results.clear()
+        self._dropped_below = next(self._messages)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -458,6 +476,11 @@ class ShardedModel:
         handle._finalizer()
 
     # ------------------------------------------------------------------ forward
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps submitted to the current shard set and not yet collected."""
+        return len(self._in_flight)
+
     def forward(self, token_ids: list[Tensor], caches: list[ShardCache], all_logits: bool = False) -> list[Tensor]:
         """Each sequence's new tokens after its cache; fp32 logits [T_i, V] (all_logits) or [V] per sequence."""
         with self._lock:
@@ -500,14 +523,14 @@ class ShardedModel:
             for cache, n in zip(caches, lengths):
                 cache.ops.clear()
                 cache.advance(n)
-            self._in_flight[number] = (lengths, bool(all_logits), self.generation)
+            self._in_flight[number] = (lengths, bool(all_logits))
             return number
 
     def collect(self, ticket: int) -> list[Tensor]:
         """The logits of a submitted step (waiting for it, and for the steps submitted before it)."""
         with self._lock:
             if ticket in self._in_flight:
-                lengths, all_logits, _ = self._in_flight[ticket]
+                lengths, all_logits = self._in_flight[ticket]
             logits = self._collect_raw(ticket)
             return list(torch.split(logits, lengths)) if all_logits else list(logits)
 
@@ -534,11 +557,9 @@ class ShardedModel:
         """What rank 0 answered for a submitted step, as one tensor (logits rows, or a block's state)."""
         with self._lock:
             if ticket not in self._in_flight:
-                raise ValueError(f"step {ticket} was not submitted, was collected already, or was lost in a restart")
-            lengths, all_logits, generation = self._in_flight[ticket]
-            if generation != self.generation:
-                del self._in_flight[ticket]
-                raise ShardFailure("the shard set this step ran on was restarted")
+                if ticket < self._dropped_below:
+                    raise ShardFailure(f"step {ticket} was lost: the shard set it ran on was restarted or closed")
+                raise ValueError(f"step {ticket} was not submitted, or was collected already")
             while ticket not in self._results:
                 if self._state != "ready":
                     raise ShardFailure(f"the shard set is not serving ({self._detail}); recover() starts a new one")
@@ -551,7 +572,7 @@ class ShardedModel:
         """Take every answer still owed by rank 0 (kept for `collect`), so the next message is a reply to
         whatever is asked next."""
         for ticket in sorted(self._in_flight):
-            while ticket not in self._results and self._in_flight[ticket][2] == self.generation:
+            while ticket not in self._results:
                 _, done, logits = self._await(("logits",), float("inf"), what=f"step {ticket}")
                 self._results[done] = logits
 
