@@ -3,7 +3,9 @@ the template's dotted aliases, K3_ROUTE_* for its own settings (the miner's serv
 the flags it had before (--refresh-s, --min-validator-stake, ...), clear CLI errors, a usage line naming the
 program; and a real route miner process, started on a devnet subnet with no stage miners yet, publishes its endpoint,
 says its route is not there yet (degraded health), answers with X-Request-Id, logs JSON and serves the miner's
-Prometheus metrics."""
+Prometheus metrics. `--speculate distilled --draft-model FILE` takes the table the miner takes, and a route miner
+process refuses, at startup and with both fingerprints, a table made for another checkpoint (the distilled drafts
+over real stage miners: tests/test_route_miner_distilled.py)."""
 import asyncio
 import json
 import os
@@ -25,6 +27,7 @@ from protocol.schemas import HEALTH_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["--checkpoint", "/ckpt", "--netuid", "2"]
+SHIPPED_TABLE = ROOT / "inference" / "model" / "assets" / "tiny_trained_drafter.k3d"  # for assets/tiny_trained
 
 
 def read(argv, environ=None) -> RouteMinerSettings:
@@ -127,6 +130,52 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(capsys, tm
     assert main(["--checkpoint", str(tmp_path), "--netuid", "70000", "--host", "0.0.0.0"], prog="rm") == 2
     err = capsys.readouterr().err
     assert "--netuid 70000 is not a netuid" in err and "--host 0.0.0.0 is not an address validators can reach" in err
+
+
+def test_speculate_distilled_takes_its_draft_table():
+    s = read(REQUIRED + ["--speculate", "distilled", "--draft-model", str(SHIPPED_TABLE), "--draft-tokens", "6"])
+    assert (s.route.speculate, s.route.draft_model, s.route.draft_tokens) == ("distilled", str(SHIPPED_TABLE), 6)
+    s = read(REQUIRED, {"K3_ROUTE_SPECULATE": "distilled", "K3_ROUTE_DRAFT_MODEL": str(SHIPPED_TABLE)})
+    assert (s.route.speculate, s.route.draft_model) == ("distilled", str(SHIPPED_TABLE))
+    assert not any("draft" in p for p in s.problems())
+    for argv, says in ((["--speculate", "distilled"], "speculate distilled needs its draft table (--draft-model FILE"),
+                       (["--speculate", "ngram", "--draft-model", str(SHIPPED_TABLE)],
+                        "--draft-model is for --speculate distilled"),
+                       (["--speculate", "distilled", "--draft-model", "/no/such.k3d"],
+                        "draft model /no/such.k3d is not a file")):
+        assert says in "\n".join(read(REQUIRED + argv).problems()), argv
+
+
+def test_a_route_miner_refuses_a_draft_table_made_for_another_checkpoint(tiny_checkpoint, tmp_path):
+    """A real process: the shipped table belongs to the trained checkpoint, not to the random tiny one. It stops
+    before it opens a wallet or the chain (none exists here), with one line naming both fingerprints."""
+    from inference.model.checkpoint import fingerprint  # noqa: PLC0415
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "neurons.swarm.route_miner", "--netuid", "1", "-n", f"devnet:{tmp_path / 'd.sqlite'}",
+         "--checkpoint", str(tiny_checkpoint), "--wallet-path", str(tmp_path / "no-wallets"),
+         "--speculate", "distilled", "--draft-model", str(SHIPPED_TABLE)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    trained = fingerprint(ROOT / "inference" / "model" / "assets" / "tiny_trained")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith(
+        f"python -m neurons.swarm.route_miner: error: the draft table {SHIPPED_TABLE} was distilled from checkpoint "
+        f"{trained}, not from this one ({fingerprint(tiny_checkpoint)}); rebuild it with scripts/distill_drafter.py"), \
+        done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "d.sqlite").exists()
+
+
+def test_distilled_drafts_need_the_checkpoints_fingerprint(capsys, tiny_checkpoint, tmp_path):
+    """A checkpoint directory without k3_manifest.json gives no fingerprint to check the table against."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((tiny_checkpoint / "config.json").read_bytes())
+    assert main(["--checkpoint", str(bare), "--netuid", "1", "-n", f"devnet:{tmp_path / 'd.sqlite'}",
+                 "--speculate", "distilled", "--draft-model", str(SHIPPED_TABLE)], prog="rm") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rm: error: speculate distilled checks its draft table against the checkpoint's "
+                          "fingerprint, and the checkpoint has none (no k3_manifest.json)"), err
 
 
 def test_a_missing_wallet_is_a_one_line_error(capsys, tiny_checkpoint, tmp_path):

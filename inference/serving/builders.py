@@ -15,7 +15,7 @@ import torch
 
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
-from inference.speculative.distilled import speculation_with_table
+from inference.speculative.distilled import draft_model_problems, speculation_with_table
 from inference.speculative.drafters import DRAFTER_KINDS
 from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
@@ -77,13 +77,7 @@ class EngineSpec:
         elif self.speculate != "none" and self.kind not in ("reference", "sharded"):
             out.append(f"speculative decoding runs in the reference and sharded engines only (the {self.kind} "
                        "engine's caches cannot rewind): use --speculate none")
-        if self.speculate == "distilled" and not self.draft_model:
-            out.append("speculate distilled needs its draft table (--draft-model FILE, made by "
-                       "scripts/distill_drafter.py)")
-        elif self.draft_model and self.speculate != "distilled":
-            out.append("--draft-model is for --speculate distilled")
-        elif self.draft_model and not Path(self.draft_model).is_file():
-            out.append(f"draft model {self.draft_model} is not a file")
+        out += draft_model_problems(self.speculate, self.draft_model)
         if not (self.shard_link_latency_ms >= 0 and self.shard_link_gbps >= 0):
             out.append("the emulated shard links need latency >= 0 ms and bandwidth >= 0 Gbit/s (0: unlimited)")
         if self.settings.micro_batches < 1:

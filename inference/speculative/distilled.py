@@ -223,6 +223,18 @@ def distill(model, target_fingerprint: str, texts: Sequence[bytes], bos: int, *,
     return counter.table(target_fingerprint, min_count_long, source, min_confidence)
 
 
+def draft_model_problems(speculate: str, draft_model: str | None) -> list[str]:
+    """What is wrong with a --speculate / --draft-model pair before anything loads: a distilled drafter without
+    its table, a table for another drafter, a table that is not a file."""
+    if speculate == "distilled" and not draft_model:
+        return ["speculate distilled needs its draft table (--draft-model FILE, made by scripts/distill_drafter.py)"]
+    if draft_model and speculate != "distilled":
+        return ["--draft-model is for --speculate distilled"]
+    if draft_model and not Path(draft_model).is_file():
+        return [f"draft model {draft_model} is not a file"]
+    return []
+
+
 def speculation_with_table(config, path: str | Path | None, target_fingerprint: str):
     """`config` (a SpeculationConfig) with the distilled drafter of the table at `path` when config.drafter is
     "distilled" (the table checked against the target's fingerprint); other drafters: `config` unchanged, and
@@ -234,11 +246,13 @@ def speculation_with_table(config, path: str | Path | None, target_fingerprint: 
             raise ValueError("--draft-model is for --speculate distilled")
         return config
     if not path:
-        raise ValueError("speculate distilled needs its draft table (--draft-model FILE, made by "
-                         "scripts/distill_drafter.py)")
+        raise ValueError(draft_model_problems("distilled", path)[0])
+    if not target_fingerprint:
+        raise ValueError("speculate distilled checks its draft table against the checkpoint's fingerprint, and the "
+                         "checkpoint has none (no k3_manifest.json): python -m inference manifest DIR writes it")
     table = load_table(path, target_fingerprint)
     return dataclasses.replace(config, drafter_factory=lambda prompt: DistilledDrafter(table))
 
 
 __all__ = ["DistilledTable", "DistilledDrafter", "ContextCounter", "DraftModelMismatch", "load_table", "distill",
-           "overlaps", "TABLE_FORMAT", "speculation_with_table"]
+           "overlaps", "TABLE_FORMAT", "draft_model_problems", "speculation_with_table"]

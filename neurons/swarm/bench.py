@@ -267,10 +267,10 @@ def always_wrong(vocab_size: int):
 async def run_speculation_bench(args) -> list[dict]:
     """Speculation on vs off over one N-stage route, side by side: for every RTT and prompt, generations with
     `--speculate` drafts and without alternate (interleaved rounds), the best decode tokens/s of each."""
-    from inference.model.checkpoint import make_random_checkpoint, read_config  # noqa: PLC0415
+    from inference.model.checkpoint import fingerprint, make_random_checkpoint, read_config  # noqa: PLC0415
     from inference.model.config import ModelConfig  # noqa: PLC0415
     from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
-    from inference.serving.engine import Engine  # noqa: PLC0415,F401 (before inference.speculative)
+    from inference.speculative.distilled import speculation_with_table  # noqa: PLC0415
     from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix="bench_swarm_spec_"))
@@ -279,8 +279,10 @@ async def run_speculation_bench(args) -> list[dict]:
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
     config = read_config(ckpt)
     tokenizer = load_tokenizer(ckpt, config)
+    # a distilled table is checked against the checkpoint before any stage starts
+    spec = speculation_with_table(SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens),
+                                  args.draft_model, fingerprint(ckpt))
     ranges, links, procs, engine = await start_delayed_route(ckpt, config, tokenizer, work, args)
-    spec = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
     wrong = SpeculationConfig(max_draft_tokens=args.draft_tokens, drafter_factory=always_wrong(config.vocab_size))
     prompts = {**PROMPTS, "code-like": tokenizer.encode(CODE_LIKE, add_bos=True)}
     prompts = {name: prompts[name] for name in args.prompts}
@@ -417,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix"),
-                   help="compare speculative decoding with these drafts against plain decoding on the route")
+    p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix", "distilled"),
+                   help="compare speculative decoding with these drafts against plain decoding on the route "
+                        "(distilled: the draft table of --draft-model, made for --checkpoint)")
+    p.add_argument("--draft-model", default="", help="with --speculate distilled: the draft table "
+                                                     "scripts/distill_drafter.py made for --checkpoint")
     p.add_argument("--draft-tokens", type=int, default=8, help="with --speculate: most tokens drafted per step")
     p.add_argument("--prompts", type=lambda s: s.split(","), default=["repeating", "novel"],
                    help="with --speculate: which of repeating,novel,code-like")
@@ -432,12 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-ranks", type=int, default=2, help="with --shard-restart: local processes per block")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args(argv)
+    from inference.speculative.distilled import DraftModelMismatch, draft_model_problems  # noqa: PLC0415
+
+    for problem in draft_model_problems(args.speculate, args.draft_model):
+        p.error(problem)
     torch.set_num_threads(args.threads)
     if args.shard_restart:
         rows = run_shard_bench(args)
         print_shard_table(rows, args)
     elif args.speculate != "none":
-        rows = asyncio.run(run_speculation_bench(args))
+        try:
+            rows = asyncio.run(run_speculation_bench(args))
+        except DraftModelMismatch as error:
+            p.error(str(error))
         print_speculation_table(rows, args)
     else:
         rows = asyncio.run(run_bench(args))

@@ -11,16 +11,16 @@ server. Prefill goes in chunks sent back to back, so the stages work on differen
 Every result carries the stages' signed receipts; the driver checks that they chain (the output hash of each
 stage is the input hash of the next, starting from the hash of what the driver sent) and keeps the last ones.
 
-Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`): per request a
-model-free drafter (inference.speculative) proposes k tokens with adaptive k; the driver sends [last token,
-d_1..d_k] through the route as one forward in mode "verify", the last stage judges the drafts against its
-logits (greedy: argmax; sampled: the speculative-sampling rule, so the distribution is unchanged) and answers
-the accepted drafts plus one token; when it rejected some, every stage's session must return to the last
-accepted position (KDA, convolution and MLA state). The driver sends that rewind with the next forward
-(`ForwardHeader.rewind`) when every stage of the route takes it there (`capacity["forward_rewind"]`), else as
-the rewind message to every stage in parallel. The final event reports the drafted and accepted tokens. One
-verify step costs one traversal, with or without a rejection (one more parallel round trip per rejection on
-routes of older stages).
+Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`, or a distilled
+draft table's `drafter_factory`): per request a drafter (inference.speculative) proposes k tokens with adaptive
+k, without model work; the driver sends [last token, d_1..d_k] through the route as one forward in mode
+"verify", the last stage judges the drafts against its logits (greedy: argmax; sampled: the
+speculative-sampling rule, so the distribution is unchanged) and answers the accepted drafts plus one token;
+when it rejected some, every stage's session must return to the last accepted position (KDA, convolution and
+MLA state). The driver sends that rewind with the next forward (`ForwardHeader.rewind`) when every stage of
+the route takes it there (`capacity["forward_rewind"]`), else as the rewind message to every stage in
+parallel. The final event reports the drafted and accepted tokens. One verify step costs one traversal, with
+or without a rejection (one more parallel round trip per rejection on routes of older stages).
 
 Churn: a hop that cannot be reached, answers an error, or a step that does not come back within
 hop_timeout_s x (N + 1) marks the stage at fault (the one a stage names as its unreachable next hop, or the
@@ -609,8 +609,9 @@ class RouteEngine(Engine):
     def __init__(self, driver: RouteDriver, tokenizer, *, model_fingerprint: str = "", max_context: int = 4096,
                  max_concurrent: int = 8, prefill_chunk: int = 128, max_recoveries: int = 3,
                  speculation: SpeculationConfig | None = None):
-        """`speculation` (the route miner's --speculate ngram|suffix, --draft-tokens): draft model-free and
-        verify the drafts across the route, exactly (greedy output equals plain greedy output)."""
+        """`speculation` (the route miner's --speculate ngram|suffix|distilled, --draft-tokens, --draft-model):
+        draft on the driver and verify the drafts across the route, exactly (greedy output equals plain greedy
+        output)."""
         if speculation is not None and speculation.problems():
             raise ValueError("; ".join(speculation.problems()))
         self.speculation = speculation if speculation is not None and speculation.enabled else None

@@ -17,6 +17,11 @@ SQLite store (read-only, at every refresh of the stage list) are left out of its
 testnet shows and its tests check). `--report-work HOTKEY@URL` submits the receipts of every step it drives to
 that validator's work endpoint (protocol.route_work, every --report-work-s; `WorkReport`), which credits the
 stages the work.
+
+`--speculate ngram|suffix|distilled --draft-tokens K` drafts on the route driver and has the last stage verify
+the drafts (greedy output is plain greedy output). `distilled` takes `--draft-model FILE`, a draft table made by
+scripts/distill_drafter.py from the route's checkpoint: the table's fingerprint must be the one in --checkpoint's
+k3_manifest.json (the model the stages announce), else the route miner refuses to start and says both.
 """
 from __future__ import annotations
 
@@ -39,11 +44,14 @@ from chain import connect
 from chain.interface import ChainError
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.model.tokenizer import load_tokenizer
+from inference.speculative.distilled import speculation_with_table
+from inference.speculative.speculation import SpeculationConfig
 from neurons.miner_app import MinerServer
 from neurons.observability import run_neuron
 from neurons.settings import describe_values, open_wallet, program_name
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine
-from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options, work_hop
+from neurons.swarm.settings import (RouteMinerSettings, RouteSettings, read_route_miner_settings, route_miner_options,
+                                    work_hop)
 from neurons.swarm.stage_miner import serve_until_signalled
 from neurons.validator_app.stage_rounds import TrustedDirectory
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
@@ -145,11 +153,12 @@ class WorkReport:
                 await self.submit(http)
 
 
-def speculation_config(drafter: str, draft_tokens: int):
-    # imported here: inference.speculative and inference.serving import each other, serving must come first
-    from inference.speculative.speculation import SpeculationConfig  # noqa: PLC0415
-
-    return SpeculationConfig(drafter=drafter, max_draft_tokens=draft_tokens)
+def route_speculation(route: RouteSettings, model_fingerprint: str):
+    """What the route drafts with (--speculate, --draft-tokens): model-free drafts, or the distilled draft table of
+    --draft-model, which must have been made from the route's checkpoint (`model_fingerprint`: the model its
+    stages announce); a table made from another one is a ValueError naming both fingerprints."""
+    config = SpeculationConfig(drafter=route.speculate, max_draft_tokens=route.draft_tokens)
+    return speculation_with_table(config, route.draft_model, model_fingerprint)
 
 
 async def run(settings: RouteMinerSettings, report=WorkReport) -> int:
@@ -159,6 +168,7 @@ async def run(settings: RouteMinerSettings, report=WorkReport) -> int:
         model_fp = fingerprint(r.checkpoint)
     except CheckpointError:
         model_fp = ""
+    speculation = route_speculation(r, model_fp)  # a draft table for another checkpoint stops it here
     miner_settings = settings.miner_settings()
     wallet = open_wallet(settings.wallet)
     chain = connect(c.network)
@@ -174,8 +184,7 @@ async def run(settings: RouteMinerSettings, report=WorkReport) -> int:
         driver.route_log = r.route_log
         engine = RouteEngine(driver, load_tokenizer(r.checkpoint, config), model_fingerprint=model_fp,
                              max_context=r.max_context, max_concurrent=r.max_concurrent,
-                             prefill_chunk=r.prefill_chunk,
-                             speculation=speculation_config(r.speculate, r.draft_tokens))
+                             prefill_chunk=r.prefill_chunk, speculation=speculation)
         server = MinerServer(miner_settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
                              nonce_store=nonce_store)
         await server.start()

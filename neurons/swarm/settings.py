@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from inference.serving import EngineSpec
+from inference.speculative.distilled import draft_model_problems
+from inference.speculative.drafters import DRAFTER_KINDS
 from inference.speculative.speculation import MAX_DRAFT_TOKENS
 from inference.swarm.stage import SHARD_MODES, StageLimits
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
@@ -163,8 +165,11 @@ class RouteSettings:
     max_concurrent: int = setting(8, "generations served at once (the miner's declared capacity)", read=positive_int,
                                   metavar="N")
     speculate: str = setting("none", "speculative decoding across the route with model-free drafts (ngram: prompt "
-                             "lookup; suffix: a suffix index over prompt and output), verified exactly by the last "
-                             "stage; rejected drafts are rewound on every stage", choices=("none", "ngram", "suffix"))
+                             "lookup; suffix: a suffix index over prompt and output) or a draft table distilled from "
+                             "the checkpoint (distilled: needs --draft-model), verified exactly by the last stage; "
+                             "rejected drafts are rewound on every stage", choices=DRAFTER_KINDS)
+    draft_model: str = setting("", "with --speculate distilled: the draft table scripts/distill_drafter.py made for "
+                               "the checkpoint (refused at startup when it was made for another one)", metavar="FILE")
     draft_tokens: int = setting(8, "with --speculate: most tokens drafted per step (fewer when drafts are poor)",
                                 read=positive_int, metavar="N")
     ready_file: str = setting("", "once serving, write {url, hotkey, pid, route, health} there as JSON",
@@ -215,6 +220,7 @@ class RouteMinerSettings:
                 out.append(str(error))
         if not 1 <= self.route.draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"--draft-tokens must lie in 1..{MAX_DRAFT_TOKENS} (got {self.route.draft_tokens})")
+        out += draft_model_problems(self.route.speculate, self.route.draft_model)
         return out
 
 
