@@ -1,6 +1,6 @@
 """Fixtures shared by the test files: real bittensor wallets, the tiny checkpoint and a devnet subnet, the
 tiny model (`model`, `tokenizer`; a file may define its own), `reference_greedy` (the single-process model's
-greedy tokens) and `collect_events` for engine streams.
+greedy tokens), `collect_events` for engine streams and `start_route_miner` (a swarm route miner process).
 
 Factories are session fixtures so that a module-scoped `world` fixture can use them:
 
@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -216,6 +220,30 @@ def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[
         lps.append(float(lp[t]))
         logits = model.forward([torch.tensor([t])], [cache])[0]
     return out, lps
+
+
+def start_route_miner(argv: list[str], workdir: Path, env: Mapping[str, str] | None = None,
+                      timeout_s: float = 120.0) -> tuple[subprocess.Popen, dict]:
+    """`python -m neurons.swarm.route_miner ARGV` (stderr in workdir/route.log, `env` added to this one's), and
+    its ready file's {url, hotkey, route, health, ...} once it serves; stop the process with
+    neurons.swarm.cheats.stop_hosts. It is killed when it exits or is not ready within `timeout_s`."""
+    root = Path(__file__).resolve().parent.parent
+    ready, log = workdir / "route.ready", workdir / "route.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "neurons.swarm.route_miner", *argv, "--ready-file", str(ready)],
+                                cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        problem = "exited" if proc.poll() is not None else \
+            f"was not ready in {timeout_s:g} s" if time.monotonic() > deadline else None
+        if problem:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the route miner {problem}: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    return proc, json.loads(ready.read_text())
 
 
 async def collect_events(stream) -> tuple[list[TokenEvent], object]:

@@ -11,17 +11,12 @@ miners announced on a devnet subnet, with the draft table shipped for it (tiny_t
 (A table made for another checkpoint is refused at startup: tests/test_route_miner_settings.py.)
 """
 import asyncio
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
-from conftest import collect_events, reference_greedy
+from conftest import collect_events, reference_greedy, start_route_miner
 
 from inference.model.checkpoint import fingerprint, read_config
 from inference.model.tokenizer import load_tokenizer
@@ -105,24 +100,12 @@ def test_the_route_with_the_shipped_draft_table_equals_plain_greedy(swarm):
 
 
 def test_a_route_miner_process_serves_the_distilled_drafts(swarm):
-    root, devnet = swarm["root"], swarm["devnet"]
-    ready, log = root / "route.ready", root / "route.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neurons.swarm.route_miner", *distilled_flags(swarm), "-n", f"devnet:{devnet}",
-             "-w", "route", "--wallet-path", str(root / "wallets"), "--nonce-store", str(root / "nonces.sqlite"),
-             "--min-validator-stake", "5", "--refresh-s", "1", "--hop-timeout-s", str(HOP_TIMEOUT_S),
-             "--ready-file", str(ready)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    root = swarm["root"]
+    proc, info = start_route_miner(
+        [*distilled_flags(swarm), "-n", f"devnet:{swarm['devnet']}", "-w", "route", "--wallet-path",
+         str(root / "wallets"), "--nonce-store", str(root / "nonces.sqlite"), "--min-validator-stake", "5",
+         "--refresh-s", "1", "--hop-timeout-s", str(HOP_TIMEOUT_S)], root)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, f"the route miner exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"the route miner was not ready in 120 s: {log.read_text()[-2000:]}"
-            time.sleep(0.2)
-        info = json.loads(ready.read_text())
-
         async def ask():
             before = await last_stage_forwards(swarm)
             async with MinerClient(swarm["wallets"]["validator"].hotkey) as client:
@@ -133,7 +116,7 @@ def test_a_route_miner_process_serves_the_distilled_drafts(swarm):
 
         result, forwards = asyncio.run(ask())
         want, _ = swarm["greedy"]
-        assert result.token_ids == want, log.read_text()[-2000:]
+        assert result.token_ids == want, (root / "route.log").read_text()[-2000:]
         assert result.final.model_fingerprint == fingerprint(swarm["ckpt"])
         # one forward for the prompt, then one per decode or verify step: plain decoding would take one per token
         assert forwards - 1 < NEW_TOKENS // 2, forwards

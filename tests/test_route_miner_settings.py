@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from conftest import start_route_miner
 
 from chain.interface import connect
 from neurons.settings import options_table
@@ -203,23 +204,13 @@ def test_a_route_miner_process_publishes_itself_and_is_observable(tmp_path, tiny
     wallets = make_wallets(tmp_path / "wallets", ("owner", "route"))
     devnet = tmp_path / "devnet.sqlite"
     netuid, uids = make_subnet(devnet, wallets, ("route",), block_interval=0.1)
-    ready, log = tmp_path / "route.ready", tmp_path / "route.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BT_WALLET_PATH": str(tmp_path / "wallets"),
-           "BT_NETWORK": f"devnet:{devnet}", "K3_ROUTE_NONCE_STORE": str(tmp_path / "nonces.sqlite"),
-           "K3_ROUTE_METRICS": "on", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neurons.swarm.route_miner", "--netuid", str(netuid), "--checkpoint",
-             str(tiny_checkpoint), "-w", "route", "-H", "default", "--metrics-port", "0", "--log-format", "json",
-             "--log-level", "INFO", "--ready-file", str(ready)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-            stderr=stderr)
+    log = tmp_path / "route.log"
+    env = {"BT_WALLET_PATH": str(tmp_path / "wallets"), "BT_NETWORK": f"devnet:{devnet}",
+           "K3_ROUTE_NONCE_STORE": str(tmp_path / "nonces.sqlite"), "K3_ROUTE_METRICS": "on"}
+    proc, info = start_route_miner(["--netuid", str(netuid), "--checkpoint", str(tiny_checkpoint), "-w", "route",
+                                    "-H", "default", "--metrics-port", "0", "--log-format", "json",
+                                    "--log-level", "INFO"], tmp_path, env)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, f"the route miner exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"the route miner was not ready in 120 s: {log.read_text()[-2000:]}"
-            time.sleep(0.2)
-        info = json.loads(ready.read_text())
         assert info["hotkey"] == wallets["route"].hotkey.ss58_address
         assert info["route"] == [] and info["health"] == "degraded"  # no stage miner announced yet
 
