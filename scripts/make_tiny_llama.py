@@ -50,7 +50,7 @@ def make_tokenizer(out: Path):
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
-        "add_bos_token": False, "model_max_length": 1024,
+        "add_bos_token": False, "model_max_length": 8192,
         "added_tokens_decoder": {str(i): {"content": name, "special": True} for name, i in ids.items()},
     }, indent=1))
     return ids
@@ -61,7 +61,7 @@ def make_model(out: Path, ids: dict, seed: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
                          bos_token_id=ids["[BOS]"], eos_token_id=ids["[EOS]"], pad_token_id=ids["[PAD]"],
                          tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)
