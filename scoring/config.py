@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 
 
+SCORABLE_PROBES = ("copy", "planted_fact")  # answer probes with a right answer to check
+
+
 class ScoringConfigError(ValueError):
     """A ScoringConfig whose values cannot work together."""
 
@@ -173,8 +176,11 @@ class ScoringConfig:
     planted_fact_scored: bool = True
     """A long-context answer must contain the planted value to count as correct (off for the tiny
     model, which never answers correctly: then L rests on the audit and the time budget)."""
-    capability_probes_scored: bool = True
-    """Exact-copy and planted-fact probes count as audits, passed or failed (off for the tiny model)."""
+    probes_scored: tuple[str, ...] = ("copy", "planted_fact")
+    """Answer probes whose answers count as audits, passed or failed: "copy" (exact copy) and "planted_fact"
+    (retrieval of a planted access code). None for the local testnet, whose tiny models answer neither; the
+    validator adds those the served model was measured to answer (the "probes" of its envelope file,
+    scoring/model_envelope.py) unless --scoring-overrides sets this."""
     long_context_budget_base_s: float = 20.0
     """(not in the spec) Time budget of a long-context request: this many seconds..."""
     long_context_budget_s_per_1k_tokens: float = 0.2
@@ -239,7 +245,7 @@ class ScoringConfig:
             long_context_max_tokens=(16, 32),
             burst_streams=(2, 4),
             planted_fact_scored=False,
-            capability_probes_scored=False,
+            probes_scored=(),
             long_context_budget_base_s=30.0,
             long_context_budget_s_per_1k_tokens=2.0,
         )
@@ -314,6 +320,9 @@ class ScoringConfig:
             out.append(f"prompt_format must be 'token_ids' or 'text', got {self.prompt_format!r}")
         if not self.long_context_sizes or any(s < 2 for s in self.long_context_sizes):
             out.append("long_context_sizes must hold at least one size of 2 tokens or more")
+        unknown_probes = sorted(set(self.probes_scored) - set(SCORABLE_PROBES))
+        if unknown_probes:
+            out.append(f"probes_scored may name {list(SCORABLE_PROBES)}, not {unknown_probes}")
         if len(self.probe_weights) != 3 or min(self.probe_weights) < 0 or sum(self.probe_weights[1:]) <= 0:
             out.append("probe_weights must be three non-negative weights (canary, copy, planted fact), "
                        "with copy or planted fact above 0")

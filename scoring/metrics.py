@@ -121,7 +121,7 @@ def _audit_counts(item: WorkItem, verification: Verification, config: ScoringCon
     if verification.tier2 is not None:
         audits += 1
         failures += not verification.tier2.passed
-    if config.capability_probes_scored and item.expect.probe in ("copy", "planted_fact"):
+    if item.expect.probe in config.probes_scored:
         audits += 1
         failures += bool(verification.answer)
     return audits, failures, quality

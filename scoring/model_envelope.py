@@ -12,6 +12,16 @@ only) and set with `ScoringConfig(logprob_gap_envelope=FILE)` (or `--scoring-ove
                              "bins": [{"prompt_tokens": [5, 60], "audits": 640, "p99": 0.031, "worst": 0.0547,
                                        "soft": 0.082, "false_positive_rate_95": 0.0047}, ...]}}}
 
+A file may also record how often the model answers the validator's answer probes (greedy, at the measured prompt
+lengths, in each honest variant), written by `scripts/bench_tiny_model.py --write-probes FILE`:
+
+    "probes": {"planted_fact": {"prompt_tokens": [16, 256], "variants": {"fp32": [97, 100], "bf16": [96, 100]}}}
+
+("prompt_tokens": the range of chat prompt sizes the probes were drawn from, ScoringConfig.chat_prompt_tokens.)
+A validator scores a probe kind (`ScoringConfig.probes_scored`) when every measured variant answered at least
+PROBE_MIN_PASS of its probes and its own prompt range lies within the measured one: a model that answers them is
+held to answering them.
+
 A bin covers the prompt lengths (in tokens) its honest audits had; its soft bound is `margin` times the worst
 mean |miner logprob - reference logprob| of those audits. With none of n honest audits over the worst, the
 chance that an honest audit of those variants exceeds the bound is under 3/n at 95% confidence (the rule of
@@ -23,14 +33,18 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from scoring.config import SCORABLE_PROBES
 
 FORMAT = "k3-model-envelope"
 VERSION = 1
 MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
 MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)
+PROBE_MIN_PASS = 0.9  # a probe kind the model answers this often, in every honest variant measured, is scored
+PROBE_MIN_COUNT = 50  # ...over at least this many probes of each variant
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8": "fp8", "fp8_e4m3": "fp8",
             "float8_e4m3fn": "fp8", "e4m3": "fp8", "float32": "fp32"}
@@ -58,10 +72,30 @@ class GapBin:
 
 
 @dataclass(frozen=True)
+class ProbeRecord:
+    kind: str  # "copy" or "planted_fact"
+    low: int  # the range of prompt sizes (ScoringConfig.chat_prompt_tokens) the probes were drawn from
+    high: int
+    passed: dict  # honest variant -> (answered right, probes)
+
+    def answered(self, prompt_tokens: tuple[int, int], min_pass: float = PROBE_MIN_PASS,
+                 min_count: int = PROBE_MIN_COUNT) -> bool:
+        """Every variant answered at least `min_pass` of at least `min_count` probes, drawn from sizes that
+        cover the validator's `prompt_tokens` range (a model measured on short prompts says nothing of long)."""
+        return (bool(self.passed) and self.low <= prompt_tokens[0] and prompt_tokens[1] <= self.high
+                and all(n >= min_count and ok >= min_pass * n for ok, n in self.passed.values()))
+
+
+@dataclass(frozen=True)
 class ModelEnvelope:
     checkpoint: str
     fingerprint: Optional[str]
     bins: dict  # precision key -> tuple[GapBin, ...] sorted by prompt length
+    probes: dict = field(default_factory=dict)  # probe kind -> ProbeRecord
+
+    def answered_probes(self, prompt_tokens: tuple[int, int]) -> tuple[str, ...]:
+        """The probe kinds this model was measured to answer at prompts of these sizes (ProbeRecord.answered)."""
+        return tuple(sorted(kind for kind, record in self.probes.items() if record.answered(prompt_tokens)))
 
     def soft_bound(self, precision: Optional[str], prompt_tokens: Optional[int]) -> Optional[float]:
         """The measured soft logprob-gap bound for this precision and prompt length; None where the file
@@ -127,7 +161,36 @@ def parse_envelope(data: dict, source: str = "envelope") -> ModelEnvelope:
         if isinstance(error, ModelEnvelopeError):
             raise
         raise ModelEnvelopeError(f"{source}: malformed ({type(error).__name__}: {error})") from None
-    return ModelEnvelope(str(data.get("checkpoint", "")), data.get("fingerprint"), bins)
+    return ModelEnvelope(str(data.get("checkpoint", "")), data.get("fingerprint"), bins,
+                         _parse_probes(data.get("probes", {}), source))
+
+
+def _parse_probes(data, source: str) -> dict:
+    out = {}
+    try:
+        for kind, entry in data.items():
+            if kind not in SCORABLE_PROBES:
+                raise ModelEnvelopeError(f"{source}: unknown probe kind {kind!r} (known: {list(SCORABLE_PROBES)})")
+            passed = {str(v): (int(ok), int(n)) for v, (ok, n) in entry["variants"].items()}
+            if any(not 0 <= ok <= n for ok, n in passed.values()):
+                raise ModelEnvelopeError(f"{source}: probe kind {kind!r} has counts outside 0..probes: {passed}")
+            low, high = (int(x) for x in entry["prompt_tokens"])
+            out[kind] = ProbeRecord(kind, low, high, passed)
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        if isinstance(error, ModelEnvelopeError):
+            raise
+        raise ModelEnvelopeError(f"{source}: malformed probes ({type(error).__name__}: {error})") from None
+    return out
+
+
+def with_probes(data: dict, kind: str, prompt_tokens: tuple[int, int], passed: dict) -> dict:
+    """`data` (an envelope file's content) with the probe record of `kind` set: passed = {variant: (ok, n)}."""
+    if kind not in SCORABLE_PROBES:
+        raise ModelEnvelopeError(f"unknown probe kind {kind!r} (known: {list(SCORABLE_PROBES)})")
+    probes = dict(data.get("probes", {}))
+    probes[kind] = {"prompt_tokens": [int(prompt_tokens[0]), int(prompt_tokens[1])],
+                    "variants": {v: [int(ok), int(n)] for v, (ok, n) in passed.items()}}
+    return {**data, "probes": probes}
 
 
 @functools.lru_cache(maxsize=8)
@@ -142,8 +205,9 @@ def load_envelope(path: str) -> ModelEnvelope:
     return parse_envelope(data, path)
 
 
-__all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "build_envelope", "parse_envelope", "load_envelope",
-           "precision_key", "MARGIN", "MIN_BIN_AUDITS"]
+__all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "ProbeRecord", "build_envelope", "parse_envelope",
+           "load_envelope", "with_probes", "precision_key", "MARGIN", "MIN_BIN_AUDITS", "PROBE_MIN_PASS",
+           "PROBE_MIN_COUNT"]
 
 
 SHIPPED = Path(__file__).resolve().parent / "envelopes"  # envelopes measured for models the project ships

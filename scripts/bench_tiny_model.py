@@ -10,10 +10,18 @@ Probes use the validator's own wording and names (scoring/corpus.py) at three si
 the question, the fact inside ~150 bytes of filler, and a short exact-copy request; and then the validator's
 own probe prompts (scoring/workloads.py, planted fact and exact copy, local-testnet prompt sizes), judged by
 its own check (scoring.verify.check_answer: the answer contains the value or the text).
+
+    python scripts/bench_tiny_model.py --write-probes scoring/envelopes/tiny_trained.json --probes 100
+
+records how often the checkpoint answers the validator's probes, in fp32, bf16 and bf16 with emulated GPU kernels,
+in the model's envelope file (its "probes"; the fingerprints must match): a validator serving this model then
+scores the probe kinds it answers (scoring/model_envelope.py, PROBE_MIN_PASS).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import random
 import sys
 import time
@@ -26,8 +34,12 @@ from inference.model.k3 import KimiK3Model
 from inference.model.tokenizer import ByteTokenizer
 from inference.model.training import (bits_per_byte, greedy_answer, heldout_windows, load_model, random_model,
                                       stdlib_corpus, unigram_bits_per_byte)
+from inference.model.checkpoint import fingerprint
 from scoring import corpus as probe_text
 from scoring.config import ScoringConfig
+from scoring.envelope import gpu_kernel_emulation
+from scoring.envelope import load_model as load_in_dtype
+from scoring.model_envelope import ModelEnvelopeError, parse_envelope, with_probes
 from scoring.workloads import _log_uniform_at, _PromptBuilder, _task_content
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
@@ -83,6 +95,47 @@ def run_probes(model: KimiK3Model, n: int, log=None) -> dict[str, tuple[int, int
     return out
 
 
+PROBE_KINDS = {"validator_planted_fact": "planted_fact", "validator_copy": "copy"}
+HONEST_VARIANTS = ("fp32", "bf16", "bf16-gpu-kernels")
+
+
+def answered(model: KimiK3Model, items: list[tuple[list[int], str]]) -> int:
+    tok = ByteTokenizer.from_config(model.config)
+    stops = sorted(tok.stop_ids)
+    return sum(answer in tok.decode(greedy_answer(model, ids, max_new=len(answer) + 16, stop_ids=stops),
+                                    skip_special_tokens=True) for ids, answer in items)
+
+
+def write_probes(checkpoint: Path, path: Path, n: int, log=print) -> dict:
+    """Measure the validator's planted-fact and copy probes (n of each) in each honest variant and record the
+    counts in the envelope file at `path`, which must have been measured on this checkpoint."""
+    try:
+        data = json.loads(path.read_text())
+        measured_on = parse_envelope(data, str(path)).fingerprint
+    except (OSError, json.JSONDecodeError, ModelEnvelopeError) as error:
+        raise SystemExit(f"error: cannot use {path} as an envelope file: {error}")
+    model_fp = fingerprint(checkpoint)
+    if measured_on != model_fp:
+        raise SystemExit(f"error: {path} was measured on model {measured_on}, {checkpoint} is model {model_fp}")
+    tok = ByteTokenizer.from_config(load_model(checkpoint).config)
+    probes = validator_probes(random.Random(2), n, tok)
+    fp32, bf16 = load_in_dtype(checkpoint), load_in_dtype(checkpoint, torch.bfloat16)
+    runs = {"fp32": (fp32, contextlib.nullcontext), "bf16": (bf16, contextlib.nullcontext),
+            "bf16-gpu-kernels": (bf16, gpu_kernel_emulation)}
+    sizes = ScoringConfig.local_testnet().chat_prompt_tokens  # what validator_probes draws the prompt sizes from
+    for kind, name in PROBE_KINDS.items():
+        lengths = [len(ids) for ids, _ in probes[kind]]
+        passed = {}
+        for variant in HONEST_VARIANTS:
+            model, context = runs[variant]
+            with context():
+                passed[variant] = (answered(model, probes[kind]), n)
+            log(f"| {name} | {variant} | {passed[variant][0]}/{n} | {min(lengths)}-{max(lengths)} |")
+        data = with_probes(data, name, sizes, passed)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -90,11 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--probes", type=int, default=10, help="probes of each kind (0: none)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--write-probes", type=Path, metavar="ENVELOPE",
+                        help="measure --probes validator probes of each kind per honest variant and record the counts "
+                             "in this envelope file of the checkpoint (nothing else is measured)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not (args.checkpoint / "config.json").exists():
         print(f"error: no checkpoint at {args.checkpoint} (make one with scripts/train_tiny.py)", file=sys.stderr)
         return 1
+    if args.write_probes:
+        print("| probe | variant | answered | prompt tokens |\n|---|---|---|---|")
+        write_probes(args.checkpoint, args.write_probes, args.probes)
+        print(f"written to {args.write_probes}")
+        return 0
     corpus = stdlib_corpus()
     windows = heldout_windows(corpus, args.eval_bytes, args.seq_len)
     trained = load_model(args.checkpoint)

@@ -89,7 +89,7 @@ def test_failed_checks_make_a_request_unverified():
     copy_probe = item_for(result, "probe", Expectation(probe="copy", copy_text="x"))
     wrong = Verification(answer=[Failure("copy", "missing")])
     assert measure_request(1, "hk", copy_probe, result, wrong, CONFIG).audits == 0
-    production = measure_request(1, "hk", copy_probe, result, wrong, CONFIG.replace(capability_probes_scored=True))
+    production = measure_request(1, "hk", copy_probe, result, wrong, CONFIG.replace(probes_scored=("copy", "planted_fact")))
     assert (production.audits, production.audit_failures) == (1, 1)
     with pytest.raises(ValueError, match="Verification"):
         measure_request(1, "hk", item_for(result), result, None, CONFIG)

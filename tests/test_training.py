@@ -181,7 +181,8 @@ def test_shipped_checkpoint_loads_with_its_fingerprint_and_beats_the_baselines()
 # ------------------------------------------------------------------------------ the probe-task recipe
 def _task_rows(small_stdlib, steps=(0,), **changes):
     tc = _short(small_stdlib, **{"batch_size": 6, "seq_len": 256, "task_fraction": 1.0, "answer_weight": 7.0,
-                                 **changes})
+                                 "repeat_steps": 0, "repeat_share": 0.0, "pack_tasks": False, "max_distractors": 2,
+                                 "fact_doc_bytes": 0, **changes})
     tokenizer = ByteTokenizer.from_config(tc.model_config())
     batches = training.Batches(stdlib_corpus(small_stdlib), tc, tokenizer)
     return tokenizer, [batches.next(step) for step in steps], batches
@@ -234,6 +235,38 @@ def test_curriculum_grows_the_filler_around_the_fact(small_stdlib):
         assert content.startswith("The access code for ") and "\n\nWhat is the access code for " in content
 
 
+def _repeat_units(row: list[int]) -> list[tuple[bytes, bytes]]:
+    """(string, text after it) for each OPEN string CLOSE unit of a repeat row."""
+    data = bytes(row)
+    out = []
+    for part in data.split(bytes([training.REPEAT_OPEN]))[1:]:
+        if bytes([training.REPEAT_CLOSE]) in part:
+            string, rest = part.split(bytes([training.REPEAT_CLOSE]), 1)
+            out.append((string, rest))
+    return out
+
+
+def test_repeat_rows_say_each_string_twice_with_stdlib_text_between(small_stdlib):
+    tokenizer, [(ids, weights)], batches = _task_rows(small_stdlib, repeat_steps=5, repeat_gap=80,
+                                                      repeat_gap_steps=10)
+    assert [batches.repeat_gap_limit(s) for s in (0, 4, 9, 50)] == [8, 40, 80, 80]
+    corpus = batches.text
+    strings_seen = 0
+    for row in ids.tolist():  # every row at a step below repeat_steps is a repeat row
+        units = _repeat_units(row)
+        assert len(units) >= 2
+        for (first, gap), (second, _) in zip(units[0::2], units[1::2]):  # a string, then the same one again
+            if not second or len(second) < len(first):
+                continue  # the row ended inside the repeat
+            assert first == second and 6 <= len(first) <= 16
+            assert first.isdigit() or first.isalnum()
+            assert len(gap) <= 8 and (not gap or gap in corpus)  # at step 0 the gap is at most 8 bytes
+            strings_seen += 1
+    assert strings_seen >= 6 and torch.equal(weights, torch.ones_like(weights))
+    _, [(later, _)], _ = _task_rows(small_stdlib, steps=(7,), repeat_steps=0, repeat_share=0.0)
+    assert all(training.REPEAT_OPEN not in row for row in later.tolist())  # after them, no share: no repeat rows
+
+
 def test_random_copy_passages_are_codes_and_names_only():
     rng = __import__("random").Random(3)
     for _ in range(50):
@@ -244,7 +277,7 @@ def test_random_copy_passages_are_codes_and_names_only():
 
 def test_the_weighted_loss_trains_deterministically(small_stdlib):
     changes = dict(task_fraction=1.0, answer_weight=5.0, pack_tasks=True, random_copy_share=0.5,
-                   fact_doc_bytes=8, seq_len=200)  # answers fit in the rows
+                   fact_doc_bytes=8, seq_len=200, repeat_steps=0, repeat_share=0.0)  # task rows; answers fit
     a, _ = train_model(_short(small_stdlib, **changes), log=None)
     b, _ = train_model(_short(small_stdlib, **changes), log=None)
     plain, _ = train_model(_short(small_stdlib, **{**changes, "answer_weight": 1.0}), log=None)
@@ -269,3 +302,28 @@ def test_kda_decay_init_puts_each_head_on_the_ladder(preset):
             assert head.min() < 0.013 and head.max() > 0.75
         torch.testing.assert_close(after.A_log, before.A_log)  # only dt_bias moves
         assert (-before.log_decay(torch.zeros(H, d))).median() > 0.5  # the model's own init forgets far faster
+
+
+def test_recall_init_starts_context_free_with_kda_as_a_next_token_memory():
+    config = ModelConfig.preset("tiny_trained")
+    recall = make_trainable(config, seed=0, fake_quant=False, recall_init=True)
+    plain = make_trainable(config, seed=0, fake_quant=False)
+
+    def last_logits(model, text):
+        with torch.no_grad():
+            return model.forward([torch.tensor(list(text))], [model.new_cache()])[0]
+
+    # every branch into the residual stream starts at zero: the next byte depends on the last byte alone...
+    torch.testing.assert_close(last_logits(recall, b"import os\nx"), last_logits(recall, b"01234 zz x"))
+    assert not torch.allclose(last_logits(plain, b"import os\nx"), last_logits(plain, b"01234 zz x"))
+    # ...and each KDA layer is set up to store "the token after this one" and look it up from the current token
+    kda = [m for m in recall.modules() if isinstance(m, KDAAttention)]
+    assert kda
+    for m in kda:
+        taps = m.k_conv1d.weight.shape[-1]
+        for conv, lag in ((m.q_conv1d, 0), (m.k_conv1d, 1), (m.v_conv1d, 0)):
+            expected = torch.zeros_like(conv.weight)
+            expected[:, 0, taps - 1 - lag] = 1.0
+            assert torch.equal(conv.weight, expected)
+        assert torch.equal(m.k_proj.weight, m.q_proj.weight) and not m.f_b_proj.weight.any()
+    assert recall.model.embed_tokens.weight.std() < 0.5 * plain.model.embed_tokens.weight.std()

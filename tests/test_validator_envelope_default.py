@@ -44,3 +44,52 @@ def test_a_checkpoint_without_a_manifest_keeps_the_wide_bound(tmp_path):
     bare.mkdir()
     shutil.copy(TRAINED / "config.json", bare / "config.json")
     assert settings(bare).scoring_config().logprob_gap_envelope is None
+
+
+def _envelope_with_probes(tmp_path, checkpoint, probes) -> Path:
+    shipped = json.loads(next(SHIPPED.glob("*.json")).read_text())
+    path = tmp_path / f"probed{len(list(tmp_path.glob('probed*.json')))}.json"  # files are read once per path
+    path.write_text(json.dumps({**shipped, "fingerprint": fingerprint(checkpoint), "probes": probes}))
+    return path
+
+
+def test_the_probes_the_model_was_measured_to_answer_are_scored(tiny_checkpoint, tmp_path):
+    probes = {"planted_fact": {"prompt_tokens": [16, 4096], "variants": {"fp32": [96, 100], "bf16": [93, 100]}},
+              "copy": {"prompt_tokens": [16, 4096], "variants": {"fp32": [100, 100], "bf16": [80, 100]}}}
+    path = _envelope_with_probes(tmp_path, tiny_checkpoint, probes)
+    overrides = {"logprob_gap_envelope": str(path)}
+    config = settings(tiny_checkpoint, "--scoring-overrides", json.dumps(overrides)).scoring_config()
+    assert tuple(config.probes_scored) == ("planted_fact",)  # copy: one variant under 90 %
+    # --scoring-overrides says what to score: it wins over the file
+    config = settings(tiny_checkpoint, "--scoring-overrides",
+                      json.dumps({**overrides, "probes_scored": []})).scoring_config()
+    assert tuple(config.probes_scored) == ()
+    # too few probes measured say nothing
+    few = {"planted_fact": {"prompt_tokens": [16, 4096], "variants": {"fp32": [20, 20]}}}
+    path = _envelope_with_probes(tmp_path, tiny_checkpoint, few)
+    config = settings(tiny_checkpoint, "--scoring-overrides",
+                      json.dumps({"logprob_gap_envelope": str(path)})).scoring_config()
+    assert tuple(config.probes_scored) == ()
+    # measured on short prompts: scored where the validator's prompts are that short (the local testnet's 16-256
+    # tokens), not where they reach 4096 tokens (the default profile)
+    short = {"planted_fact": {"prompt_tokens": [16, 256], "variants": {"fp32": [100, 100], "bf16": [99, 100]}}}
+    path = _envelope_with_probes(tmp_path, tiny_checkpoint, short)
+    given = json.dumps({"logprob_gap_envelope": str(path)})
+    local = settings(tiny_checkpoint, "--scoring-profile", "local_testnet", "--scoring-overrides", given)
+    assert tuple(local.scoring_config().probes_scored) == ("planted_fact",)
+    assert tuple(settings(tiny_checkpoint, "--scoring-overrides", given).scoring_config().probes_scored) == ()
+    # without an envelope file with a probes section the profile's own choice stands
+    assert tuple(settings(tiny_checkpoint, "--scoring-profile", "local_testnet").scoring_config().probes_scored) == ()
+    assert "planted_fact" in settings(tiny_checkpoint).scoring_config().probes_scored
+
+
+def test_a_bad_probes_section_is_refused_with_its_reason(tiny_checkpoint, tmp_path):
+    for probes, reason in (({"poetry": {"prompt_tokens": [1, 2], "variants": {"fp32": [1, 1]}}}, "unknown probe kind"),
+                           ({"copy": {"prompt_tokens": [1, 2], "variants": {"fp32": [5, 3]}}}, "outside 0..probes"),
+                           ({"copy": {"variants": {"fp32": [1, 1]}}}, "malformed probes")):
+        path = _envelope_with_probes(tmp_path, tiny_checkpoint, probes)
+        with pytest.raises(ValidatorSetupError, match=reason):
+            settings(tiny_checkpoint, "--scoring-overrides",
+                     json.dumps({"logprob_gap_envelope": str(path)})).scoring_config()
+    with pytest.raises(ValidatorSetupError, match="probes_scored may name"):
+        settings(tiny_checkpoint, "--scoring-overrides", json.dumps({"probes_scored": ["poetry"]})).scoring_config()

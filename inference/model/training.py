@@ -67,6 +67,10 @@ RECALL_EMBED_SCALE = 0.3  # init_for_recall: embedding std
 RESIDUAL_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
                            "routed_expert_up_proj.weight")
 
+# Repeat rows: a random string between two marker bytes that stdlib text never holds, later the same again.
+REPEAT_OPEN, REPEAT_CLOSE = 0x1E, 0x1F
+REPEAT_ALPHABET = tuple(b"abcdefghijklmnopqrstuvwxyz0123456789")
+REPEAT_DIGITS = tuple(b"0123456789")  # half the strings: digits only, where one token of context is not enough
 # The probe formats of the validator (scoring/corpus.py words them the same way; inference/ cannot import it).
 FACT_TEMPLATE = "The access code for {subject} is {value}."
 QUESTION_TEMPLATE = "What is the access code for {subject}? Reply with the number only."
@@ -89,27 +93,31 @@ class TrainConfig:
     preset: str = "tiny_trained"
     seed: int = 0
     threads: int = 1
-    steps: int = 110
+    steps: int = 500
     batch_size: int = 8
     seq_len: int = 256
-    lr: float = 6e-3
+    lr: float = 1e-2
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 8
+    warmup_steps: int = 10
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     fake_quant: bool = False  # experts train through the MXFP4 grid (straight-through estimator)
-    task_fraction: float = 0.1  # share of sequences that start with a synthetic probe-style exchange
-    copy_share: float = 0.25  # of those exchanges, the share that are exact-copy requests (the rest planted facts)
+    task_fraction: float = 0.7  # share of sequences that start with a synthetic probe-style exchange
+    copy_share: float = 0.05  # of those exchanges, the share that are exact-copy requests (the rest planted facts)
     answer_weight: float = 1.0  # loss weight of an exchange's answer tokens (the rest weigh 1)
-    fact_doc_bytes: int = 0  # filler around a planted fact: up to this many bytes (0: seq_len - 150)
+    fact_doc_bytes: int = 100  # filler around a planted fact: up to this many bytes (0: seq_len - 150)
     curriculum_steps: int = 0  # the filler limit grows linearly from 0 to fact_doc_bytes over these steps
-    max_distractors: int = 2  # other people's access codes planted beside the asked one (0..this many)
-    random_copy_share: float = 0.0  # of the copy requests, the share whose text is random codes and names
-    pack_tasks: bool = False  # a task row holds exchanges back to back (else one, then stdlib text)
+    max_distractors: int = 0  # other people's access codes planted beside the asked one (0..this many)
+    random_copy_share: float = 0.5  # of the copy requests, the share whose text is random codes and names
+    pack_tasks: bool = True  # a task row holds exchanges back to back (else one, then stdlib text)
+    repeat_steps: int = 150  # the first steps train on repeat rows only (random strings, each said again later)
+    repeat_share: float = 0.3  # after them, the share of rows that are repeat rows
+    repeat_gap: int = 120  # most bytes of stdlib text between a string and its repeat...
+    repeat_gap_steps: int = 100  # ...a limit that grows linearly from 0 over these steps (0: from the start)
     balance_rate: float = 1e-3  # aux-loss-free balancing: bias step per training step
     kda_chunk: int = 32  # chunk of the differentiable KDA prefill
-    recall_init: bool = False  # start from init_for_recall (KDA as a next-token memory, zero branch outputs)
-    kda_decay_init: tuple[float, float] | None = None  # (slowest, fastest) per-token decay in nats: dt_bias is
+    recall_init: bool = True  # start from init_for_recall (KDA as a next-token memory, zero branch outputs)
+    kda_decay_init: tuple[float, float] | None = (0.003, 0.3)  # (slowest, fastest) per-token decay in nats: dt_bias is
     # set so that each KDA channel's decay at z = dt_bias starts on a geometric ladder between them (the
     # model's own init gives about 2.5 nats a token, which forgets within a byte or two); None: model init
     eval_bytes: int = 1 << 15  # held-out bytes scored at the end
@@ -250,6 +258,24 @@ class Batches:
             return limit
         return round(limit * min(1.0, step / tc.curriculum_steps))
 
+    def repeat_gap_limit(self, step: int) -> int:
+        tc = self.tc
+        if tc.repeat_gap_steps <= 0:
+            return tc.repeat_gap
+        return round(tc.repeat_gap * min(1.0, (step + 1) / tc.repeat_gap_steps))
+
+    def repeat_row(self, step: int, n: int) -> list[int]:
+        """n tokens of repeat units: OPEN string CLOSE, stdlib text, then OPEN string CLOSE again. Only copying
+        predicts the second string, from wherever it was said: the lesson that in-context recall is built on."""
+        rng, ids = self.rng, []
+        while len(ids) < n:
+            alphabet = REPEAT_DIGITS if rng.random() < 0.5 else REPEAT_ALPHABET
+            unit = [REPEAT_OPEN] + [rng.choice(alphabet) for _ in range(rng.randint(6, 16))] + [REPEAT_CLOSE]
+            gap = rng.randint(0, self.repeat_gap_limit(step))
+            start = rng.randrange(0, len(self.text) - gap)
+            ids += unit + list(self.text[start: start + gap]) + unit
+        return ids[:n]
+
     def next(self, step: int = 0) -> tuple[Tensor, Tensor]:
         tc, rng = self.tc, self.rng
         rows, weights = [], []
@@ -257,6 +283,10 @@ class Batches:
         for _ in range(tc.batch_size):
             ids: list[int] = []
             weight = torch.ones(tc.seq_len)
+            if step < tc.repeat_steps or (tc.repeat_share and rng.random() < tc.repeat_share):
+                rows.append(torch.tensor(self.repeat_row(step, n), dtype=torch.long))
+                weights.append(weight)
+                continue
             if rng.random() < tc.task_fraction:
                 while True:  # one exchange, or (pack_tasks) exchanges back to back until the row is full
                     if rng.random() < 1.0 - tc.copy_share:

@@ -226,7 +226,7 @@ def _answer_counts(item: WorkItem, config: ScoringConfig) -> bool:
     tiny random model nothing answers correctly, and such failures would only be noise."""
     if item.kind == "long_context":
         return config.planted_fact_scored
-    return item.is_probe and config.capability_probes_scored
+    return item.is_probe and item.expect.probe in config.probes_scored
 
 
 # ---------------------------------------------------------------- the loop

@@ -3,6 +3,8 @@
 Each setting is stated once, on its dataclass field; the flag table is derived from the fields."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -264,10 +266,26 @@ class ValidatorSettings:
         changes.update(self.envelope_override(changes.get("logprob_gap_envelope")))
         try:
             if self.scoring.profile == "local_testnet":
-                return ScoringConfig.local_testnet(**changes)
-            return ScoringConfig(**changes)
+                config = ScoringConfig.local_testnet(**changes)
+            else:
+                config = ScoringConfig(**changes)
+            if "probes_scored" not in changes:
+                config = self.measured_probes(config)
         except (ScoringConfigError, TypeError) as error:
             raise ValidatorSetupError(str(error)) from None
+        return config
+
+    @staticmethod
+    def measured_probes(config: ScoringConfig) -> ScoringConfig:
+        """The answer probes to score, from the served model's envelope file when it records what the model
+        answers (used unless --scoring-overrides sets probes_scored): a kind it was measured to answer at this
+        profile's prompt sizes is scored, any other is not."""
+        if not config.logprob_gap_envelope:
+            return config
+        measured = load_envelope(config.logprob_gap_envelope)  # ScoringConfig has read it once already
+        if not measured.probes:
+            return config
+        return dataclasses.replace(config, probes_scored=measured.answered_probes(config.chat_prompt_tokens))
 
     def envelope_override(self, given: Optional[str]) -> dict[str, str]:
         """The honest-numerics envelope measured on the served model: a given file must have been measured on the
