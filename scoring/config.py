@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 
 SCORABLE_PROBES = ("copy", "planted_fact")  # answer probes with a right answer to check
+HONEST_PROBE_MISS_RATE = 0.1  # a probe kind is scored only for a model measured to answer at least 1 - this
 
 
 class ScoringConfigError(ValueError):
@@ -224,6 +225,13 @@ class ScoringConfig:
     jumped 4x in whichever round a miner crossed 25, so two identical miners crossing in different
     rounds ended far apart. Scaling the EMA step keeps "little evidence, little weight" without the
     jump; counting every measured request keeps a miner that stops answering from freezing its EMA.)"""
+    probe_miss_rate: float = HONEST_PROBE_MISS_RATE
+    """(not in the spec) The most answer probes an honest miner misses: a kind is scored only when the served
+    model answered at least 1 - this of them in every honest numerics measured (scoring/model_envelope.py)."""
+    probe_gate_p: float = 1e-4
+    """(not in the spec) A miner is zeroed when its missed probes in the window would happen to a miner missing
+    probe_miss_rate of them with less than this chance (binomial tail): a model that never answers is caught
+    after 4-5 probes, an honest one that misses now and then is not."""
     one_hotkey_per_coldkey: bool = True
     """Several hotkeys of one coldkey keep only the best score."""
     ema_alpha: float = 0.2
@@ -234,8 +242,8 @@ class ScoringConfig:
     # ------------------------------------------------------------ presets
     @classmethod
     def local_testnet(cls, **overrides) -> "ScoringConfig":
-        """The tiny random model on a 2-core CPU (the local testnet): short rounds, 1k-2k contexts, short outputs,
-        no answer checks. Sized so that three miners and a validator with its own reference engine share two
+        """The tiny models on a 2-core CPU (the local testnet): short rounds, 1k-2k contexts, short outputs, no
+        answer checks of their own (a validator adds the probes its model's envelope file says it answers). Sized so that three miners and a validator with its own reference engine share two
         cores and the first weights land within minutes; long enough prompts that truncating to 512 tokens shows."""
         base = dict(
             round_requests=12,
@@ -311,6 +319,8 @@ class ScoringConfig:
         float_range("temperature_range", 0.0, 2.0)
         float_range("planted_depth_range", 0.0, 1.0)
         float_range("burst_capacity_fraction", 0.0, 10.0)
+        if not 0.0 < self.probe_miss_rate < 1.0 or not 0.0 < self.probe_gate_p < 1.0:
+            out.append("probe_miss_rate and probe_gate_p must lie strictly between 0 and 1")
         for name in ("greedy_fraction", "audit_rate", "audit_rate_new_or_suspect", "long_context_audit_rate",
                      "buffering_head_fraction", "buffering_time_fraction", "audit_failure_rate", "ema_alpha"):
             fraction(name)

@@ -47,7 +47,7 @@ class Measurement:
     decode_tps: Optional[float] = None  # tokens/s after the first token
     ttft_per_1k_s: Optional[float] = None  # TTFT per 1000 prompt tokens
     long_context_success: Optional[bool] = None  # long-context items: correct within budget (None: unknown)
-    audits: int = 0  # verdicts reached on this request: tier 1, tier 2, scored answer probes
+    audits: int = 0  # verdicts reached on this request: tier 1, tier 2
     audit_failures: int = 0
     quality: Optional[float] = None  # tier-1 quality (0 for a failed audit)
     hard_failure: bool = False
@@ -55,6 +55,7 @@ class Measurement:
     burst_id: Optional[str] = None
     burst_tokens: Optional[int] = None  # aggregate rows: verified tokens of all streams
     burst_wall_s: Optional[float] = None  # aggregate rows: first send to last final
+    probe_answer: Optional[bool] = None  # a scored answer probe (ScoringConfig.probes_scored): answered right
 
     def __post_init__(self):
         if self.kind not in MEASUREMENT_KINDS:
@@ -69,12 +70,12 @@ class Measurement:
 
     @property
     def verified(self) -> bool:
-        """Answered and no failed audit: the only requests performance is measured on."""
-        return self.answered and self.audit_failures == 0
+        """Answered, no failed audit and no missed answer probe: the only requests performance is measured on."""
+        return self.answered and self.audit_failures == 0 and self.probe_answer is not False
 
 
 COLUMNS = tuple(f.name for f in fields(Measurement))
-_BOOL_COLUMNS = ("tier0_ok", "long_context_success", "hard_failure")
+_BOOL_COLUMNS = ("tier0_ok", "long_context_success", "hard_failure", "probe_answer")
 
 
 # ------------------------------------------------------------------ per request
@@ -121,10 +122,16 @@ def _audit_counts(item: WorkItem, verification: Verification, config: ScoringCon
     if verification.tier2 is not None:
         audits += 1
         failures += not verification.tier2.passed
-    if item.expect.probe in config.probes_scored:
-        audits += 1
-        failures += bool(verification.answer)
     return audits, failures, quality
+
+
+def probe_answer(item: WorkItem, verification: Verification, config: ScoringConfig) -> Optional[bool]:
+    """Whether a scored answer probe was answered right (None for anything else). A miss is not an audit failure:
+    an honest miner of a model that answers 95% of probes misses some, so misses are judged by their rate
+    (scoring.rewards, ScoringConfig.probe_miss_rate)."""
+    if item.expect.probe not in config.probes_scored:
+        return None
+    return not verification.answer
 
 
 def _failure_text(failures) -> str:
@@ -172,7 +179,8 @@ def measure_request(uid: int, hotkey: str, item: WorkItem, outcome: Outcome, ver
         decode_tps=decode_tokens_per_s(result, config.decode_min_tokens),
         ttft_per_1k_s=ttft_per_1k(ttft, item.prompt_tokens), long_context_success=long_success,
         audits=audits, audit_failures=audit_failures, quality=quality,
-        hard_failure=any(f.hard for f in failures), failures=_failure_text(failures), **base)
+        hard_failure=any(f.hard for f in failures), failures=_failure_text(failures),
+        probe_answer=probe_answer(item, verification, config), **base)
 
 
 def measure_burst(uid: int, hotkey: str, streams: Sequence[tuple[WorkItem, Outcome, Optional[Verification]]],

@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from scoring.config import SCORABLE_PROBES
+from scoring.config import HONEST_PROBE_MISS_RATE, SCORABLE_PROBES
 
 FORMAT = "k3-model-envelope"
 VERSION = 1
 MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
 MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)
-PROBE_MIN_PASS = 0.9  # a probe kind the model answers this often, in every honest variant measured, is scored
+PROBE_MIN_PASS = 1.0 - HONEST_PROBE_MISS_RATE  # a probe kind the model answers this often, in every honest
+# variant measured, is scored
 PROBE_MIN_COUNT = 50  # ...over at least this many probes of each variant
 
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8": "fp8", "fp8_e4m3": "fp8",

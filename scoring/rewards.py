@@ -31,6 +31,8 @@ its EMA: its timeouts are evidence too.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Optional, Union
 
@@ -134,6 +136,14 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
         if long_audits >= config.long_audit_min_count and long_failed >= config.audit_failure_rate * long_audits:
             score.gate, score.zeroed = 0.0, True
             score.reasons.append(f"failed {long_failed} of {long_audits} long-context audits")
+        probes = [m.probe_answer for m in rows if m.probe_answer is not None]
+        missed = probes.count(False)
+        if missed:
+            chance = binomial_tail(len(probes), missed, config.probe_miss_rate)
+            if chance < config.probe_gate_p:
+                score.gate, score.zeroed = 0.0, True
+                score.reasons.append(f"missed {missed} of {len(probes)} answer probes (a miner of the served model "
+                                     f"misses at most {config.probe_miss_rate:.0%}: chance {chance:.1e})")
         score.evidence = evidence_share(score.requests, config)
         if score.evidence < 1.0:
             score.reasons.append(f"only {score.requests} requests in the window (< {config.min_completed_requests}): "
@@ -180,6 +190,11 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
                     scores[uid].gate, scores[uid].score = 0.0, 0.0
                     scores[uid].reasons.append(f"coldkey {coldkey} keeps only its best uid ({keep})")
     return scores
+
+
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1)))
 
 
 def evidence_share(requests: int, config: ScoringConfig) -> float:

@@ -85,12 +85,17 @@ def test_failed_checks_make_a_request_unverified():
                                             failures=[Failure("canary_mismatch", "token 3", hard=True)]))
     m = measure_request(1, "hk", item_for(result, "probe"), result, canary, CONFIG)
     assert m.hard_failure and (m.audits, m.audit_failures) == (1, 1)
-    # Copy and planted-fact probes count as audits only where the model can answer them.
+    # Copy and planted-fact probe answers are recorded only where the model can answer them, apart from audits
+    # (misses are judged by their rate, scoring.rewards)
     copy_probe = item_for(result, "probe", Expectation(probe="copy", copy_text="x"))
     wrong = Verification(answer=[Failure("copy", "missing")])
-    assert measure_request(1, "hk", copy_probe, result, wrong, CONFIG).audits == 0
-    production = measure_request(1, "hk", copy_probe, result, wrong, CONFIG.replace(probes_scored=("copy", "planted_fact")))
-    assert (production.audits, production.audit_failures) == (1, 1)
+    unscored = measure_request(1, "hk", copy_probe, result, wrong, CONFIG)
+    assert unscored.probe_answer is None and unscored.audits == 0 and unscored.verified
+    scored = CONFIG.replace(probes_scored=("copy", "planted_fact"))
+    missed = measure_request(1, "hk", copy_probe, result, wrong, scored)
+    assert missed.probe_answer is False and (missed.audits, missed.audit_failures) == (0, 0) and not missed.verified
+    right = measure_request(1, "hk", copy_probe, result, Verification(), scored)
+    assert right.probe_answer is True and right.verified
     with pytest.raises(ValueError, match="Verification"):
         measure_request(1, "hk", item_for(result), result, None, CONFIG)
 

@@ -176,3 +176,31 @@ def test_weights_are_proportional_to_ema_squared():
     assert weights_from_ema({1: 0.2, 2: 0.1}, exponent=1.0) == {1: pytest.approx(2 / 3), 2: pytest.approx(1 / 3)}
     with pytest.raises(ValueError):
         weights_from_ema({1: -0.1})
+
+
+def test_missed_answer_probes_zero_a_miner_only_past_what_honest_misses_explain():
+    from scoring.rewards import binomial_tail
+
+    assert binomial_tail(5, 5, 0.1) == pytest.approx(1e-5)
+    assert binomial_tail(10, 0, 0.3) == pytest.approx(1.0) and binomial_tail(20, 3, 0.1) == pytest.approx(0.3231, abs=1e-4)
+
+    def miner(uid, answers):
+        rows = Rows(uid, f"h{uid}").chats(30, 10.0, 1.0)
+        for ok in answers:
+            rows.add(kind="probe", probe_answer=ok)
+        return rows
+
+    never = miner(1, [False] * 5)  # another model: no probe answered
+    honest = miner(2, [False, True, True, False] + [True] * 16)  # 2 of 20 missed: what a 90% model does
+    unlucky_start = miner(3, [False, False, True])  # 2 of 3 missed: chance 0.028 for an honest miner
+    careless = miner(4, [False] * 6 + [True] * 4)  # 6 of 10: chance 1.5e-4 ... over the line with 7
+    careless.add(kind="probe", probe_answer=False)
+    unscored = miner(5, [])
+    for _ in range(5):
+        unscored.add(kind="probe")  # probes of a kind not scored: no answer recorded
+    window = window_of(never, honest, unlucky_start, careless, unscored)
+    scores = score_miners(window, CONFIG, NOW, {u: f"h{u}" for u in range(1, 6)}, {u: f"c{u}" for u in range(1, 6)})
+    assert scores[1].zeroed and "missed 5 of 5 answer probes" in scores[1].reasons[0], scores[1].reasons
+    assert not scores[2].zeroed and not scores[3].zeroed and not scores[5].zeroed
+    assert scores[4].zeroed and "missed 7 of 11" in scores[4].reasons[0]
+    assert not ScoringConfig(probe_miss_rate=0.0).problems() == []

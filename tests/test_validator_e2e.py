@@ -41,7 +41,7 @@ from neurons.validator_app.rounds import reference_capabilities
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
-from scoring.config import ScoringConfig
+from scoring.config import SCORABLE_PROBES, ScoringConfig
 from scoring.rewards import evidence_share
 from scoring.verify import CanaryPool
 from scoring.workloads import canary_prompts
@@ -350,7 +350,9 @@ def test_cheaters_get_zero_weight_with_the_right_reason(world, evaluation):
             # caught where it cheated, and only there: every failure is on a prompt longer than it kept
             checks = {f["check_name"] for f in failures}
             assert checks & CAUGHT_BY[name], f"{name} was not caught by {CAUGHT_BY[name]}; failures: {checks}"
-            on_requests = [f for f in failures if f["request_id"] in prompt_tokens]
+            # (a missed answer probe is not one: the model misses a few at any length, judged by their rate)
+            on_requests = [f for f in failures if f["request_id"] in prompt_tokens
+                           and f["check_name"] not in SCORABLE_PROBES]
             assert all(prompt_tokens[f["request_id"]] > TRUNCATE_KEEP for f in on_requests), \
                 [dict(f) for f in on_requests]
             final = evaluation.reports[-1].scores[uid]

@@ -188,10 +188,12 @@ def write_schema_v1_database(path: Path, measurements: list[Measurement]) -> Non
     meta = {"schema_version": "1", "created_at": "1000.0", "round": "3", "completed_round": "3",
             "weights_set_at": "1900.5", "weights_block": "321", "weights_version_key": "1000"}
     conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
-    columns = ", ".join(f'"{c}"' for c in COLUMNS)
+    v1_columns = store_module._SCHEMA_V1_COLUMNS  # the measurement columns schema 1 had
+    columns = ", ".join(f'"{c}"' for c in v1_columns)
+    values = [dict(zip(COLUMNS, store_module._measurement_values(m))) for m in measurements]
     conn.executemany(f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) "
-                     f"VALUES (?, ?, ?, {', '.join('?' for _ in COLUMNS)})",
-                     [(3, "validator", 0.002, *store_module._measurement_values(m)) for m in measurements])
+                     f"VALUES (?, ?, ?, {', '.join('?' for _ in v1_columns)})",
+                     [(3, "validator", 0.002, *(v[c] for c in v1_columns)) for v in values])
     conn.execute("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, hard, source) "
                  "VALUES (1500.0, 2, 2, ?, 'r2', 'chat', 'usage_completion', '40 vs 32', 1, 'validator')", (HOTKEY_B,))
     conn.execute("INSERT INTO audits (at, round, uid, hotkey, request_id, kind, tier, reference, passed, quality) "

@@ -52,8 +52,9 @@ _MEASUREMENT_TYPES = {
     "completion_tokens": "INTEGER", "ttft_s": "REAL", "total_s": "REAL", "decode_tps": "REAL",
     "ttft_per_1k_s": "REAL", "long_context_success": "INTEGER", "audits": "INTEGER", "audit_failures": "INTEGER",
     "quality": "REAL", "hard_failure": "INTEGER", "failures": "TEXT", "burst_id": "TEXT", "burst_tokens": "INTEGER",
-    "burst_wall_s": "REAL",
+    "burst_wall_s": "REAL", "probe_answer": "INTEGER",
 }
+_SCHEMA_V1_COLUMNS = tuple(c for c in COLUMNS if c != "probe_answer")  # added by migration 4
 if set(_MEASUREMENT_TYPES) != set(COLUMNS):  # scoring.metrics changed its columns: the schema must follow
     raise ImportError(f"validator_store knows measurement columns {sorted(_MEASUREMENT_TYPES)}, "
                       f"scoring.metrics has {sorted(COLUMNS)}")
@@ -70,7 +71,7 @@ CREATE TABLE IF NOT EXISTS measurements (
     round INTEGER NOT NULL,
     source TEXT NOT NULL,
     tier0_cpu_s REAL,
-    {", ".join(f'"{c}" {_MEASUREMENT_TYPES[c]}' for c in COLUMNS)}
+    {", ".join(f'"{c}" {_MEASUREMENT_TYPES[c]}' for c in _SCHEMA_V1_COLUMNS)}
 );
 CREATE INDEX IF NOT EXISTS measurements_uid ON measurements (uid, at);
 CREATE INDEX IF NOT EXISTS measurements_at ON measurements (at);
@@ -134,6 +135,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "blame INTEGER NOT NULL DEFAULT 0, reason TEXT, tokens INTEGER, steps INTEGER, median_rel_l2 REAL, "
         "bad_fraction REAL, step_ms REAL, cpu_s REAL, wall_s REAL, commitment TEXT, seed TEXT, nonce TEXT)",
         "CREATE INDEX stage_checks_hotkey ON stage_checks (hotkey, at)",
+    )),
+    Migration(4, "answer probes judged by their miss rate: measurements.probe_answer", (
+        "ALTER TABLE measurements ADD COLUMN probe_answer INTEGER",
     )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version if MIGRATIONS else 1
