@@ -20,7 +20,8 @@ lengths, in each honest variant), written by `scripts/bench_tiny_model.py --writ
 ("prompt_tokens": the range of chat prompt sizes the probes were drawn from, ScoringConfig.chat_prompt_tokens.)
 A validator scores a probe kind (`ScoringConfig.probes_scored`) when every measured variant answered at least
 PROBE_MIN_PASS of its probes and its own prompt range lies within the measured one: a model that answers them is
-held to answering them.
+held to answering them. Its misses are then judged against the 95% upper bound of the measured miss rate
+(ScoringConfig.probe_miss_rate, scoring/rewards.py).
 
 A bin covers the prompt lengths (in tokens) its honest audits had; its soft bound is `margin` times the worst
 mean |miner logprob - reference logprob| of those audits. With none of n honest audits over the worst, the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -86,6 +88,23 @@ class ProbeRecord:
         return (bool(self.passed) and self.low <= prompt_tokens[0] and prompt_tokens[1] <= self.high
                 and all(n >= min_count and ok >= min_pass * n for ok, n in self.passed.values()))
 
+    def miss_rate_bound(self, confidence: float = 0.95) -> float:
+        """The most an honest miner of this model misses, at `confidence`: the largest one-sided Clopper-Pearson
+        upper bound of the miss rate over the measured variants (91 of 100 answered: 0.152)."""
+        return max(_binomial_upper_bound(n - ok, n, 1.0 - confidence) for ok, n in self.passed.values())
+
+
+def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
+    """The p at which P(X <= k | n, p) = alpha (by bisection): the one-sided upper confidence bound of a rate."""
+    if k >= n:
+        return 1.0
+    low, high = k / n, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        cdf = sum(math.comb(n, i) * mid ** i * (1.0 - mid) ** (n - i) for i in range(k + 1))
+        low, high = (mid, high) if cdf > alpha else (low, mid)
+    return high
+
 
 @dataclass(frozen=True)
 class ModelEnvelope:
@@ -97,6 +116,11 @@ class ModelEnvelope:
     def answered_probes(self, prompt_tokens: tuple[int, int]) -> tuple[str, ...]:
         """The probe kinds this model was measured to answer at prompts of these sizes (ProbeRecord.answered)."""
         return tuple(sorted(kind for kind, record in self.probes.items() if record.answered(prompt_tokens)))
+
+    def probe_miss_rate(self, prompt_tokens: tuple[int, int]) -> Optional[float]:
+        """The miss rate an honest miner stays under (95%) on the kinds answered at these sizes; None: none is."""
+        bounds = [self.probes[kind].miss_rate_bound() for kind in self.answered_probes(prompt_tokens)]
+        return max(bounds) if bounds else None
 
     def soft_bound(self, precision: Optional[str], prompt_tokens: Optional[int]) -> Optional[float]:
         """The measured soft logprob-gap bound for this precision and prompt length; None where the file

@@ -79,11 +79,13 @@ def test_honest_bf16_passes_and_bf16_cheats_fail_under_the_measured_envelope(mea
     for r in (half, truncated):  # each fails at least the audit failure rate that zeroes a miner (15%)
         least = ScoringConfig.local_testnet().audit_failure_rate
         checks = {f.check for fs in r.new_failures for f in fs}
-        assert r.rate("new_failures") >= least and checks == {"logprob_gap"}, (r.variant.name, r.rate("new_failures"))
+        # (on the retrained model a truncated context also moves sampled choices: some fail the surprisal test)
+        gap_failed = sum(any(f.check == "logprob_gap" for f in fs) for fs in r.new_failures) / len(r.new_failures)
+        assert gap_failed >= least and checks <= {"logprob_gap", "surprisal"}, (r.variant.name, checks, gap_failed)
         assert not any(f.hard for fs in r.new_failures for f in fs)  # soft: rounding-sized gaps never zero for 24 h
-        # the wide bound lets both through: the measured envelope is what catches them
-        assert not any(judge_statistics(st, wide, True, False, "bf16", len(a.prompt))
-                       for st, a in zip(r.statistics, r.answers))
+        # the wide bound lets their logprobs through: the measured envelope is what catches them by the gap
+        assert not any(f.check == "logprob_gap" for st, a in zip(r.statistics, r.answers)
+                       for f in judge_statistics(st, wide, True, False, "bf16", len(a.prompt)))
 
 
 def _result(prompt: list[int], answer: Answer, temperature: float) -> GenerateResult:

@@ -371,6 +371,7 @@ def test_the_validator_judges_the_trained_model_by_its_shipped_envelope(world, t
     """The model served here is the trained one: the validator's scoring takes the envelope measured on it."""
     config = validator_settings(world, tmp_path / "envelope.sqlite").scoring_config()
     assert Path(config.logprob_gap_envelope).resolve() == ROOT / "scoring" / "envelopes" / "tiny_trained.json"
+    assert tuple(config.probes_scored) == ("planted_fact",)  # it answers those (its envelope says), not copies
 
 
 @exclusive

@@ -60,10 +60,12 @@ def test_the_probes_the_model_was_measured_to_answer_are_scored(tiny_checkpoint,
     overrides = {"logprob_gap_envelope": str(path)}
     config = settings(tiny_checkpoint, "--scoring-overrides", json.dumps(overrides)).scoring_config()
     assert tuple(config.probes_scored) == ("planted_fact",)  # copy: one variant under 90 %
+    # misses are judged against the 95% bound of the worst measured miss rate (7 of 100)
+    assert config.probe_miss_rate == pytest.approx(0.1275, abs=5e-4)
     # --scoring-overrides says what to score: it wins over the file
     config = settings(tiny_checkpoint, "--scoring-overrides",
-                      json.dumps({**overrides, "probes_scored": []})).scoring_config()
-    assert tuple(config.probes_scored) == ()
+                      json.dumps({**overrides, "probes_scored": [], "probe_miss_rate": 0.2})).scoring_config()
+    assert tuple(config.probes_scored) == () and config.probe_miss_rate == 0.2
     # too few probes measured say nothing
     few = {"planted_fact": {"prompt_tokens": [16, 4096], "variants": {"fp32": [20, 20]}}}
     path = _envelope_with_probes(tmp_path, tiny_checkpoint, few)
@@ -79,8 +81,21 @@ def test_the_probes_the_model_was_measured_to_answer_are_scored(tiny_checkpoint,
     assert tuple(local.scoring_config().probes_scored) == ("planted_fact",)
     assert tuple(settings(tiny_checkpoint, "--scoring-overrides", given).scoring_config().probes_scored) == ()
     # without an envelope file with a probes section the profile's own choice stands
-    assert tuple(settings(tiny_checkpoint, "--scoring-profile", "local_testnet").scoring_config().probes_scored) == ()
+    plain = settings(tiny_checkpoint, "--scoring-profile", "local_testnet").scoring_config()
+    assert tuple(plain.probes_scored) == () and plain.probe_miss_rate == 0.1
     assert "planted_fact" in settings(tiny_checkpoint).scoring_config().probes_scored
+
+
+def test_the_shipped_model_is_held_to_the_planted_fact_probe_on_short_prompts():
+    """The shipped envelope records that the trained tiny model answers the validator's planted-fact probes (in
+    fp32, bf16 and bf16 with GPU kernels) and not its copy probes: a local-testnet validator scores the first."""
+    config = settings(TRAINED, "--scoring-profile", "local_testnet").scoring_config()
+    assert tuple(config.probes_scored) == ("planted_fact",)
+    record = load_envelope(config.logprob_gap_envelope).probes["planted_fact"]
+    assert set(record.passed) == {"fp32", "bf16", "bf16-gpu-kernels"}
+    assert all(n >= 100 and ok >= 0.9 * n for ok, n in record.passed.values())
+    assert 0.1 < config.probe_miss_rate < 0.2
+    assert tuple(settings(TRAINED).scoring_config().probes_scored) == ()  # prompts of up to 4096 tokens: not
 
 
 def test_a_bad_probes_section_is_refused_with_its_reason(tiny_checkpoint, tmp_path):

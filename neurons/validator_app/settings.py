@@ -269,23 +269,27 @@ class ValidatorSettings:
                 config = ScoringConfig.local_testnet(**changes)
             else:
                 config = ScoringConfig(**changes)
-            if "probes_scored" not in changes:
-                config = self.measured_probes(config)
+            config = self.measured_probes(config, changes)
         except (ScoringConfigError, TypeError) as error:
             raise ValidatorSetupError(str(error)) from None
         return config
 
     @staticmethod
-    def measured_probes(config: ScoringConfig) -> ScoringConfig:
+    def measured_probes(config: ScoringConfig, changes: Mapping[str, Any]) -> ScoringConfig:
         """The answer probes to score, from the served model's envelope file when it records what the model
-        answers (used unless --scoring-overrides sets probes_scored): a kind it was measured to answer at this
-        profile's prompt sizes is scored, any other is not."""
+        answers: a kind it was measured to answer at this profile's prompt sizes is scored, any other is not,
+        and misses are judged against the measured miss rate's 95% bound. --scoring-overrides' probes_scored
+        and probe_miss_rate win."""
         if not config.logprob_gap_envelope:
             return config
         measured = load_envelope(config.logprob_gap_envelope)  # ScoringConfig has read it once already
         if not measured.probes:
             return config
-        return dataclasses.replace(config, probes_scored=measured.answered_probes(config.chat_prompt_tokens))
+        found: dict[str, Any] = {"probes_scored": measured.answered_probes(config.chat_prompt_tokens)}
+        miss_rate = measured.probe_miss_rate(config.chat_prompt_tokens)
+        if miss_rate is not None:
+            found["probe_miss_rate"] = min(miss_rate, 0.5)
+        return dataclasses.replace(config, **{k: v for k, v in found.items() if k not in changes})
 
     def envelope_override(self, given: Optional[str]) -> dict[str, str]:
         """The honest-numerics envelope measured on the served model: a given file must have been measured on the
