@@ -2,7 +2,7 @@
 computed by hand."""
 import pytest
 
-from scoring.config import ScoringConfig
+from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.metrics import Measurement, MeasurementWindow
 from scoring.rewards import EmaEntry, score_miners, update_ema, weights_from_ema
 
@@ -203,4 +203,5 @@ def test_missed_answer_probes_zero_a_miner_only_past_what_honest_misses_explain(
     assert scores[1].zeroed and "missed 5 of 5 answer probes" in scores[1].reasons[0], scores[1].reasons
     assert not scores[2].zeroed and not scores[3].zeroed and not scores[5].zeroed
     assert scores[4].zeroed and "missed 7 of 11" in scores[4].reasons[0]
-    assert not ScoringConfig(probe_miss_rate=0.0).problems() == []
+    with pytest.raises(ScoringConfigError, match="probe_miss_rate"):
+        ScoringConfig(probe_miss_rate=0.0)
