@@ -65,6 +65,7 @@ from inference.sharding.worker import run_local
 
 STORE_ENV = "K3_SHARD_STORE"  # HOST:PORT: host the store there and wait for ranks 1..N-1 from other hosts
 _POLL_S = 0.25  # how often a waiting driver looks at process sentinels and heartbeats
+_PEER_DEATH_GRACE_S = 0.5  # how long a reported error waits for a dying peer process to show as dead
 
 
 class ShardFailure(RuntimeError):
@@ -442,6 +443,9 @@ class ShardedModel:
                 except (EOFError, OSError):
                     raise self._fail(f"rank 0 closed its pipe while {what}") from None
                 if msg[0] == "error":
+                    # a rank's error is often a peer's death seen first (the peer's connection closed): give the
+                    # dying process a moment to be reaped, so that the failure names the process that died
+                    multiprocessing.connection.wait(list(sentinels), timeout=_PEER_DEATH_GRACE_S)
                     raise self._fail(msg[2])
                 if msg[0] != expect[0] or (len(expect) > 1 and msg[1] != expect[1]):
                     raise self._fail(f"rank 0 answered {msg[0]!r} while {what}")
