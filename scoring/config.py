@@ -175,8 +175,9 @@ class ScoringConfig:
     logprob_tolerance: float = 1e-3
     """(not in the spec) Rounding allowed in tier 0's consistency checks of reported logprobs."""
     planted_fact_scored: bool = True
-    """A long-context answer must contain the planted value to count as correct (off for the tiny
-    model, which never answers correctly: then L rests on the audit and the time budget)."""
+    """A long-context answer must contain the planted value to count as correct (off for the tiny models:
+    the trained one finds a planted fact in prompts of up to 256 tokens, not 1-2k tokens back; then L rests on
+    the audit and the time budget)."""
     probes_scored: tuple[str, ...] = ("copy", "planted_fact")
     """Answer probes whose answers count as audits, passed or failed: "copy" (exact copy) and "planted_fact"
     (retrieval of a planted access code). None for the local testnet, whose tiny models answer neither; the
