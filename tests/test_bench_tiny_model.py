@@ -38,3 +38,21 @@ def test_write_probes_records_each_variant_in_the_models_envelope(tiny_checkpoin
     refused = bench("--checkpoint", str(tiny_checkpoint), "--write-probes", str(other), "--probes", "3")
     assert refused.returncode != 0 and "was measured on model" in refused.stderr
     assert json.loads(other.read_text()) == shipped  # nothing written
+
+
+def test_the_shipped_model_answers_the_validators_planted_fact_probes(tiny_checkpoint):
+    """What the shipped envelope's probes section claims, checked on the model itself: greedy answers to the
+    validator's own planted-fact prompts (local-testnet sizes) contain the planted value; a random model's do not."""
+    import random
+
+    import torch
+
+    from inference.model.tokenizer import ByteTokenizer
+    from inference.model.training import load_model
+    from scripts.bench_tiny_model import answered, validator_probes
+
+    torch.set_num_threads(1)
+    trained = load_model(ROOT / "inference" / "model" / "assets" / "tiny_trained")
+    probes = validator_probes(random.Random(7), 12, ByteTokenizer.from_config(trained.config))
+    assert answered(trained, probes["validator_planted_fact"]) >= 9  # it answered 91 of 100 when measured
+    assert answered(load_model(tiny_checkpoint), probes["validator_planted_fact"]) == 0
