@@ -179,10 +179,10 @@ class ScoringConfig:
     the trained one finds a planted fact in prompts of up to 256 tokens, not 1-2k tokens back; then L rests on
     the audit and the time budget)."""
     probes_scored: tuple[str, ...] = ("copy", "planted_fact")
-    """Answer probes whose answers count as audits, passed or failed: "copy" (exact copy) and "planted_fact"
-    (retrieval of a planted access code). None for the local testnet, whose tiny models answer neither; the
-    validator adds those the served model was measured to answer (the "probes" of its envelope file,
-    scoring/model_envelope.py) unless --scoring-overrides sets this."""
+    """Answer probes whose answers are checked: "copy" (exact copy) and "planted_fact" (retrieval of a planted
+    access code); misses are judged by their rate (probe_miss_rate, probe_gate_p). None for the local testnet
+    profile; the validator sets those the served model was measured to answer (the "probes" of its envelope
+    file, scoring/model_envelope.py) unless --scoring-overrides sets this."""
     long_context_budget_base_s: float = 20.0
     """(not in the spec) Time budget of a long-context request: this many seconds..."""
     long_context_budget_s_per_1k_tokens: float = 0.2
@@ -232,7 +232,7 @@ class ScoringConfig:
     probe_gate_p: float = 1e-4
     """(not in the spec) A miner is zeroed when its missed probes in the window would happen to a miner missing
     probe_miss_rate of them with less than this chance (binomial tail): a model that never answers is caught
-    after 4-5 probes, an honest one that misses now and then is not."""
+    after 5 probes (at a rate of 0.1 to 0.15), an honest one that misses now and then is not."""
     one_hotkey_per_coldkey: bool = True
     """Several hotkeys of one coldkey keep only the best score."""
     ema_alpha: float = 0.2
@@ -244,8 +244,9 @@ class ScoringConfig:
     @classmethod
     def local_testnet(cls, **overrides) -> "ScoringConfig":
         """The tiny models on a 2-core CPU (the local testnet): short rounds, 1k-2k contexts, short outputs, no
-        answer checks of their own (a validator adds the probes its model's envelope file says it answers). Sized so that three miners and a validator with its own reference engine share two
-        cores and the first weights land within minutes; long enough prompts that truncating to 512 tokens shows."""
+        answer checks of their own (a validator adds the probes its model's envelope file says it answers). Sized
+        so that three miners and a validator with its own reference engine share two cores and the first weights
+        land within minutes; long enough prompts that truncating to 512 tokens shows."""
         base = dict(
             round_requests=12,
             chat_prompt_tokens=(16, 256),

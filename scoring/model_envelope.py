@@ -94,6 +94,11 @@ class ProbeRecord:
         return max(_binomial_upper_bound(n - ok, n, 1.0 - confidence) for ok, n in self.passed.values())
 
 
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1)))
+
+
 def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
     """The p at which P(X <= k | n, p) = alpha (by bisection): the one-sided upper confidence bound of a rate."""
     if k >= n:
@@ -101,8 +106,7 @@ def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
     low, high = k / n, 1.0
     for _ in range(60):
         mid = (low + high) / 2
-        cdf = sum(math.comb(n, i) * mid ** i * (1.0 - mid) ** (n - i) for i in range(k + 1))
-        low, high = (mid, high) if cdf > alpha else (low, mid)
+        low, high = (mid, high) if 1.0 - binomial_tail(n, k + 1, mid) > alpha else (low, mid)
     return high
 
 

@@ -31,7 +31,6 @@ its EMA: its timeouts are evidence too.
 """
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Optional, Union
@@ -40,6 +39,7 @@ import numpy as np
 
 from .config import ScoringConfig
 from .metrics import BURST_AGGREGATE, Measurement, MeasurementWindow
+from .model_envelope import binomial_tail
 
 
 @dataclass
@@ -190,11 +190,6 @@ def score_miners(window: MeasurementWindow, config: ScoringConfig, now: float, h
                     scores[uid].gate, scores[uid].score = 0.0, 0.0
                     scores[uid].reasons.append(f"coldkey {coldkey} keeps only its best uid ({keep})")
     return scores
-
-
-def binomial_tail(n: int, k: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1)))
 
 
 def evidence_share(requests: int, config: ScoringConfig) -> float:

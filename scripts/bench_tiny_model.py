@@ -117,9 +117,8 @@ def write_probes(checkpoint: Path, path: Path, n: int, log=print) -> dict:
     model_fp = fingerprint(checkpoint)
     if measured_on != model_fp:
         raise SystemExit(f"error: {path} was measured on model {measured_on}, {checkpoint} is model {model_fp}")
-    tok = ByteTokenizer.from_config(load_model(checkpoint).config)
-    probes = validator_probes(random.Random(2), n, tok)
     fp32, bf16 = load_in_dtype(checkpoint), load_in_dtype(checkpoint, torch.bfloat16)
+    probes = validator_probes(random.Random(2), n, ByteTokenizer.from_config(fp32.config))
     runs = {"fp32": (fp32, contextlib.nullcontext), "bf16": (bf16, contextlib.nullcontext),
             "bf16-gpu-kernels": (bf16, gpu_kernel_emulation)}
     sizes = ScoringConfig.local_testnet().chat_prompt_tokens  # what validator_probes draws the prompt sizes from

@@ -310,11 +310,14 @@ class Batches:
 class FakeQuantLinear(nn.Linear):
     """A routed expert's matrix during training: forward through its MXFP4 rounding, gradients straight through."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def on_grid_weight(self) -> Tensor:
+        """The weight rounded to the MXFP4 grid in the forward, its gradient passed straight through."""
         w = self.weight
         packed, scale = mxfp4.quantize(w.detach())
-        on_grid = mxfp4.dequantize(packed, scale, w.dtype)
-        return F.linear(x, w + (on_grid - w).detach())
+        return w + (mxfp4.dequantize(packed, scale, w.dtype) - w).detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.on_grid_weight())
 
 
 def _mla_attention(attn: MLAAttention, x: Tensor, B: int, T: int) -> Tensor:
@@ -333,11 +336,7 @@ def _mla_attention(attn: MLAAttention, x: Tensor, B: int, T: int) -> Tensor:
 
 def _effective_weight(linear: nn.Linear) -> Tensor:
     """The weight a routed expert's matrix multiplies by in training (through the MXFP4 grid when fake-quantised)."""
-    w = linear.weight
-    if isinstance(linear, FakeQuantLinear):
-        packed, scale = mxfp4.quantize(w.detach())
-        w = w + (mxfp4.dequantize(packed, scale, w.dtype) - w).detach()
-    return w
+    return linear.on_grid_weight() if isinstance(linear, FakeQuantLinear) else linear.weight
 
 
 def _moe_forward(moe: LatentMoE, x: Tensor) -> Tensor:

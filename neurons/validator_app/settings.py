@@ -3,8 +3,6 @@
 Each setting is stated once, on its dataclass field; the flag table is derived from the fields."""
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -289,7 +287,7 @@ class ValidatorSettings:
         miss_rate = measured.probe_miss_rate(config.chat_prompt_tokens)
         if miss_rate is not None:
             found["probe_miss_rate"] = min(miss_rate, 0.5)
-        return dataclasses.replace(config, **{k: v for k, v in found.items() if k not in changes})
+        return config.replace(**{k: v for k, v in found.items() if k not in changes})
 
     def envelope_override(self, given: Optional[str]) -> dict[str, str]:
         """The honest-numerics envelope measured on the served model: a given file must have been measured on the
