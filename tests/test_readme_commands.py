@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from neurons.base.settings import options_table
 from neurons.gateway.settings import gateway_options
 from neurons.miner_app import miner_options
-from neurons.settings import options_table
 from neurons.validator_app import validator_options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def local_program(words: list[str]) -> tuple[list[str], list[str]] | None:
     if words[0].endswith(".py") and (ROOT / words[0]).exists():  # an executable script
         return [words[0]], words[1:]
     if words[0] == "scripts/localnet.sh":  # the shell wrapper sets up .venv, then runs the Python program
-        program = "neurons/localnet.py" if (ROOT / "neurons/localnet.py").exists() else "scripts/localnet.py"
+        program = "localnet/testnet.py" if (ROOT / "localnet/testnet.py").exists() else "scripts/localnet.py"
         return [program], words[1:]
     return None
 
@@ -197,7 +197,7 @@ def test_a_readme_inference_command_on_a_real_model_parses(command, monkeypatch)
 def test_the_readme_configuration_tables_match_the_code(heading, options):
     section = README[README.index(heading):]
     table = "\n".join(line for line in section.split("\n\n", 2)[1].splitlines() if line.startswith("|"))
-    assert table == options_table(options()), f"regenerate the {heading} table with neurons.settings.options_table"
+    assert table == options_table(options()), f"regenerate the {heading} table with neurons.base.settings.options_table"
 
 
 def test_the_parse_check_catches_an_unknown_flag(monkeypatch):
