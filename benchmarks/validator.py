@@ -45,7 +45,7 @@ from protocol.schemas import decode_event, encode_event
 from scoring.config import ScoringConfig
 from scoring.verify import audit_tier1, check_tier0
 from scoring.workloads import plan_round
-from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint
+from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 
 PRODUCTION_TEMPO_S = 360 * 12.0  # 360 blocks of 12 s
 
