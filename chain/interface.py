@@ -267,19 +267,3 @@ class Chain(abc.ABC):
 
     async def __aexit__(self, *exc):
         await self.close()
-
-
-def connect(spec: str, **kwargs) -> Chain:
-    """Open a chain by name: `devnet:PATH` (embedded SQLite devnet), or `finney`, `test`,
-    `local`, `ws://...`/`wss://...` (a subtensor node through the bittensor SDK)."""
-    if spec.startswith("devnet:"):
-        from chain.devnet import DevnetChain
-
-        return DevnetChain(spec[len("devnet:"):], **kwargs)
-    if spec in ("finney", "test", "local") or spec.startswith(("ws://", "wss://")):
-        from chain.subtensor import SubtensorChain
-
-        return SubtensorChain(spec, **kwargs)
-    raise ValueError(
-        f"unknown chain {spec!r}: use devnet:PATH, finney, test, local, or a ws:// / wss:// URL"
-    )

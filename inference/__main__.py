@@ -24,12 +24,12 @@ import os
 import sys
 from pathlib import Path
 
+from inference.decoding.distilled import speculation_with_table
+from inference.decoding.drafters import DRAFTER_KINDS
+from inference.decoding.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 from inference.model import CheckpointError, ConfigError
 from inference.serving import (EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent,
                                load_reference_model)
-from inference.speculative.distilled import speculation_with_table
-from inference.speculative.drafters import DRAFTER_KINDS
-from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
 
 class UsageError(Exception):

@@ -9,7 +9,7 @@ Every flag can also be set by the environment variable shown in --help; a flag w
 environment. SIGINT or SIGTERM stops it cleanly (a second one ends open streams at once).
 
     python neurons/miner.py --serve-layers 0-5 --checkpoint ckpt/tiny ...   (a swarm stage miner; with --network
-        and --netuid it announces its endpoint and layer block on chain, see neurons/swarm/stage_miner.py)
+        and --netuid it announces its endpoint and layer block on chain, see neurons/stage_miner.py)
 """
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neurons.base.observability import run_neuron  # noqa: E402
+from neurons.base.settings import describe_values, program_name  # noqa: E402
 from neurons.miner_app import MinerSetupError, miner_options, read_miner_settings, serve  # noqa: E402
-from neurons.observability import run_neuron  # noqa: E402
-from neurons.settings import describe_values, program_name  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a == "--serve-layers" or a.startswith("--serve-layers=") for a in argv):
-        # a swarm stage miner: one block of layers (neurons/swarm/stage_miner.py lists its flags)
-        from neurons.swarm.stage_miner import main as stage_main  # noqa: PLC0415
+        # a swarm stage miner: one block of layers (neurons/stage_miner.py lists its flags)
+        from neurons.stage_miner import main as stage_main  # noqa: PLC0415
 
         return stage_main(argv, prog=program_name("k3-miner", "neurons.miner"))
     settings, _ = read_miner_settings(argv, prog=program_name("k3-miner", "neurons.miner"), description=__doc__)

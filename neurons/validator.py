@@ -28,9 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from neurons.observability import run_neuron  # noqa: E402
-from neurons.settings import (Option, WalletSettings, bind_defaults, describe_values, expanded_path, flag,  # noqa: E402
-                              open_wallet, optional_text, positive_float, program_name, read_options, wallet_options)
+from neurons.base.observability import run_neuron  # noqa: E402
+from neurons.base.settings import (Option, WalletSettings, bind_defaults, describe_values, expanded_path,  # noqa: E402
+                                   flag, open_wallet, optional_text, positive_float, program_name, read_options,
+                                   wallet_options)
 from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
                                    status_report, validator_options)
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
@@ -147,7 +148,7 @@ def self_check_endpoint(values: dict) -> int:
     """`self-check --endpoint URL`: tiers 0-2 on a served miner against the local reference."""
     import asyncio  # noqa: PLC0415
 
-    from neurons.settings import WalletNotFound  # noqa: PLC0415
+    from neurons.base.settings import WalletNotFound  # noqa: PLC0415
     from neurons.validator_app.self_check import SelfCheckError, check_endpoint  # noqa: PLC0415 - loads torch
     from neurons.validator_app.settings import ScoringSettings, ValidatorSettings  # noqa: PLC0415
     from protocol.client import ClientTimeouts  # noqa: PLC0415

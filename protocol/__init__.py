@@ -7,7 +7,8 @@ from .client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, Mi
 from .errors import HTTP_STATUS, ErrorCode, http_status
 from .schemas import (CAPABILITIES_PATH, DEFAULT_LIMITS, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE,
                       NDJSON_CONTENT_TYPE, PROTOCOL_VERSION, SCORE_PATH, Capabilities, ErrorBody, ErrorEvent,
-                      FinalEvent, GenerateRequest, Health, Limits, ProtocolError, ResponseSignature, ScoredPosition,
-                      ScoreRequest, ScoreResponse, StreamEvent, Timings, TokenEvent, TopLogprob, Usage, decode_event,
-                      encode_event, encode_model, error_body, parse_generate, parse_score)
+                      FinalMessage, GenerateRequest, Health, Limits, ProtocolError, ResponseSignature,
+                      ScoredPositionMessage, ScoreRequest, ScoreResponse, StreamEvent, Timings, TokenMessage,
+                      TopLogprob, Usage, decode_event, encode_event, encode_model, error_body, parse_generate,
+                      parse_score)
 from .signature import encode_token_ids, response_digest, sign_response, verify_response

@@ -35,15 +35,15 @@ from pydantic import BaseModel, ValidationError
 from .auth import hotkey_signer, sign_request
 from .errors import ErrorCode
 from .schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, SCORE_PATH,
-                      Capabilities, ErrorEvent, FinalEvent, GenerateRequest, Health, ScoreRequest, ScoreResponse,
-                      TokenEvent, decode_event, describe_validation_error, encode_model, parse_error_body)
+                      Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ScoreRequest, ScoreResponse,
+                      TokenMessage, decode_event, describe_validation_error, encode_model, parse_error_body)
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Error bodies are small; past this the body is not read further.
 MAX_ERROR_BODY_BYTES = 64 * 1024
 
 Model = TypeVar("Model", bound=BaseModel)
-Event = Union[TokenEvent, FinalEvent, ErrorEvent]
+Event = Union[TokenMessage, FinalMessage, ErrorEvent]
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,12 @@ class GenerateResult:
     started_at: float  # wall clock (time.time()) at the start of the call
     headers_s: Optional[float] = None  # response headers, seconds after the start
     events: list[TimedEvent] = field(default_factory=list)
-    final: Optional[FinalEvent] = None
+    final: Optional[FinalMessage] = None
     error: Optional[ErrorEvent] = None
 
     @property
     def token_events(self) -> list[TimedEvent]:
-        return [timed for timed in self.events if isinstance(timed.event, TokenEvent)]
+        return [timed for timed in self.events if isinstance(timed.event, TokenMessage)]
 
     @property
     def token_ids(self) -> list[int]:
@@ -272,7 +272,7 @@ class MinerClient:
         result: Optional[GenerateResult] = None,
     ) -> AsyncIterator[TimedEvent]:
         """Yield the events of one generation as they arrive; the last one is a
-        FinalEvent or an ErrorEvent. Close the iterator if you stop early
+        FinalMessage or an ErrorEvent. Close the iterator if you stop early
         (`contextlib.aclosing`). `result`, when given, is filled as events arrive."""
         body = encode_model(request)
         clock = _CallClock(timeouts or self.timeouts, _prompt_size(request))
@@ -305,7 +305,7 @@ class MinerClient:
         try:
             async with aclosing(self.stream_generate(base_url, receiver_ss58, request, timeouts, result)) as events:
                 async for timed in events:
-                    if isinstance(timed.event, FinalEvent):
+                    if isinstance(timed.event, FinalMessage):
                         result.final = timed.event
                     elif isinstance(timed.event, ErrorEvent):
                         result.error = timed.event
@@ -344,7 +344,7 @@ class MinerClient:
                     event = decode_event(bytes(line))
                 except ValidationError as error:
                     raise MinerProtocolError(f"event {count} is malformed: {describe_validation_error(error)[0]}") from None
-                if isinstance(event, TokenEvent):
+                if isinstance(event, TokenMessage):
                     if event.index != next_index:
                         raise MinerProtocolError(f"token event {count} has index {event.index}, expected {next_index}")
                     next_index += len(event.token_ids)

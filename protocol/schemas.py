@@ -49,7 +49,7 @@ MAX_TOKENS_PER_EVENT = 64
 # The chosen token's logprob may round slightly above 0 in float arithmetic.
 LOGPROB_CEILING = 1e-3
 LOGPROB_FLOOR = -1e6
-# Sampling bounds, the same on the miner and on the gateway (inference.serving.sampling states the same
+# Sampling bounds, the same on the miner and on the gateway (inference.decoding.sampling states the same
 # numbers; a test checks): temperature is 0 (greedy) or in [TEMPERATURE_MIN, TEMPERATURE_MAX]; top_p in
 # [TOP_P_MIN, 1]. Smaller positive values would be greedy in all but name and only invite overflow.
 TEMPERATURE_MIN = 1e-3
@@ -355,7 +355,7 @@ class TopLogprob(_WireModel):
 TopLogprobs = Annotated[list[TopLogprob], Field(max_length=MAX_LOGPROBS)]
 
 
-class ScoredPosition(_WireModel):
+class ScoredPositionMessage(_WireModel):
     position: int = Field(ge=1, le=2**31 - 1)
     token_id: TokenId
     logprob: Logprob
@@ -366,7 +366,7 @@ class ScoreResponse(_WireModel):
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
     request_id: RequestId
     model_fingerprint: str = Field(min_length=1, max_length=128, pattern=_ID_PATTERN)
-    scores: list[ScoredPosition]
+    scores: list[ScoredPositionMessage]
 
 
 class ResponseSignature(_WireModel):
@@ -381,7 +381,7 @@ class ResponseSignature(_WireModel):
     signature: str = Field(pattern=_HEX128)  # sr25519, 64 bytes, lowercase hex
 
 
-class TokenEvent(_WireModel):
+class TokenMessage(_WireModel):
     """One or more generated tokens. `index` is the position in the completion of
     token_ids[0]; `logprobs[i]` and `top_logprobs[i]` belong to token_ids[i]."""
 
@@ -393,7 +393,7 @@ class TokenEvent(_WireModel):
     top_logprobs: Annotated[list[TopLogprobs], Field(max_length=MAX_TOKENS_PER_EVENT)]
 
     @model_validator(mode="after")
-    def _aligned(self) -> "TokenEvent":
+    def _aligned(self) -> "TokenMessage":
         if not len(self.token_ids) == len(self.logprobs) == len(self.top_logprobs):
             raise PydanticCustomError(
                 "misaligned", "token_ids, logprobs and top_logprobs must have one entry per token"
@@ -416,7 +416,7 @@ class Timings(_WireModel):
     decode_tokens_per_s: Optional[Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]] = None
 
 
-class FinalEvent(_WireModel):
+class FinalMessage(_WireModel):
     """Last event of a successful stream. finish_reason: "eos" (end-of-sequence
     token), "stop" (a stop string), "length" (max_tokens reached)."""
 
@@ -441,7 +441,7 @@ class ErrorEvent(_WireModel):
     message: str = Field(max_length=1024)
 
 
-StreamEvent = Annotated[Union[TokenEvent, FinalEvent, ErrorEvent], Field(discriminator="type")]
+StreamEvent = Annotated[Union[TokenMessage, FinalMessage, ErrorEvent], Field(discriminator="type")]
 STREAM_EVENT = TypeAdapter(StreamEvent)
 
 
@@ -480,7 +480,7 @@ def encode_model(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
-def encode_event(event: Union[TokenEvent, FinalEvent, ErrorEvent]) -> bytes:
+def encode_event(event: Union[TokenMessage, FinalMessage, ErrorEvent]) -> bytes:
     """One NDJSON line."""
     return event.model_dump_json().encode() + b"\n"
 
@@ -555,7 +555,7 @@ def parse_score(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> ScoreRequest:
     return _parse(ScoreRequest, raw, limits)
 
 
-def decode_event(line: bytes) -> Union[TokenEvent, FinalEvent, ErrorEvent]:
+def decode_event(line: bytes) -> Union[TokenMessage, FinalMessage, ErrorEvent]:
     """One NDJSON line -> event; raises pydantic ValidationError when malformed."""
     return STREAM_EVENT.validate_json(line)
 

@@ -122,7 +122,7 @@ class CloseRequest(_Msg):
     session: str = Field(min_length=1, max_length=128, pattern=_ID)
 
 
-class TensorSpec(_Msg):
+class WireTensorSpec(_Msg):
     name: str = Field(min_length=1, max_length=32, pattern=r"^[a-z_]+(\.[0-9]{1,3})?$")
     dtype: Literal["float32", "bfloat16", "int32"]
     shape: list[int] = Field(min_length=1, max_length=2)
@@ -165,7 +165,7 @@ class ForwardHeader(_Msg):
     # first return the session to this position (the rewind message's bounds); the forward then starts there
     rewind: Optional[int] = Field(None, ge=0, le=2**31 - 1)
     receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)
-    tensors: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    tensors: list[WireTensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
 
 
 class ResultError(_Msg):
@@ -182,7 +182,7 @@ class ResultHeader(_Msg):
     step: int = Field(ge=0, le=2**31 - 1)
     receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)
     error: Optional[ResultError] = None
-    tensors: list[TensorSpec] = Field(default_factory=list, max_length=0)
+    tensors: list[WireTensorSpec] = Field(default_factory=list, max_length=0)
 
 
 class StageCapabilities(_Msg):
@@ -265,7 +265,7 @@ def verify_capabilities(caps: StageCapabilities, expected_hotkey: str | None = N
 
 
 # ---------------------------------------------------------------- frames
-def state_sha256(specs: list[TensorSpec], body: bytes) -> str:
+def state_sha256(specs: list[WireTensorSpec], body: bytes) -> str:
     h = hashlib.sha256(json.dumps([s.model_dump() for s in specs], separators=(",", ":")).encode())
     h.update(body)
     return h.hexdigest()
@@ -316,7 +316,7 @@ def parse_model(model: type[BaseModel], data: Any, what: str) -> Any:
 
 
 def decode_forward(frame: bytes, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-                   ) -> tuple[ForwardHeader, list[tuple[TensorSpec, memoryview]], memoryview]:
+                   ) -> tuple[ForwardHeader, list[tuple[WireTensorSpec, memoryview]], memoryview]:
     """Parse and bound-check a forward frame; returns (header, [(spec, bytes)], body)."""
     raw, body = split_frame(frame, max_body_bytes)
     header = parse_model(ForwardHeader, raw, "forward header")

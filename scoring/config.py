@@ -11,9 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-
-SCORABLE_PROBES = ("copy", "planted_fact")  # answer probes with a right answer to check
-HONEST_PROBE_MISS_RATE = 0.1  # a probe kind is scored only for a model measured to answer at least 1 - this
+from .model_envelope import HONEST_PROBE_MISS_RATE, SCORABLE_PROBES, ModelEnvelopeError, load_envelope
 
 
 class ScoringConfigError(ValueError):
@@ -111,11 +109,11 @@ class ScoringConfig:
     logprob_gap_soft: float = 0.75
     """(not in the spec) Tier 1 fails (soft) when the miner's reported logprobs of its own tokens differ
     from the reference's by more than this many nats on average. Honest numerics (bf16, fp16, other
-    kernels, batching, chunking, sharding) stay far below (scripts/bench_verification.py); another model,
+    kernels, batching, chunking, sharding) stay far below (benchmarks/verification.py); another model,
     re-quantised experts or a truncated context are far above."""
     logprob_gap_envelope: str | None = None
     """(not in the spec) The envelope measured for the served model (a file written by
-    `scripts/bench_verification.py --write-envelope`; scoring/model_envelope.py): per declared precision and
+    `benchmarks/verification.py --write-envelope`; scoring/model_envelope.py): per declared precision and
     prompt length, the soft logprob-gap bound of that model's honest numerics (1.5x the worst honest audit
     measured). Where it covers the miner's precision and the prompt's length it replaces `logprob_gap_soft`,
     which was set on the random tiny model's flat distributions and lets a bf16 miner with half the experts or
@@ -373,7 +371,6 @@ class ScoringConfig:
         if self.long_context_budget_base_s < 0 or self.long_context_budget_s_per_1k_tokens < 0:
             out.append("long-context budget settings must be non-negative")
         if self.logprob_gap_envelope is not None:
-            from .model_envelope import ModelEnvelopeError, load_envelope  # noqa: PLC0415
             try:
                 load_envelope(str(self.logprob_gap_envelope))
             except ModelEnvelopeError as error:

@@ -12,7 +12,7 @@ token, a swap on long prompts only) to measure the detection rate.
     report = measure_envelope(checkpoint, audits_per_variant=200)
     print(format_report(report))
 
-`scripts/bench_verification.py` is the command-line wrapper.
+`benchmarks/verification.py` is the command-line wrapper.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from inference.decoding.sampling import SamplingParams, TokenSampler
 from inference.model import KimiK3Model, ModelConfig, load_checkpoint, load_tokenizer, read_config
-from inference.serving.sampling import SamplingParams, TokenSampler
+from inference.model.fp8 import quantize_dense
 
 from .config import ScoringConfig
 from .model_envelope import MARGIN, build_envelope
@@ -337,12 +338,21 @@ def _plain(model):
     return run
 
 
+FP8_VARIANT = "fp8-dense"
+
+
+def fp8_dense_variant(checkpoint: str | Path) -> Variant:
+    """The honest fp8-dense miner: the checkpoint in fp32 activations with its dense weights in e4m3."""
+    model = load_model(checkpoint)
+    quantize_dense(model)
+    return Variant(FP8_VARIANT, "fp8 e4m3 dense weights (per-channel scales), fp32 activations, batched", True,
+                   _plain(model), precision="fp8")
+
+
 def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: bool = True,
                    other_checkpoint: Optional[str | Path] = None, seed: int = 0,
                    long_threshold: int = 512) -> list[Variant]:
     """The honest variants and the cheaters, for one checkpoint (its fp32 model is the reference)."""
-    from .envelope_fp8 import fp8_dense_variant  # noqa: PLC0415 - it builds on this module
-
     config = reference.config
     ref_run = _plain(reference)
     bf16 = load_model(checkpoint, torch.bfloat16)

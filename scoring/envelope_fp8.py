@@ -7,7 +7,7 @@ numerics. `fp8_dense_variant(checkpoint)` is that miner as a `scoring.envelope.V
 `scoring.envelope.measure_envelope` on it (one of the built-in variants) beside the fp32 and bf16 baselines,
 so the audit statistics it moves can be read side by side:
 
-    python scripts/bench_fp8_envelope.py --checkpoint inference/model/assets/tiny_trained --audits 48
+    python benchmarks/fp8_envelope.py --checkpoint inference/model/assets/tiny_trained --audits 48
 """
 from __future__ import annotations
 
@@ -15,20 +15,8 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from inference.model.fp8 import quantize_dense
-
 from . import envelope
-from .envelope import EnvelopeReport, Variant, load_model
-
-FP8_VARIANT = "fp8-dense"
-
-
-def fp8_dense_variant(checkpoint: str | Path) -> Variant:
-    """The honest fp8-dense miner: the checkpoint in fp32 activations with its dense weights in e4m3."""
-    model = load_model(checkpoint)
-    quantize_dense(model)
-    return Variant(FP8_VARIANT, "fp8 e4m3 dense weights (per-channel scales), fp32 activations, batched", True,
-                   envelope._plain(model), precision="fp8")
+from .envelope import FP8_VARIANT, EnvelopeReport, fp8_dense_variant
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 The wide bound of `ScoringConfig.logprob_gap_soft` (0.75 nats) was set on the random tiny model, whose flat
 distributions move by up to 0.51 nats in honest bf16. A trained model moves far less (about 0.05 nats), so a
 bf16 miner that also halves its experts or truncates the context sits inside the wide bound. The bounds here
-are measured for the served model by `scripts/bench_verification.py --write-envelope FILE` (honest variants
+are measured for the served model by `benchmarks/verification.py --write-envelope FILE` (honest variants
 only) and set with `ScoringConfig(logprob_gap_envelope=FILE)` (or `--scoring-overrides
 '{"logprob_gap_envelope": "FILE"}'`):
 
@@ -13,7 +13,7 @@ only) and set with `ScoringConfig(logprob_gap_envelope=FILE)` (or `--scoring-ove
                                        "soft": 0.082, "false_positive_rate_95": 0.0047}, ...]}}}
 
 A file may also record how often the model answers the validator's answer probes (greedy, at the measured prompt
-lengths, in each honest variant), written by `scripts/bench_tiny_model.py --write-probes FILE`:
+lengths, in each honest variant), written by `benchmarks/tiny_model.py --write-probes FILE`:
 
     "probes": {"planted_fact": {"prompt_tokens": [16, 256], "variants": {"fp32": [97, 100], "bf16": [96, 100]}}}
 
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from scoring.config import HONEST_PROBE_MISS_RATE, SCORABLE_PROBES
-
 FORMAT = "k3-model-envelope"
+SCORABLE_PROBES = ("copy", "planted_fact")  # answer probes with a right answer to check
+HONEST_PROBE_MISS_RATE = 0.1  # a probe kind is scored only for a model measured to answer at least 1 - this
 VERSION = 1
 MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
 MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)

@@ -20,7 +20,7 @@ output on the same input:
 A challenge fails when a window of consecutive tokens holds too many bad ones (`judge_tokens`): honest bf16
 stages have isolated far-off tokens (router near-ties flipping an expert), cheaters have runs of them. The
 thresholds (`Thresholds`) come from the honest drift measured for one block in fp32 and bf16
-(scripts/bench_stage_checks.py; numbers in docs/swarm.md section 10).
+(benchmarks/stage_checks.py; numbers in docs/swarm.md section 10).
 
 **Cross-check against two peers.** For a block the validator holds no copy of, `run_cross_check` sends the
 same challenge to the stage under test and to two other stage miners of that block (the caller picks them on
@@ -55,7 +55,7 @@ from torch import Tensor
 
 from inference.model.k3 import ResidualState
 from inference.swarm.stage import HeadOutput, LayerRange, Stage, StageError
-from protocol.stage import Receipt, TensorSpec, state_sha256, verify_receipt
+from protocol.stage import Receipt, WireTensorSpec, state_sha256, verify_receipt
 
 COMMIT_DOMAIN = b"k3-subnet/stage-challenge/v1\n"
 
@@ -98,7 +98,7 @@ def projection(seed: int, width: int, k: int) -> Tensor:
 class Thresholds:
     """Pass limits per block, from the honest drift measured over one block of the tiny model, random and trained
     (fp32 reference vs bf16 weights and a bf16 wire, fp32 on other thread counts, chunked prefill;
-    scripts/bench_stage_rounds.py, numbers in docs/swarm.md section 10).
+    benchmarks/stage_rounds.py, numbers in docs/swarm.md section 10).
 
     Honest drift: fp32 stages on 1 or 2 threads and chunked prefill are bit-identical or within 1e-5; bf16 moves
     almost every token by ~0.3% (relative L2 of the projected new state), and a few tokens by up to 18% on the
@@ -490,7 +490,7 @@ def _length(x) -> int:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
 
 
-def decode_wire_state(specs: Sequence[TensorSpec], body: bytes):
+def decode_wire_state(specs: Sequence[WireTensorSpec], body: bytes):
     """Token ids, a ResidualState, or (no specs) a head answer, from the bytes a stage signed the hash of."""
     if not specs:
         d = json.loads(bytes(body).decode())
@@ -520,9 +520,9 @@ class HopRecord:
 
     receipt: Receipt
     position: int
-    input_specs: tuple[TensorSpec, ...]
+    input_specs: tuple[WireTensorSpec, ...]
     input_body: bytes
-    output_specs: tuple[TensorSpec, ...]
+    output_specs: tuple[WireTensorSpec, ...]
     output_body: bytes
     mode: str = "none"
     targets: tuple[int, ...] | None = None

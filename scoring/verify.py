@@ -413,7 +413,7 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
                      prompt_tokens: Optional[int] = None) -> list[Failure]:
     """The tier-1 rules (docs/verification.md). Every soft threshold sits outside what honest
     numerics produce (bf16/fp16, other kernels, batching, chunking, sharding: the envelope measured
-    by scripts/bench_verification.py); a failure is hard only when the reference is trusted (the
+    by benchmarks/verification.py); a failure is hard only when the reference is trusted (the
     validator's own engine) and the evidence is far outside that envelope, at any temperature.
     `exact`: the miner declared fp32 numerics (config.exact_precisions), whose envelope is far
     tighter; missing it is a soft failure only. `precision` (what the miner declared) and `prompt_tokens`

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Distil a draft table from a checkpoint (inference/speculative/distilled.py): the target's own greedy choices
+"""Distil a draft table from a checkpoint (inference/decoding/distilled.py): the target's own greedy choices
 after byte contexts of its training corpus (the stdlib's training files; held-out files and anything sharing a
 16-byte piece with bench_speculative.py's prompts are left out), teacher-forced and from its own greedy
 continuations. Deterministic; a few CPU minutes for the tiny model.
@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.speculative import PROMPTS  # noqa: E402
+from inference.decoding.distilled import distill  # noqa: E402
 from inference.model.training import stdlib_corpus  # noqa: E402
 from inference.serving.builders import load_reference_model  # noqa: E402
-from inference.speculative.benchmark import PROMPTS  # noqa: E402
-from inference.speculative.distilled import distill  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -224,15 +224,15 @@ def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[
 
 def start_route_miner(argv: list[str], workdir: Path, env: Mapping[str, str] | None = None,
                       timeout_s: float = 120.0) -> tuple[subprocess.Popen, dict]:
-    """`python -m neurons.swarm.route_miner ARGV` (stderr in workdir/route.log, `env` added to this one's), and
+    """`python -m neurons.route_miner ARGV` (stderr in workdir/route.log, `env` added to this one's), and
     its ready file's {url, hotkey, route, health, ...} once it serves; stop the process with
-    neurons.swarm.cheats.stop_hosts. It is killed when it exits or is not ready within `timeout_s`."""
+    localnet.cheats.stage.stop_hosts. It is killed when it exits or is not ready within `timeout_s`."""
     root = Path(__file__).resolve().parent.parent
     ready, log = workdir / "route.ready", workdir / "route.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "neurons.swarm.route_miner", *argv, "--ready-file", str(ready)],
+        proc = subprocess.Popen([sys.executable, "-m", "neurons.route_miner", *argv, "--ready-file", str(ready)],
                                 cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():

@@ -1,4 +1,4 @@
-"""scripts/bench_tiny_model.py --write-probes: the validator's answer probes measured per honest variant and recorded
+"""benchmarks/tiny_model.py --write-probes: the validator's answer probes measured per honest variant and recorded
 in the model's envelope file, refused for an envelope of another model."""
 import json
 import subprocess
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tiny_model.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks.tiny_model", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -49,7 +49,7 @@ def test_the_shipped_model_answers_the_validators_planted_fact_probes(tiny_check
 
     from inference.model.tokenizer import ByteTokenizer
     from inference.model.training import load_model
-    from scripts.bench_tiny_model import answered, validator_probes
+    from benchmarks.tiny_model import answered, validator_probes
 
     torch.set_num_threads(1)
     trained = load_model(ROOT / "inference" / "model" / "assets" / "tiny_trained")

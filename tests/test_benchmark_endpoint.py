@@ -1,4 +1,4 @@
-"""The endpoint benchmark (neurons/benchmark.py) at tiny sizes against (a) a real miner on loopback (signed protocol,
+"""The endpoint benchmark (benchmarks/endpoint.py) at tiny sizes against (a) a real miner on loopback (signed protocol,
 devnet permit and stake, capacity 2 so that a wave of 5 gets 429s) and (b) the OpenAI-compatible
 server over the reference engine, with the same checkpoint as the reference for audits and canaries."""
 import dataclasses
@@ -10,13 +10,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from chain.interface import connect
+from benchmarks import endpoint as bench
+from chain import connect
 from inference.model import KimiK3Model, ModelConfig
 from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer
-from neurons import benchmark as bench
+from neurons.base.settings import ChainSettings
 from neurons.gateway import GatewayServer, GatewaySettings, MinerTarget
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import Capabilities, Limits

@@ -7,17 +7,17 @@ import threading
 
 from aiohttp import web
 
-import neurons.benchmark as bench
+import benchmarks.endpoint as bench
 from inference.model.config import ModelConfig
 from protocol.client import GenerateResult, TimedEvent
-from protocol.schemas import GenerateRequest, TokenEvent
+from protocol.schemas import GenerateRequest, TokenMessage
 
 
 def test_tpot_and_itl_follow_vllm_bench_serve_definitions():
     request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=4)
     result = GenerateResult(request=request, body=b"{}", started_at=0.0)
     for k, t in enumerate([0.5, 0.6, 0.8, 0.8]):  # the last two tokens arrive in one event
-        result.events.append(TimedEvent(TokenEvent.model_construct(type="token", index=k, token_ids=[k], text="",
+        result.events.append(TimedEvent(TokenMessage.model_construct(type="token", index=k, token_ids=[k], text="",
                                                                    logprobs=[0.0], top_logprobs=[[]]), t))
     result.events.append(TimedEvent(result.events[-1].event, 1.0))  # stands for the final event's arrival
     # TPOT = (end - first token) / (tokens - 1); ITL = gaps between consecutive tokens

@@ -12,8 +12,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from neurons import benchmark as bench
-from neurons.benchmark import sse_data
+from benchmarks import endpoint as bench
+from benchmarks.endpoint import sse_data
 from protocol.client import ClientTimeouts, MinerTimeout
 
 BODY = (b": a comment\r\ndata: {\"a\":\r\ndata: 1}\r\n\r\nretry: 10\rdata: two\r\rdata: three\n\n"

@@ -1,4 +1,4 @@
-"""The endpoint benchmark's warm-up (neurons/benchmark.py, Runner.warm_up) against a real
+"""The endpoint benchmark's warm-up (benchmarks/endpoint.py, Runner.warm_up) against a real
 OpenAI-compatible server on loopback (the tiny reference engine behind aiohttp) that records the
 TCP connection (the client's port) of every request: the first measured wave must find a connection
 per stream already open, as `vllm bench serve`'s does after its warm-up, instead of opening new ones
@@ -8,8 +8,8 @@ import json
 import pytest
 from aiohttp import web
 
+from benchmarks import endpoint as bench
 from inference.serving import EngineSettings, LocalEngine, OpenAICompatibleServer
-from neurons import benchmark as bench
 
 MODEL_NAME = "kimi-k3-tiny"
 STREAMS = 3

@@ -1,4 +1,4 @@
-"""`python -m inference` (also with --speculate) and `scripts/make_checkpoint.py` as an operator runs them."""
+"""`python -m inference` (also with --speculate) and `k3-checkpoint` as an operator runs them."""
 import json
 import subprocess
 import sys
@@ -20,7 +20,7 @@ def run(*args, check=True):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    run("scripts/make_checkpoint.py", "--preset", "tiny", "--out", str(out), "--seed", "0", "--quiet")
+    run("-m", "inference.model.make_checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "0", "--quiet")
     return out
 
 

@@ -1,4 +1,4 @@
-"""The distilled draft model (inference/speculative/distilled.py): bound to its checkpoint's fingerprint,
+"""The distilled draft model (inference/decoding/distilled.py): bound to its checkpoint's fingerprint,
 proposes what the target says on contexts it was distilled from, and leaves greedy output unchanged."""
 from pathlib import Path
 
@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from inference.__main__ import main as cli_main
+from inference.decoding.distilled import (DistilledDrafter, DraftModelMismatch, distill, load_table,
+                                          speculation_with_table)
+from inference.decoding.drafters import make_drafter
+from inference.decoding.sampling import SamplingParams
+from inference.decoding.speculation import SpeculationConfig, speculative_generate
 from inference.model.training import greedy_answer
 from inference.serving.builders import load_reference_model
-from inference.serving.sampling import SamplingParams
-from inference.speculative.distilled import (DistilledDrafter, DraftModelMismatch, distill, load_table,
-                                             speculation_with_table)
-from inference.speculative.drafters import make_drafter
-from inference.speculative.speculation import SpeculationConfig, speculative_generate
 
-TEXT = Path(__file__).resolve().parents[1].joinpath("inference", "speculative", "drafters.py").read_bytes()
+TEXT = Path(__file__).resolve().parents[1].joinpath("inference", "decoding", "drafters.py").read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from inference.model import load_tokenizer
 from inference.serving import EngineSettings, LocalEngine
 from protocol.client import GenerateResult, TimedEvent
-from protocol.schemas import GenerateRequest, TokenEvent
+from protocol.schemas import GenerateRequest, TokenMessage
 from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.envelope import Answer, generate, load_model, measure_envelope
 from scoring.model_envelope import build_envelope, load_envelope, parse_envelope
@@ -91,7 +91,7 @@ def test_honest_bf16_passes_and_bf16_cheats_fail_under_the_measured_envelope(mea
 def _result(prompt: list[int], answer: Answer, temperature: float) -> GenerateResult:
     request = GenerateRequest(request_id="r" * 16, prompt_token_ids=prompt, max_tokens=len(answer.tokens),
                               temperature=temperature, logprobs=1)
-    events = [TimedEvent(TokenEvent(index=i, token_ids=[t], text="", logprobs=[min(lp, 0.0)], top_logprobs=[[]]), 0.0)
+    events = [TimedEvent(TokenMessage(index=i, token_ids=[t], text="", logprobs=[min(lp, 0.0)], top_logprobs=[[]]), 0.0)
               for i, (t, lp) in enumerate(zip(answer.tokens, answer.logprobs))]
     return GenerateResult(request=request, body=b"", started_at=0.0, events=events)
 

@@ -11,13 +11,14 @@ import openai
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
-from chain.interface import connect
+from chain import connect
 from inference.model import ModelConfig
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
+from neurons.base.settings import ChainSettings, build_settings, read_options
 from neurons.gateway import (ApiKeyFileError, ApiKeys, GatewayServer, GatewaySettings, GatewaySetupError,
                              KeyRateLimiter, MinerTarget, StopTrimmer, gateway_options, read_api_keys)
-from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings, cheats
-from neurons.settings import ChainSettings, build_settings, read_options
+from localnet.cheats import miner as cheats
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities

@@ -1,7 +1,7 @@
-"""The gateway serving organic requests through a route of real stage processes (neurons/gateway/route.py), its
+"""The gateway serving organic requests through a route of real stage processes (neurons/validator_app/gateway_route.py), its
 route's receipts audited and credited to the stages as stage work.
 
-Real parts: five stage processes (`python -m neurons.swarm.cheats`: honest stages for every block, a spare for
+Real parts: five stage processes (`python -m localnet.cheats.stage`: honest stages for every block, a spare for
 3-5, and a stage that serves other weights for 3-5), the validator's gateway on loopback with real API keys,
 the route's signed miner API (a MinerServer over the RouteEngine, signing as the validator, whose permit is on a
 devnet), the validator's SQLite store and its StageRounds with its own copy of the weights.
@@ -29,11 +29,11 @@ import torch
 
 from inference.model import ModelConfig
 from inference.serving.builders import load_reference_model
+from localnet.cheats.stage import start_hosts, stop_hosts
+from neurons.base.settings import ChainSettings
 from neurons.gateway import GatewayServer, GatewaySettings
-from neurons.gateway.route import ROUTE_UID, GatewayRoute, RouteAndMiners
-from neurons.settings import ChainSettings
-from neurons.swarm.cheats import start_hosts, stop_hosts
 from neurons.swarm.route import StaticDirectory
+from neurons.validator_app.gateway_route import ROUTE_UID, GatewayRoute, RouteAndMiners
 from neurons.validator_app.stage_rounds import StageRounds
 from neurons.validator_app.status import status_report
 from neurons.validator_app.store import ValidatorStore
@@ -101,7 +101,7 @@ async def settled(route: GatewayRoute, n: int, timeout_s: float = 120.0) -> dict
 
 
 def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_path):
-    from chain.interface import connect
+    from chain import connect
 
     db = tmp_path / "validator.sqlite"
     store = ValidatorStore(db)
@@ -202,7 +202,7 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
 def test_the_gateway_route_needs_the_validators_stage_checks(tmp_path, tiny_checkpoint):
     import types
 
-    from neurons.gateway.route import start_gateway_route
+    from neurons.validator_app.gateway_route import start_gateway_route
     from neurons.validator_app.settings import ValidatorSetupError, read_validator_settings
 
     settings = read_validator_settings(["--checkpoint", str(tiny_checkpoint), "--netuid", "1", "--gateway",

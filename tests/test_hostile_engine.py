@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from inference.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, TokenSampler, filtered_probs
 from inference.model import ModelConfig
 from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
-from inference.serving.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, TokenSampler, filtered_probs
 
 CONFIG = ModelConfig.tiny()
 V = CONFIG.vocab_size

@@ -1,4 +1,4 @@
-"""A real miner process on loopback under the hostile clients of issue 12 (neurons/probe.py): edge values,
+"""A real miner process on loopback under the hostile clients of issue 12 (benchmarks/probe_miner.py): edge values,
 malformed requests, 16 unauthenticated 63 MiB bodies, slow headers and bodies, and an idle-connection flood
 with RLIMIT_NOFILE at 256. After every phase a signed legitimate request succeeds with a verified response
 signature; the miner's memory and its log stay small."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from neurons.hostile_bench import published_url
-from neurons.probe import Probe, table
+from benchmarks.hostile import published_url
+from benchmarks.probe_miner import Probe, table
 from protocol.auth import hotkey_signer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import time
 import pytest
 from multidict import CIMultiDict
 
-from inference.serving import sampling
+from inference.decoding import sampling
 from neurons.gateway import schemas as gateway_schemas
 from protocol import schemas
 from protocol.auth import AuthFailure, check_auth_headers, sign_request

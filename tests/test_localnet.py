@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from neurons.localnet import GATEWAY_ROUTE_UID, ROUTE_SETTLE_S, free_port_block, swarm_ports
+from localnet.testnet import GATEWAY_ROUTE_UID, ROUTE_SETTLE_S, free_port_block, swarm_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_localnet_sets_weights_and_the_cheater_earns_nothing(tmp_path):
     run_dir = tmp_path / "run"
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "scripts/localnet.py", "--miners", "2", "--sharded-miners", "0", "--cheat", "inflate",
+    cmd = [sys.executable, "-m", "localnet.testnet", "--miners", "2", "--sharded-miners", "0", "--cheat", "inflate",
            "--run-dir", str(run_dir), "--summary", str(summary), "--no-dashboard",
            "--base-port", str(free_port_block(2)), "--metrics-base-port", str(free_port_block(2)),
            "--stop-after-epochs", "1", "--duration", "420"]
@@ -50,11 +50,11 @@ def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path
     import torch
 
     from inference.serving.builders import load_reference_model
-    from neurons.localnet import SWARM_PROMPT
+    from localnet.testnet import SWARM_PROMPT
     from protocol.stage import StageAnnouncement
 
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
-    cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--swarm-tokens", "6", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "localnet.testnet", "--swarm", "3", "--swarm-tokens", "6", "--run-dir", str(run_dir),
            "--summary", str(summary), "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3)))]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
     stages, following its blames) all along; the run stops as soon as every cheater is blamed and zeroed on
     chain."""
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
-    cmd = [sys.executable, "scripts/localnet.py", "--swarm", "3", "--run-dir", str(run_dir), "--summary",
+    cmd = [sys.executable, "-m", "localnet.testnet", "--swarm", "3", "--run-dir", str(run_dir), "--summary",
            str(summary), "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3))), "--tempo", "20",
            "--stop-when-caught", "--duration", "300",
            # the forwarder takes the decoy for a session with probability 1/2: 3 challenges a round miss it 1 in 8
@@ -123,7 +123,7 @@ def test_localnet_swarm_blames_each_cheater_and_keeps_serving_through_the_spares
         blame, reason = cheaters[kind]["blame"], cheaters[kind]["reason"]
         assert blame["kind"] in ("challenge", "bisection"), (kind, blame)
         assert any(w in reason for w in ("diverge", "replays", "pass-through")), (kind, reason)
-        # scripts/bench_stage_rounds.py measured 1-5 challenges to blame for every cheater kind; CI once took 5 for
+        # benchmarks/stage_rounds.py measured 1-5 challenges to blame for every cheater kind; CI once took 5 for
         # the replayer (a challenge whose forward lengths it has not served yet is answered honestly)
         assert blame["challenges"] <= 8, (kind, blame)
     # the forwarder's answers are right (the honest spare's or the decoy's): the decoy catches it
@@ -170,8 +170,8 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
     combinations are refused with a message."""
     import pytest
 
-    from neurons.localnet import STAGE_CHEATS, parse_args, swarm_neurons
-    from neurons.swarm.cheats import CHEATS
+    from localnet.cheats.stage import CHEATS
+    from localnet.testnet import STAGE_CHEATS, parse_args, swarm_neurons
 
     assert set(STAGE_CHEATS) == set(CHEATS)
     args = parse_args(["--swarm", "3", "--cheat-stage", "echo", "--cheat-stage", "replay", "--cheat-stage", "forwarder"])
@@ -185,7 +185,7 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
 
     # the forwarder is given the validator's decoy of its block among its targets; the route miner forges receipts
     # and submits them to the validator's work endpoint
-    from neurons.localnet import DRIVER_CHEATS, GATEWAY_KEY, route_command, stage_command, swarm_validator_command
+    from localnet.testnet import DRIVER_CHEATS, GATEWAY_KEY, route_command, stage_command, swarm_validator_command
 
     args = parse_args(["--swarm", "3", "--cheat-stage", "forwarder", "--cheat-stage", "forge-receipts",
                        "--base-port", "20000"])
@@ -207,10 +207,10 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
     assert vcmd[vcmd.index("--gateway-port") + 1] == str(validator.gateway_port) and "--gateway" in vcmd
     assert vcmd[vcmd.index("--gateway-route") + 1] == "first" and "--gateway-route-log" in vcmd
     assert (run / "gateway-keys.txt").read_text().split() == [GATEWAY_KEY]
-    from neurons.gateway.route import ROUTE_UID
+    from neurons.validator_app.gateway_route import ROUTE_UID
     assert GATEWAY_ROUTE_UID == str(ROUTE_UID)  # what the gateway's x-k3-miner-uid says for its own route
     rcmd = route_command(route, args, "devnet:x", 1, run, validator)
-    assert rcmd[2] == "neurons.swarm.driver_cheats"
+    assert rcmd[2] == "localnet.cheats.route"
     assert rcmd[rcmd.index("--report-work") + 1] == f"{validator.wallet.hotkey.ss58_address}@http://127.0.0.1:" \
                                                    f"{validator.port}"
 
@@ -237,7 +237,7 @@ def test_the_trained_model_is_the_default_and_the_random_one_stays_a_flag_away(t
     asset changes; the weights cheat gets random weights of the same configuration; --model random is the seed-0
     random model as before. Nothing is written into the package's asset directory."""
     from inference.model.config import ModelConfig
-    from neurons.localnet import TRAINED_ASSET, checkpoint_dir, ensure_checkpoints, parse_args
+    from localnet.testnet import TRAINED_ASSET, checkpoint_dir, ensure_checkpoints, parse_args
 
     asset_before = {p.name: p.stat().st_mtime_ns for p in TRAINED_ASSET.iterdir()}
     args = parse_args(["--checkpoints", str(tmp_path), "--cheat", "weights"])

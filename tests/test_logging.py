@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from neurons.observability import CALLER, observed_app, request_middleware, setup_logging
+from neurons.base.observability import CALLER, observed_app, request_middleware, setup_logging
 from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 
 

@@ -1,7 +1,7 @@
 """Metrics of every process, scraped from real servers: a miner (in-process MinerServer on the tiny
 model, real engine, devnet chain), a validator (run_validator with its organic gateway and /metrics)
 scoring it and relaying one user request through the gateway, and a swarm stage miner (StageServer on the
-tiny model's layers with its /metrics server, as `neurons.swarm.stage_miner --metrics` runs them) that a route
+tiny model's layers with its /metrics server, as `neurons.stage_miner --metrics` runs them) that a route
 driver sent prefill, decode and score forwards through. Every metric the Grafana dashboard
 (deploy/grafana/k3-subnet.json) queries must be exported by one of them, and every label a stage panel groups
 by must be on the stage's series."""
@@ -18,11 +18,11 @@ import aiohttp
 from conftest import unused_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from chain.interface import connect
+from chain import connect
 from inference.serving import EngineSettings, EngineSpec, LocalEngine
+from neurons.base.settings import ChainSettings, WalletSettings
 from neurons.gateway import GatewaySettings
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-from neurons.settings import ChainSettings, WalletSettings
 from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings, WeightSettings,
                                    run_validator)
 from protocol.auth import SQLiteNonceStore
@@ -227,12 +227,12 @@ async def _run_and_scrape(tmp_path, wallets, devnet, netuid, tiny_checkpoint, ti
 
 def test_a_stage_miner_exports_what_the_dashboards_stage_row_shows(tiny_checkpoint, make_wallets, tmp_path):
     """One stage serving every layer of the tiny model, driven through prefill, decode and score, and refused once."""
+    from inference.decoding.sampling import SamplingParams
     from inference.model.config import ModelConfig
     from inference.model.tokenizer import load_tokenizer
     from inference.serving.engine import FinalEvent, GenerationRequest
-    from inference.serving.sampling import SamplingParams
     from inference.swarm.stage import LayerRange, Stage
-    from neurons.observability import MetricsServer
+    from neurons.base.observability import MetricsServer
     from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
     from neurons.swarm.settings import METRICS_HOST
     from neurons.swarm.stage_server import StageServer

@@ -18,17 +18,18 @@ from aiohttp import web
 from bittensor import http_auth
 from hypothesis import strategies as st
 
-from chain.interface import connect
+from chain import connect
 from inference.model import ModelConfig
 from inference.serving import (Engine, EngineSettings, GenerationRequest, LocalEngine, OpenAICompatibleServer,
                                RemoteEngine, SamplingParams, TokenEvent as EngineTokenEvent, build_engine)
-from neurons.miner_app import (AccessSettings, MinerServer, MinerSettings, ServerSettings, cheats, load_tokenizer_for,
+from neurons.base.settings import ChainSettings
+from localnet.cheats import miner as cheats
+from neurons.miner_app import (AccessSettings, MinerServer, MinerSettings, ServerSettings, load_tokenizer_for,
                                prompt_token_ids, read_miner_settings)
-from neurons.settings import ChainSettings
 from protocol.auth import SQLiteNonceStore, sign_request
 from protocol.client import MinerClient, MinerHTTPError
 from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH, ErrorBody, ErrorEvent,
-                              FinalEvent, GenerateRequest, ScoreRequest, TokenEvent, decode_event)
+                              FinalMessage, GenerateRequest, ScoreRequest, TokenMessage, decode_event)
 from protocol.signature import verify_response
 
 CONFIG = ModelConfig.tiny()
@@ -350,7 +351,7 @@ async def test_every_auth_and_gate_failure_has_its_status_and_never_reaches_the_
                                nonce_ns=fresh_nonce())
         first = await signed_call(session, miner, None, body, headers=headers)
         second = await signed_call(session, miner, None, body, headers=headers)
-    assert first[0] == 200 and isinstance(events_of(first[2])[-1], FinalEvent)
+    assert first[0] == 200 and isinstance(events_of(first[2])[-1], FinalMessage)
     assert (second[0], error_of(second[2]).code) == (401, "replayed_request")
     assert engine.calls == 1
 
@@ -450,7 +451,7 @@ async def test_a_flood_beyond_capacity_gets_prompt_429s_and_admitted_streams_com
     direct = await direct_run(miner.engine.inner, prompt, SamplingParams(max_tokens=12))
     for name, body, _, _, raw, _, _ in served:
         events = events_of(raw)
-        ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+        ids = [t for e in events if isinstance(e, TokenMessage) for t in e.token_ids]
         assert ids == [e.token_id for e in direct]
         assert verify_response(events[-1].signature, body, ids, miner.hotkey)
     assert miner.engine.inner.active_sequences == 0 and miner.budgets.streams_in_flight == 0
@@ -466,7 +467,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_sequence(world, st
         response = await session.post(miner.url + GENERATE_PATH, data=body, headers={**headers, "Content-Type": "application/json"})
         assert response.status == 200
         line = await response.content.readline()
-        assert isinstance(decode_event(line), TokenEvent)
+        assert isinstance(decode_event(line), TokenMessage)
         assert inner.active_sequences == 1 and inner.reserved_bytes > 0
         response.close()  # drop the connection mid-stream
     deadline = time.monotonic() + 10
@@ -494,7 +495,7 @@ async def test_a_low_stake_validator_hits_its_limits_before_a_high_stake_one(wor
         status, _, raw = await signed_call(session, miner, world.key("small"), body_of(request_id="second"))
         assert (status, error_of(raw).code) == (429, "caller_streams")
         status, _, raw = await signed_call(session, miner, world.key("validator"), body_of(request_id="big"))
-        assert status == 200 and isinstance(events_of(raw)[-1], FinalEvent)
+        assert status == 200 and isinstance(events_of(raw)[-1], FinalMessage)
         held.close()
         # Requests per window: the small validator has spent 1 of its 3 (its caller_streams refusal came
         # on headers and took nothing); the big one has 100.
@@ -803,7 +804,7 @@ def test_fuzzed_malformed_signed_requests_all_get_4xx_and_the_miner_keeps_servin
         assert len(answers) >= FUZZ_REQUESTS
         assert engine.calls == 0
         status, _, raw = threaded.run(signed_call(session, miner, key, body_of(request_id="after-fuzz")))
-        assert status == 200 and isinstance(events_of(raw)[-1], FinalEvent)
+        assert status == 200 and isinstance(events_of(raw)[-1], FinalMessage)
         assert engine.calls == 1
     finally:
         threaded.run(stop())

@@ -1,4 +1,4 @@
-"""`python neurons/miner.py` and `python scripts/cheating_miner.py` as real processes: start-up from
+"""`python neurons/miner.py` and `python localnet/cheats/miner.py` as real processes: start-up from
 flags, endpoint publication on a devnet file, signed generations, and a clean SIGTERM shutdown that
 lets an open stream finish. Both processes start at once so that their start-up times overlap."""
 import asyncio
@@ -12,9 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from neurons.hostile_bench import published_url
+from benchmarks.hostile import published_url
 from protocol.client import MinerClient
-from protocol.schemas import FinalEvent, GenerateRequest, TokenEvent
+from protocol.schemas import FinalMessage, GenerateRequest, TokenMessage
 from protocol.signature import verify_response
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def setup(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint, free_por
     processes = {
         "miner": subprocess.Popen(command("neurons/miner.py", "miner", ports["miner"]), env=env, cwd=root,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
-        "cheater": subprocess.Popen(command("scripts/cheating_miner.py", "cheater", ports["cheater"],
+        "cheater": subprocess.Popen(command("localnet/cheats/miner.py", "cheater", ports["cheater"],
                                             "--cheat", "inflate"), env=env, cwd=root,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
     }
@@ -91,7 +91,7 @@ async def test_the_miner_process_publishes_serves_and_drains_on_sigterm(setup):
                 events.append(timed.event)
                 if len(events) == 1:
                     process.send_signal(signal.SIGTERM)
-    assert isinstance(events[0], TokenEvent) and isinstance(events[-1], FinalEvent)
+    assert isinstance(events[0], TokenMessage) and isinstance(events[-1], FinalMessage)
     assert events[-1].usage.completion_tokens == 30
     output, _ = await asyncio.to_thread(process.communicate, timeout=60)
     log = output.decode(errors="replace")

@@ -1,4 +1,4 @@
-"""Miner settings from flags and environment (neurons/settings.py), and the budget arithmetic."""
+"""Miner settings from flags and environment (neurons/base/settings.py), and the budget arithmetic."""
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -8,11 +8,11 @@ import pytest
 from chain.interface import MetagraphSnapshot, NeuronInfo
 from inference.serving import EngineSpec
 from neurons import miner as miner_entry
+from neurons.base.settings import (FROM_SETTINGS, Option, Section, Setting, bind_defaults, build_settings, byte_size,
+                                   describe_values, flag, optional_text, options_table, positive_float, read_options,
+                                   setting, settings_options)
 from neurons.miner_app import (AccessSettings, CallerBudget, CallerBudgets, MinerSettings, Refusal, ValidatorAccess,
                                miner_options, read_miner_settings)
-from neurons.settings import (FROM_SETTINGS, Option, Section, Setting, bind_defaults, build_settings, byte_size,
-                              describe_values, flag, optional_text, options_table, positive_float, read_options,
-                              setting, settings_options)
 from protocol.client import ClientTimeouts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,7 @@ def test_a_settings_class_states_each_option_once_on_its_fields():
 def test_flag_defaults_are_the_settings_dataclasses_defaults():
     """Every flag's default comes from its settings dataclass: no flags and no environment give
     exactly the dataclasses' defaults (the required --netuid aside)."""
-    from neurons.benchmark import BenchmarkSettings, benchmark_options
+    from benchmarks.endpoint import BenchmarkSettings, benchmark_options
     from neurons.validator_app import ValidatorSettings, read_validator_settings, validator_options
 
     assert read_miner_settings(REQUIRED, {})[0] == dataclasses.replace(
@@ -169,7 +169,7 @@ def test_settings_problems_are_reported_before_anything_starts(capsys):
 
 
 def test_the_cheating_script_adds_its_options_to_the_miners():
-    module = importlib.import_module("neurons.miner_app.cheats")
+    module = importlib.import_module("localnet.cheats.miner")
     settings, extras = read_miner_settings(REQUIRED + ["--cheat", "buffer", "--token-delay-ms", "20"], {},
                                            extra=module.CHEAT_OPTIONS)
     assert extras == {"cheat": {"kind": "buffer", "token_delay_ms": 20.0, "long_tokens": 512}}

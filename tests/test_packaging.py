@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("inference", "protocol", "scoring", "neurons", "chain")
+PACKAGES = ("inference", "protocol", "scoring", "neurons", "chain", "benchmarks", "localnet")
 
 # console script -> (arguments, text its output must contain)
 SCRIPTS = {

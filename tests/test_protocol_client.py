@@ -18,9 +18,9 @@ from protocol.auth import AuthFailure, SQLiteNonceStore, verify_request
 from protocol.client import (ClientTimeouts, MinerClient, MinerHTTPError, MinerProtocolError, MinerStreamError,
                              MinerTimeout, MinerUnreachable)
 from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH,
-                              Capabilities, ErrorEvent, FinalEvent, GenerateRequest, Health, ProtocolError,
-                              ScoredPosition, ScoreRequest, ScoreResponse, Timings, TokenEvent, TopLogprob, Usage,
-                              encode_event, encode_model, error_body, parse_generate, parse_score)
+                              Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ProtocolError,
+                              ScoredPositionMessage, ScoreRequest, ScoreResponse, Timings, TokenMessage, TopLogprob,
+                              Usage, encode_event, encode_model, error_body, parse_generate, parse_score)
 from protocol.signature import encode_token_ids, response_digest, sign_response, verify_response
 
 FAST = ClientTimeouts(connect=1.0, first_byte=2.0, between_events=2.0, total=10.0)
@@ -41,11 +41,11 @@ def token(index, token_id=None, logprobs=2):
     top = [TopLogprob(token_id=token_id, logprob=-0.5)] + [
         TopLogprob(token_id=900 + k, logprob=-1.0 - k) for k in range(logprobs - 1)
     ]
-    return TokenEvent(index=index, token_ids=[token_id], text=f"t{index}", logprobs=[-0.5], top_logprobs=[top])
+    return TokenMessage(index=index, token_ids=[token_id], text=f"t{index}", logprobs=[-0.5], top_logprobs=[top])
 
 
 def final(miner, body, token_ids, prompt_tokens=3):
-    return FinalEvent(
+    return FinalMessage(
         finish_reason="length",
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(token_ids)),
         timings=Timings(queue_ms=0.1, ttft_ms=1.0, total_ms=2.0),
@@ -131,7 +131,7 @@ class LoopbackMiner:
                 await stream.write(encode_event(token(i)))
                 await asyncio.sleep(STEP_S)
         if scenario == "huge":
-            big = TokenEvent(index=0, token_ids=[1], text="x" * 16_000, logprobs=[-1.0], top_logprobs=[[]])
+            big = TokenMessage(index=0, token_ids=[1], text="x" * 16_000, logprobs=[-1.0], top_logprobs=[[]])
             for i in range(1000):
                 await stream.write(encode_event(big.model_copy(update={"index": i})))
             return stream
@@ -169,7 +169,7 @@ class LoopbackMiner:
         if parsed.request_id == "skip-position":
             positions = positions[1:]
         scores = [
-            ScoredPosition(position=p, token_id=parsed.token_ids[p], logprob=-1.0 / p,
+            ScoredPositionMessage(position=p, token_id=parsed.token_ids[p], logprob=-1.0 / p,
                            top=[TopLogprob(token_id=k, logprob=-2.0 - k) for k in range(parsed.top_k)])
             for p in positions
         ]
@@ -220,7 +220,7 @@ async def test_generate_streams_typed_events_with_arrival_times(keys, miner, cli
     assert result.body == miner.requests[-1] == encode_model(request)  # the bytes signed are the bytes sent
     assert result.token_ids == [10, 11, 12, 13, 14]
     assert result.text == "t0t1t2t3t4"
-    assert isinstance(result.final, FinalEvent) and result.final.usage.completion_tokens == 5
+    assert isinstance(result.final, FinalMessage) and result.final.usage.completion_tokens == 5
     assert [len(timed.event.top_logprobs[0]) for timed in result.token_events] == [2] * 5
     arrivals = result.token_arrivals_s
     assert result.headers_s <= arrivals[0] == result.ttft_s
@@ -234,7 +234,7 @@ async def test_stream_generate_yields_events_as_they_arrive(keys, miner, client)
     seen = []
     async for timed in client.stream_generate(miner.url, keys["miner"].ss58_address, ask("ok", max_tokens=3)):
         seen.append((type(timed.event).__name__, time.monotonic()))
-    assert [name for name, _ in seen] == ["TokenEvent"] * 3 + ["FinalEvent"]
+    assert [name for name, _ in seen] == ["TokenMessage"] * 3 + ["FinalMessage"]
     assert seen[-1][1] - seen[0][1] >= 2 * STEP_S * 0.8
 
 

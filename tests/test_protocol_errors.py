@@ -79,7 +79,7 @@ def test_the_code_travels_as_its_wire_value():
     ("first_byte", {"timeout": "first_byte"}),
 ])
 def test_the_benchmark_reads_the_error_fields_not_the_message(kind, fields):
-    from neurons.benchmark import _miner_error, error_kind
+    from benchmarks.endpoint import _miner_error, error_kind
 
     # the message says something else on purpose: only the fields count
     error = EngineError("over_capacity" if kind == "http" else "engine_failure", "HTTP 500 stalled cannot reach",
@@ -89,6 +89,6 @@ def test_the_benchmark_reads_the_error_fields_not_the_message(kind, fields):
 
 
 def test_the_benchmark_counts_a_local_refusal_by_its_code():
-    from neurons.benchmark import _miner_error, error_kind
+    from benchmarks.endpoint import _miner_error, error_kind
     assert error_kind(_miner_error(EngineError("context_too_long", "too long"), ClientTimeouts())) == "http_400"
     assert error_kind(_miner_error(EngineError("engine_failure", "HTTP 404"), ClientTimeouts())) == "protocol"

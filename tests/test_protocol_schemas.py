@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
-from protocol.schemas import (DEFAULT_LIMITS, Capabilities, ErrorBody, ErrorEvent, FinalEvent, GenerateRequest, Health,
-                              Limits, ProtocolError, ResponseSignature, ScoreResponse, Timings, TokenEvent, TopLogprob,
-                              Usage, decode_event, encode_event, encode_model, error_body, parse_error_body,
+from protocol.schemas import (DEFAULT_LIMITS, Capabilities, ErrorBody, ErrorEvent, FinalMessage, GenerateRequest,
+                              Health, Limits, ProtocolError, ResponseSignature, ScoreResponse, Timings, TokenMessage,
+                              TopLogprob, Usage, decode_event, encode_event, encode_model, error_body, parse_error_body,
                               parse_generate, parse_score)
 
 SIGNATURE = ResponseSignature(
@@ -221,7 +221,7 @@ def test_score_check_against_model():
 
 
 # ---------------------------------------------------------------- events and answers
-def final_event(**overrides) -> FinalEvent:
+def final_event(**overrides) -> FinalMessage:
     fields = dict(
         finish_reason="length",
         usage=Usage(prompt_tokens=5, completion_tokens=2),
@@ -230,14 +230,14 @@ def final_event(**overrides) -> FinalEvent:
         signature=SIGNATURE,
     )
     fields.update(overrides)
-    return FinalEvent(**fields)
+    return FinalMessage(**fields)
 
 
 def test_events_round_trip_through_ndjson():
     events = [
-        TokenEvent(index=0, token_ids=[17], text="Hi", logprobs=[-0.25],
+        TokenMessage(index=0, token_ids=[17], text="Hi", logprobs=[-0.25],
                    top_logprobs=[[TopLogprob(token_id=17, logprob=-0.25), TopLogprob(token_id=3, logprob=-2.0)]]),
-        TokenEvent(index=1, token_ids=[4, 9], text=" there", logprobs=[-1.0, 0.0], top_logprobs=[[], []]),
+        TokenMessage(index=1, token_ids=[4, 9], text=" there", logprobs=[-1.0, 0.0], top_logprobs=[[], []]),
         final_event(),
         ErrorEvent(code="engine_failed", message="out of memory"),
     ]
@@ -245,7 +245,7 @@ def test_events_round_trip_through_ndjson():
     assert stream.count(b"\n") == len(events)
     decoded = [decode_event(line) for line in stream.splitlines()]
     assert decoded == events
-    assert [type(event) for event in decoded] == [TokenEvent, TokenEvent, FinalEvent, ErrorEvent]
+    assert [type(event) for event in decoded] == [TokenMessage, TokenMessage, FinalMessage, ErrorEvent]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ dropped). Each command is classified:
   with status 2 on an unknown flag or a bad value; what follows would start servers or benchmarks);
 - `btcli` commands run with `--help` appended (click refuses an unknown flag even then);
 - commands that cannot run here (GPU servers, containers, torchrun across hosts, the venv-creating test script)
-  are listed with the reason; a command in none of these classes fails the test, so a new documented command is
+  are listed with the reason, and our few programs that take no arguments at all (parsing them would be running
+  them) are listed in WITHOUT_ARGUMENTS; a command in none of these classes fails the test, so a new documented command is
   checked or consciously skipped. Commands meant as examples only belong in plain ``` blocks.
 
 The configuration tables of docs/configuration.md are compared with the option tables of the code;
@@ -40,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script (--write-config)
 
 from neurons.gateway.settings import gateway_options  # noqa: E402
 from neurons.miner_app import miner_options  # noqa: E402
-from neurons.settings import options_table  # noqa: E402
+from neurons.base.settings import options_table  # noqa: E402
 from neurons.swarm.settings import route_miner_options, stage_miner_options  # noqa: E402
 from neurons.validator_app import validator_options  # noqa: E402
 
@@ -64,6 +65,12 @@ NOT_RUNNABLE = {
     "scripts/setup_venv.sh": "creates a venv; scripts/test.sh runs it",
     "python -m pytest": "runs tests; the suite runs them",
     "pip": "installs packages",
+}
+
+# Our programs that take no arguments at all: parsing would be running them (minutes of benchmark), so the check is
+# that the module exists and the command gives it no flags.
+WITHOUT_ARGUMENTS = {
+    "benchmarks.hostile": "starts a miner on a devnet and attacks it",
 }
 
 
@@ -137,6 +144,25 @@ def ours(module: str) -> bool:
         return False
 
 
+def program_source(program: list[str]) -> str:
+    """The source of a `-m` module (a package's __main__) or a script; "" for a console script's entry point."""
+    if program[0] == "-m":
+        spec = importlib.util.find_spec(program[1])
+        origin = Path(spec.origin)
+        if spec.submodule_search_locations:  # a package: python -m runs its __main__
+            origin = origin.parent / "__main__.py"
+        return origin.read_text()
+    if program[0] == "entry":
+        return ""
+    return (ROOT / program[0]).read_text()
+
+
+def reads_arguments(program: list[str]) -> bool:
+    """Whether the program looks at its command line (console scripts' entry points all do)."""
+    source = program_source(program)
+    return program[0] == "entry" or any(word in source for word in ("argv", "argparse", "parse_args"))
+
+
 def local_program(words: list[str]) -> tuple[list[str], list[str]] | None:
     """(program, args) of a command that runs one of this project's programs."""
     if words[0] in CONSOLE_SCRIPTS:
@@ -179,7 +205,14 @@ def test_a_documented_command_parses(document, command, monkeypatch):
     words = words_of(command)
     target = local_program(words)
     assert target is not None, f"{document}: command not checked by any rule; add one here: {command}"
-    parse_only(*target, monkeypatch)
+    program, args = target
+    if program[0] == "-m" and program[1] in WITHOUT_ARGUMENTS:
+        assert not args, f"{document}: {program[1]} takes no arguments ({WITHOUT_ARGUMENTS[program[1]]}): {command}"
+        assert not reads_arguments(program), f"{program[1]} reads its command line now: drop it from WITHOUT_ARGUMENTS"
+        return
+    assert reads_arguments(program), (f"{document}: {command}: the program reads no arguments, so parsing it would run "
+                                      "it; list it in WITHOUT_ARGUMENTS with what it does")
+    parse_only(program, args, monkeypatch)
 
 
 def test_the_documented_btcli_commands_exist_with_these_flags():
@@ -286,6 +319,11 @@ def test_the_parse_check_catches_an_unknown_flag(monkeypatch):
 ])
 def test_an_unknown_program_is_not_taken_as_checked(command, checked):
     assert (local_program(words_of(command)) is not None) == checked
+
+
+def test_a_program_without_arguments_is_not_run():
+    assert reads_arguments(["-m", "benchmarks.miner"]) and reads_arguments(["entry", CONSOLE_SCRIPTS["k3-bench"]])
+    assert not reads_arguments(["-m", "benchmarks.hostile"])
 
 
 def test_the_table_check_catches_a_changed_row():

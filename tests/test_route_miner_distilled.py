@@ -18,15 +18,15 @@ import pytest
 import torch
 from conftest import collect_events, reference_greedy, start_route_miner
 
+from benchmarks.swarm import CODE_LIKE, launch_stages, stop_processes
+from inference.decoding.sampling import SamplingParams
 from inference.model.checkpoint import fingerprint, read_config
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import GenerationRequest
-from inference.serving.sampling import SamplingParams
-from neurons.swarm.bench import CODE_LIKE, launch_stages, stop_processes
-from neurons.swarm.cheats import stop_hosts
+from localnet.cheats.stage import stop_hosts
+from neurons.route_miner import route_speculation
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
-from neurons.swarm.route_miner import route_speculation
 from neurons.swarm.settings import read_route_miner_settings
 from protocol.client import MinerClient
 from protocol.schemas import GenerateRequest

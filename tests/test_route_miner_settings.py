@@ -16,13 +16,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from conftest import start_route_miner
+from prometheus_client.parser import text_string_to_metric_families
 
-from chain.interface import connect
-from neurons.settings import options_table
-from neurons.swarm.cheats import stop_hosts
-from neurons.swarm.route_miner import main
+from chain import connect
+from localnet.cheats.stage import stop_hosts
+from neurons.base.settings import options_table
+from neurons.route_miner import main
 from neurons.swarm.settings import RouteMinerSettings, read_route_miner_settings, route_miner_options
 from protocol.schemas import HEALTH_PATH
 
@@ -49,7 +49,7 @@ def test_btcli_spellings_and_template_aliases_set_the_settings():
 
 
 def test_the_flags_it_had_before_still_work():
-    """neurons/localnet.py's route_command spells these; they keep their meaning."""
+    """localnet/testnet.py's route_command spells these; they keep their meaning."""
     s = read(["--network", "devnet:/tmp/d.sqlite", "--netuid", "4", "--checkpoint", "/ckpt",
               "--wallet-name", "route", "--wallet-hotkey", "default", "--wallet-path", "/w", "--host", "127.0.0.1",
               "--port", "8123", "--external-ip", "10.1.2.3", "--nonce-store", "/run/nonces.sqlite",
@@ -154,14 +154,14 @@ def test_a_route_miner_refuses_a_draft_table_made_for_another_checkpoint(tiny_ch
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(
-        [sys.executable, "-m", "neurons.swarm.route_miner", "--netuid", "1", "-n", f"devnet:{tmp_path / 'd.sqlite'}",
+        [sys.executable, "-m", "neurons.route_miner", "--netuid", "1", "-n", f"devnet:{tmp_path / 'd.sqlite'}",
          "--checkpoint", str(tiny_checkpoint), "--wallet-path", str(tmp_path / "no-wallets"),
          "--speculate", "distilled", "--draft-model", str(SHIPPED_TABLE)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     trained = fingerprint(ROOT / "inference" / "model" / "assets" / "tiny_trained")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith(
-        f"python -m neurons.swarm.route_miner: error: the draft table {SHIPPED_TABLE} was distilled from checkpoint "
+        f"python -m neurons.route_miner: error: the draft table {SHIPPED_TABLE} was distilled from checkpoint "
         f"{trained}, not from this one ({fingerprint(tiny_checkpoint)}); rebuild it with scripts/distill_drafter.py"), \
         done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not (tmp_path / "d.sqlite").exists()
@@ -192,7 +192,7 @@ def test_help_names_the_program_and_lists_btcli_flags(capsys, monkeypatch):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m neurons.swarm.route_miner ")  # in-process: named as `python -m` runs it
+    assert out.startswith("usage: python -m neurons.route_miner ")  # in-process: named as `python -m` runs it
     for text in ("-w NAME", "-H NAME", "-n NETWORK", "--wallet.name", "--axon.port", "--refresh-s", "env BT_WALLET;",
                  "env K3_ROUTE_CHECKPOINT;", "--log-format {text,json}", "\nroute:\n", "\nvalidators and budgets:\n"):
         assert text in out, text

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from inference.serving.sampling import SamplingParams, TokenSampler, filtered_probs, find_stop
+from inference.decoding.sampling import SamplingParams, TokenSampler, filtered_probs, find_stop
 
 
 def plain_filtered(logits, temperature, top_k, top_p):

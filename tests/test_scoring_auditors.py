@@ -9,7 +9,7 @@ import torch
 
 from inference.model import KimiK3Model, ModelConfig, load_tokenizer, make_random_checkpoint
 from inference.serving import EngineSettings, LocalEngine
-from neurons.miner_app.cheats import CheatingEngine
+from localnet.cheats.miner import CheatingEngine
 from scoring.audits import check_auditor
 from scoring.config import ScoringConfig
 from scoring.verify import CanaryPool

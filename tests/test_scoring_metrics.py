@@ -5,7 +5,7 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from protocol.client import GenerateResult, MinerHTTPError, MinerTimeout, MinerUnreachable, TimedEvent
-from protocol.schemas import FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
+from protocol.schemas import FinalMessage, GenerateRequest, Timings, TokenMessage, Usage
 from protocol.signature import sign_response
 from scoring.config import ScoringConfig
 from scoring.metrics import (COLUMNS, Measurement, MeasurementWindow, classify_error, decode_tokens_per_s,
@@ -27,10 +27,10 @@ def make_result(arrivals, per_event=None, prompt_len=1000, started_at=1000.0, fi
     events, index = [], 0
     for at, count in zip(arrivals, per_event):
         ids = [7] * count
-        events.append(TimedEvent(TokenEvent(index=index, token_ids=ids, text="a" * count, logprobs=[-0.5] * count,
+        events.append(TimedEvent(TokenMessage(index=index, token_ids=ids, text="a" * count, logprobs=[-0.5] * count,
                                             top_logprobs=[[] for _ in ids]), at))
         index += count
-    final = FinalEvent(finish_reason="length", usage=Usage(prompt_tokens=prompt_len, completion_tokens=n),
+    final = FinalMessage(finish_reason="length", usage=Usage(prompt_tokens=prompt_len, completion_tokens=n),
                        timings=Timings(queue_ms=0, ttft_ms=0, total_ms=0), model_fingerprint="fp",
                        signature=sign_response(KEY, b"body", [7] * n))
     events.append(TimedEvent(final, final_at if final_at is not None else arrivals[-1] + 0.01))

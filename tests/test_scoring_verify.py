@@ -12,9 +12,9 @@ from bittensor.sp_core import Keypair
 from inference.model import ByteTokenizer, KimiK3Model, ModelConfig
 from inference.serving import EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine, SamplingParams
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, TimedEvent
-from protocol.schemas import (GENERATE_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, FinalEvent, GenerateRequest,
-                              ScoredPosition, ScoreResponse, Timings, TokenEvent, TopLogprob, Usage, encode_event,
-                              encode_model, parse_generate, parse_score)
+from protocol.schemas import (GENERATE_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, FinalMessage,
+                              GenerateRequest, ScoredPositionMessage, ScoreResponse, Timings, TokenMessage, TopLogprob,
+                              Usage, encode_event, encode_model, parse_generate, parse_score)
 from protocol.signature import sign_response
 from scoring import corpus
 from scoring.config import ScoringConfig
@@ -90,7 +90,7 @@ class EngineMiner:
         tokens = []
         async for event in self.engine.generate(GenerationRequest(list(used), params, ask.request_id)):
             if isinstance(event, EngineFinal):
-                final = FinalEvent(
+                final = FinalMessage(
                     finish_reason=event.finish_reason,
                     usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(tokens)),
                     timings=Timings(queue_ms=event.queue_ms, ttft_ms=event.ttft_ms or 0.0, total_ms=event.total_ms),
@@ -99,7 +99,7 @@ class EngineMiner:
             else:
                 tokens.append(event.token_id)
                 top = [TopLogprob(token_id=i, logprob=min(lp, 0.0)) for i, lp in event.top_logprobs]
-                await stream.write(encode_event(TokenEvent(index=event.index, token_ids=[event.token_id], text=event.text,
+                await stream.write(encode_event(TokenMessage(index=event.index, token_ids=[event.token_id], text=event.text,
                                                            logprobs=[min(event.logprob, 0.0)], top_logprobs=[top])))
         return stream
 
@@ -107,7 +107,7 @@ class EngineMiner:
         ask = parse_score(await request.read())
         scored = await self.engine.score(ask.token_ids, ask.positions, ask.top_k)
         answer = ScoreResponse(request_id=ask.request_id, model_fingerprint=FINGERPRINT, scores=[
-            ScoredPosition(position=s.position, token_id=s.token_id, logprob=min(s.logprob, 0.0),
+            ScoredPositionMessage(position=s.position, token_id=s.token_id, logprob=min(s.logprob, 0.0),
                            top=[TopLogprob(token_id=i, logprob=min(lp, 0.0)) for i, lp in s.top]) for s in scored])
         return web.Response(body=encode_model(answer), content_type="application/json")
 
@@ -200,7 +200,7 @@ def with_events(result: GenerateResult, tokens, final=None) -> GenerateResult:
 
 
 def token_events(result):
-    return [t for t in result.events if isinstance(t.event, TokenEvent)]
+    return [t for t in result.events if isinstance(t.event, TokenMessage)]
 
 
 def checks(failures):
@@ -335,7 +335,7 @@ async def test_tier1_truncated_context_fails(runs, models, tokenizer):
     # Its logprobs sit far outside what fp32 numerics give (bit-equal here, < 1e-4 in the envelope)...
     assert audit.statistics.logprob_gap_mean > 0.1 and honest.statistics.logprob_gap_mean < 1e-4
     # ...but on the random tiny model, whose far context barely matters, inside what honest bf16 gives
-    # (up to 0.51 nats, scripts/bench_verification.py): the envelope rules cannot tell it from bf16.
+    # (up to 0.51 nats, benchmarks/verification.py): the envelope rules cannot tell it from bf16.
     # Truncation is caught where context matters (the trained tiny model) and by the long-context gate.
     assert audit.statistics.logprob_gap_mean < CONFIG.logprob_gap_soft
 
@@ -489,7 +489,7 @@ def test_check_answer_reads_the_streamed_text():
     request = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2], max_tokens=8)
 
     def result_with(text):
-        event = TokenEvent(index=0, token_ids=[1], text=text, logprobs=[-0.1], top_logprobs=[[]])
+        event = TokenMessage(index=0, token_ids=[1], text=text, logprobs=[-0.1], top_logprobs=[[]])
         return GenerateResult(request=request, body=b"", started_at=0.0, events=[TimedEvent(event, 0.1)])
 
     copy_item = WorkItem("probe", request, (1, 2), Expectation(probe="copy", copy_text="Dear Ana, the figures"))

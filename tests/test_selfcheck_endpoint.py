@@ -1,5 +1,5 @@
 """`neurons/validator.py self-check --endpoint URL` against real miner processes on a devnet file: an honest
-miner passes; a cheating one (scripts/cheating_miner.py --cheat perturb-experts: experts re-quantised with
+miner passes; a cheating one (localnet/cheats/miner.py --cheat perturb-experts: experts re-quantised with
 noise, the fingerprint claimed unchanged) fails with the reason; an unreachable endpoint and a wrong
 miner hotkey are clear CLI errors. Both miners start at once so that their start-up times overlap."""
 import asyncio
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from neurons.hostile_bench import published_url
+from benchmarks.hostile import published_url
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # cold Python processes importing torch on a 2-core machine other jobs load
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(2400)  # three CLI runs, each importing torch a
 PROFILE = {"round_requests": 6, "chat_prompt_tokens": [16, 96], "chat_max_tokens": [16, 24],
            "long_context_sizes": [600], "long_context_max_tokens": [16, 16], "canary_tokens": 16,
            "copy_text_tokens": [4, 12], "burst_capacity_fraction": [1.0, 1.0]}
-MINERS = {"honest": ("neurons/miner.py",), "cheater": ("scripts/cheating_miner.py", "--cheat", "perturb-experts")}
+MINERS = {"honest": ("neurons/miner.py",), "cheater": ("localnet/cheats/miner.py", "--cheat", "perturb-experts")}
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ from aiohttp import web
 from conftest import collect_events
 from sglang_protocol import load_api_types
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import ByteTokenizer
 from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
 from inference.serving.remote import RemoteEngine, RemoteSettings
-from inference.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(1200)
 CONFIG = ModelConfig.tiny()

@@ -13,10 +13,10 @@ import psutil
 import pytest
 import torch
 
-from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine,
-                               SamplingParams, TokenEvent)
+from inference.decoding.speculation import SpeculationConfig
+from inference.serving import (EngineError, EngineSettings, EngineSpec, GenerationRequest, LocalEngine, SamplingParams,
+                               TokenEvent)
 from inference.sharding import ShardedModel, ShardFailure, ShardTimeouts
-from inference.speculative.speculation import SpeculationConfig
 
 TIMEOUTS = ShardTimeouts(comm=30.0, heartbeat=10.0, startup=180.0, keepalive=0.5)
 ATOL = 1e-4

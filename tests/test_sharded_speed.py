@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
+from inference.decoding.drafters import Draft
+from inference.decoding.speculation import SpeculationConfig, speculative_generate
 from inference.model import ModelConfig
 from inference.planning import CostModel, CostParams, Plan
 from inference.planning.plan import Link, Links
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
 from inference.sharding import LinkEmulation, ShardedModel, ShardTimeouts
 from inference.sharding.messages import MARK, REWIND, STEP, CacheOp, StepHeader
-from inference.speculative.drafters import Draft
-from inference.speculative.speculation import SpeculationConfig, speculative_generate
 
 CONFIG = ModelConfig.tiny()
 TIMEOUTS = ShardTimeouts(comm=30.0, heartbeat=10.0, startup=180.0, keepalive=0.5)

@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
+from inference.decoding.acceptance import accept_drafts
+from inference.decoding.drafters import Draft, Drafter, NgramDrafter, ReplayDrafter, SuffixDrafter, make_drafter
+from inference.decoding.sampling import SamplingParams, filtered_probs
+from inference.decoding.speculation import DraftLength, SequenceSpeculation, SpeculationConfig, speculative_generate
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
-from inference.serving.sampling import SamplingParams, filtered_probs
-from inference.speculative.drafters import Draft, Drafter, NgramDrafter, ReplayDrafter, SuffixDrafter, make_drafter
-from inference.speculative.speculation import DraftLength, SequenceSpeculation, SpeculationConfig, speculative_generate
-from inference.speculative.verify import accept_drafts
 
 _models: dict = {}
 
@@ -340,7 +340,7 @@ def test_adaptive_k_uses_run_lengths_of_accepted_drafts():
 
 
 def test_copy_ceiling_counts_the_drafters_right_one_token_guesses():
-    from inference.speculative.benchmark import copy_ceiling
+    from benchmarks.speculative import copy_ceiling
     prompt = [1, 2, 3, 4, 5]
     # the output repeats the prompt: after [.., 5, 1] no 2-gram matches yet, then [1, 2] does: 5 of 6 right
     right, ceiling = copy_ceiling("ngram", prompt, [1, 2, 3, 4, 5, 1, 2])
@@ -350,7 +350,7 @@ def test_copy_ceiling_counts_the_drafters_right_one_token_guesses():
 
 
 def test_verify_cost_table_times_a_forward_of_each_size():
-    from inference.speculative.benchmark import verify_cost_table
+    from benchmarks.speculative import verify_cost_table
     model = model_for()
     rows = verify_cost_table(model, PROMPTS["novel"], sizes=(1, 3), repeats=2)
     assert [r["positions"] for r in rows] == [1, 3]

@@ -5,12 +5,12 @@ import asyncio
 import pytest
 from conftest import collect_events
 
+from inference.decoding.drafters import ReplayDrafter
+from inference.decoding.sampling import SamplingParams
+from inference.decoding.speculation import SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
 from inference.serving.engine import EngineSettings, FinalEvent, GenerationRequest, LocalEngine
-from inference.serving.sampling import SamplingParams
-from inference.speculative.drafters import ReplayDrafter
-from inference.speculative.speculation import SpeculationConfig
 
 CONFIG = ModelConfig.tiny()
 

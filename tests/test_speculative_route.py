@@ -14,16 +14,16 @@ import pytest
 import torch
 from conftest import collect_events, reference_greedy
 
+from benchmarks.swarm import launch_stages, stop_processes
+from inference.decoding.drafters import ReplayDrafter
+from inference.decoding.sampling import SamplingParams
+from inference.decoding.speculation import SpeculationConfig
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import GenerationRequest
-from inference.serving.sampling import SamplingParams
-from inference.speculative.drafters import ReplayDrafter
-from inference.speculative.speculation import SpeculationConfig
 from inference.swarm.stage import Stage, StageError
-from neurons.swarm.bench import launch_stages, stop_processes
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
 
 HOP_TIMEOUT_S = 5.0

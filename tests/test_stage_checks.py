@@ -1,5 +1,5 @@
 """Stage checks (scoring/stage_checks.py) against real Stages of the tiny checkpoint: honest stages in fp32 and
-in bf16 (weights and wire) are never blamed, each cheater of neurons/swarm/cheats.py is blamed within its
+in bf16 (weights and wire) are never blamed, each cheater of localnet/cheats/stage.py is blamed within its
 stated number of challenges, the receipt-chain audit catches a driver's forged, stale, gapped or tampered
 receipts, and bisection of a recorded route names the one cheating stage wherever it sits in a 4-stage chain.
 Receipts are signed with real sr25519 keys; the validator's reference is its own copy of the weights."""
@@ -12,8 +12,8 @@ from bittensor.sp_core import Keypair
 
 from inference.serving.builders import load_reference_model
 from inference.swarm.stage import HeadOutput, LayerRange, Stage
-from neurons.swarm.cheats import (EchoStage, LongPositionLiarStage, OtherWeightsStage, ReplayStage, SessionLiarStage,
-                                  SkipLayerStage, WireRounding)
+from localnet.cheats.stage import (EchoStage, LongPositionLiarStage, OtherWeightsStage, ReplayStage, SessionLiarStage,
+                                   SkipLayerStage, WireRounding)
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_ids, encode_state
 from protocol.stage import Receipt, sign_receipt, state_sha256
 from scoring.stage_checks import (HopRecord, SeedCommitment, Thresholds, audit_receipts, audit_route, bisect_route,

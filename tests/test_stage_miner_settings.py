@@ -14,15 +14,15 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.checkpoint import fingerprint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.engine import FinalEvent, GenerationRequest
-from inference.serving.sampling import SamplingParams
-from neurons.swarm.cheats import stop_hosts
+from localnet.cheats.stage import stop_hosts
+from neurons.stage_miner import main
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
 from neurons.swarm.settings import StageMinerSettings, read_stage_miner_settings
-from neurons.swarm.stage_miner import main
 from protocol.stage import FORWARD_PATH, HEALTH_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,8 +125,8 @@ def run_help(*args) -> str:
 
 
 def test_help_names_the_program_as_started_and_lists_btcli_flags():
-    out = run_help("-m", "neurons.swarm.stage_miner")
-    assert out.startswith("usage: python -m neurons.swarm.stage_miner ")
+    out = run_help("-m", "neurons.stage_miner")
+    assert out.startswith("usage: python -m neurons.stage_miner ")
     out = run_help("neurons/miner.py", "--serve-layers", "0-5")
     assert out.startswith("usage: python neurons/miner.py ")
     for text in ("-w NAME", "-H NAME", "-n NETWORK", "--wallet.name", "--axon.port", "env BT_WALLET;",

@@ -1,5 +1,5 @@
 """The validator checks and pays swarm stage miners (neurons/validator_app/stage_rounds.py), against real stage
-processes on loopback: three processes of `python -m neurons.swarm.cheats` (honest fp32 stages for every block,
+processes on loopback: three processes of `python -m localnet.cheats.stage` (honest fp32 stages for every block,
 honest bf16 stages with a bf16 wire for two blocks, and every stage cheater), a real SQLite store, real sr25519
 hotkeys, a devnet subnet where every stage miner is registered and announces itself (endpoint and stage
 announcement, as stage_miner does).
@@ -33,12 +33,12 @@ from inference.model import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving import EngineSpec
 from inference.serving.builders import load_reference_model
-from neurons.settings import ChainSettings, WalletSettings
-from neurons.swarm.cheats import start_hosts, stop_hosts
-from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
+from localnet.cheats.stage import start_hosts, stop_hosts
+from neurons.base.settings import ChainSettings, WalletSettings
+from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory, TrustedDirectory
 from neurons.validator_app.rounds import ValidatorLoop
 from neurons.validator_app.settings import RoundSettings, ValidatorSettings
-from neurons.validator_app.stage_rounds import StageMiner, StageRounds, TrustedDirectory, attach_stage_rounds
+from neurons.validator_app.stage_rounds import StageMiner, StageRounds, attach_stage_rounds
 from neurons.validator_app.status import status_report
 from neurons.validator_app.store import ValidatorStore
 from protocol.stage import sign_receipt
@@ -343,8 +343,8 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
     with a message, and nothing is taken before a round found the stage miners (503)."""
     import aiohttp
 
-    from neurons.swarm.driver_cheats import ReceiptForger
-    from neurons.swarm.route_miner import WorkReport
+    from localnet.cheats.route import ReceiptForger
+    from neurons.route_miner import WorkReport
     from neurons.swarm.stage_server import post_signed
     from protocol.route_work import MAX_WORK_STEPS, ROUTE_WORK_PATH
     from protocol.stage import Hop

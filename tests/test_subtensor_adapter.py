@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fake_substrate import ConnectionDrop, DispatchError, FakeSubstrate, PoolRejection, block_hash_of
 
-from chain import interface
+from chain import connect
 from chain.interface import (AlreadyRegistered, ChainConnectionError, ChainError, Endpoint, InvalidWeights,
                              NotEnoughStake, NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed,
                              SubnetNotFound)
@@ -80,8 +80,8 @@ def submit_attempts(fake: FakeSubstrate, function: str) -> int:
 
 
 # ------------------------------------------------------------------ reads
-async def test_block_and_connect_through_interface(fake):
-    chain = interface.connect("local", substrate=fake)
+async def test_block_and_connect_through_the_package(fake):
+    chain = connect("local", substrate=fake)
     assert isinstance(chain, SubtensorChain)
     async with chain:
         assert await chain.block() == 1000

@@ -1,4 +1,4 @@
-"""The swarm with real processes on loopback: stage miners (`python -m neurons.swarm.stage_miner`), each
+"""The swarm with real processes on loopback: stage miners (`python -m neurons.stage_miner`), each
 holding a layer block of one tiny checkpoint, and a route driver in this process.
 
 - routes over 2, 3 and 4 stages (block and non-block cuts) give the single-process model's greedy tokens
@@ -25,18 +25,18 @@ import pytest
 import torch
 from conftest import reference_greedy
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.k3 import ResidualState
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest
-from inference.serving.sampling import SamplingParams
-from neurons.swarm.cheats import stop_hosts
+from localnet.cheats.stage import stop_hosts
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import MetagraphDirectory, RouteDriver, RouteEngine, StaticDirectory
 from protocol.auth import sign_request
-from protocol.stage import (CLOSE_PATH, FORWARD_PATH, ForwardHeader, StageAnnouncement, TensorSpec, encode_frame,
+from protocol.stage import (CLOSE_PATH, FORWARD_PATH, ForwardHeader, StageAnnouncement, WireTensorSpec, encode_frame,
                             verify_receipt)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def swarm(tmp_path_factory):
     for name, layers in STAGES.items():
         ready[name] = root / f"{name}.ready"
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "neurons.swarm.stage_miner", "--checkpoint", str(ckpt), "--serve-layers", layers,
+            [sys.executable, "-m", "neurons.stage_miner", "--checkpoint", str(ckpt), "--serve-layers", layers,
              "--wallet-name", name, "--wallet-path", str(root / "wallets"), "--threads", "1",
              "--hop-timeout-s", str(HOP_TIMEOUT_S), "--max-body-bytes", str(1 << 20), "--max-tokens-per-forward",
              "64", "--ready-file", str(ready[name])],
@@ -244,7 +244,7 @@ def test_hostile_traffic_is_refused_and_sessions_survive(swarm):
                     ForwardHeader(route_id=rs.route_id, session=rs.session, step=9, position=pos,
                                   tensors=ids_specs), ids_body)))[0]
                 lying = encode_frame(ForwardHeader(route_id=rs.route_id, session=rs.session, step=9, position=pos,
-                                                   tensors=[TensorSpec(name="partial", dtype="float32",
+                                                   tensors=[WireTensorSpec(name="partial", dtype="float32",
                                                                        shape=[1 << 16, 1 << 16])]), b"")
                 statuses["lying_shape"] = (await post(http, upstream_key, FORWARD_PATH, lying))[0]
                 statuses["control_by_stranger"] = (await post(
@@ -322,10 +322,10 @@ def test_metagraph_directory_finds_announced_stages(swarm):
 
 def test_miner_protocol_serves_a_route_unchanged(swarm):
     """The miner server (signed generate/score for validators) over a RouteEngine instead of a whole model."""
+    from chain import connect
     from chain.devnet import DevnetChain
-    from chain.interface import connect
+    from neurons.base.settings import ChainSettings
     from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-    from neurons.settings import ChainSettings
     from protocol.auth import SQLiteNonceStore
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest, ScoreRequest

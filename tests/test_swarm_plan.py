@@ -6,9 +6,9 @@ import pytest
 from test_planner import CLUSTERS, K3, TINY, tiny_cluster
 
 from inference.planning.cost_model import CostParams
-from inference.planning.plan_cluster import main as plan_cli
+from inference.planning.plan_cluster import link_rate, main as plan_cli
 from inference.planning.planner import Cluster, ClusterError
-from inference.planning.swarm_plan import link_rate, over_link, plan_swarm, snap_to_blocks, stage_blocks
+from inference.planning.swarm_plan import over_link, plan_swarm, snap_to_blocks, stage_blocks
 from inference.swarm.stage import wire_bytes_per_token
 
 

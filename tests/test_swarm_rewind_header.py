@@ -17,12 +17,12 @@ import torch
 from bittensor.sp_core import Keypair
 from conftest import collect_events, reference_greedy
 
+from inference.decoding.drafters import ReplayDrafter
+from inference.decoding.sampling import SamplingParams
+from inference.decoding.speculation import SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.engine import GenerationRequest
-from inference.serving.sampling import SamplingParams
-from inference.speculative.drafters import ReplayDrafter
-from inference.speculative.speculation import SpeculationConfig
 from inference.swarm.stage import LayerRange, Stage, StageError, StageLimits
 from neurons.swarm.codec import encode_ids
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory

@@ -23,15 +23,15 @@ import pytest
 import torch
 from conftest import reference_greedy
 
+from benchmarks.swarm import launch_stages, stop_processes
+from inference.decoding.sampling import SamplingParams
 from inference.model.checkpoint import fingerprint, make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import load_tokenizer
 from inference.serving.builders import load_reference_model
 from inference.serving.engine import GenerationRequest, TokenEvent
-from inference.serving.sampling import SamplingParams
 from inference.sharding.driver import ShardTimeouts
 from inference.swarm.stage import Stage, StageError
-from neurons.swarm.bench import launch_stages, stop_processes
 from neurons.swarm.route import RouteDriver, RouteEngine, StaticDirectory
 from protocol.stage import CAPABILITIES_PATH, HEALTH_PATH
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import reference_greedy
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.serving.builders import load_reference_model
-from inference.serving.sampling import SamplingParams
 from inference.swarm.stage import (HeadOutput, LayerRange, Stage, StageError, StageLimits, blocks_before,
                                    load_stage_model, wire_bytes_per_token)
 

@@ -10,8 +10,8 @@ import torch
 from bittensor.sp_core import Keypair
 
 from inference.model.k3 import ResidualState
+from localnet.linkproxy import DelayLink
 from neurons.swarm.codec import decode_inputs, encode_ids, encode_state
-from neurons.swarm.linkproxy import DelayLink
 from neurons.swarm.route import StageInfo, plan_route, uncovered
 from protocol.stage import (ForwardHeader, StageWireError, decode_forward, encode_frame, sign_capabilities,
                             sign_receipt, split_frame, state_sha256, verify_capabilities, verify_receipt,

@@ -16,7 +16,7 @@ import pytest
 from scripts.tiny_checkpoint import TRAINED_TINY, add_checkpoint_argument, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("inference", "protocol", "scoring", "neurons", "chain")
+PACKAGES = ("inference", "protocol", "scoring", "neurons", "chain", "benchmarks", "localnet")
 
 
 def _sha(data: bytes) -> str:
@@ -54,7 +54,7 @@ def test_an_installed_localnet_defaults_to_the_trained_model(wheel, tmp_path):
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-    probe = ("import neurons.localnet as l; print(l.__file__); print(l.TRAINED_ASSET); print(l.default_model()); "
+    probe = ("import localnet.testnet as l; print(l.__file__); print(l.TRAINED_ASSET); print(l.default_model()); "
              "print(l.parse_args(['--duration', '1']).model)")
     env = {**os.environ, "PYTHONPATH": str(site)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -87,9 +87,9 @@ def test_checkpoint_choice_defaults_to_trained_and_random_is_one_flag_away(tmp_p
         resolve_checkpoint(str(tmp_path / "missing"), tmp_path)
 
 
-@pytest.mark.parametrize("script", ["bench_miner.py", "bench_validator.py", "bench_stage_checks.py"])
-def test_benchmarks_take_the_checkpoint_choice(script):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], cwd=ROOT,
+@pytest.mark.parametrize("bench", ["miner", "validator", "stage_checks"])
+def test_benchmarks_take_the_checkpoint_choice(bench):
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{bench}", "--help"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--checkpoint trained|random|DIR" in done.stdout

@@ -1,5 +1,5 @@
 """The validator end to end on loopback: a devnet file with a short block interval and tempo, real
-wallets, real miner processes (neurons/miner.py and scripts/cheating_miner.py) on the tiny K3 trained on
+wallets, real miner processes (neurons/miner.py and localnet/cheats/miner.py) on the tiny K3 trained on
 real text (inference/model/assets/tiny_trained, copied), the validator's own reference engine on the same
 checkpoint (judging by the envelope shipped for it, scoring/envelopes/tiny_trained.json), and SQLite stores.
 
@@ -33,8 +33,8 @@ from chain.interface import ChainConnectionError, RateLimited
 from inference.model import ModelConfig, make_random_checkpoint
 from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_reference_model
 from inference.version import version_key
+from neurons.base.settings import ChainSettings, WalletSettings
 from neurons.gateway import GatewaySettings
-from neurons.settings import ChainSettings, WalletSettings
 from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorLoop, ValidatorSettings,
                                    ValidatorState, WeightSettings, run_validator)
 from neurons.validator_app.rounds import reference_capabilities
@@ -105,7 +105,7 @@ CAUGHT_BY = {
     "cheat_inflate": {"usage_completion"},
 }
 CAUGHT_SOFT = {"cheat_truncate"}
-TRUNCATE_KEEP = 512  # scripts/cheating_miner.py --cheat truncate keeps the last 512 prompt tokens
+TRUNCATE_KEEP = 512  # localnet/cheats/miner.py --cheat truncate keeps the last 512 prompt tokens
 MINERS = tuple(HONEST) + tuple(OTHER_NUMERICS) + tuple(SHARDED) + tuple(CHEATS)
 SERVING_HONESTLY = tuple(HONEST) + tuple(OTHER_NUMERICS) + tuple(SHARDED)
 VALIDATORS = ("validator", "validator_cli")
@@ -132,7 +132,7 @@ class World:
 
 def _miner_command(world: World, name: str) -> list[str]:
     checkpoint = world.other_checkpoint if name == "cheat_weights" else world.checkpoint
-    script = "neurons/miner.py" if name == "cheat_weights" or name in SHARDED else "scripts/cheating_miner.py"
+    script = "neurons/miner.py" if name == "cheat_weights" or name in SHARDED else "localnet/cheats/miner.py"
     command = [sys.executable, script, "--network", f"devnet:{world.devnet}", "--netuid", str(world.netuid),
                "--wallet-name", name, "--wallet-hotkey", "default", "--wallet-path", str(world.root / "wallets"),
                "--engine", "reference", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0",

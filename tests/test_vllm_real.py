@@ -18,10 +18,10 @@ import time
 import pytest
 from vllm_server import MAX_MODEL_LEN, MODEL_NAME, VLLMServer, ensure_venv, make_tiny_llama, metric_value
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.manifest import make_manifest
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest, TokenEvent
 from inference.serving.remote import RemoteSettings, build_remote_engine
-from inference.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(2400)
 LONG_PROMPT = 1016  # tokens: a prefill of measurable length, short of the server's context
@@ -162,8 +162,8 @@ async def settled_metrics(server) -> str:
 async def test_leaving_a_benchmark_stream_aborts_the_request_on_the_server(vllm, monkeypatch, when):
     """The endpoint benchmark's own completions stream (aiohttp), left by a cancelled run once tokens flow, or
     before any answer: its connection closes, so vLLM aborts the request rather than run it to its end."""
+    from benchmarks import endpoint as bench
     from inference.serving.remote import served_tokenizer
-    from neurons import benchmark as bench
     from protocol.client import ClientTimeouts
 
     server, meta = vllm
@@ -312,7 +312,7 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
     from conftest import new_subnet, new_wallets
     from vllm_server import free_port
 
-    from neurons.hostile_bench import published_url
+    from benchmarks.hostile import published_url
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest
     from protocol.signature import verify_response

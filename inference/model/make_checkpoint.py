@@ -1,7 +1,7 @@
 """Write a seeded random checkpoint in the Kimi K3 release layout.
 
-    python scripts/make_checkpoint.py --preset tiny --out ckpt/tiny --seed 0
-    python scripts/make_checkpoint.py --config path/to/config.json --out ckpt/x --max-shard-mb 512
+    k3-checkpoint --preset tiny --out ckpt/tiny --seed 0
+    k3-checkpoint --config path/to/config.json --out ckpt/x --max-shard-mb 512
 
 Experts are drawn directly on the MXFP4 grid; the other tensors are normal with per-tensor scales that
 give the tiny model non-degenerate next-token distributions (inference/model/checkpoint.py, random_tensor).
@@ -59,3 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fingerprint {manifest['fingerprint']}")
     return 0
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())

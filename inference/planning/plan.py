@@ -249,7 +249,7 @@ class Links:
 
 
 @dataclass(frozen=True)
-class Stage:
+class PlannedStage:
     index: int
     first_layer: int
     end_layer: int  # exclusive
@@ -412,7 +412,7 @@ class Plan:
     preset: str | None
     devices: list[Device]
     links: Links
-    stages: list[Stage]
+    stages: list[PlannedStage]
     layer_home: list[int | None]  # index = layer; None: outside a block plan's layer_range
     expert_placement: dict[int, list[list[int]]]  # MoE layer -> [expert id] -> ranks, primary first
     embedding_rank: int
@@ -461,7 +461,7 @@ class Plan:
             raise PlanError("the plan's hf_config does not match its config_hash")
         return config
 
-    def stage_of(self, layer: int) -> Stage:
+    def stage_of(self, layer: int) -> PlannedStage:
         for stage in self.stages:
             if stage.first_layer <= layer < stage.end_layer:
                 return stage
@@ -558,7 +558,7 @@ class Plan:
         plan.validate(config)
         return plan
 
-    def _host_group(self, stage: Stage, home: int, parts: int, what: str) -> tuple[int, ...]:
+    def _host_group(self, stage: PlannedStage, home: int, parts: int, what: str) -> tuple[int, ...]:
         host = self.devices[home].host
         local = [r for r in stage.ranks if self.devices[r].host == host]
         if len(local) < parts:
@@ -850,7 +850,7 @@ class Plan:
             lay = r.get(s, "layers", list, w)
             if len(lay) != 2 or not all(isinstance(x, int) for x in lay):
                 raise PlanError(f"{source}: {w}.layers must be [first, end] (half-open), got {lay!r}")
-            stages.append(Stage(index=r.get(s, "index", int, w), first_layer=lay[0], end_layer=lay[1],
+            stages.append(PlannedStage(index=r.get(s, "index", int, w), first_layer=lay[0], end_layer=lay[1],
                                 ranks=tuple(r.int_list(r.get(s, "ranks", list, w), f"{w}.ranks"))))
         layer_range = None
         if data.get("layer_range") is not None:
@@ -996,7 +996,7 @@ class Plan:
         layer_groups = _split_even(block, len(groups), extra_last=False)
         stage_list, layer_home, placement = [], [0 if layer_range is None else None] * L, {}
         for s, (ranks, layers) in enumerate(zip(groups, layer_groups)):
-            stage_list.append(Stage(s, layers[0], layers[-1] + 1, tuple(ranks)))
+            stage_list.append(PlannedStage(s, layers[0], layers[-1] + 1, tuple(ranks)))
             G = len(ranks)
             for i, layer in enumerate(layers):
                 layer_home[layer] = ranks[i % G] if mode != "both" else ranks[(layer + s) % G]
@@ -1294,7 +1294,7 @@ def _parse_coactivation(value, E: int, where: str):
 
 
 __all__ = [
-    "Plan", "PlanError", "Device", "Link", "Links", "Stage", "DeviceMemory", "MemoryPolicy",
+    "Plan", "PlanError", "Device", "Link", "Links", "PlannedStage", "DeviceMemory", "MemoryPolicy",
     "LayerWeights", "LayerRouting", "RoutingStats", "layer_weights", "embedding_bytes", "lm_head_bytes",
     "split_layer_bytes", "split_head_bytes",
     "attn_res_sources", "compute_memory", "buffer_bytes", "kda_reserve_per_layer", "mla_reserve_per_layer",

@@ -31,7 +31,7 @@ import numpy as np
 from inference.model import ModelConfig
 from inference.model.files import read_document
 from inference.planning.cost_model import BREAKDOWN_KEYS, CostModel, CostParams, selection_count_pmf
-from inference.planning.plan import (Device, Link, Links, MemoryPolicy, Plan, PlanError, RoutingStats, Stage,
+from inference.planning.plan import (Device, Link, Links, MemoryPolicy, Plan, PlanError, PlannedStage, RoutingStats,
                                      buffer_bytes, compute_memory, embedding_bytes, kda_reserve_per_layer,
                                      layer_weights, lm_head_bytes, mla_reserve_per_layer)
 
@@ -555,7 +555,7 @@ def _build_candidate(config: ModelConfig, cluster: Cluster, label: str, groups: 
     runs = runs or _split_layers(demand, usable)
     if runs is None:
         return _Candidate(label, None, [], note="more stages than layers")
-    stages = [Stage(i, a, b, tuple(g)) for i, ((a, b), g) in enumerate(zip(runs, groups))]
+    stages = [PlannedStage(i, a, b, tuple(g)) for i, ((a, b), g) in enumerate(zip(runs, groups))]
     layer_home = [0] * L
     for st in stages:
         layers = list(st.layers)
@@ -569,7 +569,7 @@ def _build_candidate(config: ModelConfig, cluster: Cluster, label: str, groups: 
                           policy)
     placement: dict[int, list[list[int]]] = {}
     max_rep = options.max_replicas_per_layer if options.max_replicas_per_layer is not None else E // 8
-    short: list[tuple[Stage, int]] = []
+    short: list[tuple[PlannedStage, int]] = []
     uniform_layouts: dict[tuple, list[list[int]]] = {}  # without statistics, equal rows give equal layouts
     for st in stages:
         moe = [layer for layer in st.layers if config.is_moe(layer)]

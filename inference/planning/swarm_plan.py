@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from inference.model import ModelConfig
 from inference.planning.cost_model import CostModel, CostParams
 from inference.planning.plan import MemoryPolicy, Plan, attn_res_sources
-from inference.planning.planner import (Cluster, ClusterError, PlannerOptions, _build_candidate, _does_not_fit,
-                                        parse_quantity)
+from inference.planning.planner import Cluster, ClusterError, PlannerOptions, _build_candidate, _does_not_fit
 
 
 def stage_blocks(num_layers: int, block_size: int, stages: int) -> list[tuple[int, int]]:
@@ -204,84 +203,3 @@ def over_link(sp: SwarmPlan, config: ModelConfig, *, latency_s: float, bandwidth
     plan = dataclasses.replace(sp.plan, links=dataclasses.replace(sp.plan.links, inter_host=inter))
     return predict(config, sp.cluster, plan, sp.split, params=params, prompt_tokens=sp.prompt_tokens, prefill_tokens=sp.prefill_tokens,
                    driver_latency_s=None if sp.driver_latency_s == sp.hop_latency_s else sp.driver_latency_s)
-
-
-# ============================================================== the CLI: `plan_cluster.py swarm ...`
-SWARM_USAGE = """Plan a model as a swarm: one layer block per host of the cluster file, hosts joined by its inter_host link.
-
-    .venv/bin/python scripts/plan_cluster.py swarm --model kimi_k3 --cluster swarm_rtx5090x8_wan \\
-        [--rtt-ms 10,30,50] [--bandwidth "100 Mbit/s,1 Gbit/s"] [--prompt 8192] [--json]
-
-One RTT and one bandwidth (default: the file's link) print the plan's report; several print one table row per
-(RTT, bandwidth): predicted tokens/s, TTFT and wire bytes per token, the layout planned once."""
-
-
-def link_rate(text: str) -> float:
-    """Bytes/s from '100 Mbit/s' (network units: the planner's own parser takes Gbit/s, MB/s, GB/s, ...)."""
-    text = text.strip()
-    if text.lower().endswith(("mbit/s", "mbps")):
-        number = text.lower().removesuffix("mbit/s").removesuffix("mbps").strip()
-        try:
-            return float(number) * 1e6 / 8
-        except ValueError:
-            raise ValueError(f"--bandwidth: {text!r} is not a rate such as '100 Mbit/s'") from None
-    return parse_quantity(text, "bandwidth", "--bandwidth")
-
-
-def swarm_main(argv=None) -> int:
-    import argparse  # noqa: PLC0415
-    import json  # noqa: PLC0415
-
-    from inference.planning.plan_cluster import (PLANNING_ERRORS, cluster_file, load_model,  # noqa: PLC0415
-                                                 planning_error)
-
-    ap = argparse.ArgumentParser(prog="plan_cluster.py swarm", description=SWARM_USAGE,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="preset name or path to config.json / checkpoint directory")
-    ap.add_argument("--cluster", required=True, help="cluster file (YAML) or a shipped cluster's name")
-    ap.add_argument("--rtt-ms", default="", help="comma-separated round-trip times between operators (ms)")
-    ap.add_argument("--bandwidth", default="", help="comma-separated link rates, e.g. '100 Mbit/s,1 Gbit/s'")
-    ap.add_argument("--context", type=int, default=32768, help="tokens of context per sequence to reserve for")
-    ap.add_argument("--prompt", type=int, default=8192, help="prompt length for the TTFT prediction")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    args = ap.parse_args(argv)
-    try:
-        if args.context < 1 or args.prompt < 1:
-            raise ValueError("--context and --prompt must be >= 1")
-        rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
-        if any(r < 0 for r in rtts):
-            raise ValueError("--rtt-ms takes non-negative milliseconds")
-        rates = [link_rate(x) for x in args.bandwidth.split(",") if x.strip()]
-        if any(r <= 0 for r in rates):
-            raise ValueError("--bandwidth must be > 0")
-        config, preset = load_model(args.model)
-        cluster = Cluster.load(cluster_file(args.cluster))
-        params = CostParams().with_overrides(cluster.cost_params)
-        base = plan_swarm(config, cluster, context=args.context, prompt_tokens=args.prompt, preset=preset)
-    except PLANNING_ERRORS as exc:
-        return planning_error(exc)
-    link = base.plan.links.inter_host
-    variants = [(rtt, rate) for rtt in (rtts or [2e3 * link.latency]) for rate in (rates or [link.bandwidth])]
-    plans = [base if (rtt / 2e3, rate) == (link.latency, link.bandwidth) else
-             over_link(base, config, latency_s=rtt / 2e3, bandwidth=rate, params=params) for rtt, rate in variants]
-    if args.json:
-        print(json.dumps([p.summary() for p in plans], indent=1, default=float))
-    elif len(plans) == 1:
-        print(plans[0].to_markdown(), end="")
-    else:
-        print(swarm_table(plans), end="")
-    return 0
-
-
-def swarm_table(plans: list[SwarmPlan]) -> str:
-    """One Markdown row per plan: the README's swarm table."""
-    lines = ["| cluster | operators x layers | RTT | link | tokens/s, one stream | hop latency share | "
-             f"TTFT ({plans[0].prompt_tokens} tokens) | wire KB/token |", "|---|---|---|---|---|---|---|---|"]
-    for p in plans:
-        layers = sorted({s.end_layer - s.first_layer for s in p.plan.stages})
-        rate = p.plan.links.inter_host.bandwidth * 8
-        rate_text = f"{rate / 1e9:g} Gbit/s" if rate >= 1e9 else f"{rate / 1e6:g} Mbit/s"
-        lines.append(f"| {p.cluster} | {len(p.plan.stages)} x {'-'.join(map(str, (layers[0], layers[-1])))} | "
-                     f"{2e3 * p.hop_latency_s:g} ms | {rate_text} | {p.tokens_per_s:.2f} | {p.latency_share:.0%} | "
-                     f"{p.ttft_s:.1f} s | {p.wire_bytes_per_token / 1e3:.0f} |")
-    return "\n".join(lines) + "\n"

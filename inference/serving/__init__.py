@@ -4,6 +4,7 @@
 Callers import from here. Serving sits on top of the model (inference.model) and of the sharded runtime
 (inference.sharding, loaded by the builders only when a sharded engine is asked for); nothing below imports it.
 """
+from inference.decoding.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler
 from inference.serving.builders import (ENGINE_KINDS, EngineSpec, EngineSpecError, build_engine, build_sharded_engine,
                                         load_reference_model)
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EngineSettings,
@@ -12,7 +13,6 @@ from inference.serving.engine import (Engine, EngineCapabilities, EngineError, E
 from inference.serving.metrics import EngineMetrics
 from inference.serving.openai_server import OpenAICompatibleServer
 from inference.serving.remote import RemoteEngine, RemoteSettings
-from inference.serving.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler
 
 __all__ = [
     "ENGINE_KINDS", "Engine", "EngineCapabilities", "EngineError", "EngineHealth", "EngineMetrics",

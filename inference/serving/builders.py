@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from inference.decoding.distilled import draft_model_problems, speculation_with_table
+from inference.decoding.drafters import DRAFTER_KINDS
+from inference.decoding.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
 from inference.serving.engine import Engine, EngineSettings, LocalEngine
-from inference.speculative.distilled import draft_model_problems, speculation_with_table
-from inference.speculative.drafters import DRAFTER_KINDS
-from inference.speculative.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
@@ -32,7 +32,7 @@ class EngineSpecError(ValueError):
 class EngineSpec:
     kind: str = "reference"
     checkpoint: str | None = None  # reference and sharded: checkpoint directory
-    plan: str | None = None  # sharded: a plan file from scripts/plan_cluster.py
+    plan: str | None = None  # sharded: a plan file from k3-plan
     shards: int | None = None  # sharded: number of local shard processes (a simple plan is built)
     shard_mode: str = "pipeline"  # sharded with a shard count: "pipeline", "expert" or "both" (3+ ranks)
     shard_store: str | None = None  # sharded across hosts: HOST:PORT of the rendezvous store ranks >= 1 join
@@ -62,7 +62,7 @@ class EngineSpec:
                 out.append(f"the {self.kind} engine needs a checkpoint directory")
             elif not (Path(self.checkpoint) / "config.json").exists():
                 out.append(f"{self.checkpoint} is not a checkpoint directory (no config.json); "
-                           "make one with scripts/make_checkpoint.py")
+                           "make one with k3-checkpoint")
         if self.kind == "sharded" and not (self.plan or self.shards):
             out.append("the sharded engine needs a plan file or a shard count")
         if self.kind == "remote" and not (self.remote_url and self.remote_model):

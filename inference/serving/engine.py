@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.decoding.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.decoding.speculation import SequenceSpeculation, SpeculationConfig
 from inference.model import ModelConfig
 from inference.serving.metrics import EngineMetrics
-from inference.serving.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
-from inference.speculative.speculation import SequenceSpeculation, SpeculationConfig
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class _Sequence:
         self.future: asyncio.Future | None = None
         self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
         self.speculation: SequenceSpeculation | None = None  # drafter and statistics, when the engine speculates
-        self.draft = None  # this step's drafted tokens (inference.speculative.drafters.Draft)
+        self.draft = None  # this step's drafted tokens (inference.decoding.drafters.Draft)
         self.group: int | None = None  # micro_batches > 1: the group whose steps carry this sequence
 
     @property
@@ -289,7 +289,7 @@ class LocalEngine(Engine):
     `tokenizer` needs `incremental_decoder()`, `eos_id` and optionally `stop_ids`. Model steps run in one worker thread so
     the event loop (HTTP, streaming) stays responsive while the model computes.
 
-    `speculation` (inference.speculative): each decoding sequence may run drafted tokens after its last one
+    `speculation` (inference.decoding): each decoding sequence may run drafted tokens after its last one
     and keep those the model accepts; its cache must support mark()/rewind() (the reference model's does).
     """
 
@@ -896,7 +896,7 @@ class LocalEngine(Engine):
 
     def _emit_verified(self, seq: _Sequence, start: int, rows: torch.Tensor, now: float) -> None:
         """A speculative step ran [last token, drafts] from position `start`: accept drafts by the rules in
-        inference.speculative.verify, rewind the cache to the kept positions, emit the 1..k+1 tokens."""
+        inference.decoding.acceptance, rewind the cache to the kept positions, emit the 1..k+1 tokens."""
         draft, seq.draft = seq.draft, None
         verdict = seq.speculation.judge(draft, rows.float(), seq.sampler)
         seq.consumed = start + 1 + verdict.accepted

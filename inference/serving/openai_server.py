@@ -14,8 +14,8 @@ import uuid
 
 from aiohttp import web
 
+from inference.decoding.sampling import SamplingParams
 from inference.serving.engine import Engine, EngineError, FinalEvent, GenerationRequest, TokenEvent
-from inference.serving.sampling import SamplingParams
 
 _ERROR_STATUS = {"invalid_request": 400, "context_too_long": 400, "over_capacity": 429, "queue_full": 429,
                  "engine_unavailable": 503, "engine_failure": 503}  # as protocol.errors (a test checks)

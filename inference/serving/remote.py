@@ -31,10 +31,10 @@ from pathlib import Path
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from inference.decoding.sampling import MAX_LOGPROBS
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.metrics import EngineMetrics
-from inference.serving.sampling import MAX_LOGPROBS
 
 PROTOCOLS = ("vllm", "sglang")
 SCORE_MODES = ("prompt_logprobs", "echo")

@@ -21,7 +21,7 @@ last `rewind_window` positions. A rewind outside the window is refused.
 
 A forward in mode "verify" (speculative decoding across the route) carries the last token and k drafts; the
 cache is marked before it (`SequenceCache.mark`), so a rewind into it is the cache's own rewind (no replay),
-and the head judges the drafts (inference.speculative.verify) and answers the emitted tokens. The rewind after a
+and the head judges the drafts (inference.decoding.acceptance) and answers the emitted tokens. The rewind after a
 rejection can come with the next forward (`rewind_and_forward`), so it costs the route no round trip of its own.
 
 The block may run sharded over local processes (`Stage.from_checkpoint(..., shard_ranks=N, shard_mode=...)`:
@@ -49,14 +49,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from inference.decoding.acceptance import accept_drafts
+from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
 from inference.model import CheckpointError, TensorSelection, load_checkpoint, read_config
 from inference.model.checkpoint import read_manifest, tensor_sha256
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
 from inference.model.kda import KDALayerCache
 from inference.model.mla import MLALayerCache
-from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
-from inference.speculative.verify import accept_drafts
 
 HEAD_MODES = ("none", "sample", "score", "verify")
 

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from neurons.rate_limit import TokenBuckets
+from neurons.base.rate_limit import TokenBuckets
 
 log = logging.getLogger("k3.gateway")
 

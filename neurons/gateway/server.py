@@ -39,17 +39,17 @@ from typing import Optional, Protocol, Sequence, Union
 
 from aiohttp import web
 
+from neurons.base.observability import CALLER, observed_app
 from neurons.gateway.keys import ApiKeyFileError, ApiKeys, KeyRateLimiter
 from neurons.gateway.metrics import GatewayMetrics
 from neurons.gateway.schemas import ApiError, ChatCompletionBody, CompletionBody, RequestBody, parse_body
 from neurons.gateway.settings import GatewaySettings, GatewaySetupError
-from neurons.observability import CALLER, observed_app
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout,
                              MinerUnreachable)
 from protocol.errors import ErrorCode
 from protocol.http_server import (BodyRefusal, ConnectionGuard, GuardedSite, GuardSettings, defer_continue, read_body,
                                   runner_options)
-from protocol.schemas import Capabilities, ErrorEvent, FinalEvent, GenerateRequest, TokenEvent
+from protocol.schemas import Capabilities, ErrorEvent, FinalMessage, GenerateRequest, TokenMessage
 from scoring.config import ScoringConfig
 from scoring.verify import Failure, check_tier0
 
@@ -138,7 +138,7 @@ class StopTrimmer:
         return pending[:cut]
 
 
-def _finish_reason(final: FinalEvent) -> str:
+def _finish_reason(final: FinalMessage) -> str:
     return "length" if final.finish_reason == "length" else "stop"
 
 
@@ -484,9 +484,9 @@ class OrganicGateway:
             async with aclosing(events):
                 async for timed in events:
                     event = timed.event
-                    if isinstance(event, TokenEvent):
+                    if isinstance(event, TokenMessage):
                         await writer.tokens(event, target, caps)
-                    elif isinstance(event, FinalEvent):
+                    elif isinstance(event, FinalMessage):
                         result.final = event
                     elif isinstance(event, ErrorEvent):
                         result.error = event
@@ -552,7 +552,7 @@ def _token_bytes(tokenizer, token_id: int) -> list[int]:
     return list(raw if raw is not None else tokenizer.decode([token_id]).encode())
 
 
-def _chat_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, as_ids: bool = False) -> list[dict]:
+def _chat_logprobs(tokenizer, events: Sequence[TokenMessage], n: int, as_ids: bool = False) -> list[dict]:
     out = []
     for event in events:
         for token, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
@@ -565,7 +565,7 @@ def _chat_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, as_ids: bool
     return out
 
 
-def _completion_logprobs(tokenizer, events: Sequence[TokenEvent], n: int, offset: int = 0,
+def _completion_logprobs(tokenizer, events: Sequence[TokenMessage], n: int, offset: int = 0,
                          as_ids: bool = False) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for event in events:
@@ -645,13 +645,13 @@ class _SseWriter:
             await response.write(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
 
-    async def tokens(self, event: TokenEvent, target: MinerTarget, caps: Capabilities) -> None:
+    async def tokens(self, event: TokenMessage, target: MinerTarget, caps: Capabilities) -> None:
         if self.response is None:
             await self._open(target, caps)
         text = self.trimmer.push(self.decoder.push_many(event.token_ids))
         await self._piece(text, [event])
 
-    def _choice(self, text: str, events: list[TokenEvent], finish: Optional[str] = None) -> dict:
+    def _choice(self, text: str, events: list[TokenMessage], finish: Optional[str] = None) -> dict:
         n, as_ids = self.plan.user_logprobs, self.plan.body.return_tokens_as_token_ids
         if self.plan.kind == "chat":
             logprobs = {"content": _chat_logprobs(self.tokenizer, events, n, as_ids)} if n is not None and events \
@@ -662,7 +662,7 @@ class _SseWriter:
             else None
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    async def _piece(self, text: str, events: list[TokenEvent]) -> None:
+    async def _piece(self, text: str, events: list[TokenMessage]) -> None:
         n = self.plan.user_logprobs
         if not text and (n is None or not events or self.trimmer.stopped):
             return

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
+from neurons.base.settings import (Option, Section, Setting, byte_size, non_negative_float, port_number, positive_float,
+                                   positive_rate, setting)
 from neurons.gateway.schemas import MAX_USER_LOGPROBS
-from neurons.settings import (Option, Section, Setting, byte_size, non_negative_float, port_number, positive_float,
-                              positive_rate, setting)
 from protocol.client import ClientTimeouts
 
 

@@ -1,5 +1,5 @@
 """The miner: settings, access control (the validator gate and caller budgets), metrics and the
-signed HTTP server; `neurons.miner_app.cheats` holds the cheating engines tests use."""
+signed HTTP server; `localnet.cheats.miner` holds the cheating engines tests use."""
 from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
                                       public_message, wire_code)
 from neurons.miner_app.metrics import MinerMetrics

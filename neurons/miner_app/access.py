@@ -11,8 +11,8 @@ from aiohttp import web
 
 from chain.interface import MetagraphSnapshot
 from inference.serving import EngineError
+from neurons.base.rate_limit import TokenBuckets
 from neurons.miner_app.settings import AccessSettings
-from neurons.rate_limit import TokenBuckets
 from protocol.errors import ErrorCode, http_status
 from protocol.schemas import JSON_CONTENT_TYPE, error_body
 

@@ -46,24 +46,25 @@ from pathlib import Path
 
 from aiohttp import web
 
-from chain.interface import Chain, ChainError, NotRegistered, RateLimited, connect
+from chain import connect
+from chain.interface import Chain, ChainError, NotRegistered, RateLimited
 from chain.watch import MetagraphWatch
 from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError, FinalEvent as EngineFinalEvent,
                                GenerationRequest, SamplingParams, TokenEvent as EngineTokenEvent, build_engine)
 from inference.version import __version__
+from neurons.base.observability import CALLER, observed_app
+from neurons.base.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
                                       public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
 from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
-from neurons.observability import CALLER, observed_app
-from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
 from protocol.errors import ErrorCode
 from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
 from protocol.schemas import (CAPABILITIES_PATH, DEFAULT_LIMITS, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE,
-                              LOGPROB_FLOOR, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalEvent,
-                              GenerateRequest, Health, Limits, ProtocolError, ScoredPosition, ScoreRequest,
-                              ScoreResponse, Timings, TokenEvent, TopLogprob, Usage, encode_event, encode_model,
+                              LOGPROB_FLOOR, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalMessage,
+                              GenerateRequest, Health, Limits, ProtocolError, ScoredPositionMessage, ScoreRequest,
+                              ScoreResponse, Timings, TokenMessage, TopLogprob, Usage, encode_event, encode_model,
                               parse_generate, parse_score)
 from protocol.signature import sign_response
 
@@ -84,9 +85,9 @@ def _logprob(value: float) -> float:
     return min(max(value, LOGPROB_FLOOR), 0.0)
 
 
-def wire_token_event(event: EngineTokenEvent) -> TokenEvent:
+def wire_token_event(event: EngineTokenEvent) -> TokenMessage:
     # Validating one plain dict is cheaper than building the nested models one by one.
-    return TokenEvent.model_validate({
+    return TokenMessage.model_validate({
         "index": int(event.index),
         "token_ids": [int(event.token_id)],
         "text": str(event.text),
@@ -485,7 +486,7 @@ class MinerServer:
     def _score_answer(self, parsed: ScoreRequest, scored) -> bytes:
         return encode_model(ScoreResponse(
             request_id=parsed.request_id, model_fingerprint=self.engine_capabilities.model_fingerprint,
-            scores=[ScoredPosition(position=int(p.position), token_id=int(p.token_id), logprob=_logprob(p.logprob),
+            scores=[ScoredPositionMessage(position=int(p.position), token_id=int(p.token_id), logprob=_logprob(p.logprob),
                                    top=[TopLogprob(token_id=int(t), logprob=_logprob(lp)) for t, lp in p.top])
                     for p in scored],
         ))
@@ -562,7 +563,7 @@ class MinerServer:
         await response.write_eof()
 
     def _final_event(self, final: EngineFinalEvent, body: bytes, token_ids: list[int], arrived: float,
-                     first_token_at: float | None) -> FinalEvent:
+                     first_token_at: float | None) -> FinalMessage:
         if final.finish_reason not in ("eos", "stop", "length"):
             raise EngineError(wire_code(final.finish_reason or "engine_failure"),
                               f"the generation ended as {final.finish_reason!r}")
@@ -578,7 +579,7 @@ class MinerServer:
         decode_rate = None
         if len(token_ids) > 1 and first_token_at is not None and now > first_token_at:
             decode_rate = min((len(token_ids) - 1) / (now - first_token_at), 1e12)
-        return FinalEvent(
+        return FinalMessage(
             finish_reason=final.finish_reason,
             usage=Usage(prompt_tokens=int(final.prompt_tokens), completion_tokens=int(final.completion_tokens)),
             timings=Timings(queue_ms=_millis(final.queue_ms, 0.0), ttft_ms=_millis(ttft_ms, total_ms),
@@ -595,7 +596,7 @@ def _json(body: bytes, status: int = 200) -> web.Response:
 
 # ---------------------------------------------------------------- running it
 def open_wallet(settings: WalletSettings):
-    """The wallet this neuron signs with (neurons.settings.open_wallet), as a setup error when missing."""
+    """The wallet this neuron signs with (neurons.base.settings.open_wallet), as a setup error when missing."""
     try:
         return open_cli_wallet(settings)
     except WalletNotFound as error:

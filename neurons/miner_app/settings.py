@@ -1,7 +1,7 @@
 """The miner's settings: what it serves, where, who may call it and how much.
 
 Each setting is stated once, on its dataclass field (default, help, flag); the flag table is derived
-from the fields (neurons.settings.settings_options)."""
+from the fields (neurons.base.settings.settings_options)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.serving import EngineSpec
-from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, WalletSettings,
-                              build_settings, byte_size, engine_section, expanded_path, non_negative_float,
-                              non_negative_int, port_number, positive_float, read_options, setting, settings_options)
+from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, WalletSettings,
+                                   build_settings, byte_size, engine_section, expanded_path, non_negative_float,
+                                   non_negative_int, port_number, positive_float, read_options, setting,
+                                   settings_options)
 from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 

@@ -7,7 +7,7 @@ import torch
 
 from inference.model.k3 import ResidualState
 from inference.swarm.stage import HeadOutput
-from protocol.stage import StageWireError, TensorSpec
+from protocol.stage import StageWireError, WireTensorSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
 
@@ -19,29 +19,29 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def encode_ids(ids: list[int]) -> tuple[list[TensorSpec], bytes]:
+def encode_ids(ids: list[int]) -> tuple[list[WireTensorSpec], bytes]:
     t = torch.tensor(ids, dtype=torch.int32)
-    return [TensorSpec(name="token_ids", dtype="int32", shape=[len(ids)])], _raw(t)
+    return [WireTensorSpec(name="token_ids", dtype="int32", shape=[len(ids)])], _raw(t)
 
 
-def encode_state(state: ResidualState, dtype: str = "float32") -> tuple[list[TensorSpec], bytes]:
+def encode_state(state: ResidualState, dtype: str = "float32") -> tuple[list[WireTensorSpec], bytes]:
     """Block sums then the partial sum, each [N, D], as `dtype` (float32 or bfloat16)."""
     tensors = [(f"blocks.{i}", b) for i, b in enumerate(state.blocks)] + [("partial", state.partial)]
     specs, parts = [], []
     for name, t in tensors:
         t = t.to(TORCH_DTYPES[dtype])
-        specs.append(TensorSpec(name=name, dtype=dtype, shape=list(t.shape)))
+        specs.append(WireTensorSpec(name=name, dtype=dtype, shape=list(t.shape)))
         parts.append(_raw(t))
     return specs, b"".join(parts)
 
 
-def _tensor(spec: TensorSpec, data: memoryview) -> torch.Tensor:
+def _tensor(spec: WireTensorSpec, data: memoryview) -> torch.Tensor:
     if not data:
         return torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
     return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
 
 
-def decode_inputs(tensors: list[tuple[TensorSpec, memoryview]], first_stage: bool, hidden_size: int):
+def decode_inputs(tensors: list[tuple[WireTensorSpec, memoryview]], first_stage: bool, hidden_size: int):
     """Token ids [N] (first stage) or a ResidualState (any other); StageWireError 400 on the wrong kind."""
     names = [s.name for s, _ in tensors]
     if first_stage:

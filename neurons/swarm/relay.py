@@ -7,7 +7,7 @@ signed endpoint), sends the input, receives the stage's output frame and its sig
 sends anything on. That gives stage challenges over the real wire (`RemoteStage`, what
 scoring.stage_checks.run_challenge talks to), relayed route probes whose every hop is recorded for the
 route audit and bisection (`relay_route`), and, for the tests, a stage that secretly hands its work to
-another stage (neurons/swarm/cheats.py `ForwardingStage`).
+another stage (localnet/cheats/stage.py `ForwardingStage`).
 
 Every call has a timeout; what the stage answers is checked against what was sent: the receipt must be
 signed by the stage's hotkey for this route, session, step and its layers, and hash exactly the input sent
@@ -35,7 +35,7 @@ from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORWARD_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH,
                             CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader, StageWireError,
-                            TensorSpec, WireSampling, encode_frame, parse_model, split_frame, state_sha256,
+                            WireSampling, WireTensorSpec, encode_frame, parse_model, split_frame, state_sha256,
                             verify_receipt)
 from scoring.stage_checks import HopRecord, decode_wire_state
 
@@ -45,9 +45,9 @@ class RelayedHop:
     """One stage's answer to one forward: its receipt and the exact bytes in and out."""
 
     receipt: Receipt
-    input_specs: tuple[TensorSpec, ...]
+    input_specs: tuple[WireTensorSpec, ...]
     input_body: bytes
-    output_specs: tuple[TensorSpec, ...]
+    output_specs: tuple[WireTensorSpec, ...]
     output_body: bytes
     wall_s: float
 
@@ -158,7 +158,7 @@ class StageRelay:
             pass
 
     async def forward(self, stage: StageInfo, session: str, route_id: str, step: int, position: int,
-                      specs: list[TensorSpec], body: bytes, mode: str = "none", targets=None,
+                      specs: list[WireTensorSpec], body: bytes, mode: str = "none", targets=None,
                       top_k: int = 0) -> RelayedHop:
         header = ForwardHeader(route_id=route_id, session=session, step=step, position=position, mode=mode,
                                targets=targets, top_k=top_k, tensors=list(specs))
@@ -197,7 +197,7 @@ class StageRelay:
         return RelayedHop(r, tuple(specs), bytes(body), tuple(out_specs), out_body, wall)
 
 
-def encode_input(inputs, dtype: str = "float32") -> tuple[list[TensorSpec], bytes]:
+def encode_input(inputs, dtype: str = "float32") -> tuple[list[WireTensorSpec], bytes]:
     if isinstance(inputs, torch.Tensor):
         return encode_ids([int(t) for t in inputs])
     return encode_state(inputs, dtype)

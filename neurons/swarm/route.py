@@ -12,7 +12,7 @@ Every result carries the stages' signed receipts; the driver checks that they ch
 stage is the input hash of the next, starting from the hash of what the driver sent) and keeps the last ones.
 
 Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`, or a distilled
-draft table's `drafter_factory`): per request a drafter (inference.speculative) proposes k tokens with adaptive
+draft table's `drafter_factory`): per request a drafter (inference.decoding) proposes k tokens with adaptive
 k, without model work; the driver sends [last token, d_1..d_k] through the route as one forward in mode
 "verify", the last stage judges the drafts against its logits (greedy: argmax; sampled: the
 speculative-sampling rule, so the distribution is unchanged) and answers the accepted drafts plus one token;
@@ -52,11 +52,11 @@ from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
 from chain.interface import NeuronInfo
+from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, find_stop
+from inference.decoding.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
-from inference.serving.sampling import MAX_LOGPROBS, SamplingParams, find_stop
-from inference.speculative.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_head_output, encode_ids
 from neurons.swarm.stage_server import post_signed, start_result_site
@@ -831,8 +831,35 @@ class RouteEngine(Engine):
             row += len(out.logprobs)
         return sorted(scored, key=lambda s: s.position)
 
+class TrustedDirectory(StageDirectory):
+    """A route driver's directory that follows the validator's trust: the stages of `directory` minus those
+    blamed in the validator's store within `blame_s` (the gateway's driver never routes organic traffic
+    through a blamed stage); the store is read at every refresh (another process may be writing it)."""
 
-__all__ = ["RouteDriver", "RouteEngine", "RouteFailure", "RouteSession", "StageDirectory", "StaticDirectory",
-           "StepRecord",
-           "MetagraphDirectory",
-           "StageInfo", "plan_route"]
+    def __init__(self, directory: StageDirectory, store, blame_s: float = 24 * 3600.0):
+        self.directory = directory
+        self.store = store
+        self.blame_s = blame_s
+
+    def blamed(self) -> set[str]:
+        return {r["hotkey"] for r in self.store.stage_checks(since=time.time() - self.blame_s) if r["blame"]}
+
+    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
+        blamed = self.blamed()
+        return [s for s in await self.directory.stages(http) if s.hotkey not in blamed]
+
+class LoggedRouteDriver(RouteDriver):
+    """A route driver that appends every route it plans to a JSON-lines file."""
+
+    route_log = ""
+
+    async def plan(self, refresh: bool = False):
+        route = await super().plan(refresh)
+        if self.route_log:
+            with open(self.route_log, "a") as f:
+                f.write(json.dumps({"at": time.time(), "route": [s.hotkey for s in route]}) + "\n")
+        return route
+
+
+__all__ = ["LoggedRouteDriver", "MetagraphDirectory", "RouteDriver", "RouteEngine", "RouteFailure", "RouteSession",
+           "StageDirectory", "StageInfo", "StaticDirectory", "StepRecord", "TrustedDirectory", "plan_route"]

@@ -1,7 +1,7 @@
 """The swarm's settings: the stage miner's (which layer block it serves, where, as whom, and whether it announces
 itself) and the route miner's (one whole model over the subnet's stage miners, behind the miner protocol).
 
-Each setting is stated once, on its dataclass field (neurons.settings.setting); the wallet and the logging
+Each setting is stated once, on its dataclass field (neurons.base.settings.setting); the wallet and the logging
 groups are the shared ones (btcli's --wallet-name/-w, --wallet-hotkey/-H, --wallet-path and BT_* variables,
 the template's dotted aliases). The stage miner's chain group spells --network/-n and --netuid as the miner
 does, but is optional: without --network the stage announces nothing. The route miner needs the chain (its
@@ -12,15 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from inference.decoding.distilled import draft_model_problems
+from inference.decoding.drafters import DRAFTER_KINDS
+from inference.decoding.speculation import MAX_DRAFT_TOKENS
 from inference.serving import EngineSpec
-from inference.speculative.distilled import draft_model_problems
-from inference.speculative.drafters import DRAFTER_KINDS
-from inference.speculative.speculation import MAX_DRAFT_TOKENS
 from inference.swarm.stage import SHARD_MODES, StageLimits
+from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section,
+                                   Setting, WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
+                                   non_negative_int, port_number, positive_float, read_options, setting,
+                                   settings_options)
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
-from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section, Setting,
-                              WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
-                              non_negative_int, port_number, positive_float, read_options, setting, settings_options)
 from protocol.stage import DEFAULT_MAX_BODY_BYTES, Hop
 
 METRICS_HOST = "127.0.0.1"  # Prometheus metrics are for the operator, never for the world
@@ -30,7 +31,7 @@ _LIMITS = StageLimits()
 
 
 def optional_network(text: str) -> str:
-    """A chain (see neurons.settings.network_spec), or nothing: an empty value announces nowhere."""
+    """A chain (see neurons.base.settings.network_spec), or nothing: an empty value announces nowhere."""
     return "" if text.strip() == "" else network_spec(text)
 
 

@@ -12,7 +12,7 @@ head's result to the route driver; failures go to the driver as an error result 
 GET /stage/capabilities returns the stage's capabilities signed by its hotkey (layer range, fingerprint of
 exactly its tensors, capacity, measured step time); GET /stage/health is a cheap liveness probe.
 
-Every answer carries X-Request-Id and makes one access-log line (neurons.observability.observed_app, component
+Every answer carries X-Request-Id and makes one access-log line (neurons.base.observability.observed_app, component
 "stage", the caller's hotkey once verified); `metrics` (neurons/swarm/metrics.py) counts forwards, tokens,
 refusals and failures, and times each forward's compute.
 """
@@ -29,11 +29,11 @@ import torch
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
+from inference.decoding.sampling import SamplingParams
 from inference.model.k3 import ResidualState
-from inference.serving.sampling import SamplingParams
 from inference.swarm.stage import HeadOutput, Stage, StageError
 from inference.version import __version__
-from neurons.observability import CALLER, observed_app
+from neurons.base.observability import CALLER, observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
 from neurons.swarm.metrics import StageMetrics
 from protocol.auth import AuthFailure, sign_request, verify_request

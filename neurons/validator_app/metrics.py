@@ -28,7 +28,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from neurons.observability import MetricsServer
+from neurons.base.observability import MetricsServer
 from neurons.validator_app.status import status_report
 
 METRICS_HOST = "127.0.0.1"  # for the operator, never for the world

@@ -41,19 +41,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from chain import connect
 from chain.interface import (Chain, ChainConnectionError, ChainError, Hyperparameters, MetagraphSnapshot, NeuronInfo,
-                             RateLimited, connect)
+                             RateLimited)
 from chain.watch import MetagraphWatch
 from inference.version import version_key
+from neurons.base.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from neurons.gateway.server import GatewayServer
 from neurons.gateway.settings import GatewaySetupError
-from neurons.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
+from neurons.validator_app.gateway_route import RouteAndMiners, start_gateway_route
 from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
+from neurons.validator_app.stage_rounds import attach_stage_rounds, whole_model_work
 from neurons.validator_app.store import ValidatorStore
 from neurons.validator_app.weights import submitted_weights
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
-from protocol.schemas import Capabilities, ErrorEvent, FinalEvent
+from protocol.schemas import Capabilities, ErrorEvent, FinalMessage
 from scoring.audits import AuditorCandidate, check_auditor, choose_auditors, consensus_reference, draw_audit
 from scoring.canaries import canary_escalation
 from scoring.config import ScoringConfig
@@ -559,7 +562,7 @@ class ValidatorLoop:
                 async with aclosing(self.client.stream_generate(neuron.endpoint.url, neuron.hotkey, item.request,
                                                                 result=result)) as events:
                     async for timed in events:
-                        if isinstance(timed.event, FinalEvent):
+                        if isinstance(timed.event, FinalMessage):
                             result.final = timed.event
                         elif isinstance(timed.event, ErrorEvent):
                             result.error = timed.event
@@ -751,7 +754,6 @@ class ValidatorLoop:
     def current_weights(self) -> dict[int, float]:
         weights = weights_from_ema(self.ema, self.config.weight_exponent)
         if self.stage is not None:  # one vector with the stage miners (scoring.stage_rewards.one_vector)
-            from neurons.validator_app.stage_rounds import whole_model_work  # noqa: PLC0415
 
             weights = self.stage.weights(weights, whole_model_work(self))
         return weights
@@ -891,7 +893,7 @@ def reference_capabilities(engine) -> Capabilities:
 
 
 def open_wallet(settings: WalletSettings):
-    """The wallet this neuron signs with (neurons.settings.open_wallet), as a setup error when missing."""
+    """The wallet this neuron signs with (neurons.base.settings.open_wallet), as a setup error when missing."""
     try:
         return open_cli_wallet(settings)
     except WalletNotFound as error:
@@ -955,7 +957,6 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
                                              "canaries": store.stored_canaries()}, used=store.used_canaries())
         loop = ValidatorLoop(settings, chain=chain, wallet=wallet, store=store, tokenizer=tokenizer, reference=engine,
                              canaries=canaries, expected_fingerprint=expected)
-        from neurons.validator_app.stage_rounds import attach_stage_rounds  # noqa: PLC0415
 
         attach_stage_rounds(loop, settings)
         if engine is not None and not settings.audits.canary_pool:
@@ -995,7 +996,6 @@ async def run_validator(settings: ValidatorSettings, stop: Optional[asyncio.Even
             # organic traffic: routed to the best miners by this validator's own scores, checked by tier 0
             directory = validator.loop.state
             if settings.gateway.route != "off":  # and through a route of stage miners, credited as stage work
-                from neurons.gateway.route import RouteAndMiners, start_gateway_route  # noqa: PLC0415
 
                 route = await start_gateway_route(validator.loop, settings)
                 directory = RouteAndMiners(directory, route, settings.gateway.route)

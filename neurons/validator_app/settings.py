@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 from inference.model import CheckpointError, fingerprint
 from inference.serving import EngineSpec
+from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
+                                   WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
+                                   optional_float, port_number, positive_float, positive_rate, read_options, setting,
+                                   settings_options)
 from neurons.gateway.settings import GATEWAY, GatewaySettings, host_problem, public_url_problems
-from neurons.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
-                              WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
-                              optional_float, port_number, positive_float, positive_rate, read_options, setting,
-                              settings_options)
 from protocol.client import ClientTimeouts
 from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.model_envelope import ModelEnvelopeError, load_envelope, shipped_envelope
@@ -306,7 +306,7 @@ class ValidatorSettings:
         if model and measured_on and measured_on != model:
             raise ValidatorSetupError(f"logprob_gap_envelope {given} was measured on model {measured_on}, but "
                                       f"--checkpoint {self.engine.checkpoint} is model {model}: measure the served "
-                                      "model's with scripts/bench_verification.py --write-envelope FILE")
+                                      "model's with benchmarks/verification.py --write-envelope FILE")
         return {}
 
     def problems(self) -> list[str]:
@@ -316,7 +316,7 @@ class ValidatorSettings:
                        "k3_manifest.json; the weights too with --reference-engine)")
         elif not (Path(self.engine.checkpoint) / "config.json").exists():
             out.append(f"--checkpoint {self.engine.checkpoint} has no config.json; make one with "
-                       "scripts/make_checkpoint.py or point it at the model's directory")
+                       "k3-checkpoint or point it at the model's directory")
         if self.reference_engine:
             out += [p for p in self.engine.problems() if "checkpoint" not in p]
         elif not self.audits.canary_pool:

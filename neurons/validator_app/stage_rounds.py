@@ -30,7 +30,7 @@ Results go to the store (`stage_checks`, with the reason; `blame = 1` rows zero 
 today, their verified model-tokens and decode speed) and stage miners (verified layer-tokens in passed
 challenges and clean route audits, the validator-measured step time, the share of challenges answered).
 
-The gateway's own route (neurons/gateway/route.py) hands its recorded steps to `settle_gateway_route`: a sample
+The gateway's own route (neurons/validator_app/gateway_route.py) hands its recorded steps to `settle_gateway_route`: a sample
 of sessions is teacher-forced on the validator's whole-model reference (`check_recorded_answer`; a failing one
 triggers a relayed route audit of the same stages, whose bisection blames), and every step's receipts are
 audited (`audit_receipts`) before the stages are credited its tokens as `gateway_work`.
@@ -56,9 +56,13 @@ import numpy as np
 import torch
 
 from inference.swarm.stage import HeadOutput, LayerRange, Stage, StageError
+from neurons.base.settings import open_wallet
+from neurons.swarm.codec import encode_ids
 from neurons.swarm.relay import LoopThread, RemoteStage, StageRelay, StageSink, relay_route
-from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, plan_route
+from neurons.swarm.route import StageDirectory, StageInfo, StaticDirectory, StepRecord, plan_route
 from neurons.swarm.stage_server import StageServer, StageServerSettings
+from neurons.validator_app.route_work import RouteWorkServer
+from neurons.validator_app.settings import ValidatorSetupError
 from protocol.stage import decode_forward, state_sha256
 from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import (ChallengeResult, CrossCheckResult, SeedCommitment, Thresholds, audit_receipts,
@@ -178,7 +182,6 @@ class StageRounds:
         self.relay = StageRelay(self.keypair, self._sink, self._http, self.timeout_s)
         self._thread = LoopThread(asyncio.get_running_loop())
         if self.work_port is not None:
-            from neurons.validator_app.route_work import RouteWorkServer  # noqa: PLC0415
 
             self.work_server = RouteWorkServer(self.keypair, self.claim_route_work, self.host, self.work_port)
             await self.work_server.start()
@@ -526,8 +529,6 @@ class StageRounds:
         (HTTP status, answer). 503 until a round has found the stage miners; 403 when the driver is no serving
         neuron of the subnet; 422 (the driver blamed, nothing credited) when the receipts do not audit; else 200
         with the layer-tokens credited."""
-        from neurons.swarm.codec import encode_ids  # noqa: PLC0415
-        from neurons.swarm.route import StepRecord  # noqa: PLC0415
 
         if self.model is None or not self.miners:
             return 503, {"code": "not_ready", "message": "the validator has not found the stage miners yet; submit "
@@ -773,22 +774,6 @@ class _InputWatch:
                 del self.recent[sha]
 
 
-class TrustedDirectory(StageDirectory):
-    """A route driver's directory that follows the validator's trust: the stages of `directory` minus those
-    blamed in the validator's store within `blame_s` (the gateway's driver never routes organic traffic
-    through a blamed stage); the store is read at every refresh (another process may be writing it)."""
-
-    def __init__(self, directory: StageDirectory, store, blame_s: float = 24 * 3600.0):
-        self.directory = directory
-        self.store = store
-        self.blame_s = blame_s
-
-    def blamed(self) -> set[str]:
-        return {r["hotkey"] for r in self.store.stage_checks(since=time.time() - self.blame_s) if r["blame"]}
-
-    async def stages(self, http: aiohttp.ClientSession) -> list[StageInfo]:
-        blamed = self.blamed()
-        return [s for s in await self.directory.stages(http) if s.hotkey not in blamed]
 
 
 def whole_model_work(loop) -> dict[int, MinerWork]:
@@ -813,8 +798,6 @@ def decoy_keypair(settings):
     it is missing or is the validator's own."""
     from dataclasses import replace  # noqa: PLC0415
 
-    from neurons.settings import open_wallet  # noqa: PLC0415
-    from neurons.validator_app.settings import ValidatorSetupError  # noqa: PLC0415
 
     s = settings.stages
     if not s.decoy_hotkey:
@@ -853,5 +836,5 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
     return stage
 
 
-__all__ = ["DecoyServer", "StageMiner", "StageRoundReport", "StageRounds", "TrustedDirectory", "attach_stage_rounds",
+__all__ = ["DecoyServer", "StageMiner", "StageRoundReport", "StageRounds", "attach_stage_rounds",
            "whole_model_work"]

@@ -1,0 +1,393 @@
+"""Stage cheaters: real `Stage` subclasses that serve a block dishonestly, for the stage checks' tests (and a
+local swarm run with a cheating stage). Each saves compute or hides a cheaper model behind valid receipts:
+
+- `OtherWeightsStage`: serves other weights for its block (every tensor of the block perturbed, like a
+  cheaper fine-tune or a different checkpoint);
+- `SkipLayerStage`: skips one layer of its block;
+- `EchoStage`: returns its input (no layer run; completed block sums it should produce are copies of the
+  partial);
+- `SessionLiarStage`: skips its last layer only for some sessions (a fraction chosen by the session id);
+- `LongPositionLiarStage`: skips its last layer only at positions >= `from_position`;
+- `ReplayStage`: computes an output once per forward length and replays it for every later input of that
+  length;
+- `ForwardingStage`: computes nothing; hands each session to another stage miner of its block (one of
+  `forward_to`, chosen per session) over the stage wire and signs that stage's output as its own work.
+
+The driver-side attack (receipts the stages never signed) lives in the tests: it needs no stage.
+
+As processes: `python -m localnet.cheats.stage --checkpoint DIR --wallet-path P --stage NAME:KIND:A-B[:DTYPE
+[:WIRE_DTYPE]] ...` serves one stage per --stage in one process (KIND: `honest` or a key of `CHEATS`; the
+hotkey is wallet NAME/default), each on its own port (`--port` with one stage); `--ready-file` gets
+stage_miner's JSON for one stage, {NAME: that JSON} for several; with `--network`/`--netuid` every stage announces
+itself on chain as stage_miner does (endpoint and `StageAnnouncement`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from inference.model.k3 import ResidualState
+from inference.swarm.stage import LayerRange, Stage, StageLimits, load_stage_model
+
+
+class _Cheat(Stage):
+    @classmethod
+    def from_checkpoint(cls, checkpoint, layers, dtype=torch.float32, limits: StageLimits = StageLimits(), **kw):
+        stage = super().from_checkpoint(checkpoint, layers, dtype, limits)
+        for k, v in kw.items():
+            setattr(stage, k, v)
+        stage.setup()
+        return stage
+
+    def setup(self) -> None:
+        pass
+
+    def _input_state(self, inputs) -> ResidualState:
+        if self.layers.has_embedding:
+            return self.model.embed(inputs.to(torch.long))
+        return ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
+                             inputs.partial.float())
+
+    def _run_skipping(self, session, inputs, skip: set[int]) -> ResidualState:
+        state = self._input_state(inputs)
+        for i in range(self.layers.start, self.layers.stop):
+            if i not in skip:
+                state = self.model.run_layer(i, state, [session.cache])
+        state = self._fill_blocks(state)
+        session.cache.advance(int(state.partial.shape[0]))
+        return state
+
+    def _fill_blocks(self, state: ResidualState) -> ResidualState:
+        """A skipped layer that would have closed a block: fake the block sum so the shape is right."""
+        while len(state.blocks) < self.output_blocks:
+            state = ResidualState(state.lengths, list(state.blocks) + [state.partial], state.partial)
+        return state
+
+
+class OtherWeightsStage(_Cheat):
+    """Every tensor of the block perturbed by `relative_noise` x its own scale (seeded)."""
+
+    relative_noise = 0.1
+    noise_seed = 1
+
+    def setup(self) -> None:
+        g = torch.Generator().manual_seed(self.noise_seed)
+        with torch.no_grad():
+            for i in range(self.layers.start, self.layers.stop):
+                for p in self.model.layers[i].parameters():
+                    if p.is_floating_point() and p.numel() > 1:
+                        noise = torch.randn(p.shape, generator=g).to(p.dtype)
+                        p.add_(noise * (p.float().std() * self.relative_noise).to(p.dtype))
+                for mod in self.model.layers[i].modules():  # decoded expert caches hold the old weights
+                    if hasattr(mod, "set_dequantize_cache"):
+                        mod.set_dequantize_cache(False)
+                        mod.set_dequantize_cache(True)
+
+
+class SkipLayerStage(_Cheat):
+    skip_layer: int | None = None  # default: the block's last layer
+
+    def _run(self, session, inputs):
+        return self._run_skipping(session, inputs, {self.layers.stop - 1 if self.skip_layer is None
+                                                    else self.skip_layer})
+
+
+class EchoStage(_Cheat):
+    def _run(self, session, inputs):
+        return self._run_skipping(session, inputs, set(range(self.layers.start, self.layers.stop)))
+
+
+class SessionLiarStage(_Cheat):
+    """Honest for most sessions; for one session in `one_in` (by its id) it skips its last layer."""
+
+    one_in = 3
+
+    def lies_for(self, session_id: str) -> bool:
+        return hashlib.sha256(session_id.encode()).digest()[0] % self.one_in == 0
+
+    def _run(self, session, inputs):
+        if self.lies_for(session.session_id):
+            return self._run_skipping(session, inputs, {self.layers.stop - 1})
+        return super()._run(session, inputs)
+
+
+class LongPositionLiarStage(_Cheat):
+    """Honest at short positions; skips its last layer for forwards that reach `from_position`."""
+
+    from_position = 48
+
+    def _run(self, session, inputs):
+        n = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
+        if session.position + n > self.from_position:
+            return self._run_skipping(session, inputs, {self.layers.stop - 1})
+        return super()._run(session, inputs)
+
+
+class ReplayStage(_Cheat):
+    """The first output of each forward length is computed; later inputs of that length get it back."""
+
+    def setup(self) -> None:
+        self.replay: dict[int, ResidualState] = {}
+
+    def _run(self, session, inputs):
+        n = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
+        if n in self.replay:
+            session.cache.advance(n)
+            return self.replay[n]
+        out = super()._run(session, inputs)
+        self.replay[n] = out
+        return out
+
+
+class ForwardingStage(_Cheat):
+    """Hands every session to another stage miner of its block (one of `forward_to`, by the session id) and
+    returns that stage's output under its own receipt; computes itself only while no such stage answers."""
+
+    forward_to: tuple[str, ...] = ()
+    keypair = None  # the hotkey it relays under: its own
+    timeout_s = 10.0
+
+    def setup(self) -> None:
+        self._loop = None
+        self._relay = None
+        self._targets: list = []
+        self._remote: dict[str, list] = {}  # session -> [target, route id, next step]
+
+    async def _connect(self):
+        import aiohttp  # noqa: PLC0415
+
+        from neurons.swarm.relay import StageRelay, StageSink  # noqa: PLC0415
+
+        sink = StageSink(self.keypair)
+        await sink.start()
+        return StageRelay(self.keypair, sink, aiohttp.ClientSession(), self.timeout_s)
+
+    async def _discover(self):
+        from neurons.swarm.route import StaticDirectory  # noqa: PLC0415
+
+        found = await StaticDirectory(list(self.forward_to), timeout_s=2.0).stages(self._relay.http)
+        return [s for s in found if (s.start, s.stop) == (self.layers.start, self.layers.stop)
+                and s.hotkey != self.keypair.ss58_address]
+
+    def forward(self, session_id, position, inputs, mode="none", targets=None, top_k=0):
+        from neurons.swarm.relay import LoopThread, encode_input  # noqa: PLC0415
+        from protocol.stage import WireSampling  # noqa: PLC0415
+        from scoring.stage_checks import decode_wire_state  # noqa: PLC0415
+
+        with self._lock:
+            session = self.get(session_id)
+            n = self.check_forward(session, position, inputs, mode, targets, top_k)
+            if self._loop is None:
+                self._loop = LoopThread()
+                self._relay = self._loop.call(self._connect(), 30.0)
+            if session_id not in self._remote and position == 0:
+                self._targets = self._loop.call(self._discover(), 30.0)  # whoever serves the block now
+                if self._targets:
+                    target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
+                    s = session.sampling
+                    wire = WireSampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
+                                        logprobs=int(s.logprobs))
+                    rid = secrets.token_hex(8)
+                    self._loop.call(self._relay.open(target, session_id, rid, wire, session.seed), self.timeout_s)
+                    self._remote[session_id] = [target, rid, 0]
+            if session_id not in self._remote:
+                return super().forward(session_id, position, inputs, mode, targets, top_k)
+            target, rid, step = self._remote[session_id]
+            specs, body = encode_input(inputs)
+            hop = self._loop.call(self._relay.forward(target, session_id, rid, step, position, specs, body, mode,
+                                                      targets, top_k), self.timeout_s + 1)
+            self._remote[session_id][2] += 1
+            session.position = position + n
+            session.step += 1
+            session.last_used = time.monotonic()
+            self.forwards += 1
+            self.tokens += n
+            return decode_wire_state(list(hop.output_specs), hop.output_body)
+
+    def close(self, session_id: str) -> None:
+        super().close(session_id)
+        remote = self._remote.pop(session_id, None)
+        if remote is not None:
+            self._loop.call(self._relay.close(remote[0], session_id), self.timeout_s)
+
+
+CHEATS = {"other-weights": OtherWeightsStage, "skip-layer": SkipLayerStage, "echo": EchoStage,
+          "session-liar": SessionLiarStage, "long-position-liar": LongPositionLiarStage, "replay": ReplayStage,
+          "forwarder": ForwardingStage}
+
+__all__ = ["CHEATS", "WireRounding", "OtherWeightsStage", "SkipLayerStage", "EchoStage", "SessionLiarStage",
+           "LongPositionLiarStage", "ReplayStage", "ForwardingStage", "LayerRange", "load_stage_model", "main", "start_hosts",
+           "stop_hosts"]
+
+
+class WireRounding:
+    """An honest stage whose outputs cross a bfloat16 wire (what `--wire-dtype bfloat16` sends): wraps any
+    stage, rounds every output state to bf16 and back. Not a cheat: the checks must pass it."""
+
+    def __init__(self, stage: Stage, dtype: torch.dtype = torch.bfloat16):
+        self.stage = stage
+        self.dtype = dtype
+
+    def __getattr__(self, name):
+        return getattr(self.stage, name)
+
+    def forward(self, *args, **kw):
+        out = self.stage.forward(*args, **kw)
+        if isinstance(out, ResidualState):
+            r = lambda t: t.to(self.dtype).float()  # noqa: E731
+            return ResidualState(out.lengths, [r(b) for b in out.blocks], r(out.partial))
+        return out
+
+
+# ------------------------------------------------------------------ stage processes (honest or cheating)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m localnet.cheats.stage",
+                                description="Serve stage miners, honest or cheating, one port each, in one process.")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--wallet-path", required=True, help="wallets NAME/default of every --stage")
+    p.add_argument("--stage", action="append", required=True, metavar="NAME:KIND:A-B[:DTYPE[:WIRE]]",
+                   help=f"KIND: honest or one of {sorted(CHEATS)}; DTYPE, WIRE: float32 (default) or bfloat16")
+    p.add_argument("--forward-to", action="append", default=[], metavar="URL",
+                   help="stage URLs a forwarder hands its sessions to (those serving its block)")
+    p.add_argument("--one-in", type=int, default=3, help="session-liar: lies for one session in this many")
+    p.add_argument("--from-position", type=int, default=48, help="long-position-liar: lies from this position")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="with one --stage: its port (default: a free one each)")
+    p.add_argument("--network", default="", help="chain to announce every stage on, as stage_miner does "
+                                                  "(its hotkey registered there); empty: announce nothing")
+    p.add_argument("--netuid", type=int, default=None)
+    p.add_argument("--hop-timeout-s", type=float, default=5.0)
+    p.add_argument("--max-tokens-per-forward", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ready-file", default="")
+    return p
+
+
+def _stage(args, spec: str, keypair):
+    from inference.model.checkpoint import read_config  # noqa: PLC0415
+    from inference.swarm.stage import StageLimits  # noqa: PLC0415
+
+    parts = spec.split(":")
+    if len(parts) < 3 or (parts[1] != "honest" and parts[1] not in CHEATS) \
+            or any(d not in _DTYPES for d in parts[3:5]):
+        raise SystemExit(f"--stage {spec!r}: expected NAME:KIND:A-B[:DTYPE[:WIRE]], KIND honest or one of "
+                         f"{sorted(CHEATS)}, dtypes {sorted(_DTYPES)}")
+    name, kind, layers = parts[:3]
+    dtype, wire = (parts[3:] + ["float32", "float32"])[:2] if len(parts) > 3 else ("float32", "float32")
+    limits = StageLimits(max_tokens_per_forward=args.max_tokens_per_forward)
+    rng = LayerRange.parse(layers, read_config(args.checkpoint).num_layers)
+    if kind == "honest":
+        stage = Stage.from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits)
+    else:
+        kw = {"session-liar": {"one_in": args.one_in}, "long-position-liar": {"from_position": args.from_position},
+              "forwarder": {"forward_to": tuple(args.forward_to), "keypair": keypair}}.get(kind, {})
+        stage = CHEATS[kind].from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits, **kw)
+    return name, kind, stage, wire
+
+
+async def serve(args) -> None:
+    import bittensor as bt  # noqa: PLC0415
+
+    from neurons.stage_miner import announce, announcement_for, serve_until_signalled  # noqa: PLC0415
+    from neurons.swarm.stage_server import StageServer, StageServerSettings  # noqa: PLC0415
+
+    if args.port and len(args.stage) != 1:
+        raise SystemExit("--port takes one --stage")
+    servers, info = [], {}
+    for spec in args.stage:
+        wallet = bt.Wallet(spec.split(":")[0], "default", path=os.path.expanduser(args.wallet_path))
+        name, kind, stage, wire = _stage(args, spec, wallet.hotkey)
+        server = StageServer(stage, wallet.hotkey, StageServerSettings(
+            host=args.host, port=args.port, hop_timeout_s=args.hop_timeout_s, wire_dtype=wire))
+        server.warm_up()
+        await server.start()
+        servers.append(server)
+        if args.network:
+            from chain import connect  # noqa: PLC0415
+
+            async with connect(args.network) as chain:
+                await announce(chain, wallet, args.netuid, args.host, server.port,
+                               announcement_for(args.checkpoint, stage))
+        info[name] = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(stage.layers),
+                      "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms, "kind": kind}
+    await serve_until_signalled(next(iter(info.values())) if len(info) == 1 else info, args.ready_file)
+    for server in servers:
+        await server.close()
+
+
+def start_hosts(checkpoint, wallet_path, hosts: dict[str, list[str]], run_dir, extra: dict[str, list[str]] = {},
+                timeout_s: float = 240.0, threads: int = 1) -> tuple[dict, dict]:
+    """Start one stage host process per entry of `hosts` (name -> its --stage specs, plus `extra[name]`
+    arguments), all at once, and wait until each listens; (processes, {stage name: its ready info}). The
+    caller stops them with `stop_hosts`. Logs go to run_dir/NAME.log."""
+    import subprocess  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs, info = {}, {}
+    try:
+        for name, specs in hosts.items():
+            ready = Path(run_dir) / f"{name}.ready"
+            cmd = [sys.executable, "-m", "localnet.cheats.stage", "--checkpoint", str(checkpoint), "--wallet-path",
+                   str(wallet_path), "--threads", str(threads), "--ready-file", str(ready)]
+            cmd += [a for spec in specs for a in ("--stage", spec)] + list(extra.get(name, []))
+            log = Path(run_dir) / f"{name}.log"
+            procs[name] = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        deadline = time.monotonic() + timeout_s
+        for name, specs in hosts.items():
+            ready, log = Path(run_dir) / f"{name}.ready", Path(run_dir) / f"{name}.log"
+            while not ready.exists():
+                if procs[name].poll() is not None:
+                    raise RuntimeError(f"stage host {name} exited: {log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage host {name} not ready in {timeout_s} s")
+                time.sleep(0.2)
+            got = json.loads(ready.read_text())
+            info.update({specs[0].split(":")[0]: got} if len(specs) == 1 else got)
+    except BaseException:
+        stop_hosts(procs)
+        raise
+    return procs, info
+
+
+def stop_hosts(procs: dict) -> None:
+    """SIGTERM every process still running (SIGCONT first: a test may have stopped one), then wait; SIGKILL
+    what does not end within 10 s."""
+    import subprocess  # noqa: PLC0415
+
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""`python -m neurons.stage_miner --checkpoint DIR --serve-layers A-B ...`: serve one layer block.
+
+(Also `python neurons/miner.py --serve-layers A-B ...` / `k3-miner --serve-layers A-B ...`.) Loads only the
+block's tensors, measures its single-token step time, and serves the stage wire on --host/--port, signed
+with the wallet's hotkey (btcli's -w/-H/--wallet-path, BT_WALLET...). Every flag can also be set by the
+environment variable shown in --help; a flag wins. With --ready-file it writes {"url", "hotkey", "pid",
+"layers", "fingerprint", "step_ms", "metrics_url"} there once it listens (for scripts and tests that start
+it with --port 0). With --metrics, Prometheus metrics on 127.0.0.1:--metrics-port. SIGTERM/SIGINT stop it.
+
+With --network and --netuid it announces itself on that chain (its hotkey must be registered there): its
+endpoint (ServeAxon: --external-ip/--external-port, default the listening address) and, as its hotkey's
+commitment, a `StageAnnouncement` naming the model (config hash and checkpoint fingerprint), its layer block and
+its stage fingerprint; route drivers find it from these (`MetagraphDirectory`). An identical entry already on
+chain is left as it is (no quota spent); a rate-limited re-publish keeps the old one and says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from chain.interface import ChainError, RateLimited
+from inference.model.checkpoint import CheckpointError, fingerprint, read_config
+from inference.swarm.stage import LayerRange, Stage
+from neurons.base.observability import MetricsServer, setup_logging
+from neurons.base.settings import WalletSettings, describe_values, open_wallet, program_name
+from neurons.swarm.settings import METRICS_HOST, StageMinerSettings, read_stage_miner_settings, stage_miner_options
+from neurons.swarm.stage_server import StageServer, StageServerSettings
+from protocol.stage import StageAnnouncement
+
+log = logging.getLogger("k3.stage_miner")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_wallet(settings: WalletSettings):
+    """The wallet, with its hotkey opened (a SystemExit naming the key when it cannot be)."""
+    try:
+        wallet = open_wallet(settings)
+        wallet.hotkey
+    except Exception as e:  # noqa: BLE001 (the SDK raises several kinds for a missing/locked key)
+        raise SystemExit(f"stage_miner: cannot open hotkey {settings.name}/{settings.hotkey} under "
+                         f"{settings.path}: {e}") from None
+    return wallet
+
+
+def announcement_for(checkpoint, stage: Stage) -> StageAnnouncement:
+    try:
+        model = fingerprint(checkpoint)
+    except CheckpointError:  # no manifest: the config hash alone names the model
+        model = ""
+    return StageAnnouncement(config_hash=stage.config.config_hash(), model_fingerprint=model,
+                             start=stage.layers.start, stop=stage.layers.stop, fingerprint=stage.fingerprint)
+
+
+async def announce(chain, wallet, netuid: int, ip: str, port: int, announcement: StageAnnouncement) -> None:
+    """Publish the endpoint and the announcement unless the chain already holds exactly these."""
+    hotkey = wallet.hotkey.ss58_address
+    me = (await chain.metagraph(netuid)).by_hotkey(hotkey)
+    if me is None:
+        raise SystemExit(f"stage_miner: hotkey {hotkey} is not registered on subnet {netuid}")
+    if me.endpoint is None or (me.endpoint.ip, me.endpoint.port) != (ip, port):
+        try:
+            await chain.publish_endpoint(wallet, netuid, ip, port)
+        except RateLimited as e:
+            log.warning("endpoint not re-published (%s); the chain keeps %s", e, me.endpoint)
+    text = announcement.text()
+    current = (await chain.commitments(netuid)).get(hotkey)
+    if current is None or current.data != text:
+        try:
+            await chain.publish_commitment(wallet, netuid, text)
+        except RateLimited as e:
+            log.warning("announcement not re-published (%s); the chain keeps %r", e, current and current.data)
+
+
+async def run(settings: StageMinerSettings) -> None:
+    b, s, c = settings.block, settings.server, settings.chain
+    config = read_config(b.checkpoint)
+    layers = LayerRange.parse(b.serve_layers, config.num_layers)
+    stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits(), shard_ranks=b.shard_ranks,
+                                  threads_per_rank=b.threads or None, shard_mode=b.shard_mode)
+    try:
+        await serve_stage(settings, stage)
+    finally:
+        stage.shutdown()
+
+
+async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
+    b, s, c = settings.block, settings.server, settings.chain
+    layers = stage.layers
+    wallet = load_wallet(settings.wallet)
+    server = StageServer(stage, wallet.hotkey, StageServerSettings(
+        host=s.host, port=s.port, public_url=s.public_url, max_body_bytes=s.max_body_bytes,
+        hop_timeout_s=s.hop_timeout_s, wire_dtype=b.wire_dtype))
+    server.warm_up()
+    await server.start()
+    metrics = None
+    try:
+        if s.metrics:
+            metrics = MetricsServer(lambda: [server.metrics.registry], METRICS_HOST, s.metrics_port,
+                                    component="stage-metrics")
+            await metrics.start()
+        if c.network:
+            from chain import connect  # noqa: PLC0415
+
+            port = s.external_port or server.port
+            async with connect(c.network) as chain:
+                await announce(chain, wallet, c.netuid, s.external_ip or s.host, port,
+                               announcement_for(b.checkpoint, stage))
+        info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
+                "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
+                "shard_pids": sorted(stage.model.pids.values()) if stage.sharded else [],
+                "shard_layout": stage.shard_layout(),
+                "metrics_url": f"http://{METRICS_HOST}:{metrics.port}/metrics" if metrics else None}
+        log.info("stage %s (layers %s) serving on %s%s", server.hotkey, layers, server.url,
+                 f"; metrics on {info['metrics_url']}" if metrics else "")
+        await serve_until_signalled(info, s.ready_file)
+    finally:
+        if metrics is not None:
+            await metrics.close()
+        await server.close()
+
+
+async def serve_until_signalled(info: dict, ready_file: str) -> None:
+    """Say the process serves (`info` as JSON on stdout, and atomically in `ready_file` when given), then wait
+    for SIGTERM or SIGINT."""
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(ready_file)
+    print(json.dumps(info), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The stage miner; `prog` names it in usage and error lines (the miner's entry point passes its own)."""
+    prog = prog or program_name("k3-miner", "neurons.stage_miner")
+    settings = read_stage_miner_settings(argv, prog=prog, description=__doc__)
+    problems = settings.problems()
+    if problems:
+        for problem in problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    log.debug("settings: %s", describe_values(stage_miner_options(), dataclasses.asdict(settings)))
+    if settings.block.threads:
+        torch.set_num_threads(settings.block.threads)
+    try:
+        asyncio.run(run(settings))
+    except (CheckpointError, ChainError, ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
