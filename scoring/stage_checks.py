@@ -20,7 +20,7 @@ output on the same input:
 A challenge fails when a window of consecutive tokens holds too many bad ones (`judge_tokens`): honest bf16
 stages have isolated far-off tokens (router near-ties flipping an expert), cheaters have runs of them. The
 thresholds (`Thresholds`) come from the honest drift measured for one block in fp32 and bf16
-(benchmarks/stage_checks.py; numbers in docs-snippets/stage-verify.md).
+(benchmarks/stage_checks.py; numbers in docs/swarm.md section 10).
 
 **Cross-check against two peers.** For a block the validator holds no copy of, `run_cross_check` sends the
 same challenge to the stage under test and to two other stage miners of that block (the caller picks them on
@@ -98,7 +98,7 @@ def projection(seed: int, width: int, k: int) -> Tensor:
 class Thresholds:
     """Pass limits per block, from the honest drift measured over one block of the tiny model, random and trained
     (fp32 reference vs bf16 weights and a bf16 wire, fp32 on other thread counts, chunked prefill;
-    benchmarks/stage_rounds.py, numbers in docs-snippets/stagev3.md).
+    benchmarks/stage_rounds.py, numbers in docs/swarm.md section 10).
 
     Honest drift: fp32 stages on 1 or 2 threads and chunked prefill are bit-identical or within 1e-5; bf16 moves
     almost every token by ~0.3% (relative L2 of the projected new state), and a few tokens by up to 18% on the

@@ -411,7 +411,7 @@ def logprob_gap_bound(config: ScoringConfig, precision: Optional[str],
 def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: bool,
                      exact: bool = False, precision: Optional[str] = None,
                      prompt_tokens: Optional[int] = None) -> list[Failure]:
-    """The tier-1 rules (docs-snippets/verify.md). Every soft threshold sits outside what honest
+    """The tier-1 rules (docs/verification.md). Every soft threshold sits outside what honest
     numerics produce (bf16/fp16, other kernels, batching, chunking, sharding: the envelope measured
     by benchmarks/verification.py); a failure is hard only when the reference is trusted (the
     validator's own engine) and the evidence is far outside that envelope, at any temperature.

@@ -46,7 +46,7 @@ from protocol.stage import sign_receipt
 ROOT = Path(__file__).resolve().parent.parent
 HONEST = {"h0": "0-2", "h1": "3-5", "h2": "6-8", "h3": "9-12"}
 BF16 = {"b1": "3-5", "b3": "9-12", "b4": "3-5"}
-# name: (kind, layers, most challenges until blamed; miss chances in docs-snippets/stagev2.md)
+# name: (kind, layers, most challenges until blamed; miss chances in docs/swarm.md section 10)
 CHEATERS = {"weights": ("other-weights", "3-5", 1), "skip": ("skip-layer", "9-12", 1), "echo": ("echo", "0-2", 1),
             "sessions": ("session-liar", "3-5", 12), "long": ("long-position-liar", "6-8", 12),
             "replay": ("replay", "6-8", 3), "forwarder": ("forwarder", "6-8", 12)}
