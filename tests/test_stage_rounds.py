@@ -345,7 +345,7 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
 
     from localnet.cheats.route import ReceiptForger
     from neurons.route_miner import WorkReport
-    from neurons.swarm.stage_server import post_signed
+    from neurons.swarm.signed_http import post_signed
     from protocol.route_work import MAX_WORK_STEPS, ROUTE_WORK_PATH
     from protocol.stage import Hop
     from scoring.stage_rewards import MinerWork

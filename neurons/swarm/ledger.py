@@ -11,12 +11,16 @@ will not give its own.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
 
-from protocol.stage import (MAX_LEDGER_STEPS, LedgerHeader, LedgerStep, Receipt, WireSampling, WireTensorSpec,
-                            encode_frame)
+import aiohttp
+
+from neurons.swarm.signed_http import post_signed
+from protocol.stage import (LEDGER_PATH, MAX_LEDGER_STEPS, Hop, LedgerHeader, LedgerRequest, LedgerStep, Receipt,
+                            StageWireError, WireSampling, WireTensorSpec, encode_frame, parse_model, split_frame)
 
 
 @dataclass
@@ -135,4 +139,35 @@ def split_ledger(header: LedgerHeader, body: bytes) -> list[tuple[LedgerStep, by
     return out
 
 
-__all__ = ["LedgerEntry", "SessionRecord", "StageLedger", "split_ledger"]
+class LedgerUnavailable(Exception):
+    """A stage did not give a session's record: unreachable, slow, refused, not retained or malformed. A fault
+    (what a validator checks with comes from the neighbours instead), not evidence of a lie."""
+
+
+async def read_ledger(http: aiohttp.ClientSession, keypair, hop: Hop, route_id: str, session: str,
+                      timeout_s: float, max_pages: int = 64) -> tuple[LedgerHeader, list[tuple[LedgerStep, bytes, bytes]]]:
+    """A stage's whole record of one session (page after page while it says there is more), or
+    LedgerUnavailable. The bytes are not checked here against the receipts: the caller does."""
+    header, steps, from_step = None, [], 0
+    for _ in range(max_pages):
+        body = LedgerRequest(route_id=route_id, session=session, from_step=from_step).model_dump_json().encode()
+        try:
+            status, answer = await post_signed(http, keypair, hop, LEDGER_PATH, body, timeout_s, "application/json")
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise LedgerUnavailable(f"{hop.url} unreachable: {type(e).__name__}") from None
+        if status != 200:
+            raise LedgerUnavailable(f"{hop.url} answered {status}: {answer[:200].decode(errors='replace')}")
+        try:
+            head, raw = split_frame(answer, max(len(answer), 1))
+            page = parse_model(LedgerHeader, head, "ledger")
+            steps += split_ledger(page, bytes(raw))
+        except (StageWireError, ValueError) as e:
+            raise LedgerUnavailable(f"{hop.url} sent a malformed ledger: {e}") from None
+        header = header or page
+        if not page.more or not page.steps:
+            return header, steps
+        from_step = page.steps[-1].step + 1
+    raise LedgerUnavailable(f"{hop.url}: the session's record did not end within {max_pages} pages")
+
+
+__all__ = ["LedgerEntry", "LedgerUnavailable", "SessionRecord", "StageLedger", "read_ledger", "split_ledger"]

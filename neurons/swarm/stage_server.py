@@ -42,7 +42,8 @@ from neurons.base.observability import CALLER, observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
 from neurons.swarm.ledger import StageLedger
 from neurons.swarm.metrics import StageMetrics
-from protocol.auth import AuthFailure, sign_request, verify_request
+from neurons.swarm.signed_http import post_signed
+from protocol.auth import AuthFailure, verify_request
 from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORK_PATH, FORWARD_PATH,
@@ -70,28 +71,6 @@ class StageServerSettings:
     ledger_bytes: int = 256 << 20
     # drivers and neighbouring stages are few addresses with many connections each
     guard: GuardSettings = GuardSettings(max_connections=512, max_connections_per_address=256)
-
-
-async def start_result_site(app: web.Application, host: str, port: int,
-                            shutdown_timeout: float) -> tuple[web.AppRunner, int]:
-    """Serve `app` (a driver's or relay's small result endpoint) on host:port; returns the runner and the bound
-    port (port 0 picks a free one)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
-
-
-async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str, body: bytes, timeout_s: float,
-                      content_type: str = FRAME_CONTENT_TYPE) -> tuple[int, bytes]:
-    """POST `body` to `hop` signed for its hotkey; (status, response bytes). Raises asyncio.TimeoutError or
-    aiohttp.ClientError when the hop cannot be reached in time."""
-    headers = sign_request(keypair, "POST", path, body, hop.hotkey)
-    headers["Content-Type"] = content_type
-    async with http.post(hop.url + path, data=body, headers=headers,
-                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return resp.status, await resp.read()
 
 
 class StageServer:
@@ -446,4 +425,4 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.Response(status=status, body=error_body(code, message), content_type="application/json")
 
 
-__all__ = ["StageServer", "StageServerSettings", "post_signed"]
+__all__ = ["StageServer", "StageServerSettings"]
