@@ -349,6 +349,7 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
     from protocol.route_work import MAX_WORK_STEPS, ROUTE_WORK_PATH
     from protocol.stage import Hop
     from scoring.stage_rewards import MinerWork
+    from scoring.weights import with_stage_miners
 
     store = ValidatorStore(tmp_path / "v.sqlite")
     honest_key, forger_key = swarm["wallets"]["driver"].hotkey, Keypair.create_from_uri("//forger")
@@ -393,7 +394,7 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
         await sr.close()
         whole = {7: 1.0, 8: 1.0}
         work = {7: MinerWork(honest_key.ss58_address, 100, 10.0), 8: MinerWork(forger_key.ss58_address, 100, 10.0)}
-        out["weights"] = sr.weights(whole, work)
+        out["weights"] = with_stage_miners(whole, work, sr.evidence())
         return out
 
     out = asyncio.run(asyncio.wait_for(scenario(), 180))
