@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 import aiohttp
 
 from inference.swarm.stage import HeadOutput
-from neurons.swarm.codec import decode_head_output, decode_inputs
+from neurons.swarm.codec import decode_wire
 from neurons.swarm.ledger import LedgerUnavailable, read_ledger
 from neurons.swarm.route import NUMERICS_ORDER, StageInfo, StepRecord
 from protocol.stage import LedgerStep, Receipt, WireTensorSpec, state_sha256, verify_receipt
@@ -182,11 +182,8 @@ class SessionAuditor:
             m = meta.get(rec.step)
             if m is None:
                 return [], f"step {rec.step}: no stage gave its forward's header fields"
-            first = r.layers[0] == 0
-            inputs = decode_inputs(_tensors(*got_in), first, self.hidden_size)
-            specs_out, body_out = got_out
-            output = decode_head_output(body_out) if not specs_out else \
-                decode_inputs(_tensors(specs_out, body_out), False, self.hidden_size)
+            inputs = decode_wire(*got_in, r.layers[0] == 0, self.hidden_size)
+            output = decode_wire(*got_out, False, self.hidden_size)
             steps.append(OpenedStep(rec.step, m.position, m.mode, tuple(m.targets) if m.targets else None, m.top_k,
                                     m.rewind, inputs, output))
         return steps, None
@@ -227,14 +224,6 @@ class SessionAuditor:
         """The verdict over a stage's window of checks (None: no envelope for its numerics, no statistics)."""
         env = self.envelopes.get((numerics, kind)) if self.envelopes else None
         return verdict(outcomes, env, self.alpha) if env is not None else None
-
-
-def _tensors(specs: Sequence[WireTensorSpec], body: bytes):
-    view, out, offset = memoryview(body), [], 0
-    for s in specs:
-        out.append((s, view[offset:offset + s.nbytes]))
-        offset += s.nbytes
-    return out
 
 
 def _digest(x) -> str:
