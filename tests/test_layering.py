@@ -7,10 +7,10 @@
 - chain/ imports nothing of ours outside chain/ (it knows only the SDK, numpy and SQLite);
 - protocol/ imports nothing from inference/, neurons/, chain/ or scoring/;
 - scoring/ and neurons/ import neither benchmarks/ nor localnet/ (tooling sits on top; nothing runs it);
-- inside neurons/: base/ (settings, logging, rate limits) imports no other room of neurons/; the apps (miner_app,
-  gateway, swarm, validator_app) never import a process (neurons/miner.py, validator.py, stage_miner.py,
-  route_miner.py); the swarm library and the gateway import no validator_app; the miner app and the gateway import
-  no other app;
+- inside neurons/: base/ (settings, logging, rate limits, the engine<->wire adapter) imports no other room of
+  neurons/; the apps (miner_app, gateway, swarm, validator_app) never import a process (neurons/miner.py,
+  validator.py, stage_miner.py, route_miner.py); the swarm library and the gateway import no validator_app; the
+  miner app and the gateway import no other app;
 - no two modules import each other, directly or around a circle (function-level imports count: a lazy import is
   still a seam), and no two public classes share a name.
 

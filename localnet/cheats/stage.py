@@ -185,7 +185,7 @@ class ForwardingStage(_Cheat):
 
     def forward(self, session_id, position, inputs, mode="none", targets=None, top_k=0):
         from localnet.relay import LoopThread, encode_input  # noqa: PLC0415
-        from protocol.stage import WireSampling  # noqa: PLC0415
+        from neurons.base.engine_wire import wire_sampling  # noqa: PLC0415
 
         with self._lock:
             session = self.get(session_id)
@@ -197,11 +197,9 @@ class ForwardingStage(_Cheat):
                 self._targets = self._loop.call(self._discover(), 30.0)  # whoever serves the block now
                 if self._targets:
                     target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
-                    s = session.sampling
-                    wire = WireSampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
-                                        logprobs=int(s.logprobs))
                     rid = secrets.token_hex(8)
-                    self._loop.call(self._relay.open(target, session_id, rid, wire, session.seed), self.timeout_s)
+                    self._loop.call(self._relay.open(target, session_id, rid, wire_sampling(session.sampling),
+                                                     session.seed), self.timeout_s)
                     self._remote[session_id] = [target, rid, 0]
             if session_id not in self._remote:
                 return super().forward(session_id, position, inputs, mode, targets, top_k)

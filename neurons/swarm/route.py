@@ -59,15 +59,15 @@ from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.swarm.stage import HeadOutput
+from neurons.base.engine_wire import wire_sampling
 from neurons.swarm.codec import decode_head_output, encode_ids
 from neurons.swarm.signed_http import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
                             REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
-                            RewindRequest, StageAnnouncement, StageCapabilities, StageWireError, WireSampling,
-                            encode_frame, parse_model, split_frame, state_sha256, verify_capabilities,
-                            verify_receipt_chain)
+                            RewindRequest, StageAnnouncement, StageCapabilities, StageWireError, encode_frame,
+                            parse_model, split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
 
 log = logging.getLogger("k3.route")
 
@@ -468,8 +468,7 @@ class RouteDriver:
         route = await self.plan()
         rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12), request_id=request_id)
         me = Hop(url=self.url, hotkey=self.hotkey)
-        wire = WireSampling(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                            top_k=int(sampling.top_k), logprobs=int(sampling.logprobs))
+        wire = wire_sampling(sampling)
 
         async def open_one(i: int, s: StageInfo) -> None:
             req = OpenRequest(route_id=rs.route_id, session=rs.session,
