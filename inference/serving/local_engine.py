@@ -72,7 +72,8 @@ class _Sequence(ScheduledSequence):
 
 
 class LocalEngine(Engine):
-    """Continuous batching over an in-process model.
+    """Continuous batching over an in-process model: `scheduler` (a StepScheduler) decides what each step
+    runs; this class runs the steps and turns their logits into events.
 
     `model` needs `config`, `new_cache()` and `forward(token_ids, caches, all_logits)`;
     `tokenizer` needs `incremental_decoder()`, `eos_id` and optionally `stop_ids`. Model steps run in one worker thread so
@@ -563,6 +564,8 @@ class LocalEngine(Engine):
             self._health = EngineHealth("ok", f"last failure: {exc}")
 
     def _after_step(self, batch, logits, all_logits) -> None:
+        """A step came back: the scheduler counts what each sequence read; scores, verified drafts and sampled
+        tokens go out as events."""
         now = time.perf_counter()
         sample_rows, sample_seqs = [], []
         ran = batch[:len(logits)]  # one row per sequence; a model that answers fewer leaves the rest unread
