@@ -358,12 +358,16 @@ class RouteDriver:
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=max(1, record_steps))
         # per stage hotkey: the recent decode step times of the routes it was on, each divided by their stages
         self.step_times: dict[str, collections.deque] = {}
+        self.closed: dict[str, None] = {}  # sessions this driver closed (their records are complete), oldest first
 
     @property
     def url(self) -> str:
         return self.public_url or f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
+        """Start the result endpoint (once: an engine and a miner server over it may both ask)."""
+        if self._runner is not None:
+            return
         self._http = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post(RESULT_PATH, self.handle_result)
@@ -377,6 +381,7 @@ class RouteDriver:
             await self._runner.cleanup()
         if self._http:
             await self._http.close()
+        self._runner = self._http = None
 
     # ------------------------------------------------------------ routes
     async def stages(self, refresh: bool = False) -> list[StageInfo]:
@@ -505,6 +510,9 @@ class RouteDriver:
         return json.loads(answer or b"{}")
 
     async def close(self, rs: RouteSession) -> None:
+        self.closed[rs.session] = None
+        while len(self.closed) > 65536:
+            del self.closed[next(iter(self.closed))]
         body = CloseRequest(session=rs.session).model_dump_json().encode()
         await asyncio.gather(*(self._control(s, CLOSE_PATH, body, self.probe_timeout_s) for s in rs.route),
                              return_exceptions=True)

@@ -106,7 +106,13 @@ class SessionAuditor:
                    stages: Mapping[str, StageInfo]) -> tuple[list[StageCheck], int]:
         """Check every stage of one recorded session; (one StageCheck per stage of its route, bytes read)."""
         records = sorted(records, key=lambda r: r.step)
+        gap = recorded_prefix_problem(records)
         route = [r.stage for r in records[0].receipts]
+        if gap:  # nothing to re-run from: a fault of the record, checked by nobody
+            layers = {r.stage: tuple(r.layers) for r in records[0].receipts}
+            return [StageCheck(h, layers[h], stage_numerics(stages[h]) if h in stages else "float32",
+                               "head" if layers[h][1] == self.num_layers else "state", unavailable=gap)
+                    for h in route], 0
         if any([r.stage for r in rec.receipts] != route for rec in records):
             return [], 0  # a session's route never changes (recovery opens a new session): not ours to judge
         pool = _Pool()
@@ -224,6 +230,18 @@ class SessionAuditor:
         """The verdict over a stage's window of checks (None: no envelope for its numerics, no statistics)."""
         env = self.envelopes.get((numerics, kind)) if self.envelopes else None
         return verdict(outcomes, env, self.alpha) if env is not None else None
+
+
+def recorded_prefix_problem(records: Sequence[StepRecord]) -> Optional[str]:
+    """Why these steps (sorted) cannot be re-run from the start of their session, or None: they must start at
+    position 0 and each must start where the one before ended (or rewind into it)."""
+    position = 0
+    for i, rec in enumerate(records):
+        rewound = rec.rewind is not None and rec.rewind == rec.position <= position
+        if rec.step != records[0].step + i or not (rec.position == position or rewound):
+            return f"the recorded steps of session {rec.session} do not run from its start (step {rec.step})"
+        position = rec.position + int(rec.input_specs[0].shape[0])
+    return None if records and records[0].position == 0 else "the session's first step was not recorded"
 
 
 def _digest(x) -> str:

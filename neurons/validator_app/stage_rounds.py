@@ -166,6 +166,8 @@ class StageRounds:
         self._own: set[str] = set()  # request ids of the validator's own sessions not settled yet
         self._settling = asyncio.Lock()
         self._audits: set[asyncio.Task] = set()  # checks of claimed route work, in the background
+        self._claimed: dict[str, list[StepRecord]] = {}  # session -> the steps drivers claimed of it (bounded)
+        self.claim_settle_s = 15.0  # a sampled claimed session is checked this long after its first claim
         self.number = 0
         self.last_report = StageRoundReport()
         self._credited = _SeenReceipts()  # receipt signatures credited (the validator's driver and outside drivers)
@@ -287,10 +289,14 @@ class StageRounds:
         """Credit and check every step the validator's driver recorded since the last settle (module doc, 3).
         Returns a summary: sessions, credited layer-tokens, checks made, outside, blamed hotkeys."""
         async with self._settling:
-            records = []
+            records, open_ = [], []
             while self.driver is not None and self.driver.records:
-                records.append(self.driver.records.popleft())
+                rec = self.driver.records.popleft()
+                (records if rec.session in self.driver.closed else open_).append(rec)
+            if self.driver is not None:
+                self.driver.records.extendleft(reversed(open_))  # sessions still running: settled once closed
             stages = {s.hotkey: s for s in (await self.driver.stages() if self.driver else [])}
+            stages.update({m.hotkey: m.info for m in self.miners.values() if m.hotkey not in stages})
             return await self._settle(records, stages, self.keypair.ss58_address)
 
     async def _settle(self, records: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str) -> dict:
@@ -339,7 +345,11 @@ class StageRounds:
     async def _check(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], origin: str,
                      out: dict) -> None:
         started = time.monotonic()
-        checks, read = await self.auditor.open(self._http, recs, stages)
+        try:
+            checks, read = await self.auditor.open(self._http, recs, stages)
+        except Exception:  # noqa: BLE001 (a check that breaks must not stop the others; nobody is blamed for it)
+            log.exception("checking session %s failed", recs[0].session)
+            return
         wall = time.monotonic() - started
         for c in checks:
             info = stages.get(c.hotkey)
@@ -448,11 +458,16 @@ class StageRounds:
                           reason=f"route work of driver {driver} for request {rec.request_id}")
                 credited += tokens
         seen.keep()
-        for recs in by_session.values():
-            if self.rng.random() < self.work_audit_rate:
-                task = asyncio.ensure_future(self._check_claimed(recs, stages, driver))
+        for session, recs in by_session.items():
+            known = self._claimed.setdefault(session, [])
+            first = not known
+            known.extend(recs)
+            if first and self.rng.random() < self.work_audit_rate:  # drawn once per session, at its first claim
+                task = asyncio.ensure_future(self._check_claimed(session, stages, driver))
                 self._audits.add(task)
                 task.add_done_callback(self._audits.discard)
+        while len(self._claimed) > 4096:
+            del self._claimed[next(iter(self._claimed))]
         log.info("route driver %s: %d steps, %d layer-tokens credited, %d steps not credited", driver,
                  len(work.steps), credited, uncredited)
         return 200, {"steps": len(work.steps), "credited_tokens": credited, "uncredited_steps": uncredited}
@@ -488,7 +503,11 @@ class StageRounds:
                                         layers=m.label if m else None, kind="route_receipts", passed=0, blame=1,
                                         reason=f"presented by route driver {driver}: {problem}"))
 
-    async def _check_claimed(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str) -> None:
+    async def _check_claimed(self, session: str, stages: Mapping[str, StageInfo], driver: str) -> None:
+        """Check a claimed session once the driver has had time to claim the rest of it (its steps come in over
+        several claims): what it claimed by then, from the session's start."""
+        await asyncio.sleep(self.claim_settle_s)
+        recs = sorted(self._claimed.get(session, []), key=lambda r: r.step)
         try:
             await self._check(recs, stages, f"route work of {driver}", {"checked": 0, "outside": 0, "blamed": []})
         except Exception:  # noqa: BLE001 (a background check must never take the validator down)
