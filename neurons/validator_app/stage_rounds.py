@@ -167,8 +167,10 @@ class StageRounds:
         self._refs: Optional[_References] = None
         self._http: Optional[aiohttp.ClientSession] = None
         self._decoy_servers: list[DecoyServer] = []
-        self._own: set[str] = set()  # request ids of the validator's own sessions not settled yet
-        self._finished: set[str] = set()  # ... of those, the ones whose generation ended
+        # request ids of the validator's own sessions not settled yet, and of those the ones whose generation ended
+        # (insertion-ordered, the oldest forgotten past MAX_OWN: a session that never produced records)
+        self._own: dict[str, None] = {}
+        self._finished: dict[str, None] = {}
         self._settling = asyncio.Lock()
         self._audits: set[asyncio.Task] = set()  # checks of claimed route work, in the background
         self._claimed: dict[str, list[StepRecord]] = {}  # session -> the steps drivers claimed of it (bounded)
@@ -284,7 +286,7 @@ class StageRounds:
         params = SamplingParams(max_tokens=self.rng.randint(4, max(4, self.max_tokens)),
                                 temperature=self.rng.choice((0.0, 0.6, 0.7, 1.0)),
                                 top_p=self.rng.choice((1.0, 1.0, 0.95, 0.9)), seed=self.rng.getrandbits(62))
-        self._own.add(request_id)
+        _remember(self._own, request_id)
         try:
             stream = self.engine.generate(GenerationRequest(self._prompt(n), params, request_id))
             async for event in stream:
@@ -294,7 +296,7 @@ class StageRounds:
             log.info("the validator's own session found no route: %s", e)
             return 0
         finally:
-            self._finished.add(request_id)  # its records are complete, closed or not
+            _remember(self._finished, request_id)  # its records are complete, closed or not
         return 1
 
     # ------------------------------------------------------------ settling recorded sessions
@@ -329,8 +331,9 @@ class StageRounds:
             out["credited_tokens"] += sum(int(r.input_specs[0].shape[0]) * len(r.receipts) for r in recs)
             if own or self.rng.random() < self.organic_audit_rate:
                 await self._check(recs, stages, "validator" if own else "organic", out)
-        self._own -= {r.request_id for r in records}
-        self._finished -= {r.request_id for r in records}
+        for r in records:
+            self._own.pop(r.request_id, None)
+            self._finished.pop(r.request_id, None)
         return out
 
     def _credit(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str,
@@ -609,6 +612,15 @@ class StageRounds:
         drivers, and the layers' costs once the validator's copy of the model is loaded."""
         return StageEvidence(self.stage_work(), self.blamed_drivers(),
                              self.layer_costs if self._refs is not None else None)
+
+
+MAX_OWN = 10_000
+
+
+def _remember(ids: dict, key: str) -> None:
+    ids[key] = None
+    while len(ids) > MAX_OWN:
+        del ids[next(iter(ids))]
 
 
 class _SeenReceipts(dict):
