@@ -87,7 +87,7 @@ def test_checkpoint_choice_defaults_to_trained_and_random_is_one_flag_away(tmp_p
         resolve_checkpoint(str(tmp_path / "missing"), tmp_path)
 
 
-@pytest.mark.parametrize("bench", ["miner", "validator", "stage_checks"])
+@pytest.mark.parametrize("bench", ["miner", "validator", "stage_envelope"])
 def test_benchmarks_take_the_checkpoint_choice(bench):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{bench}", "--help"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
