@@ -222,7 +222,7 @@ def generate(model, prompts: Sequence[Sequence[int]], temperatures: Sequence[flo
             while active:
                 nxt = []
                 for r in active:
-                    chosen = samplers[r].choose(last[r])
+                    chosen = samplers[r].choose(last[r], len(out_tokens[r]))
                     out_tokens[r].append(chosen.token_id)
                     out_lps[r].append(chosen.logprob)
                     if chosen.token_id not in stop_ids and len(out_tokens[r]) < max_tokens:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.decoding.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.decoding.sampling import MAX_LOGPROBS, SAMPLER, SampledToken, SamplingParams, TokenSampler, find_stop
 from inference.decoding.speculation import SequenceSpeculation, SpeculationConfig
 from inference.model import ModelConfig
 from inference.serving.metrics import EngineMetrics
@@ -96,6 +96,7 @@ class FinalEvent:
     draft_proposed: int = 0  # speculative decoding: drafted tokens verified, and how many were accepted
     draft_accepted: int = 0
     verify_steps: int = 0
+    seed: int | None = None  # the seed the sampler ran with (the request's or one drawn): replays the answer
 
 
 @dataclass
@@ -116,6 +117,7 @@ class EngineCapabilities:
     engine_kind: str  # "reference" | "sharded" | "remote"
     layout: dict = field(default_factory=dict)
     precision: str = "fp32"
+    sampler: str = SAMPLER  # inference.decoding.sampling.SAMPLERS: k3-gumbel/1 (replayable) or "engine" (its own)
 
 
 @dataclass(frozen=True)
@@ -889,7 +891,7 @@ class LocalEngine(Engine):
             logprobs = torch.log_softmax(rows, dim=-1)
             for seq, row, lp in zip(sample_seqs, rows, logprobs):
                 with self._failing_alone(seq, "sampling"):
-                    self._emit_token(seq, seq.sampler.choose(row, lp), now)
+                    self._emit_token(seq, seq.sampler.choose(row, len(seq.generated), lp), now)
         for seq in sample_seqs:  # speculation: judge the drafter's unused guess against the chosen token
             if seq.speculation is not None and seq.generated:
                 seq.speculation.observe_plain(seq.generated[-1])
@@ -898,7 +900,7 @@ class LocalEngine(Engine):
         """A speculative step ran [last token, drafts] from position `start`: accept drafts by the rules in
         inference.decoding.acceptance, rewind the cache to the kept positions, emit the 1..k+1 tokens."""
         draft, seq.draft = seq.draft, None
-        verdict = seq.speculation.judge(draft, rows.float(), seq.sampler)
+        verdict = seq.speculation.judge(draft, rows.float(), seq.sampler, len(seq.generated))
         seq.consumed = start + 1 + verdict.accepted
         seq.cache.rewind(seq.consumed)
         for sampled in verdict.tokens:
@@ -977,6 +979,7 @@ class LocalEngine(Engine):
                 ttft_ms=ms(seq.submitted_at, seq.first_token_at),
                 total_ms=ms(seq.submitted_at, end),
                 prefill_ms=ms(seq.admitted_at, seq.prefill_done_at),
+                seed=seq.sampler.seed,
                 **(seq.speculation.final_counts() if seq.speculation is not None else {}),
             ))
         if seq.future is not None and not seq.future.done():

@@ -198,7 +198,8 @@ class ForwardingStage(_Cheat):
                     wire = WireSampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
                                         logprobs=int(s.logprobs))
                     rid = secrets.token_hex(8)
-                    self._loop.call(self._relay.open(target, session_id, rid, wire, session.seed), self.timeout_s)
+                    opening = self._relay.open(target, session_id, rid, wire, session.seed, session.prompt_tokens)
+                    self._loop.call(opening, self.timeout_s)
                     self._remote[session_id] = [target, rid, 0]
             if session_id not in self._remote:
                 return super().forward(session_id, position, inputs, mode, targets, top_k)

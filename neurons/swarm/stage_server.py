@@ -290,7 +290,8 @@ class StageServer:
         if not self.stage.layers.has_head and req.downstream is None:
             raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
         session = await self._in_worker(lambda: self.stage.open(
-            req.session, route_id=req.route_id, seed=req.seed, owner=caller, upstream=req.upstream,
+            req.session, route_id=req.route_id, seed=req.seed, prompt_tokens=req.prompt_tokens, owner=caller,
+            upstream=req.upstream,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, logprobs=s.logprobs),
             downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
         self._queued[req.session] = session.position
