@@ -92,9 +92,12 @@ from protocol.errors import ErrorCode
 from protocol.schemas import (LOGPROB_FLOOR, Capabilities, FinalMessage, GenerateRequest, ResponseSignature, Timings,
                               TokenMessage, TopLogprob, Usage, encode_model)
 from scoring import corpus
+from scoring.audit_sequence import check_answer
+from scoring.canaries import CanaryPool, check_tier2
 from scoring.config import ScoringConfig
 from scoring.metrics import decode_tokens_per_s
-from scoring.verify import CanaryPool, audit_tier1, check_answer, check_tier0, check_tier2
+from scoring.tier0 import check_tier0
+from scoring.tier1 import audit_tier1
 from scoring.workloads import WorkloadError, plan_round
 
 log = logging.getLogger("k3.benchmark")

@@ -39,7 +39,7 @@ from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, Server
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request
 from protocol.client import MinerClient
 from protocol.schemas import GENERATE_PATH, GenerateRequest, encode_event, encode_model
-from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint
+from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 
 
 def make_wallet(root: Path, name: str):

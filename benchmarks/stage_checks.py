@@ -18,7 +18,7 @@ from inference.serving.builders import load_reference_model
 from inference.swarm.stage import LayerRange, Stage
 from localnet.cheats.stage import CHEATS, WireRounding
 from scoring.stage_checks import Thresholds, challenge_steps, plan_steps, reference_stage, run_challenge
-from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint
+from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 
 BLOCKS = [(0, 3), (3, 6), (6, 9), (9, 13)]
 NETWORK_CHEATS = {"forwarder"}  # relays to another stage miner: nothing to measure without a network

@@ -9,7 +9,7 @@ scores windows of --seq-len bytes through the inference forward (positions 1..T-
 Probes use the validator's own wording and names (scoring/corpus.py) at three sizes: the fact right before
 the question, the fact inside ~150 bytes of filler, and a short exact-copy request; and then the validator's
 own probe prompts (scoring/workloads.py, planted fact and exact copy, local-testnet prompt sizes), judged by
-its own check (scoring.verify.check_answer: the answer contains the value or the text).
+its own check (scoring.audit_sequence.check_answer: the answer contains the value or the text).
 
     python -m benchmarks.tiny_model --write-probes scoring/envelopes/tiny_trained.json --probes 100
 

@@ -11,7 +11,7 @@ scoring.workloads.plan_round; then, one response at a time, the validator's chec
 time.process_time:
 - planning a round for one miner (prompt building and tokenisation);
 - receiving a response: decoding its NDJSON events (what the client does as they arrive);
-- tier 0 on a response (scoring.verify.check_tier0);
+- tier 0 on a response (scoring.tier0.check_tier0);
 - tier-1 judging with the reference's answer already in hand: the validator's own CPU when the
   audit's scoring is done by other miners (no reference engine);
 - a tier-1 audit against the validator's own reference engine on this CPU (the tiny model here;
@@ -43,9 +43,10 @@ from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, MinerClient, MinerError
 from protocol.schemas import decode_event, encode_event
 from scoring.config import ScoringConfig
-from scoring.verify import audit_tier1, check_tier0
+from scoring.tier0 import check_tier0
+from scoring.tier1 import audit_tier1
 from scoring.workloads import plan_round
-from scripts.tiny_checkpoint import add_checkpoint_argument, resolve_checkpoint
+from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 
 PRODUCTION_TEMPO_S = 360 * 12.0  # 360 blocks of 12 s
 

@@ -76,9 +76,12 @@ from inference.model.config import ModelConfig
 
 CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
 # how a swarm stage miner can cheat (localnet.cheats.stage.CHEATS; named here so --help needs no torch)
-STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay", "forwarder")
-# how the route driver (the route miner) can cheat: claim receipts the stages never signed (localnet.cheats.route)
-DRIVER_CHEATS = ("forge-receipts",)
+STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay", "forwarder",
+                "watch-aware", "driver-aware", "sparse-liar", "fewer-experts", "quantized", "stale-state", "late-switch",
+                "misdeclared", "refuse-ledger", "ledger-liar", "pair-cover")
+# how the route driver (the route miner) can cheat (localnet.cheats.route): claim receipts the stages never signed,
+# or drive sessions nobody asked for and claim their genuine receipts
+DRIVER_CHEATS = ("forge-receipts", "self-driver")
 # The directory holding the packages: a checkout (with pyproject.toml) or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # The tiny K3 trained on real text (scripts/train_tiny.py), shipped with a checkout and in the wheel
@@ -159,7 +162,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.cheat_stage or args.stop_when_caught) and not args.swarm:
         ap.error("--cheat-stage and --stop-when-caught go with --swarm N")
-    if len([k for k in args.cheat_stage if k in STAGE_CHEATS]) > args.swarm:
+    if sum(2 if k == "pair-cover" else 1 for k in args.cheat_stage if k in STAGE_CHEATS) > args.swarm:
         ap.error(f"--cheat-stage: at most one cheater per block ({args.swarm} blocks)")
     if args.stop_when_caught and not args.cheat_stage:
         ap.error("--stop-when-caught needs at least one --cheat-stage")
@@ -590,7 +593,9 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
     config = model_config(args)
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, args.swarm)
     cheats = [k for k in args.cheat_stage or [] if k in STAGE_CHEATS]
-    mid = len(blocks) // 2
+    # pair-cover is two adjacent stages of one operator: one that computes nothing, the next covering for it
+    cheats = [c for k in cheats for c in (("pair-cover-echo", "pair-cover") if k == "pair-cover" else (k,))]
+    mid = len(blocks) // 2 if "pair-cover" not in cheats else (len(blocks) - 1) // 2
     cheated = {(mid + i) % len(blocks): kind for i, kind in enumerate(cheats)}
     port = iter(range(args.base_port, args.base_port + swarm_ports(args.swarm)))
     neurons = [Neuron("validator", "validator", make_wallet(wallet_dir, "validator"))]
@@ -636,6 +641,11 @@ def stage_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, 
     if n.cheat:
         cmd = [sys.executable, "-m", "localnet.cheats.stage", "--checkpoint", str(checkpoint_dir(args)),
                "--stage", f"{n.name}:{n.cheat}:{n.layers}", *common]
+        if n.cheat == "driver-aware":  # honest for the validator's own sessions only
+            cmd += ["--watched", next(v.wallet.hotkey.ss58_address for v in neurons if v.role == "validator")]
+        if n.cheat == "pair-cover":  # it computes its partner's block (the one before) too
+            partner = next(s for s in neurons if s.cheat == "pair-cover-echo")
+            cmd += ["--cover", partner.layers.split("-")[0]]
         if n.cheat == "forwarder":  # it hands its sessions to the other stages of its block: the honest spare and
             # the validator's decoy (found by the forwarder itself, as a forwarder would find other stages)
             cmd += [a for s in neurons if s.role == "stage" and s.layers == n.layers and not s.cheat
@@ -651,8 +661,8 @@ def route_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path, 
     """The route miner; it follows the local validator's trust (stages blamed in its store are left out) and
     submits the receipts of its routes to the validator's work endpoint, which credits the stages. With
     --cheat-stage forge-receipts it also claims receipts the stages never signed (localnet.cheats.route)."""
-    module = "localnet.cheats.route" if n.cheat else "neurons.route_miner"
-    return [sys.executable, "-m", module, "--network", chain_spec, "--netuid", str(netuid),
+    module = ["localnet.cheats.route", "--cheat", n.cheat] if n.cheat else ["neurons.route_miner"]
+    return [sys.executable, "-m", *module, "--network", chain_spec, "--netuid", str(netuid),
             "--checkpoint", str(checkpoint_dir(args)),
             "--wallet-name", n.wallet.name, "--wallet-hotkey", "default", "--wallet-path", str(Path(n.wallet.path)),
             "--host", "127.0.0.1", "--port", str(n.port), "--nonce-store", str(run_dir / "route-nonces.sqlite"),

@@ -29,12 +29,10 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -53,7 +51,7 @@ from neurons.stage_miner import serve_until_signalled
 from neurons.swarm.route import LoggedRouteDriver, MetagraphDirectory, RouteDriver, RouteEngine, TrustedDirectory
 from neurons.swarm.settings import (RouteMinerSettings, RouteSettings, read_route_miner_settings, route_miner_options,
                                     work_hop)
-from neurons.swarm.stage_server import post_signed
+from neurons.swarm.signed_http import post_signed
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 from protocol.auth import SQLiteNonceStore
 from protocol.route_work import MAX_WORK_STEPS, MAX_WORK_TOKENS, ROUTE_WORK_PATH, RouteWork, RouteWorkStep
@@ -99,7 +97,8 @@ class WorkReport:
     def claims(self, records: list) -> list[RouteWorkStep]:
         """The steps to claim for `records` (a cheating driver claims more: localnet/cheats/route.py)."""
         return [RouteWorkStep(route_id=r.route_id, session=r.session, step=r.step, position=r.position,
-                              token_ids=np.frombuffer(r.input_body, dtype="<i4").tolist(), receipts=list(r.receipts))
+                              request_id=r.request_id, token_ids=np.frombuffer(r.input_body, dtype="<i4").tolist(),
+                              receipts=list(r.receipts))
                 for r in records]
 
     async def submit(self, http) -> int | None:

@@ -2,13 +2,15 @@
 
 A route driver (the route miner, or anyone driving routes over the subnet's stage miners) POSTs
 `ROUTE_WORK_PATH` to a validator's work endpoint, btauth/1-signed for the validator's hotkey, with a JSON
-`RouteWork`: per step the route, session and step, the token ids it sent the first stage (what the first
+`RouteWork`: per step the route, session and step, the request the session served (`request_id`: the id of a
+request the validator itself sent to this driver), the token ids it sent the first stage (what the first
 receipt's input hash must hash to, as the driver framed them) and every stage's signed receipt. The validator
 audits the receipts (signed by registered stage miners for their layers, chained from those ids, every layer
-once, none presented before) and credits each stage the step's tokens; receipts the stages never signed
-blame the driver and credit no one.
+once, none presented before) and credits each stage the step's tokens, but only for requests it sent this
+driver, and at most the tokens it measured for that request: work nobody asked for earns nothing. Receipts the
+stages never signed blame the driver and credit no one.
 
-Answers: 200 {"steps", "credited_tokens"}; 400 a malformed claim; 401/403 the signature; 413 too large; 422
+Answers: 200 {"steps", "credited_tokens", "uncredited_steps"}; 400 a malformed claim; 401/403 the signature; 413 too large; 422
 receipts that do not audit (the driver is blamed; {"error": {"code": "receipts_rejected", "message"}}); 503
 the validator has not found the stage miners yet (try again later).
 """
@@ -18,7 +20,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .stage import _ID, MAX_RECEIPTS, _Msg, Receipt
+from .stage import _ID, MAX_RECEIPTS, Receipt, _Msg
 
 ROUTE_WORK_PATH = "/route/work"
 MAX_WORK_STEPS = 256  # steps per claim
@@ -32,6 +34,7 @@ class RouteWorkStep(_Msg):
     session: str = Field(min_length=1, max_length=128, pattern=_ID)
     step: int = Field(ge=0, le=2**31 - 1)
     position: int = Field(ge=0, le=2**31 - 1)
+    request_id: str = Field("", max_length=128, pattern=r"^[A-Za-z0-9._:\-]*$")
     token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=MAX_STEP_TOKENS)
     receipts: list[Receipt] = Field(min_length=1, max_length=MAX_RECEIPTS)
 

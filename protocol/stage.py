@@ -48,6 +48,7 @@ FORK_PATH = "/stage/fork"
 CLOSE_PATH = "/stage/close"
 CAPABILITIES_PATH = "/stage/capabilities"
 HEALTH_PATH = "/stage/health"
+LEDGER_PATH = "/stage/ledger"
 RESULT_PATH = "/route/result"
 FRAME_CONTENT_TYPE = "application/x-k3-stage-frame"
 
@@ -62,6 +63,8 @@ MAX_WIDTH = 1 << 16
 MAX_RECEIPTS = 128
 MAX_TOP_K = 20
 WIRE_DTYPES = {"float32": 4, "bfloat16": 2, "int32": 4}
+STAGE_NUMERICS = ("float32", "bfloat16", "float16")  # what a stage computes its block in (its weights' dtype)
+MAX_LEDGER_STEPS = 4096
 RECEIPT_DOMAIN = b"k3-subnet/stage-receipt/v1\n"
 CAPABILITIES_DOMAIN = b"k3-subnet/stage-capabilities/v1\n"
 
@@ -199,6 +202,11 @@ class StageCapabilities(_Msg):
     fingerprint: str = Field(min_length=1, max_length=64, pattern=_ID)
     capacity: dict[str, int] = Field(max_length=16)  # sessions, tokens_per_forward, context
     step_ms: Optional[float] = Field(None, ge=0.0, le=1e7)  # measured single-token forward
+    # the numerics it computes in and sends on: a validator judges its outputs against the honest envelope of
+    # these, and a route through it declares the worst numerics of its stages
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    wire_dtype: Literal["float32", "bfloat16"] = "float32"
+    retain_s: float = Field(0.0, ge=0.0, le=7 * 24 * 3600.0)  # how long it keeps its ledger (LEDGER_PATH)
     max_body_bytes: int = Field(ge=1, le=2**40)
     url: str = Field(min_length=8, max_length=256)
     hotkey: str = Field(pattern=_SS58)
@@ -209,6 +217,45 @@ class StageCapabilities(_Msg):
     def payload(self) -> bytes:
         fields = self.model_dump(exclude={"signature"})
         return CAPABILITIES_DOMAIN + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+class LedgerRequest(_Msg):
+    """Ask a stage for what it computed in one session: every step's input and output as sent, with its
+    receipt (`LedgerHeader`). Steps from `from_step` on, as many as fit the answer's body limit."""
+
+    route_id: str = Field(min_length=1, max_length=128, pattern=_ID)
+    session: str = Field(min_length=1, max_length=128, pattern=_ID)
+    from_step: int = Field(0, ge=0, le=2**31 - 1)
+
+
+class LedgerStep(_Msg):
+    step: int = Field(ge=0, le=2**31 - 1)
+    position: int = Field(ge=0, le=2**31 - 1)
+    mode: Literal["none", "sample", "score", "verify"] = "none"
+    targets: Optional[list[int]] = Field(None, max_length=MAX_TOKENS)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    rewind: Optional[int] = Field(None, ge=0, le=2**31 - 1)
+    inputs: list[WireTensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    outputs: list[WireTensorSpec] = Field(default_factory=list, max_length=MAX_TENSORS)  # none: a head's JSON
+    output_bytes: int = Field(ge=0, le=2**40)  # the head's answer is JSON: its length is not in its specs
+    receipt: Receipt
+
+
+class LedgerHeader(_Msg):
+    """A stage's record of one session (`LedgerRequest`): the sampling it was opened with, then per step the
+    forward's header fields, the specs of its input and output and the receipt it signed. The body holds each
+    step's input bytes then output bytes, step after step; every pair hashes (`state_sha256`) to its receipt's
+    input and output hashes, so a record can be checked against receipts others hold."""
+
+    kind: Literal["ledger"] = "ledger"
+    route_id: str = Field(min_length=1, max_length=128, pattern=_ID)
+    session: str = Field(min_length=1, max_length=128, pattern=_ID)
+    layers: list[int] = Field(min_length=2, max_length=2)
+    sampling: WireSampling = WireSampling()
+    seed: int = Field(0, ge=0, lt=2**63)
+    steps: list[LedgerStep] = Field(default_factory=list, max_length=MAX_LEDGER_STEPS)
+    more: bool = False  # steps after these did not fit: ask again from the next step
+    tensors: list[WireTensorSpec] = Field(default_factory=list, max_length=0)
 
 
 # ---------------------------------------------------------------- signing

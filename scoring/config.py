@@ -378,4 +378,6 @@ class ScoringConfig:
         return out
 
 
-__all__ = ["ScoringConfig", "ScoringConfigError"]
+DEFAULT_CONFIG = ScoringConfig()  # the checks' default when a caller passes none
+
+__all__ = ["DEFAULT_CONFIG", "ScoringConfig", "ScoringConfigError"]

@@ -4,7 +4,7 @@ released weights with other numerics, and when a cheater does not.
 An honest miner may run the model in bf16 or fp16, with other kernels (another summation order), other
 thread counts, batched with other sequences, with the prompt prefilled in other chunks, or split over
 processes. Each variant generates answers that the fp32 reference then teacher-forces, exactly like a
-tier-1 audit on the validator's own engine; `scoring.verify.audit_statistics` measures them and
+tier-1 audit on the validator's own engine; `scoring.tier1.audit_statistics` measures them and
 `judge_statistics` (the rules) and `legacy_failures` (the rules before this envelope) judge them. The
 same is done for cheaters (another model, a truncated context, perturbed experts, fewer experts per
 token, a swap on long prompts only) to measure the detection rate.
@@ -35,8 +35,9 @@ from inference.model import KimiK3Model, ModelConfig, load_checkpoint, load_toke
 from inference.model.fp8 import quantize_dense
 
 from .config import ScoringConfig
+from .failures import Failure
 from .model_envelope import MARGIN, build_envelope
-from .verify import AuditStatistics, Failure, audit_statistics, judge_statistics
+from .tier1 import AuditStatistics, audit_statistics, judge_statistics
 
 REFERENCE_TOP_K = 20
 MINER_LOGPROBS = 5

@@ -13,14 +13,15 @@ scalars) and rebuilds with `from_rows(...)` after a restart.
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from protocol.client import GenerateResult, MinerError, MinerHTTPError, MinerTimeout
 
+from .audit_sequence import Verification
 from .config import ScoringConfig
-from .verify import Verification
 from .workloads import KINDS, WorkItem
 
 BURST_AGGREGATE = "burst_aggregate"
@@ -213,6 +214,15 @@ def measure_burst(uid: int, hotkey: str, streams: Sequence[tuple[WorkItem, Outco
         burst_tokens=tokens, burst_wall_s=wall)
 
 
+def measure_auditor_failure(uid: int, hotkey: str, check: str, reason: str, *, at: Optional[float] = None
+                            ) -> Measurement:
+    """A failed audit against a miner auditor (scoring.audit_sequence.AuditorFinding): it counts towards
+    the auditor's audit failure rate, not towards its requests (outcome "excused")."""
+    return Measurement(uid=uid, hotkey=hotkey, at=time.time() if at is None else at, kind="chat",
+                       request_id=f"auditor-{secrets.token_hex(8)}", outcome="excused", audits=1, audit_failures=1,
+                       failures=f"{check}: {reason}"[:1000])
+
+
 # ------------------------------------------------------------------ the window
 class MeasurementWindow:
     """Measurements per uid, kept for `keep_s` seconds (the scoring window, or longer when hard
@@ -299,5 +309,5 @@ class MeasurementWindow:
 
 __all__ = [
     "BURST_AGGREGATE", "COLUMNS", "OUTCOMES", "Measurement", "MeasurementWindow", "classify_error",
-    "decode_tokens_per_s", "measure_burst", "measure_request", "ttft_per_1k",
+    "decode_tokens_per_s", "measure_auditor_failure", "measure_burst", "measure_request", "ttft_per_1k",
 ]

@@ -1,8 +1,9 @@
-"""From measurements to weights (docs/subnet.md section 5). Pure functions, no I/O.
+"""From measurements to scores and their EMA (docs/verification.md). Pure functions, no I/O.
 
     scores = score_miners(window, config, now, hotkeys, coldkeys)   # per uid, with reasons
     ema = update_ema(previous_ema, scores, config.ema_alpha)         # once per round
-    weights = weights_from_ema(ema, config.weight_exponent)          # proportional to EMA^2
+
+The weights come from the EMA in one place, scoring.weights (proportional to EMA^2).
 
 Per miner, over the window, from its verified requests:
 - D: decode tokens/s per stream (TTFT excluded), `percentile`-th percentile;
@@ -31,9 +32,8 @@ its EMA: its timeouts are evidence too.
 """
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Optional, Union
+from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -225,17 +225,4 @@ def update_ema(previous: Mapping[int, tuple[str, float]], scores: Mapping[int, M
     return out
 
 
-def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponent: float = 2.0) -> dict[int, float]:
-    """Weights proportional to EMA^exponent, summing to 1; all zero when every EMA is zero (the
-    neuron decides what to submit then)."""
-    values = {uid: float(e[1]) if isinstance(e, tuple) else float(e) for uid, e in ema.items()}
-    if any(v < 0 for v in values.values()):
-        raise ValueError("EMA values must be non-negative")
-    powered = {uid: v ** exponent for uid, v in values.items()}
-    total = sum(powered.values())
-    if total <= 0:
-        return {uid: 0.0 for uid in values}
-    return {uid: p / total for uid, p in powered.items()}
-
-
-__all__ = ["MinerScore", "EmaEntry", "evidence_share", "score_miners", "update_ema", "weights_from_ema"]
+__all__ = ["MinerScore", "EmaEntry", "evidence_share", "score_miners", "update_ema"]

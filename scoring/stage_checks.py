@@ -20,7 +20,7 @@ output on the same input:
 A challenge fails when a window of consecutive tokens holds too many bad ones (`judge_tokens`): honest bf16
 stages have isolated far-off tokens (router near-ties flipping an expert), cheaters have runs of them. The
 thresholds (`Thresholds`) come from the honest drift measured for one block in fp32 and bf16
-(benchmarks/stage_checks.py; numbers in docs-snippets/stage-verify.md).
+(benchmarks/stage_checks.py; numbers in docs/swarm.md section 10).
 
 **Cross-check against two peers.** For a block the validator holds no copy of, `run_cross_check` sends the
 same challenge to the stage under test and to two other stage miners of that block (the caller picks them on
@@ -98,7 +98,7 @@ def projection(seed: int, width: int, k: int) -> Tensor:
 class Thresholds:
     """Pass limits per block, from the honest drift measured over one block of the tiny model, random and trained
     (fp32 reference vs bf16 weights and a bf16 wire, fp32 on other thread counts, chunked prefill;
-    benchmarks/stage_rounds.py, numbers in docs-snippets/stagev3.md).
+    benchmarks/stage_rounds.py, numbers in docs/swarm.md section 10).
 
     Honest drift: fp32 stages on 1 or 2 threads and chunked prefill are bit-identical or within 1e-5; bf16 moves
     almost every token by ~0.3% (relative L2 of the projected new state), and a few tokens by up to 18% on the
@@ -648,8 +648,83 @@ def bisect_route(records: Sequence[HopRecord], references: dict[tuple[int, int],
     return None, verdicts
 
 
+
+# ------------------------------------------------------------------ sessions opened after the fact
+@dataclass(frozen=True)
+class OpenedStep:
+    """One forward of one stage as its ledger (or its neighbours') recorded it, decoded: what a recheck of the
+    stage needs. `output` is the state the stage sent on, or its head answer."""
+
+    step: int
+    position: int
+    mode: str
+    targets: tuple[int, ...] | None
+    top_k: int
+    rewind: int | None
+    inputs: object  # token ids [n] or a ResidualState
+    output: object  # ResidualState or HeadOutput
+
+
+def head_rows(step: OpenedStep) -> tuple[list[int], HeadOutput]:
+    """A head's answer as teacher-forced rows: (targets, one per input token, -1 where none; the answer as a
+    `score` HeadOutput). A sampled token, or each token a verify step emitted, is the target of the row whose
+    logits chose it, with the logprob and alternatives the stage reported for it."""
+    out, n = step.output, _length(step.inputs)
+    targets = [-1] * n
+    got = HeadOutput("score", logprobs=[None] * n, row_tops=[[] for _ in range(n)])
+    if out.mode == "sample":
+        emitted = [(out.token_id, out.logprob, out.top)]
+        first = n - 1
+    elif out.mode == "verify":
+        emitted, first = out.verified, 0
+    elif out.mode == "score":
+        return [int(t) for t in (step.targets or [-1] * n)], out
+    else:
+        return targets, got
+    for j, (token, logprob, top) in enumerate(emitted):
+        if first + j >= n:
+            break
+        targets[first + j] = int(token)
+        got.logprobs[first + j] = logprob
+        got.row_tops[first + j] = list(top)
+    return targets, got
+
+
+def recheck_opened(steps: Sequence[OpenedStep], reference: Stage, seed: int,
+                   thresholds: Thresholds = Thresholds()) -> Comparison:
+    """Re-run one stage's recorded steps of a session, in order and with the rewinds they carried, on the
+    reference for its block, and compare every output with the reference's on the same input (states per
+    token, head answers per emitted token in teacher-forced form). `ok` is False at the first malformed or
+    changed-pass-through output, with the reason."""
+    sid = "recheck-" + secrets.token_hex(8)
+    acc = Comparison(True)
+    reference.open(sid)
+    try:
+        for s in sorted(steps, key=lambda s: s.step):
+            if isinstance(s.output, HeadOutput):
+                targets, got = head_rows(s)
+                mode, top_k = ("score", max(s.top_k, max((len(t) for t in got.row_tops), default=0))) \
+                    if any(t >= 0 for t in targets) else ("none", 0)
+            else:
+                targets, got, mode, top_k = None, s.output, "none", 0
+            if s.rewind is not None:
+                want = reference.rewind_and_forward(sid, s.rewind, s.position, s.inputs, mode, targets, top_k)
+            else:
+                want = reference.forward(sid, s.position, s.inputs, mode, targets, top_k)
+            if mode == "none" and isinstance(s.output, HeadOutput):
+                continue  # a head step that emitted nothing (its rows are not the answer's)
+            c = _compare(reference, want, got, seed, thresholds)
+            _extend(acc, c)
+            if not c.ok:
+                acc.ok = False
+                acc_reason = f"step {s.step} (positions {s.position}-{s.position + _length(s.inputs) - 1}): {c.reason}"
+                return Comparison(False, acc_reason, acc.cosine, acc.rel_l2, acc.bad, acc.passthrough_rel_l2)
+    finally:
+        reference.close(sid)
+    return acc
+
 __all__ = ["SeedCommitment", "commitment_digest", "verify_reveal", "projection", "Thresholds", "Comparison",
            "compare_states", "compare_heads", "judge_tokens", "recheck_stage", "reference_stage", "ChallengeStep",
            "plan_steps", "challenge_steps", "ChallengeResult", "run_challenge", "CrossCheckResult", "run_cross_check",
            "decode_wire_state", "HopRecord", "RouteAudit", "audit_receipts", "audit_route", "StageBlame",
-           "bisect_route"]
+           "bisect_route", "OpenedStep", "head_rows", "recheck_opened"]

@@ -13,12 +13,13 @@ each taking s_i x t per token runs the model at 1 / t, exactly like one miner ta
 (availability: the fraction of probes it answered in the window), and 0 when it failed a stage challenge or
 a verification audit (with the reason kept). Scores are normalised to weights summing to 1. So serving the
 whole model as one miner and as N stages earns the same in total, for the same verified work at the same
-speed: the stage shares sum to 1 and the speed of each stage is the speed of the route.
+speed: the stage shares sum to 1 and the speed of each stage is the speed of the route. scoring.weights
+(`one_vector`) puts both kinds in the vector the validator submits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 
 @dataclass
@@ -93,35 +94,4 @@ def market_scores(miners: Sequence[MinerWork], layer_costs: Sequence[float]) -> 
     return rows
 
 
-
-
-def one_vector(whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork],
-               stage_work: Mapping[int, MinerWork], layer_costs: Sequence[float]
-               ) -> tuple[dict[int, float], list[MarketScore]]:
-    """One weight vector (uid -> weight, summing to 1) over whole-model miners and stage miners.
-
-    Whole-model miners keep today's weights among themselves (`whole_weights`: EMA^2 of S, gates and
-    verification included); the two kinds share the total in proportion to their market scores
-    (`market_scores`: verified model-tokens x speed relative to the fastest miner of either kind x
-    availability), and stage miners split their part by their own market scores. A whole-model miner with
-    weight 0 today earns no market share. So the rule of the module doc holds between the kinds: a route of
-    N stages doing a miner's verified work at its speed brings the stage miners together what that miner
-    brings the whole-model miners; and with no stage miners (or none with verified work) the weights are
-    exactly today's."""
-    live = {uid: w for uid, w in whole_weights.items() if w > 0}
-    total_whole = sum(live.values())
-    whole = [whole_work.get(uid) or MinerWork(str(uid), 0, 0.0) for uid in live]
-    stages = list(stage_work.values())
-    rows = market_scores(whole + stages, layer_costs)
-    m_whole = sum(r.score for r in rows[:len(whole)])
-    m_stage = sum(r.score for r in rows[len(whole):])
-    if m_stage <= 0:
-        return ({uid: w / total_whole for uid, w in live.items()} if total_whole > 0 else {}), rows
-    share_whole = m_whole / (m_whole + m_stage) if total_whole > 0 else 0.0
-    out = {uid: share_whole * w / total_whole for uid, w in live.items()}
-    for uid, r in zip(stage_work, rows[len(whole):]):
-        out[uid] = (1.0 - share_whole) * r.score / m_stage
-    return out, rows
-
-
-__all__ = ["MinerWork", "MarketScore", "block_share", "active_params_per_layer", "market_scores", "one_vector"]
+__all__ = ["MinerWork", "MarketScore", "block_share", "active_params_per_layer", "market_scores"]

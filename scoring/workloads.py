@@ -21,15 +21,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from protocol.schemas import Capabilities, GenerateRequest
 
 from . import corpus
+from .canaries import Canary, CanaryPool
 from .config import ScoringConfig
-
-if TYPE_CHECKING:  # verify.py imports this module; only the types are needed here
-    from .verify import Canary, CanaryPool
 
 KINDS = ("chat", "long_context", "burst", "probe")
 PROBE_KINDS = ("canary", "copy", "planted_fact")
@@ -50,7 +48,7 @@ class Expectation:
     subject: Optional[str] = None  # whose access code was planted
     depth: Optional[float] = None  # fraction of the prompt's tokens before the planted fact
     copy_text: Optional[str] = None  # text an exact-copy answer must contain
-    canary: Optional["Canary"] = None  # known greedy continuation (tier 2)
+    canary: Optional[Canary] = None  # known greedy continuation (tier 2)
 
 
 @dataclass(frozen=True)
@@ -275,7 +273,7 @@ class _Planner:
         request = self.request(content, ids, max_tokens, self.shape.temperature_for(self.config))
         return WorkItem(kind, request, tuple(ids), Expectation(), burst_id, burst_size)
 
-    def probe(self, canaries: Optional["CanaryPool"]) -> WorkItem:
+    def probe(self, canaries: Optional[CanaryPool]) -> WorkItem:
         rng = self.rng
         self.shape = _Shape(self.shapes)
         weights = list(self.config.probe_weights)
@@ -340,7 +338,7 @@ def _with(expect: Expectation, **changes) -> Expectation:
 
 
 def plan_round(rng: random.Random, capabilities: Capabilities, config: ScoringConfig, *, tokenizer,
-               canaries: Optional["CanaryPool"] = None, shape_seed: Optional[int] = None) -> list[WorkItem]:
+               canaries: Optional[CanaryPool] = None, shape_seed: Optional[int] = None) -> list[WorkItem]:
     """One round of work for one miner, in random order. Streams of a burst share a `burst_id`
     and must be sent together (`group_bursts`). Canaries are taken from `canaries` (marked used).
 
@@ -372,7 +370,7 @@ def plan_round(rng: random.Random, capabilities: Capabilities, config: ScoringCo
     return items
 
 
-def canary_item(rng: random.Random, canary: "Canary", capabilities: Capabilities, config: ScoringConfig,
+def canary_item(rng: random.Random, canary: Canary, capabilities: Capabilities, config: ScoringConfig,
                 tokenizer, *, max_tokens: Optional[int] = None) -> WorkItem:
     """A greedy request for a canary, shaped like any other request (for escalations, too)."""
     planner = _Planner(rng, capabilities, config, tokenizer)

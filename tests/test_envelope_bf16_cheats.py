@@ -16,7 +16,7 @@ from protocol.schemas import GenerateRequest, TokenMessage
 from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.envelope import Answer, generate, load_model, measure_envelope
 from scoring.model_envelope import build_envelope, load_envelope, parse_envelope
-from scoring.verify import audit_tier1, judge_statistics, logprob_gap_bound
+from scoring.tier1 import audit_tier1, judge_statistics, logprob_gap_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED_TINY = ROOT / "inference" / "model" / "assets" / "tiny_trained"

@@ -14,15 +14,15 @@ from hypothesis import given, settings as hypothesis_settings, strategies as st
 from chain import connect
 from inference.model import ModelConfig
 from inference.serving import EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent
+from localnet.cheats import miner as cheats
 from neurons.base.settings import ChainSettings, build_settings, read_options
 from neurons.gateway import (ApiKeyFileError, ApiKeys, GatewayServer, GatewaySettings, GatewaySetupError,
                              KeyRateLimiter, MinerTarget, StopTrimmer, gateway_options, read_api_keys)
-from localnet.cheats import miner as cheats
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerUnreachable
 from protocol.schemas import Capabilities
-from scoring.verify import check_tier0
+from scoring.tier0 import check_tier0
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig.tiny()

@@ -38,6 +38,7 @@ from neurons.validator_app.stage_rounds import StageRounds
 from neurons.validator_app.status import status_report
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import MinerClient
+from scoring.weights import with_stage_miners
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-route-0123456789"
@@ -135,7 +136,7 @@ def test_gateway_route_work_is_audited_and_credited_to_the_stages(world, tmp_pat
                 out["honest"] = [await settled(route, 1), await settled(route, 2)]
                 out["again"] = await sr.settle_gateway_route(route.last_records, await route.driver.stages(),
                                                              route.hotkey, audit_rate=0.0)
-                out["work"], out["weights"] = sr.stage_work(), sr.weights({}, {})
+                out["work"], out["weights"] = sr.stage_work(), with_stage_miners({}, {}, sr.evidence())
                 # 2. a route through the cheater
                 urls.urls = [info[n]["url"] for n in ("h0", "cheat", "h2", "h3")]
                 await route.driver.stages(refresh=True)

@@ -1,4 +1,4 @@
-"""Miner auditors checked on canary text (scoring.audits.check_auditor) with real engines: an honest
+"""Miner auditors checked on canary text (scoring.auditors.check_auditor) with real engines: an honest
 auditor in fp32 or bf16 passes, a framing one (false low scores) and a shielding one (always agrees)
 fail; and the perturbed-experts cheat changes what the model computes while the fingerprint stays."""
 import asyncio
@@ -10,9 +10,9 @@ import torch
 from inference.model import KimiK3Model, ModelConfig, load_tokenizer, make_random_checkpoint
 from inference.serving import EngineSettings, LocalEngine
 from localnet.cheats.miner import CheatingEngine
-from scoring.audits import check_auditor
+from scoring.auditors import check_auditor
+from scoring.canaries import CanaryPool
 from scoring.config import ScoringConfig
-from scoring.verify import CanaryPool
 
 CONFIG = ScoringConfig.local_testnet()
 

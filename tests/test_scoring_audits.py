@@ -1,13 +1,14 @@
-"""The audit policy (scoring/audits.py) and the canary escalation (scoring/canaries.py): who audits,
+"""The audit policy (scoring/audit_sequence.py, scoring/auditors.py) and the canary escalation: who audits,
 when an audit is drawn, and what a disagreement escalates to."""
 import random
 
 from inference.model import ByteTokenizer, ModelConfig
 from protocol.schemas import Capabilities, GenerateRequest, Limits
-from scoring.audits import AuditorCandidate, choose_auditors, draw_audit
-from scoring.canaries import canary_escalation
+from scoring.audit_sequence import canary_escalation, draw_audit
+from scoring.auditors import AuditorCandidate, choose_auditors
+from scoring.canaries import Canary, CanaryPool
 from scoring.config import ScoringConfig
-from scoring.verify import Canary, CanaryPool, Failure
+from scoring.failures import Failure
 from scoring.workloads import WorkItem, canary_prompts
 
 MODEL = ModelConfig.tiny()

@@ -1,4 +1,4 @@
-"""The tier-1 rules calibrated on the honest-numerics envelope (scoring/verify.py audit_statistics,
+"""The tier-1 rules calibrated on the honest-numerics envelope (scoring/tier1.py audit_statistics,
 judge_statistics; scoring/envelope.py): honest numerics pass, other models fail, hard only with
 evidence far outside the envelope on a trusted reference; and a small real envelope measurement."""
 import math
@@ -11,7 +11,7 @@ from inference.model import ModelConfig, load_tokenizer, make_random_checkpoint
 from scoring.config import ScoringConfig
 from scoring.envelope import (generate, gpu_kernel_emulation, legacy_failures, load_model, measure_envelope,
                               reference_scores, rejudge)
-from scoring.verify import audit_statistics, judge_statistics
+from scoring.tier1 import audit_statistics, judge_statistics
 
 CONFIG = ScoringConfig.local_testnet()
 STOP = frozenset({257})

@@ -8,7 +8,8 @@ from inference.model import ByteTokenizer, ModelConfig
 from protocol.schemas import Capabilities, Limits
 from scoring.config import ScoringConfig
 from scoring.metrics import BURST_AGGREGATE, Measurement, MeasurementWindow
-from scoring.rewards import score_miners, update_ema, weights_from_ema
+from scoring.rewards import score_miners, update_ema
+from scoring.weights import weights_from_ema
 from scoring.workloads import group_bursts, plan_round
 
 MODEL = ModelConfig.tiny()

@@ -7,10 +7,13 @@ from bittensor.sp_core import Keypair
 from protocol.client import GenerateResult, MinerHTTPError, MinerTimeout, MinerUnreachable, TimedEvent
 from protocol.schemas import FinalMessage, GenerateRequest, Timings, TokenMessage, Usage
 from protocol.signature import sign_response
+from scoring.audit_sequence import Verification
+from scoring.canaries import Tier2Result
 from scoring.config import ScoringConfig
+from scoring.failures import Failure
 from scoring.metrics import (COLUMNS, Measurement, MeasurementWindow, classify_error, decode_tokens_per_s,
                              measure_burst, measure_request, ttft_per_1k)
-from scoring.verify import AuditResult, Failure, Tier2Result, Verification
+from scoring.tier1 import AuditResult
 from scoring.workloads import Expectation, WorkItem
 
 CONFIG = ScoringConfig.local_testnet()

@@ -4,7 +4,7 @@ import pytest
 
 from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.metrics import Measurement, MeasurementWindow
-from scoring.rewards import EmaEntry, score_miners, update_ema, weights_from_ema
+from scoring.rewards import EmaEntry, score_miners, update_ema
 
 CONFIG = ScoringConfig()
 NOW = 1_000_000.0
@@ -165,17 +165,6 @@ def test_ema_resets_on_hotkey_change_and_zeroing():
     assert zeroed == {1: EmaEntry("h1", 0.0)}  # and deregistered uid 5 is dropped
     with pytest.raises(ValueError):
         update_ema({}, scores, 0.0)
-
-
-def test_weights_are_proportional_to_ema_squared():
-    weights = weights_from_ema({1: ("a", 0.2), 2: ("b", 0.1), 3: ("c", 0.0)})
-    assert weights == {1: pytest.approx(0.8), 2: pytest.approx(0.2), 3: 0.0}
-    assert weights_from_ema({1: 0.5, 2: 0.5}) == {1: 0.5, 2: 0.5}
-    assert weights_from_ema({1: ("a", 0.0), 2: ("b", 0.0)}) == {1: 0.0, 2: 0.0}
-    assert weights_from_ema({}) == {}
-    assert weights_from_ema({1: 0.2, 2: 0.1}, exponent=1.0) == {1: pytest.approx(2 / 3), 2: pytest.approx(1 / 3)}
-    with pytest.raises(ValueError):
-        weights_from_ema({1: -0.1})
 
 
 def test_missed_answer_probes_zero_a_miner_only_past_what_honest_misses_explain():

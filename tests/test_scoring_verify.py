@@ -17,10 +17,13 @@ from protocol.schemas import (GENERATE_PATH, NDJSON_CONTENT_TYPE, SCORE_PATH, Ca
                               Usage, encode_event, encode_model, parse_generate, parse_score)
 from protocol.signature import sign_response
 from scoring import corpus
+from scoring.audit_sequence import AuditSequence, check_answer, verify_item
+from scoring.auditors import AuditorCandidate
+from scoring.canaries import Canary, CanaryPool, CanaryPoolError, check_tier2
 from scoring.config import ScoringConfig
-from scoring.verify import (Canary, CanaryPool, CanaryPoolError, ConsensusReference, MinerScoreReference,
-                            ReferenceDisagreement, audit_tier1, check_answer, check_tier0, check_tier2,
-                            outside_top_k_bound, verify_item)
+from scoring.tier0 import check_tier0
+from scoring.tier1 import (ConsensusReference, MinerScoreReference, ReferenceDisagreement, audit_tier1,
+                           outside_top_k_bound)
 from scoring.workloads import Expectation, WorkItem, canary_item
 
 MODEL = ModelConfig.tiny()
@@ -483,6 +486,58 @@ async def test_verify_item_runs_every_applicable_tier(runs, models, tokenizer, k
     assert verification.hard_failures == []
     # A hard tier-0 failure (signed by another hotkey than expected) settles it: no audit is spent.
     assert [f.check for f in skipped.hard_failures] == ["signature"] and skipped.audit is None
+
+
+# ------------------------------------------------------------------ the audit sequence
+def auditor(uid, url, key, coldkey):
+    return AuditorCandidate(uid=uid, hotkey=key.ss58_address, coldkey=coldkey, url=url, score=1.0)
+
+
+async def test_the_audit_sequence_escalates_a_disagreement_and_settles_the_auditors(runs, models, tokenizer, keys):
+    """Miner auditors that disagree (one honest, one serving other weights) void the audit; the audited miner
+    gets a canary, and its answer settles the auditors: the one that failed an honest miner has it recorded."""
+    work, done = runs
+    item, result = work["greedy"], done["greedy"]
+    config = CONFIG.replace(audit_rate=1.0, audit_rate_new_or_suspect=1.0)
+    pool = CanaryPool(list(done["pool"].canaries.values()), model_fingerprint=FINGERPRINT)
+    async with serving(models["honest"], tokenizer, keys["miner"]) as (honest_url, _), \
+            serving(models["other"], tokenizer, keys["other"]) as (liar_url, _):
+        async with MinerClient(keys["validator"], timeouts=TIMEOUTS) as client:
+            sequence = AuditSequence(config, random.Random(3), tokenizer, canaries=pool, client=client,
+                                     timeouts=TIMEOUTS)
+            candidates = [auditor(1, honest_url, keys["miner"], "c1"), auditor(2, liar_url, keys["other"], "c2")]
+            audited = await sequence.check(item, result, CAPS, uid=0, hotkey=keys["miner"].ss58_address,
+                                           coldkey="c0", new_or_suspect=False, candidates=lambda: candidates)
+            escalation = audited.escalation
+            answer = await generate(honest_url, keys, escalation)
+            settled = await sequence.check(escalation, answer, CAPS, uid=0, hotkey=keys["miner"].ss58_address,
+                                           coldkey="c0", new_or_suspect=False)
+    assert audited.verification.tier0_ok and audited.verification.audit.disagreement
+    [record] = audited.audits
+    assert record.tier == 1 and record.reference.startswith("miners:")
+    assert set(record.reference.removeprefix("miners:").split(",")) == {c.hotkey for c in candidates}
+    assert escalation.expect.canary is not None and audited.canaries_used == [escalation.expect.canary.canary_id]
+    assert audited.against_auditors == []
+    assert [(a.tier, a.reference, a.result.passed) for a in settled.audits] == [(2, "canary", True)]
+    assert [(f.auditor.uid, f.check) for f in settled.against_auditors] == [(2, "auditor_wrong")]
+    assert sequence.pending == {} and settled.escalation is None
+
+
+async def test_the_audit_sequence_audits_on_the_validators_own_engine(runs, models, tokenizer, keys):
+    """With its own engine the validator trusts the audit: another model's answer fails hard, with nothing to
+    escalate; an answer whose tier 0 failed hard is not audited (the draw happens all the same)."""
+    work, done = runs
+    config = CONFIG.replace(audit_rate=1.0, audit_rate_new_or_suspect=1.0)
+    async with engine_for(models["honest"], tokenizer) as reference:
+        sequence = AuditSequence(config, random.Random(3), tokenizer, reference=reference)
+        other = await sequence.check(work["hot"], done["hot_other"], CAPS, uid=0, hotkey=keys["miner"].ss58_address,
+                                     coldkey="c0", new_or_suspect=False)
+        unsigned = await sequence.check(work["hot"], done["hot"], CAPS, uid=0, hotkey=keys["other"].ss58_address,
+                                        coldkey="c0", new_or_suspect=False)
+    record = other.tier1
+    assert record.reference == "local" and record.result.passed is False and record.result.hard
+    assert other.verification.audit is record.result and other.escalation is None and record.wall_s > 0
+    assert [f.check for f in unsigned.verification.hard_failures] == ["signature"] and unsigned.audits == []
 
 
 def test_check_answer_reads_the_streamed_text():

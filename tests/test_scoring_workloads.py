@@ -10,8 +10,8 @@ import pytest
 from inference.model import ByteTokenizer, ModelConfig
 from protocol.schemas import Capabilities, Limits, encode_model
 from scoring import corpus
+from scoring.canaries import Canary, CanaryPool
 from scoring.config import ScoringConfig, ScoringConfigError
-from scoring.verify import Canary, CanaryPool
 from scoring.workloads import WorkloadError, canary_prompts, group_bursts, plan_round
 
 MODEL = ModelConfig.tiny()

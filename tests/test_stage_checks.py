@@ -104,7 +104,7 @@ def test_honest_stages_are_never_blamed(tiny_checkpoint, validator_model, precis
         assert any(max(r.stats.rel_l2) > 0 for r in results)
 
 
-# cheater, its block, the most challenges it may take (stated in docs-snippets/stage-verify.md)
+# cheater, its block, the most challenges it may take (stated in docs/swarm.md section 10)
 CHEATERS = [
     (OtherWeightsStage, (3, 6), 1, {}),
     (OtherWeightsStage, (9, 13), 1, {}),

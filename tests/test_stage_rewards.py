@@ -4,7 +4,7 @@ import pytest
 
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
-from scoring.stage_rewards import MinerWork, active_params_per_layer, block_share, market_scores, one_vector
+from scoring.stage_rewards import MinerWork, active_params_per_layer, block_share, market_scores
 
 CUTS = [(0, 3), (3, 6), (6, 9), (9, 13)]
 
@@ -45,23 +45,3 @@ def test_slow_unavailable_and_challenged_miners_earn_less(costs):
     assert by["flaky"].score == pytest.approx(by["fast"].score / 2)
     assert by["liar"].weight == 0 and "diverge" in by["liar"].reason
     assert sum(r.weight for r in rows) == pytest.approx(1.0)
-
-
-def test_one_vector_keeps_whole_model_weights_and_shares_by_market(costs):
-    t_ms, tokens = 40.0, 1000
-    whole_work = {1: MinerWork("w1", tokens, t_ms), 2: MinerWork("w2", tokens, t_ms)}
-    today = {1: 0.8, 2: 0.2, 3: 0.0}  # EMA^2 shares today; uid 3 is gated to 0
-    # no stage miners: exactly today's weights
-    assert one_vector(today, whole_work, {}, costs)[0] == pytest.approx({1: 0.8, 2: 0.2})
-    # a route of 4 stages doing one whole-model miner's work at its speed earns what that miner brings its kind
-    stages = {10 + i: MinerWork(f"s{i}", tokens, block_share(costs, a, b) * t_ms, layers=(a, b))
-              for i, (a, b) in enumerate(CUTS)}
-    weights, _ = one_vector({1: 1.0}, {1: whole_work[1]}, stages, costs)
-    assert sum(weights[10 + i] for i in range(4)) == pytest.approx(weights[1]) == pytest.approx(0.5)
-    # two whole-model miners keep today's ratio among themselves; a blamed stage gets 0, its route-mates share
-    stages[12] = MinerWork("liar", tokens, 1.0, layers=CUTS[2], failed_checks=["challenge: 16 of 16 diverge"])
-    weights, rows = one_vector(today, whole_work, stages, costs)
-    assert weights[1] / weights[2] == pytest.approx(4.0) and 3 not in weights
-    assert weights[12] == 0.0 and sum(weights.values()) == pytest.approx(1.0)
-    rest = 1 - block_share(costs, *CUTS[2])  # the honest stages did that share of one miner's work
-    assert weights[1] + weights[2] == pytest.approx(2 / (2 + rest))

@@ -46,7 +46,7 @@ from protocol.stage import sign_receipt
 ROOT = Path(__file__).resolve().parent.parent
 HONEST = {"h0": "0-2", "h1": "3-5", "h2": "6-8", "h3": "9-12"}
 BF16 = {"b1": "3-5", "b3": "9-12", "b4": "3-5"}
-# name: (kind, layers, most challenges until blamed; miss chances in docs-snippets/stagev2.md)
+# name: (kind, layers, most challenges until blamed; miss chances in docs/swarm.md section 10)
 CHEATERS = {"weights": ("other-weights", "3-5", 1), "skip": ("skip-layer", "9-12", 1), "echo": ("echo", "0-2", 1),
             "sessions": ("session-liar", "3-5", 12), "long": ("long-position-liar", "6-8", 12),
             "replay": ("replay", "6-8", 3), "forwarder": ("forwarder", "6-8", 12)}
@@ -345,10 +345,11 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
 
     from localnet.cheats.route import ReceiptForger
     from neurons.route_miner import WorkReport
-    from neurons.swarm.stage_server import post_signed
+    from neurons.swarm.signed_http import post_signed
     from protocol.route_work import MAX_WORK_STEPS, ROUTE_WORK_PATH
     from protocol.stage import Hop
     from scoring.stage_rewards import MinerWork
+    from scoring.weights import with_stage_miners
 
     store = ValidatorStore(tmp_path / "v.sqlite")
     honest_key, forger_key = swarm["wallets"]["driver"].hotkey, Keypair.create_from_uri("//forger")
@@ -393,7 +394,7 @@ def test_route_work_endpoint_credits_a_drivers_receipts_and_blames_a_forger(swar
         await sr.close()
         whole = {7: 1.0, 8: 1.0}
         work = {7: MinerWork(honest_key.ss58_address, 100, 10.0), 8: MinerWork(forger_key.ss58_address, 100, 10.0)}
-        out["weights"] = sr.weights(whole, work)
+        out["weights"] = with_stage_miners(whole, work, sr.evidence())
         return out
 
     out = asyncio.run(asyncio.wait_for(scenario(), 180))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.tiny_checkpoint import TRAINED_TINY, add_checkpoint_argument, resolve_checkpoint
+from benchmarks.checkpoint_choice import TRAINED_TINY, add_checkpoint_argument, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("inference", "protocol", "scoring", "neurons", "chain", "benchmarks", "localnet")

@@ -41,9 +41,9 @@ from neurons.validator_app.rounds import reference_capabilities
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest
+from scoring.canaries import CanaryPool
 from scoring.config import SCORABLE_PROBES, ScoringConfig
 from scoring.rewards import evidence_share
-from scoring.verify import CanaryPool
 from scoring.workloads import canary_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

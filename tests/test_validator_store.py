@@ -1,4 +1,4 @@
-"""The validator's SQLite store, its settings, weight conforming and the gateway's view: real SQLite
+"""The validator's SQLite store, its settings and the gateway's view: real SQLite
 files, real measurements from scoring.metrics, no miners."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from neurons.validator_app import (ValidatorSettings, ValidatorSetupError, ValidatorState, read_validator_settings,
-                                   status_report, store as store_module, submitted_weights)
+                                   status_report, store as store_module)
 from neurons.validator_app.store import MIGRATIONS, SCHEMA_VERSION, Migration, ValidatorStore, ValidatorStoreError
 from scoring.config import ScoringConfig
 from scoring.metrics import COLUMNS, Measurement
@@ -133,13 +133,6 @@ def test_ranked_miners_and_status_view(tmp_path):
     assert {m["uid"] for m in view["miners"]} == {1, 2, 4, 7}
     assert {m["zero_weight_reason"] for m in view["miners"]} == {"not scored yet"}  # no scores saved, no weights
     state.store.close()
-
-
-def test_submitted_weights_are_normalised_and_left_for_the_chain_to_clip():
-    assert submitted_weights({1: 0.0, 2: 3.0, 3: 1.0}) == {2: 0.75, 3: 0.25}
-    assert submitted_weights({1: 8.0, 2: 1.0, 3: 1.0}) == {1: 0.8, 2: 0.1, 3: 0.1}  # chain.weights clips
-    assert submitted_weights({1: float("nan"), 2: 1.0}) == {2: 1.0}
-    assert submitted_weights({1: 0.0}) == {}
 
 
 def test_settings_from_flags_and_environment(tmp_path):

@@ -316,7 +316,8 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest
     from protocol.signature import verify_response
-    from scoring.verify import audit_tier1, check_tier0, validator_prompt_ids
+    from scoring.tier0 import check_tier0, validator_prompt_ids
+    from scoring.tier1 import audit_tier1
 
     server, meta = vllm
     wallets = new_wallets(tmp_path / "wallets", ("owner", "miner", "validator"))

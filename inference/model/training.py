@@ -23,7 +23,7 @@ default, which keeps the shipped recipe's data stream bit for bit): `answer_weig
 tokens), `pack_tasks` (exchanges back to back in a row), `fact_doc_bytes` / `curriculum_steps` (filler around
 the fact, growing over the run), `max_distractors`, `copy_share` and `random_copy_share` (copy requests whose
 text is random codes and names, which only copying predicts). None of the recipes tried so far taught the
-answer probes within the budget (docs-snippets/trained7.md has the runs).
+answer probes within the budget (docs/model.md section 9 has the recipe that does).
 
 Determinism: one seed and one thread count give the same weights bit for bit (the data order comes from
 seeded generators, torch runs with deterministic algorithms; tests/test_training.py checks it). Another

@@ -290,6 +290,16 @@ class Stage:
         self.shard_restarts = 0
         self.lost_sessions = 0  # sessions dropped because the shard set holding their state failed
 
+    @property
+    def numerics(self) -> str:
+        """The dtype the block computes in ("float32", "bfloat16", "float16"): its floating weights' dtype."""
+        if self.sharded:
+            return str(getattr(self.model, "dtype", "float32")).replace("torch.", "")
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                return str(p.dtype).replace("torch.", "")
+        return "float32"
+
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
                         limits: StageLimits = StageLimits(), shard_ranks: int = 1,

@@ -32,12 +32,16 @@ import secrets
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from inference.model.k3 import ResidualState
-from inference.swarm.stage import LayerRange, Stage, StageLimits, load_stage_model
+from inference.model.kda import KDALayerCache
+from inference.swarm.stage import LayerRange, Stage, StageError, StageLimits, blocks_before, load_stage_model
+from neurons.swarm.codec import encode_head_output, encode_state
+from neurons.swarm.stage_server import StageServer
 
 
 class _Cheat(Stage):
@@ -222,9 +226,206 @@ class ForwardingStage(_Cheat):
             self._loop.call(self._relay.close(remote[0], session_id), self.timeout_s)
 
 
+class WatchAwareStage(_Cheat):
+    """Honest only while a session has the shape of a validator's check of old: the same party upstream and
+    downstream of it (a validator relaying both sides); a real route never does that, so every user's session
+    gets its input echoed."""
+
+    def _watched(self, session) -> bool:
+        downstream = (session.downstream or session.reply_to or {}).get("hotkey")
+        return bool(session.upstream) and downstream == session.upstream
+
+    def _run(self, session, inputs):
+        if self._watched(session):
+            return super()._run(session, inputs)
+        return self._run_skipping(session, inputs, set(range(self.layers.start, self.layers.stop)))
+
+
+class DriverAwareStage(_Cheat):
+    """Honest for sessions a validator opens (its hotkey in `watched`); skips its last layer for every other
+    driver's sessions (a route miner's, whose work it expects nobody to check)."""
+
+    watched: tuple[str, ...] = ()
+
+    def _run(self, session, inputs):
+        if session.owner in self.watched:
+            return super()._run(session, inputs)
+        return self._run_skipping(session, inputs, {self.layers.stop - 1})
+
+
+class SparseLiarStage(_Cheat):
+    """Lies below any window: at 10 of every 16 positions its last layer's MLP (the MoE) is not run, so no run
+    of 16 tokens ever holds 12 far-off ones; each such token is off by that layer's MLP only."""
+
+    lie_positions = 10
+    period = 16
+
+    def setup(self) -> None:
+        layer = self.model.layers[self.layers.stop - 1]
+        honest = layer.mlp_forward
+        stage = self
+
+        def sparse(x):
+            keep = torch.tensor([(stage._at + r) % stage.period >= stage.lie_positions for r in range(x.shape[0])])
+            out = torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype)
+            if bool(keep.any()):
+                out[keep] = honest(x[keep]).to(x.dtype)
+            return out
+        layer.mlp_forward = sparse
+        self._at = 0
+
+    def _run(self, session, inputs):
+        self._at = session.position
+        return super()._run(session, inputs)
+
+
+class FewerExpertsStage(_Cheat):
+    """A slightly cheaper model: every MoE layer of its block routes each token to `experts` of the model's
+    top-k experts (the best ones by the same router), saving that share of the expert compute."""
+
+    experts = 0  # 0: half the model's top-k
+
+    def setup(self) -> None:
+        for i in range(self.layers.start, self.layers.stop):
+            layer = self.model.layers[i]
+            if getattr(layer, "is_moe", False):
+                router = layer.block_sparse_moe.router
+                k = self.experts or max(1, router.config.experts_per_token // 2)
+                router.config = replace(router.config, experts_per_token=k)
+
+
+class QuantizedStage(_Cheat):
+    """A cheaper model: its block's dense weights rounded to 4-bit integers per output channel (the experts stay
+    as they are), while it declares the numerics of its dtype."""
+
+    bits = 4
+
+    def setup(self) -> None:
+        top = 2 ** (self.bits - 1) - 1
+        with torch.no_grad():
+            for i in range(self.layers.start, self.layers.stop):
+                for name, p in self.model.layers[i].named_parameters():
+                    if p.is_floating_point() and p.dim() == 2 and "experts" not in name:
+                        scale = p.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / top
+                        p.copy_((p.float() / scale).round().clamp(-top, top).mul(scale).to(p.dtype))
+
+
+class StaleStateStage(_Cheat):
+    """Forgets long context to save memory: every `window` positions its KDA layers' recurrent state is zeroed,
+    so it attends honestly within a window and not across it."""
+
+    window = 32
+
+    def _run(self, session, inputs):
+        n = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
+        if session.position // self.window != (session.position + n) // self.window:
+            for c in session.cache.layers:
+                if isinstance(c, KDALayerCache):
+                    c.state.zero_()
+        return super()._run(session, inputs)
+
+
+class LateSwitchStage(_Cheat):
+    """Honest for its first `honest_forwards` forwards (while it builds a record), then echoes its input."""
+
+    honest_forwards = 200
+
+    def _run(self, session, inputs):
+        if self.forwards < self.honest_forwards:
+            return super()._run(session, inputs)
+        return self._run_skipping(session, inputs, set(range(self.layers.start, self.layers.stop)))
+
+
+class MisdeclaredStage(_Cheat):
+    """Computes in bf16 (its weights cast) while its capabilities declare float32: a coarser numerics hidden
+    behind the finest one (a route through it would claim fp32 answers)."""
+
+    @property
+    def numerics(self) -> str:
+        return "float32"
+
+
+class PairCoverStage(_Cheat):
+    """The second of two adjacent stages under one operator: its partner (an echo stage of the block before)
+    computes nothing, and this stage runs the partner's layers too before its own, so the route's answers are
+    right and the partner is paid for work it never did. It holds both blocks' weights (`cover`: the partner's
+    first layer)."""
+
+    cover = 0
+    checkpoint = ""
+
+    def setup(self) -> None:
+        whole = LayerRange(self.cover, self.layers.stop, self.config.num_layers)
+        dtype = next(t.dtype for t in self.model.parameters() if t.is_floating_point())
+        self.model, _, _ = load_stage_model(self.checkpoint, whole, dtype)  # the fingerprint stays its own block's
+
+    def _run(self, session, inputs):
+        partner_blocks = blocks_before(self.cover, self.config.attn_res_block_size)
+        state = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks[:partner_blocks]],
+                              inputs.partial.float())  # the partner's input, under the blocks it faked
+        state = self.model.run_layers(self.cover, self.layers.stop, state, [session.cache])
+        session.cache.advance(int(state.partial.shape[0]))
+        return state
+
+    def _new_cache(self):
+        return self.model.new_cache(layers=range(self.cover, self.layers.stop))
+
+
+class RefusingLedgerServer(StageServer):
+    """Never gives its ledger (as if it kept nothing), hoping the sessions it lied in cannot be checked."""
+
+    async def handle_ledger(self, caller: str, body: bytes):
+        raise StageError(404, "not_retained", "no record of that session")
+
+
+class LyingLedgerServer(StageServer):
+    """Its ledger holds what an honest stage would have sent (an honest twin computes every forward beside the
+    cheat), not the bytes it signed and sent on."""
+
+    def __init__(self, stage, keypair, settings, twin: Stage, **kw):
+        super().__init__(stage, keypair, settings, **kw)
+        self.twin = twin
+        self._twin_out: dict[tuple[str, int], object] = {}
+        honest_add = self.ledger.add
+
+        def add(route_id, session, **fields):
+            twin_out = self._twin_out.pop((session, fields["step"]), None)
+            if twin_out is not None:
+                if fields["output_specs"]:
+                    fields["output_specs"], fields["output_body"] = encode_state(twin_out, self.settings.wire_dtype)
+                else:
+                    fields["output_body"] = encode_head_output(twin_out)
+            honest_add(route_id, session, **fields)
+        self.ledger.add = add
+
+    def _timed_forward(self, header, inputs):
+        out = super()._timed_forward(header, inputs)
+        if header.session not in self.twin.sessions:
+            session = self.stage.sessions[header.session]
+            self.twin.open(header.session, sampling=session.sampling, seed=session.seed)
+        if header.rewind is not None:
+            twin_out = self.twin.rewind_and_forward(header.session, header.rewind, header.position, inputs,
+                                                    header.mode, header.targets, header.top_k)
+        else:
+            twin_out = self.twin.forward(header.session, header.position, inputs, header.mode, header.targets,
+                                         header.top_k)
+        self._twin_out[(header.session, header.step)] = twin_out
+        return out
+
+
+CHEAT_DEFAULT_DTYPES = {"misdeclared": "bfloat16"}  # a cheat that only exists in a dtype other than float32
+
+
 CHEATS = {"other-weights": OtherWeightsStage, "skip-layer": SkipLayerStage, "echo": EchoStage,
           "session-liar": SessionLiarStage, "long-position-liar": LongPositionLiarStage, "replay": ReplayStage,
-          "forwarder": ForwardingStage}
+          "forwarder": ForwardingStage, "watch-aware": WatchAwareStage, "driver-aware": DriverAwareStage,
+          "sparse-liar": SparseLiarStage, "fewer-experts": FewerExpertsStage, "quantized": QuantizedStage,
+          "stale-state": StaleStateStage, "late-switch": LateSwitchStage, "misdeclared": MisdeclaredStage,
+          "refuse-ledger": EchoStage, "ledger-liar": EchoStage, "pair-cover-echo": EchoStage,
+          "pair-cover": PairCoverStage}
+# the server a cheat runs behind when its lie is in what it answers besides the forward
+CHEAT_SERVERS = {"refuse-ledger": RefusingLedgerServer, "pair-cover-echo": RefusingLedgerServer,
+                 "pair-cover": RefusingLedgerServer, "ledger-liar": LyingLedgerServer}
 
 __all__ = ["CHEATS", "WireRounding", "OtherWeightsStage", "SkipLayerStage", "EchoStage", "SessionLiarStage",
            "LongPositionLiarStage", "ReplayStage", "ForwardingStage", "LayerRange", "load_stage_model", "main", "start_hosts",
@@ -265,6 +466,11 @@ def parser() -> argparse.ArgumentParser:
                    help="stage URLs a forwarder hands its sessions to (those serving its block)")
     p.add_argument("--one-in", type=int, default=3, help="session-liar: lies for one session in this many")
     p.add_argument("--from-position", type=int, default=48, help="long-position-liar: lies from this position")
+    p.add_argument("--watched", action="append", default=[], metavar="HOTKEY",
+                   help="driver-aware: the hotkeys whose sessions it computes honestly (the validators')")
+    p.add_argument("--cover", type=int, default=0, help="pair-cover: the first layer of the partner's block it "
+                                                        "computes too")
+    p.add_argument("--honest-forwards", type=int, default=200, help="late-switch: forwards before it switches")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="with one --stage: its port (default: a free one each)")
     p.add_argument("--network", default="", help="chain to announce every stage on, as stage_miner does "
@@ -294,7 +500,12 @@ def _stage(args, spec: str, keypair):
         stage = Stage.from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits)
     else:
         kw = {"session-liar": {"one_in": args.one_in}, "long-position-liar": {"from_position": args.from_position},
-              "forwarder": {"forward_to": tuple(args.forward_to), "keypair": keypair}}.get(kind, {})
+              "forwarder": {"forward_to": tuple(args.forward_to), "keypair": keypair},
+              "driver-aware": {"watched": tuple(args.watched)},
+              "pair-cover": {"cover": args.cover, "checkpoint": args.checkpoint},
+              "late-switch": {"honest_forwards": args.honest_forwards}}.get(kind, {})
+        if len(parts) <= 3 and kind in CHEAT_DEFAULT_DTYPES:
+            dtype = wire = CHEAT_DEFAULT_DTYPES[kind]
         stage = CHEATS[kind].from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits, **kw)
     return name, kind, stage, wire
 
@@ -303,7 +514,7 @@ async def serve(args) -> None:
     import bittensor as bt  # noqa: PLC0415
 
     from neurons.stage_miner import announce, announcement_for, serve_until_signalled  # noqa: PLC0415
-    from neurons.swarm.stage_server import StageServer, StageServerSettings  # noqa: PLC0415
+    from neurons.swarm.stage_server import StageServerSettings  # noqa: PLC0415
 
     if args.port and len(args.stage) != 1:
         raise SystemExit("--port takes one --stage")
@@ -311,8 +522,13 @@ async def serve(args) -> None:
     for spec in args.stage:
         wallet = bt.Wallet(spec.split(":")[0], "default", path=os.path.expanduser(args.wallet_path))
         name, kind, stage, wire = _stage(args, spec, wallet.hotkey)
-        server = StageServer(stage, wallet.hotkey, StageServerSettings(
-            host=args.host, port=args.port, hop_timeout_s=args.hop_timeout_s, wire_dtype=wire))
+        settings = StageServerSettings(host=args.host, port=args.port, hop_timeout_s=args.hop_timeout_s,
+                                       wire_dtype=wire)
+        if kind == "ledger-liar":
+            twin = Stage.from_checkpoint(args.checkpoint, stage.layers, _DTYPES[stage.numerics])
+            server = LyingLedgerServer(stage, wallet.hotkey, settings, twin)
+        else:
+            server = CHEAT_SERVERS.get(kind, StageServer)(stage, wallet.hotkey, settings)
         server.warm_up()
         await server.start()
         servers.append(server)

@@ -13,7 +13,7 @@ first. A request goes to the best miner; on a connection error, HTTP error, time
 stream or failed tier-0 check *before any byte went to the user* it fails over to the next one,
 up to `max_attempts`. Once a stream has started, a failure ends it with an error chunk (the
 `openai` client raises it as an APIError). Every answer goes through tier 0
-(`scoring.verify.check_tier0`: usage, finish reason, logprobs, buffering, response signature)
+(`scoring.tier0.check_tier0`: usage, finish reason, logprobs, buffering, response signature)
 and every attempt's outcome is handed to the directory's optional `record_organic(uid=, hotkey=,
 outcome=, prompt_ids=)` hook, so organic traffic counts like any other measurement.
 
@@ -51,7 +51,8 @@ from protocol.http_server import (BodyRefusal, ConnectionGuard, GuardedSite, Gua
                                   runner_options)
 from protocol.schemas import Capabilities, ErrorEvent, FinalMessage, GenerateRequest, TokenMessage
 from scoring.config import ScoringConfig
-from scoring.verify import Failure, check_tier0
+from scoring.failures import Failure
+from scoring.tier0 import check_tier0
 
 log = logging.getLogger("k3.gateway")
 

@@ -30,7 +30,7 @@ from bittensor.http_auth import InMemoryNonceStore
 from inference.swarm.stage import HeadOutput, StageError
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import StageInfo
-from neurons.swarm.stage_server import post_signed, start_result_site
+from neurons.swarm.signed_http import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORWARD_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH,

@@ -43,9 +43,11 @@ import hashlib
 import json
 import logging
 import math
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import aiohttp
 from aiohttp import web
@@ -59,7 +61,7 @@ from inference.serving.engine import (Engine, EngineCapabilities, EngineError, E
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_head_output, encode_ids
-from neurons.swarm.stage_server import post_signed, start_result_site
+from neurons.swarm.signed_http import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
@@ -196,24 +198,37 @@ class MetagraphDirectory(StageDirectory):
         return stages
 
 
+def stage_weight(s: StageInfo) -> float:
+    """A stage's share of the sessions among the stages of its block: its session capacity over its measured
+    single-token step time, so identical stages get the same share and redundancy carries traffic."""
+    sessions = max(1, int(s.caps.capacity.get("sessions", 1)))
+    return sessions / max(float(s.caps.step_ms or 1.0), 0.05)
+
+
 def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = frozenset(),
-               prefer: set[str] = frozenset()) -> list[StageInfo] | None:
-    """Stages covering [0, num_layers) in order, or None: current stages first, then fewest hops, then the
-    measured step time."""
+               prefer: set[str] = frozenset(), rng: random.Random | None = None) -> list[StageInfo] | None:
+    """Stages covering [0, num_layers) in order, or None: fewest hops first; among the stages of one block, with
+    `rng`, a draw weighted by `stage_weight` (each session of a balanced driver takes its own draw), else the
+    current stages (`prefer`), then the measured step time."""
     by_start: dict[int, list[StageInfo]] = {}
     for s in stages:
         if s.hotkey not in exclude and s.caps.num_layers == num_layers:
             by_start.setdefault(s.start, []).append(s)
     dead_ends: set[int] = set()
+    # an exponential race: the smallest -log(u) / w wins with probability w / sum(w)
+    race = {s.hotkey: -math.log(1.0 - rng.random()) / stage_weight(s) for s in stages} if rng else {}
+
+    def order(s: StageInfo):
+        if rng is not None:
+            return (-s.stop, race[s.hotkey])
+        return (s.hotkey not in prefer, -s.stop, s.caps.step_ms or math.inf)
 
     def search(pos: int, used: frozenset) -> list[StageInfo] | None:
         if pos == num_layers:
             return []
         if pos in dead_ends:
             return None
-        options = sorted((s for s in by_start.get(pos, []) if s.hotkey not in used),
-                         key=lambda s: (s.hotkey not in prefer, -s.stop, s.caps.step_ms or math.inf))
-        for s in options:
+        for s in sorted((s for s in by_start.get(pos, []) if s.hotkey not in used), key=order):
             rest = search(s.stop, used | {s.hotkey})
             if rest is not None:
                 return [s] + rest
@@ -221,6 +236,19 @@ def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = fro
         return None
 
     return search(0, frozenset())
+
+
+NUMERICS_ORDER = ("float32", "float16", "bfloat16")  # from the finest to the coarsest
+
+
+def route_numerics(stages: Sequence[StageInfo]) -> str:
+    """The numerics a route's answers come in: the coarsest of what its stages compute in and send on (a route
+    through one bf16 stage, or over one bf16 wire, answers in bf16), so a validator judges it by that envelope."""
+    worst = 0
+    for s in stages:
+        for d in (s.caps.dtype, s.caps.wire_dtype):
+            worst = max(worst, NUMERICS_ORDER.index(d) if d in NUMERICS_ORDER else len(NUMERICS_ORDER) - 1)
+    return NUMERICS_ORDER[worst]
 
 
 def uncovered(stages: list[StageInfo], num_layers: int, exclude: set[str]) -> str:
@@ -256,6 +284,7 @@ class RouteSession:
     position: int = 0
     receipts: list[Receipt] = field(default_factory=list)  # of the last step
     rewind_to: int | None = None  # a rewind the stages have not done yet: it goes with the next forward
+    request_id: str = ""  # the request this session serves (a route miner claims its work against it)
 
 
 @dataclass
@@ -283,6 +312,7 @@ class StepRecord:
     input_body: bytes
     result_body: bytes
     rewind: int | None = None  # the rewind the forward carried (its stages went back there first)
+    request_id: str = ""  # the request the session served (RouteSession.request_id)
 
 
 class RouteDriver:
@@ -291,12 +321,15 @@ class RouteDriver:
     def __init__(self, directory: StageDirectory, keypair, config: ModelConfig, *, host: str = "127.0.0.1",
                  port: int = 0, hop_timeout_s: float = 5.0, probe_timeout_s: float = 1.5, refresh_s: float = 30.0,
                  public_url: str = "", record_steps: int = 0, rewind_in_forward: bool = True,
-                 restart_wait_s: float = 60.0):
+                 restart_wait_s: float = 60.0, balance: bool = True):
         """`rewind_in_forward`: send a deferred rewind (`rewind(..., with_next_forward=True)`) in the next
         forward's header where every stage of the route takes it (False: always the rewind message).
         `restart_wait_s`: when no route exists without stages that are restarting their shard sets, wait up to
-        this long for one of them to serve again (then re-plan through it)."""
+        this long for one of them to serve again (then re-plan through it). `balance`: spread sessions over the
+        stages of each block (`plan_route` with a weighted draw) instead of keeping one route."""
         self.directory = directory
+        self.balance = balance
+        self._rng = random.Random(secrets.randbits(64))
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
         self.config = config
@@ -348,18 +381,25 @@ class RouteDriver:
             self._stages_at = time.monotonic()
         return self._stages
 
+    def known_stages(self) -> list[StageInfo]:
+        """The stages the directory last listed (any of them may be on a route)."""
+        return list(self._stages)
+
     def _excluded(self) -> set[str]:
         now = time.monotonic()
         return {h for h, t in self.failed.items() if now - t < self.refresh_s}
 
     async def plan(self, refresh: bool = False) -> list[StageInfo]:
+        """A route for the next session: with `balance`, drawn afresh among the live stages of each block
+        (`plan_route`'s weighted draw), else the current stages while they live."""
         stages = await self.stages(refresh)
         exclude = self._excluded()
-        route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current})
+        rng = self._rng if self.balance else None
+        route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, rng)
         if route is None and self.restarting and await self._await_restarts():
             stages = await self.stages(refresh=True)
             exclude = self._excluded()
-            route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current})
+            route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, rng)
         if route is None:
             where = uncovered(stages, self.config.num_layers, exclude) or "the model"
             raise EngineError("engine_unavailable",
@@ -409,11 +449,12 @@ class RouteDriver:
                 self.restarting[hotkey] = urls[hotkey]
         await asyncio.gather(*(one(h) for h in failure.blame - set(self.restarting) if h in urls))
 
-    async def open(self, sampling: SamplingParams, seed: int, prompt_tokens: int = 0) -> RouteSession:
+    async def open(self, sampling: SamplingParams, seed: int, request_id: str = "",
+                   prompt_tokens: int = 0) -> RouteSession:
         """Sessions on every stage of a planned route; the head samples with `seed` and counts generated tokens
         from `prompt_tokens` (k3-gumbel/1's index)."""
         route = await self.plan()
-        rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12))
+        rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12), request_id=request_id)
         me = Hop(url=self.url, hotkey=self.hotkey)
         wire = WireSampling(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
                             top_k=int(sampling.top_k), logprobs=int(sampling.logprobs))
@@ -579,7 +620,8 @@ class RouteDriver:
         self.last_receipts = rs.receipts
         if self.record_steps:
             self.records.append(StepRecord(rs.route_id, rs.session, step, pending.position, tuple(header.receipts),
-                                           pending.input[0], bytes(pending.input[1]), bytes(body), pending.rewind))
+                                           pending.input[0], bytes(pending.input[1]), bytes(body), pending.rewind,
+                                           rs.request_id))
         return decode_head_output(body)
 
     async def handle_result(self, request: web.Request) -> web.Response:
@@ -659,7 +701,8 @@ class RouteEngine(Engine):
             model_id=self.config.model_id, model_fingerprint=fp,
             vocab_size=self.config.vocab_size, max_context=context, max_concurrent_sequences=sessions,
             engine_kind="sharded",  # the miner protocol's kinds; layout says it is a swarm route
-            layout={"swarm": True, "route": [s.describe() for s in route]}, precision="float32")
+            layout={"swarm": True, "route": [s.describe() for s in route]},
+            precision=route_numerics(self.driver.known_stages() or route))
 
     # ------------------------------------------------------------ requests
     def _check(self, token_ids: list[int], total: int) -> None:
@@ -722,7 +765,7 @@ class RouteEngine(Engine):
             while True:
                 try:
                     if rs is None:
-                        rs = await self.driver.open(p, seed, len(request.prompt_token_ids))
+                        rs = await self.driver.open(p, seed, request.request_id, len(request.prompt_token_ids))
                         out = (await self.driver.run(rs, self._chunks(rs, committed, "sample"), 0))[-1]
                         prefill_at = prefill_at or time.perf_counter()
                     while True:

@@ -10,7 +10,12 @@ session, in a worker thread), appends its signed receipt and sends the output on
 head's result to the route driver; failures go to the driver as an error result naming the failed hop.
 
 GET /stage/capabilities returns the stage's capabilities signed by its hotkey (layer range, fingerprint of
-exactly its tensors, capacity, measured step time); GET /stage/health is a cheap liveness probe.
+exactly its tensors, the numerics it computes and sends in, capacity, measured step time, how long it keeps its
+ledger); GET /stage/health is a cheap liveness probe.
+
+POST /stage/ledger answers a session's record (neurons/swarm/ledger.py): every step's input and output bytes with
+the receipt signed for them, for `retain_s` after the session ran. Only the callers `ledger_readers` admits may
+ask (the subnet's validators; None: any signed caller).
 
 Every answer carries X-Request-Id and makes one access-log line (neurons.base.observability.observed_app, component
 "stage", the caller's hotkey once verified); `metrics` (neurons/swarm/metrics.py) counts forwards, tokens,
@@ -35,15 +40,17 @@ from inference.swarm.stage import HeadOutput, Stage, StageError
 from inference.version import __version__
 from neurons.base.observability import CALLER, observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
+from neurons.swarm.ledger import StageLedger
 from neurons.swarm.metrics import StageMetrics
-from protocol.auth import AuthFailure, sign_request, verify_request
+from neurons.swarm.signed_http import post_signed
+from protocol.auth import AuthFailure, verify_request
 from protocol.http_server import ConnectionGuard, GuardedSite, GuardSettings, runner_options
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORK_PATH, FORWARD_PATH,
-                            FRAME_CONTENT_TYPE, HEALTH_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH, REWIND_PATH,
-                            CloseRequest, ForkRequest, ForwardHeader, Hop, OpenRequest, ResultError, ResultHeader,
-                            RewindRequest, StageWireError, decode_forward, encode_frame, parse_model, sign_capabilities,
-                            sign_receipt, state_sha256)
+                            FRAME_CONTENT_TYPE, HEALTH_PATH, LEDGER_PATH, MAX_HEADER_BYTES, OPEN_PATH, RESULT_PATH,
+                            REWIND_PATH, CloseRequest, ForkRequest, ForwardHeader, Hop, LedgerRequest, OpenRequest,
+                            ResultError, ResultHeader, RewindRequest, StageWireError, decode_forward, encode_frame,
+                            parse_model, sign_capabilities, sign_receipt, state_sha256)
 
 log = logging.getLogger("k3.stage")
 
@@ -59,36 +66,20 @@ class StageServerSettings:
     expiry_interval_s: float = 5.0
     watch_interval_s: float = 0.5  # how often a sharded block's shard set is checked (a dead one is restarted)
     restart_backoff_s: float = 5.0  # after a failed restart, wait this long before the next attempt
+    # the ledger: every session's inputs and outputs as signed, for validators to check after the fact
+    retain_s: float = 900.0
+    ledger_bytes: int = 256 << 20
     # drivers and neighbouring stages are few addresses with many connections each
     guard: GuardSettings = GuardSettings(max_connections=512, max_connections_per_address=256)
 
 
-async def start_result_site(app: web.Application, host: str, port: int,
-                            shutdown_timeout: float) -> tuple[web.AppRunner, int]:
-    """Serve `app` (a driver's or relay's small result endpoint) on host:port; returns the runner and the bound
-    port (port 0 picks a free one)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
-
-
-async def post_signed(http: aiohttp.ClientSession, keypair, hop: Hop, path: str, body: bytes, timeout_s: float,
-                      content_type: str = FRAME_CONTENT_TYPE) -> tuple[int, bytes]:
-    """POST `body` to `hop` signed for its hotkey; (status, response bytes). Raises asyncio.TimeoutError or
-    aiohttp.ClientError when the hop cannot be reached in time."""
-    headers = sign_request(keypair, "POST", path, body, hop.hotkey)
-    headers["Content-Type"] = content_type
-    async with http.post(hop.url + path, data=body, headers=headers,
-                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return resp.status, await resp.read()
-
-
 class StageServer:
     def __init__(self, stage: Stage, keypair, settings: StageServerSettings = StageServerSettings(),
-                 nonce_store=None, metrics: StageMetrics | None = None):
+                 nonce_store=None, metrics: StageMetrics | None = None, ledger_readers=None):
+        """`ledger_readers(hotkey) -> bool`: who may read the ledger (None: any signed caller)."""
         self.stage = stage
+        self.ledger = StageLedger((stage.layers.start, stage.layers.stop), settings.retain_s, settings.ledger_bytes)
+        self.ledger_readers = ledger_readers
         self.metrics = metrics or StageMetrics(str(stage.layers))
         self.metrics.sessions_open.labels(self.metrics.layers).set_function(lambda: len(self.stage.sessions))
         self.keypair = keypair
@@ -124,6 +115,7 @@ class StageServer:
         app.router.add_post(REWIND_PATH, self._wrap(self.handle_rewind))
         app.router.add_post(FORK_PATH, self._wrap(self.handle_fork))
         app.router.add_post(CLOSE_PATH, self._wrap(self.handle_close))
+        app.router.add_post(LEDGER_PATH, self._wrap(self.handle_ledger))
         self._http = aiohttp.ClientSession()
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, **runner_options(guard.settings))
         await self._runner.setup()
@@ -277,7 +269,8 @@ class StageServer:
             self.keypair, model_id=cfg.model_id, config_hash=cfg.config_hash(), num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, layers=[st.layers.start, st.layers.stop],
             embedding=st.layers.has_embedding, head=st.layers.has_head, fingerprint=st.fingerprint or "unknown",
-            capacity=st.capacity(), step_ms=st.decode_ms, max_body_bytes=self.settings.max_body_bytes,
+            capacity=st.capacity(), step_ms=st.decode_ms, dtype=st.numerics, wire_dtype=self.settings.wire_dtype,
+            retain_s=self.settings.retain_s, max_body_bytes=self.settings.max_body_bytes,
             url=self.url, software_version=__version__, signed_at=time.time())
 
     async def handle_capabilities(self, request: web.Request) -> web.Response:
@@ -295,6 +288,7 @@ class StageServer:
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, logprobs=s.logprobs),
             downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
         self._queued[req.session] = session.position
+        self.ledger.open(req.route_id, req.session, req.sampling, req.seed)
         return web.json_response({"session": req.session, "position": session.position})
 
     async def handle_forward(self, caller: str, body: bytes) -> web.Response:
@@ -320,7 +314,7 @@ class StageServer:
         input_sha = state_sha256(header.tensors, bytes(raw))
         previous = self._tails.get(header.session)
         self._tails[header.session] = asyncio.ensure_future(
-            self._process(header, inputs, input_sha, previous))
+            self._process(header, inputs, input_sha, previous, bytes(raw)))
         return web.json_response({"accepted": header.step}, status=202)
 
     async def handle_rewind(self, caller: str, body: bytes) -> web.Response:
@@ -340,6 +334,16 @@ class StageServer:
         self._queued[req.new_session] = copy.position
         return web.json_response({"session": req.new_session, "position": copy.position})
 
+    async def handle_ledger(self, caller: str, body: bytes) -> web.Response:
+        req: LedgerRequest = parse_model(LedgerRequest, body, "ledger")
+        if self.ledger_readers is not None and not self.ledger_readers(caller):
+            raise StageError(403, "not_a_validator", "only the subnet's validators may read a stage's ledger")
+        frame = self.ledger.answer(req.route_id, req.session, req.from_step, self.settings.max_body_bytes)
+        if frame is None:
+            raise StageError(404, "not_retained", f"no record of session {req.session} of route {req.route_id} "
+                                                  f"(records are kept {self.settings.retain_s:g} s)")
+        return web.Response(body=frame, content_type=FRAME_CONTENT_TYPE)
+
     async def handle_close(self, caller: str, body: bytes) -> web.Response:
         req: CloseRequest = parse_model(CloseRequest, body, "close")
         self._owned(caller, req.session)
@@ -350,7 +354,7 @@ class StageServer:
         return web.json_response({"session": req.session, "closed": True})
 
     # ------------------------------------------------------------ compute and send on
-    async def _process(self, header: ForwardHeader, inputs, input_sha: str, previous) -> None:
+    async def _process(self, header: ForwardHeader, inputs, input_sha: str, previous, input_body: bytes) -> None:
         if previous is not None:
             try:
                 await previous
@@ -384,6 +388,10 @@ class StageServer:
                                layers=[layers.start, layers.stop], fingerprint=self.stage.fingerprint or "unknown",
                                input_sha256=input_sha, output_sha256=out_sha)
         receipts = list(header.receipts) + [receipt]
+        self.ledger.add(header.route_id, header.session, step=header.step, position=header.position,
+                        mode=header.mode, targets=header.targets, top_k=header.top_k, rewind=header.rewind,
+                        input_specs=header.tensors, input_body=input_body,
+                        output_specs=[] if isinstance(out, HeadOutput) else specs, output_body=body, receipt=receipt)
         if isinstance(out, HeadOutput):
             hop, path = reply_to, RESULT_PATH
             frame = encode_frame(ResultHeader(route_id=header.route_id, session=header.session, step=header.step,
@@ -418,4 +426,4 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.Response(status=status, body=error_body(code, message), content_type="application/json")
 
 
-__all__ = ["StageServer", "StageServerSettings", "post_signed"]
+__all__ = ["StageServer", "StageServerSettings"]

@@ -1,5 +1,5 @@
-"""The validator: settings, rounds (measure, verify, score, set weights), the weights policy, the
-SQLite store and the status report."""
+"""The validator: settings, rounds (measure, verify, score, set weights), the SQLite store and the status
+report. What is audited and what weights are set are scoring's (scoring.audit_sequence, scoring.weights)."""
 from neurons.validator_app.rounds import (CpuStats, MinerRound, RankedMiner, RoundReport, Validator, ValidatorLoop,
                                           ValidatorState, build_validator, reference_capabilities, run_validator)
 from neurons.validator_app.settings import (SCORING_PROFILES, AuditSettings, RoundSettings, ScoringSettings,
@@ -7,7 +7,6 @@ from neurons.validator_app.settings import (SCORING_PROFILES, AuditSettings, Rou
                                             read_validator_settings, validator_options)
 from neurons.validator_app.status import STATUS_COLUMNS, status_report
 from neurons.validator_app.store import LastWeights, StoredMiner, ValidatorStore, ValidatorStoreError
-from neurons.validator_app.weights import submitted_weights
 
 __all__ = [
     "CpuStats", "MinerRound", "RankedMiner", "RoundReport", "Validator", "ValidatorLoop", "ValidatorState",
@@ -16,5 +15,4 @@ __all__ = [
     "ValidatorSetupError", "WeightSettings", "read_validator_settings", "validator_options",
     "STATUS_COLUMNS", "status_report",
     "LastWeights", "StoredMiner", "ValidatorStore", "ValidatorStoreError",
-    "submitted_weights",
 ]

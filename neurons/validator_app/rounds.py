@@ -54,16 +54,17 @@ from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
 from neurons.validator_app.stage_rounds import attach_stage_rounds, whole_model_work
 from neurons.validator_app.store import ValidatorStore
-from neurons.validator_app.weights import submitted_weights
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalMessage
-from scoring.audits import AuditorCandidate, check_auditor, choose_auditors, consensus_reference, draw_audit
-from scoring.canaries import canary_escalation
+from scoring.audit_sequence import AuditRecord, AuditSequence, CheckedAnswer, Verification
+from scoring.auditors import AuditorCandidate
+from scoring.canaries import CanaryPool, CanaryPoolError
 from scoring.config import ScoringConfig
-from scoring.metrics import Measurement, measure_burst, measure_request
-from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema, weights_from_ema
-from scoring.verify import (AuditResult, CanaryPool, CanaryPoolError, Failure, Verification, audit_tier1, check_tier0,
-                            validator_prompt_ids, verify_item)
+from scoring.failures import Failure
+from scoring.metrics import Measurement, measure_auditor_failure, measure_burst, measure_request
+from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema
+from scoring.tier0 import check_tier0, validator_prompt_ids
+from scoring.weights import WeightEvidence, miner_weights, weights_from_ema, weights_to_submit
 from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round
 
 log = logging.getLogger("k3.validator")
@@ -224,6 +225,21 @@ def _failure_rows(m: Measurement, item: WorkItem, verification: Optional[Verific
             if f not in verification.answer or _answer_counts(item, config)]
 
 
+def _audit_row(neuron: NeuronInfo, item: WorkItem, record: AuditRecord) -> dict:
+    """The store's row for one audit of an answer (tier 2: a canary; tier 1: against a reference)."""
+    base = dict(uid=neuron.uid, hotkey=neuron.hotkey, request_id=item.request.request_id, kind=item.kind,
+                tier=record.tier, reference=record.reference, cpu_s=record.cpu_s)
+    result = record.result
+    if record.tier == 2:
+        return dict(base, passed=int(result.passed), positions=result.compared,
+                    failures="; ".join(map(str, result.failures)))
+    return dict(base, passed=None if result.passed is None else int(result.passed), quality=result.quality,
+                mean_prob_diff=result.mean_prob_diff, positions=result.positions,
+                greedy_mismatches=result.greedy_mismatches, outside_top_k=result.outside_top_k,
+                disagreement=int(result.disagreement), error=result.error,
+                failures="; ".join(map(str, result.failures)), wall_s=record.wall_s)
+
+
 def _answer_counts(item: WorkItem, config: ScoringConfig) -> bool:
     """Whether a wrong answer (copy, planted fact) counts against the miner under this config; on the
     tiny random model nothing answers correctly, and such failures would only be noise."""
@@ -251,20 +267,20 @@ class ValidatorLoop:
         self.netuid = settings.chain.netuid
         self.store = store
         self.tokenizer = tokenizer
-        self.reference = reference
-        self.canaries = canaries
         self.expected_fingerprint = expected_fingerprint
         self.client = client or MinerClient(wallet.hotkey, settings.timeouts)
         self._owns_client = client is None
         seed = settings.rounds.seed
         self.rng = rng or random.Random(seed if seed is not None else secrets.randbits(64))
+        # the order of checks per answer (and the auditors an escalation canary will settle) is scoring's
+        self.audits = AuditSequence(self.config, self.rng, tokenizer, reference=reference, canaries=canaries,
+                                    client=self.client, timeouts=settings.timeouts,
+                                    audit_timeout_s=settings.audits.timeout_s)
         self.state = ValidatorState(store, tokenizer, self.config)
         self.window, self._last_row = store.load_window(self.config.window_s, self.config.hard_failure_s)
         self.ema: dict[int, EmaEntry] = store.load_ema()
         self.metagraph = MetagraphWatch(chain, self.netuid, settings.chain.timeout_s)
         self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
-        # escalation canary request id -> [(auditor, its verdict)]: settled when the canary is judged
-        self._pending_resolution: dict[str, list[tuple[AuditorCandidate, bool]]] = {}
         self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
         self.cpu = CpuStats()
         self._global_slots: Optional[_Slots] = None
@@ -278,6 +294,23 @@ class ValidatorLoop:
         if store.round:
             log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
                      store.round, len(self.window), len(self.ema), last.block)
+
+    @property
+    def reference(self):
+        """The validator's own reference engine (None: its audits go to miner auditors)."""
+        return self.audits.reference
+
+    @reference.setter
+    def reference(self, engine) -> None:
+        self.audits.reference = engine
+
+    @property
+    def canaries(self) -> Optional[CanaryPool]:
+        return self.audits.canaries
+
+    @canaries.setter
+    def canaries(self, pool: Optional[CanaryPool]) -> None:
+        self.audits.canaries = pool
 
     async def close(self) -> None:
         if self.stage is not None:
@@ -580,77 +613,35 @@ class ValidatorLoop:
 
     async def _verify(self, neuron: NeuronInfo, caps: Capabilities, item: WorkItem, result: GenerateResult,
                       number: int, report: MinerRound, escalations: list[WorkItem]) -> tuple[Verification, float]:
-        """Tier 0 (plus tier 2 and answer checks), then a tier-1 audit when drawn."""
-        started = time.thread_time()
-        verification = await verify_item(item, result, tokenizer=self.tokenizer, capabilities=caps,
-                                         miner_hotkey=neuron.hotkey, config=self.config, audit=False)
-        cpu_s = time.thread_time() - started
-        self.cpu.tier0_s += cpu_s
+        """The audit sequence (scoring.audit_sequence) decides every check; this stores what it found and
+        queues the escalation canary it asks for."""
+        new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, time.time(), self.config)
+        checked = await self.audits.check(item, result, caps, uid=neuron.uid, hotkey=neuron.hotkey,
+                                          coldkey=neuron.coldkey, new_or_suspect=new_or_suspect,
+                                          candidates=self._auditor_candidates)
+        self._count_cpu(checked)
+        report.audits += len(checked.audits)
+        for record in checked.audits:
+            self.store.add_audit(_audit_row(neuron, item, record), number)
+        for finding in checked.against_auditors:
+            self._record_against(finding.auditor, finding.check, finding.reason, number)
+        if checked.canaries_used:
+            self.store.mark_canaries_used(checked.canaries_used)
+        if checked.escalation is not None:
+            escalations.append(checked.escalation)
+        return checked.verification, checked.cpu_s
+
+    def _count_cpu(self, checked: CheckedAnswer) -> None:
+        self.cpu.tier0_s += checked.cpu_s
         self.cpu.tier0_count += 1
-        if verification.tier2 is not None:
-            t2 = verification.tier2
-            report.audits += 1
-            self.store.add_audit(dict(uid=neuron.uid, hotkey=neuron.hotkey, request_id=item.request.request_id,
-                                      kind=item.kind, tier=2, reference="canary", passed=int(t2.passed),
-                                      positions=t2.compared, failures="; ".join(map(str, t2.failures)),
-                                      cpu_s=cpu_s), number)
-            self._settle_auditors(item, neuron, t2.passed, number)
-        now = time.time()
-        new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, now, self.config)
-        if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
-            reference, name = self._reference_for(neuron, caps, item, result)
-            if reference is not None:
-                audit, wall_s, audit_cpu_s = await self._audit(item, result, reference, caps.precision)
-                auditors = getattr(reference, "auditors", None)
-                if auditors and audit.passed is not None or auditors and audit.escalate:
-                    failed = await self._check_auditors(reference, auditors, caps, number)
-                    if failed:
-                        audit = AuditResult(passed=None, disagreement=True, auditor_verdicts=audit.auditor_verdicts,
-                                            error="an auditor failed its canary check: "
-                                                  + ", ".join(c.hotkey for c in failed), positions=audit.positions)
-                verification.audit = audit
-                report.audits += 1
-                self.store.add_audit(dict(
-                    uid=neuron.uid, hotkey=neuron.hotkey, request_id=item.request.request_id, kind=item.kind, tier=1,
-                    reference=name, passed=None if audit.passed is None else int(audit.passed), quality=audit.quality,
-                    mean_prob_diff=audit.mean_prob_diff, positions=audit.positions,
-                    greedy_mismatches=audit.greedy_mismatches, outside_top_k=audit.outside_top_k,
-                    disagreement=int(audit.disagreement), error=audit.error,
-                    failures="; ".join(map(str, audit.failures)), cpu_s=audit_cpu_s, wall_s=wall_s), number)
-                if audit.disagreement or audit.escalate:
-                    canary, escalation = canary_escalation(self.canaries, self.rng, caps, self.config, self.tokenizer)
-                    if canary is not None:
-                        self.store.mark_canaries_used([canary.canary_id])
-                    if escalation is not None:
-                        escalations.append(escalation)
-                        if auditors and len(audit.auditor_verdicts) == len(auditors):
-                            self._pending_resolution[escalation.request.request_id] = list(
-                                zip(auditors, audit.auditor_verdicts))
-                    elif auditors:
-                        log.warning("uid %d: miner auditors %s need a canary to settle, and none is left",
-                                    neuron.uid, ", ".join(c.hotkey for c in auditors))
-        return verification, cpu_s
+        audit = checked.tier1
+        if audit is not None:
+            self.cpu.audit_wall_s += audit.wall_s
+            self.cpu.audit_cpu_s += audit.cpu_s
+            self.cpu.audit_count += 1
 
-    async def _audit(self, item: WorkItem, result: GenerateResult, reference,
-                     precision: Optional[str] = None) -> tuple[AuditResult, float, float]:
-        wall, cpu = time.monotonic(), time.process_time()
-        try:
-            audit = await asyncio.wait_for(
-                audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
-                            rng=self.rng, declared_precision=precision),
-                self.settings.audits.timeout_s)
-        except TimeoutError:
-            audit = AuditResult(passed=None, error=f"the reference took over {self.settings.audits.timeout_s:g} s")
-        wall_s, cpu_s = time.monotonic() - wall, time.process_time() - cpu
-        self.cpu.audit_wall_s += wall_s
-        self.cpu.audit_cpu_s += cpu_s
-        self.cpu.audit_count += 1
-        return audit, wall_s, cpu_s
-
-    def _reference_for(self, neuron: NeuronInfo, caps: Capabilities, item: WorkItem, result: GenerateResult):
-        """The validator's own engine, else two other miners on two other coldkeys (scoring.audits)."""
-        if self.reference is not None:
-            return self.reference, "local"
+    def _auditor_candidates(self) -> list[AuditorCandidate]:
+        """Every serving miner with its EMA and the limits it declared, for scoring.auditors to choose from."""
         candidates = []
         for other in self.serving_miners(self.snapshot) if self.snapshot is not None else []:
             cached = self._capabilities.get(other.uid)
@@ -661,51 +652,14 @@ class ValidatorLoop:
                 score=ema.value if ema is not None and ema.hotkey == other.hotkey else 0.0,
                 max_context=known.max_context if known else None,
                 max_score_tokens=known.limits.max_score_tokens if known else None))
-        chosen = choose_auditors(neuron.uid, neuron.coldkey, candidates, item.prompt_tokens + len(result.token_ids),
-                                 self.rng)
-        if not chosen:
-            return None, "none"
-        reference, name = consensus_reference(chosen, self.client, self.settings.timeouts, self.config)
-        reference.auditors = chosen
-        return reference, name
-
-    async def _check_auditors(self, reference, auditors: list[AuditorCandidate], caps: Capabilities,
-                              number: int) -> list[AuditorCandidate]:
-        """Each miner auditor scores a canary's text (indistinguishable from an audit); those that rank
-        its known greedy tokens wrong are recorded as failed audits and returned (their verdict is void)."""
-        if self.canaries is None:
-            return []
-        failed = []
-        for ref, auditor in zip(reference.references, auditors):
-            canary = self.canaries.take(self.rng)
-            if canary is None:
-                break
-            self.store.mark_canaries_used([canary.canary_id])
-            failure = await check_auditor(ref, canary, self.config)
-            if failure is not None:
-                failed.append(auditor)
-                self._record_against(auditor, failure.check, failure.reason, number)
-        return failed
-
-    def _settle_auditors(self, item: WorkItem, neuron: NeuronInfo, canary_passed: bool, number: int) -> None:
-        """An escalation canary settled what miner auditors said: whoever was wrong has it recorded."""
-        pending = self._pending_resolution.pop(item.request.request_id, None)
-        for auditor, verdict in pending or ():
-            if verdict != canary_passed:
-                what = "failed" if canary_passed else "passed"
-                self._record_against(auditor, "auditor_wrong",
-                                     f"audited uid {neuron.uid} ({neuron.hotkey}) and {what} it; the escalation canary "
-                                     f"{'passed' if canary_passed else 'failed'}", number)
+        return candidates
 
     def _record_against(self, auditor: AuditorCandidate, check: str, reason: str, number: int) -> None:
-        """A failed audit against an auditor (counts towards its audit failure rate, not its requests)."""
-        now = time.time()
-        m = Measurement(uid=auditor.uid, hotkey=auditor.hotkey, at=now, kind="chat",
-                        request_id=f"auditor-{secrets.token_hex(8)}", outcome="excused", audits=1, audit_failures=1,
-                        failures=f"{check}: {reason}"[:1000])
+        """A failed audit against an auditor (scoring.metrics.measure_auditor_failure), stored."""
+        m = measure_auditor_failure(auditor.uid, auditor.hotkey, check, reason)
         self.window.add(m)
         self.store.add_measurements([(m, None)], number)
-        self.store.add_failures([dict(at=now, uid=auditor.uid, hotkey=auditor.hotkey, check=check, reason=reason)],
+        self.store.add_failures([dict(at=m.at, uid=auditor.uid, hotkey=auditor.hotkey, check=check, reason=reason)],
                                 number)
         log.warning("auditor uid %d (%s): %s: %s", auditor.uid, auditor.hotkey, check, reason)
 
@@ -751,12 +705,15 @@ class ValidatorLoop:
         self.store.prune(now - self.window.keep_s)
         return scores
 
-    def current_weights(self) -> dict[int, float]:
-        weights = weights_from_ema(self.ema, self.config.weight_exponent)
-        if self.stage is not None:  # one vector with the stage miners (scoring.stage_rewards.one_vector)
+    def weight_evidence(self) -> WeightEvidence:
+        """What this validator's weights depend on: the EMA, and with stage rounds the work of both kinds."""
+        if self.stage is None:
+            return WeightEvidence(self.ema)
+        return WeightEvidence(self.ema, whole_model_work(self), self.stage.evidence())
 
-            weights = self.stage.weights(weights, whole_model_work(self))
-        return weights
+    def current_weights(self) -> dict[int, float]:
+        """uid -> weight as scoring.weights decides it (zeros kept)."""
+        return miner_weights(self.weight_evidence(), self.config)
 
     # ------------------------------------------------------------ weights
     async def _chain(self, awaitable):
@@ -793,14 +750,13 @@ class ValidatorLoop:
         return True, block, f"no weights since the epoch at block {latest_epoch}"
 
     async def set_weights(self, stop: Optional[asyncio.Event] = None) -> bool:
-        """Submit the weights from the current EMA, retrying transient chain errors with
-        exponential backoff (rounds go on meanwhile). False when the chain refused for good or
+        """Submit the weights scoring.weights decides from the current evidence, retrying transient chain
+        errors with exponential backoff (rounds go on meanwhile). False when the chain refused for good or
         `stop` was set."""
         w = self.settings.weights
         attempt = 0
         while stop is None or not stop.is_set():
-            weights = self.current_weights()
-            submitted = submitted_weights(weights)
+            submitted = weights_to_submit(self.weight_evidence(), self.config)
             if not submitted:
                 self.store.record_weight_attempt(False, "every miner has weight 0: nothing to submit")
                 log.warning("not setting weights: every miner's EMA is 0")

@@ -17,7 +17,7 @@ import logging
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
-from neurons.swarm.stage_server import start_result_site
+from neurons.swarm.signed_http import start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.route_work import MAX_WORK_BYTES, MAX_WORK_TOKENS, ROUTE_WORK_PATH, RouteWork
 from protocol.schemas import error_body

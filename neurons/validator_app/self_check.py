@@ -30,8 +30,10 @@ from inference.serving import EngineSettings, LocalEngine, load_reference_model
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError, MinerTimeout,
                              MinerUnreachable)
 from protocol.schemas import Capabilities
+from scoring.audit_sequence import Verification, verify_item
+from scoring.canaries import CanaryPool
 from scoring.config import ScoringConfig
-from scoring.verify import CanaryPool, Failure, Verification, verify_item
+from scoring.failures import Failure
 from scoring.workloads import WorkItem, WorkloadError, canary_item, canary_prompts, group_bursts, plan_round
 
 from .rounds import _answer_counts, reference_capabilities

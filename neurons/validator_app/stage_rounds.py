@@ -26,9 +26,10 @@ Each round (`StageRounds.run_round`, called from ValidatorLoop.run_round with th
    sent it in a challenge, hands its work on without saying so and is blamed.
 
 Results go to the store (`stage_checks`, with the reason; `blame = 1` rows zero the stage for
-`blame_s`). Weights (`weights`): scoring.stage_rewards.one_vector over whole-model miners (their weights as
-today, their verified model-tokens and decode speed) and stage miners (verified layer-tokens in passed
-challenges and clean route audits, the validator-measured step time, the share of challenges answered).
+`blame_s`). For the weights it gathers the evidence (`evidence`: stage miners' verified layer-tokens in passed
+challenges and clean route audits, the validator-measured step time, the share of challenges answered, and the
+blamed route drivers; `whole_model_work`: whole-model miners' verified model-tokens and decode speed), and
+scoring.weights decides one vector over both kinds.
 
 The gateway's own route (neurons/validator_app/gateway_route.py) hands its recorded steps to `settle_gateway_route`: a sample
 of sessions is teacher-forced on the validator's whole-model reference (`check_recorded_answer`; a failing one
@@ -38,7 +39,7 @@ audited (`audit_receipts`) before the stages are credited its tokens as `gateway
 Route drivers that present receipts (a third party's: the route miner submits them to the validator's work
 endpoint, neurons/validator_app/route_work.py, --stage-work-port; `claim_route_work`) are credited with
 `credit_route`: receipts that do not audit (signed by nobody registered, forged, stale, gapped, credited before)
-blame the driver (`route_receipts`), credit no stage, and zero the driver's whole-model weight (`weights`). Route
+blame the driver (`route_receipts`), credit no stage, and zero the driver's whole-model weight (scoring.weights). Route
 drivers follow trust through `TrustedDirectory` (blamed stages are left out).
 """
 from __future__ import annotations
@@ -68,7 +69,8 @@ from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import (ChallengeResult, CrossCheckResult, SeedCommitment, Thresholds, audit_receipts,
                                   audit_route, bisect_route, challenge_steps, compare_heads, decode_wire_state,
                                   judge_tokens, plan_steps, reference_stage, run_challenge, run_cross_check)
-from scoring.stage_rewards import MinerWork, active_params_per_layer, one_vector
+from scoring.stage_rewards import MinerWork, active_params_per_layer
+from scoring.weights import StageEvidence
 
 log = logging.getLogger("k3.validator.stages")
 
@@ -702,17 +704,11 @@ class StageRounds:
                                  available, (a, b + 1), blames[-1:])
         return out
 
-    def weights(self, whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork]) -> dict[int, float]:
-        """One weight vector over whole-model and stage miners (scoring.stage_rewards.one_vector); a whole-model
-        miner blamed as a route driver (receipts the stages never signed) gets 0."""
-        drivers = self.blamed_drivers()
-        whole_weights = {uid: 0.0 if whole_work.get(uid) is not None and whole_work[uid].hotkey in drivers else w
-                         for uid, w in whole_weights.items()}
-        stages = self.stage_work()
-        if not stages or self._refs is None:
-            return dict(whole_weights)
-        weights, _ = one_vector(whole_weights, whole_work, stages, self.layer_costs)
-        return weights
+    def evidence(self) -> StageEvidence:
+        """What the weights need of the stage rounds (scoring.weights): the stage miners' work, the blamed route
+        drivers, and the layers' costs once the validator's copy of the model is loaded."""
+        return StageEvidence(self.stage_work(), self.blamed_drivers(),
+                             self.layer_costs if self._refs is not None else None)
 
 
 class _SeenReceipts(dict):

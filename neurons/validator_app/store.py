@@ -139,6 +139,14 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "answer probes judged by their miss rate: measurements.probe_answer", (
         "ALTER TABLE measurements ADD COLUMN probe_answer INTEGER",
     )),
+    Migration(5, "stage sessions checked after the fact from the stages' ledgers, judged against the honest envelope "
+                 "of their numerics; route work credited per request the validator sent", (
+        *(f"ALTER TABLE stage_checks ADD COLUMN {c}" for c in (
+            "numerics TEXT", "bad INTEGER", "q90_rel_l2 REAL", "worst_rel_l2 REAL", "outside TEXT", "route_id TEXT",
+            "session TEXT", "request_id TEXT", "origin TEXT", "bytes_read INTEGER")),
+        "CREATE INDEX stage_checks_request ON stage_checks (request_id)",
+        "CREATE INDEX measurements_request ON measurements (request_id)",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version if MIGRATIONS else 1
 if [m.version for m in MIGRATIONS] != list(range(2, SCHEMA_VERSION + 1)):
@@ -535,7 +543,8 @@ class ValidatorStore:
     # ------------------------------------------------------------ swarm stage miners
     _STAGE_CHECK_FIELDS = ("at", "round", "uid", "hotkey", "layers", "kind", "passed", "blame", "reason", "tokens",
                            "steps", "median_rel_l2", "bad_fraction", "step_ms", "cpu_s", "wall_s", "commitment",
-                           "seed", "nonce")
+                           "seed", "nonce", "numerics", "bad", "q90_rel_l2", "worst_rel_l2", "outside", "route_id",
+                           "session", "request_id", "origin", "bytes_read")
 
     def add_stage_check(self, row: Mapping) -> None:
         values = [row.get(f) for f in self._STAGE_CHECK_FIELDS]
@@ -548,6 +557,17 @@ class ValidatorStore:
     def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None) -> list[sqlite3.Row]:
         return self._conn.execute("SELECT * FROM stage_checks WHERE at >= ? AND (? IS NULL OR hotkey = ?) ORDER BY id",
                                   (since or 0.0, hotkey, hotkey)).fetchall()
+
+    def request_measurement(self, request_id: str, hotkey: str) -> Optional[sqlite3.Row]:
+        """The measurement of the request `request_id` this validator sent to `hotkey`, if it has one."""
+        return self._conn.execute("SELECT * FROM measurements WHERE request_id = ? AND hotkey = ? ORDER BY id DESC "
+                                  "LIMIT 1", (request_id, hotkey)).fetchone()
+
+    def credited_request_tokens(self, request_id: str) -> int:
+        """Layer-tokens of route work already credited for the request `request_id`."""
+        row = self._conn.execute("SELECT COALESCE(SUM(tokens), 0) FROM stage_checks WHERE request_id = ? AND "
+                                 "kind = 'route_work'", (request_id,)).fetchone()
+        return int(row[0])
 
     def stage_blame(self, hotkey: str, since: float, kind: Optional[str] = None) -> list[sqlite3.Row]:
         """The checks that blamed `hotkey` since `since` (of one kind, when given)."""

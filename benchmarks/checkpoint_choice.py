@@ -1,4 +1,4 @@
-"""The tiny checkpoint a benchmark runs on: `--checkpoint trained` (the default: the tiny K3 trained on real
+"""The tiny checkpoint a benchmark runs on (not a benchmark itself): `--checkpoint trained` (the default: the tiny K3 trained on real
 text, inference/model/assets/tiny_trained), `random` (the tiny model with random weights, seed 0, made in a
 temporary directory) or a checkpoint directory.
 
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from inference.model.checkpoint import make_random_checkpoint
+from inference.model.config import ModelConfig
 
 TRAINED_TINY = Path(__file__).resolve().parents[1] / "inference" / "model" / "assets" / "tiny_trained"
 CHOICES = ("trained", "random")
@@ -24,8 +27,6 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 def resolve_checkpoint(choice: str, workdir: Path) -> Path:
     """The checkpoint directory for a --checkpoint value; `random` is written under workdir."""
     if choice == "random":
-        from inference.model.checkpoint import make_random_checkpoint
-        from inference.model.config import ModelConfig
         ckpt = Path(workdir) / "tiny-random"
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
         return ckpt

@@ -1,15 +1,13 @@
-"""The tier-1 audit policy: whether an answer is audited, and who audits it.
+"""Miner auditors: who audits an answer when the validator has no engine of its own, and whether an
+auditor tells the truth (docs/verification.md).
 
-The validator measures and stores; what is audited and by whom is decided here:
+    chosen = choose_auditors(audited_uid, audited_coldkey, candidates, need_tokens, rng)
+    reference, name = consensus_reference(chosen, client, timeouts, config)
+    failure = await check_auditor(reference.references[i], canary, config)   # each auditor checked on a canary
 
-    if draw_audit(rng, item, tier0, config, new_or_suspect=...):
-        chosen = choose_auditors(audited, candidates, need_tokens, rng)   # when it has no engine of its own
-        reference, name = consensus_reference(chosen, client, timeouts, config)
-        failure = await check_auditor(reference.references[i], canary, config)   # each auditor checked on a canary
-
-Miner auditors never confirm a hard failure (scoring.verify.audit_tier1 makes it soft and asks for
+Miner auditors never confirm a hard failure (scoring.tier1.audit_tier1 makes it soft and asks for
 escalation); a disagreement, or an escalation, is settled by a canary on the audited miner, and the
-auditor that turned out wrong has it recorded against it.
+auditor that turned out wrong has it recorded against it (scoring.audit_sequence runs that order).
 """
 from __future__ import annotations
 
@@ -19,20 +17,12 @@ from typing import Iterable, Optional, Sequence
 
 from protocol.client import ClientTimeouts, MinerClient
 
+from .canaries import Canary
 from .config import ScoringConfig
-from .verify import Canary, ConsensusReference, Failure, MinerScoreReference, audit_probability
-from .workloads import WorkItem
+from .failures import Failure
+from .tier1 import ConsensusReference, MinerScoreReference
 
 AUDITORS = 2  # miners that score an answer when the validator has no engine of its own
-
-
-def draw_audit(rng: random.Random, item: WorkItem, tier0: Sequence[Failure], config: ScoringConfig, *,
-               new_or_suspect: bool) -> bool:
-    """Whether this answer gets a tier-1 audit: drawn at the item's audit rate (higher for a new or
-    suspect miner, and for long-context items), never for an answer tier 0 already failed hard.
-    The draw happens either way, so the validator's random stream does not depend on tier 0."""
-    drawn = rng.random() < audit_probability(item, config, new_or_suspect=new_or_suspect)
-    return drawn and not any(f.hard for f in tier0)
 
 
 @dataclass(frozen=True)
@@ -138,3 +128,6 @@ def consensus_reference(chosen: Sequence[AuditorCandidate], client: MinerClient,
     references = [MinerScoreReference(client, c.url, c.hotkey, timeouts) for c in chosen]
     return (ConsensusReference(references, margin=config.auditor_disagreement_margin),
             "miners:" + ",".join(c.hotkey for c in chosen))
+
+
+__all__ = ["AUDITORS", "AuditorCandidate", "choose_auditors", "check_auditor", "consensus_reference"]

@@ -1,162 +1,29 @@
-"""Verification tiers (docs/subnet.md section 4).
+"""Tier 1: the teacher-forced audit of a sample of answers (docs/verification.md).
 
-- Tier 0, every response, on the validator's CPU: `check_tier0`.
-- Tier 1, teacher-forced audit of a sample: `audit_tier1`, against a reference that can score
-  token ids: the validator's own `inference.serving.engine.LocalEngine`, one other miner
-  (`MinerScoreReference`) or two other miners that must agree (`ConsensusReference`).
-- Tier 2, ground truth: canaries with a known greedy continuation (`CanaryPool`, `check_tier2`).
-- Answer checks a CPU can do (exact copy, planted fact): `check_answer`.
-
-Every check reports what went wrong as a `Failure(check, reason, hard)`. Hard failures are the
-ones only a cheater produces (bad signature, inflated counts, buffered stream, canary
-mismatch, a greedy answer the trusted reference says came from another model); a confirmed
-hard failure zeroes the miner for 24 h. Soft failures make a request unverified (and, for
-audits, count towards the audit failure rate).
-
-`verify_item` runs the applicable tiers for one work item and returns a `Verification`.
+The prompt and the miner's output are scored token by token on a reference that can teacher-force token
+ids: the validator's own `inference.serving.LocalEngine`, one other miner (`MinerScoreReference`) or two
+other miners that must agree (`ConsensusReference`). `audit_statistics` measures every number the rules
+look at, `judge_statistics` applies the rules, and `audit_tier1` runs both on one answer.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import math
 import random
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
-from inference.serving import EngineError, GenerationRequest, SamplingParams, TokenEvent
+from inference.serving import EngineError
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError
-from protocol.schemas import Capabilities, GenerateRequest, ScoreRequest
-from protocol.signature import verify_response
+from protocol.schemas import ScoreRequest
 
-from .config import ScoringConfig
+from .config import DEFAULT_CONFIG, ScoringConfig
+from .failures import Failure
 from .model_envelope import load_envelope, precision_key
 
-if TYPE_CHECKING:
-    from .workloads import WorkItem
 
-DEFAULT_CONFIG = ScoringConfig()
-
-
-@dataclass(frozen=True)
-class Failure:
-    check: str  # short machine name, e.g. "usage_completion", "buffered_stream", "canary_mismatch"
-    reason: str  # what was seen, for logs and for the miner's operator
-    hard: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.check}{' (hard)' if self.hard else ''}: {self.reason}"
-
-
-# ------------------------------------------------------------------ tier 0
-def validator_prompt_ids(request: GenerateRequest, tokenizer) -> list[int]:
-    """The prompt as the validator's own tokenizer sees it (token prompts are taken as sent)."""
-    if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
-    return tokenizer.encode(request.prompt, add_bos=request.add_special_tokens)
-
-
-def check_tier0(item: Optional["WorkItem"], result: GenerateResult, tokenizer, capabilities: Capabilities,
-                miner_hotkey: str, config: ScoringConfig = DEFAULT_CONFIG) -> list[Failure]:
-    """Every check of tier 0 on one finished generation; [] when it passes.
-
-    `item` may be None for traffic that is not a work item (the prompt is then tokenized here);
-    with an item its `prompt_ids` are used, which the validator computed with the same tokenizer.
-    """
-    request = result.request
-    if item is not None and item.request.request_id != request.request_id:
-        raise ValueError(f"result of request {request.request_id} checked against item {item.request.request_id}")
-    final = result.final
-    if final is None:
-        return [Failure("incomplete", "the stream ended without a final event")]
-    failures: list[Failure] = []
-    tokens = result.token_ids
-    n = len(tokens)
-    stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {tokenizer.eos_id})
-
-    # Usage equals the validator's own count, no slack. Over-counting is billing fraud (hard);
-    # under-counting only hurts the miner, but still means it is not counting our way.
-    prompt_count = item.prompt_tokens if item is not None else len(validator_prompt_ids(request, tokenizer))
-    for name, reported, counted in (("usage_prompt", final.usage.prompt_tokens, prompt_count),
-                                    ("usage_completion", final.usage.completion_tokens, n)):
-        if reported != counted:
-            failures.append(Failure(name, f"miner reports {reported} tokens, the validator counts {counted}",
-                                    hard=reported > counted))
-
-    # Finish reason and max_tokens.
-    if n > request.max_tokens:
-        failures.append(Failure("max_tokens", f"{n} tokens streamed for max_tokens = {request.max_tokens}", hard=True))
-    if final.finish_reason == "length" and n != request.max_tokens:
-        failures.append(Failure("finish_reason", f"finish 'length' after {n} of {request.max_tokens} tokens"))
-    elif final.finish_reason == "eos" and (n == 0 or tokens[-1] not in stop_ids):
-        failures.append(Failure("finish_reason", "finish 'eos' but the last token is not an end-of-sequence token"))
-    elif final.finish_reason == "stop" and not any(s in result.text for s in request.stop):
-        failures.append(Failure("finish_reason", "finish 'stop' but no stop string appears in the output"))
-    early = next((i for i, t in enumerate(tokens[:-1]) if t in stop_ids), None)
-    if early is not None:
-        failures.append(Failure("continued_past_eos", f"end-of-sequence token at {early} and the stream went on"))
-
-    failures += _check_logprobs(result, capabilities, config)
-
-    # Buffering: the first few percent of the tokens arrived only near the end of the call.
-    arrivals = result.token_arrivals_s
-    total = result.total_s or 0.0
-    if n > config.buffering_min_tokens and total > 0:
-        head = max(1, math.ceil(config.buffering_head_fraction * n))
-        if arrivals[head - 1] >= config.buffering_time_fraction * total:
-            failures.append(Failure(
-                "buffered_stream",
-                f"the first {head} of {n} tokens arrived at {arrivals[head - 1]:.3f} s of {total:.3f} s",
-                hard=True))
-
-    if not verify_response(final.signature, result.body, tokens, miner_hotkey, final.seed):
-        failures.append(Failure("signature", "the response signature does not cover this request, these tokens and "
-                                             "this seed under the miner's hotkey", hard=True))
-    if final.model_fingerprint != capabilities.model_fingerprint:
-        failures.append(Failure("fingerprint", f"final event names model {final.model_fingerprint}, capabilities "
-                                               f"say {capabilities.model_fingerprint}"))
-    return failures
-
-
-def _check_logprobs(result: GenerateResult, capabilities: Capabilities, config: ScoringConfig) -> list[Failure]:
-    """Logprobs present for every token, self-consistent, and greedy tokens at the miner's own top-1."""
-    request = result.request
-    want = min(request.logprobs, capabilities.vocab_size)
-    tol = config.logprob_tolerance
-    missing, inconsistent, not_top1 = [], [], []
-    position = 0
-    for timed in result.token_events:
-        event = timed.event
-        for token, chosen, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
-            if len(top) < want:
-                missing.append(position)
-            elif top:
-                values = [entry.logprob for entry in top]
-                listed = {entry.token_id: entry.logprob for entry in top}
-                if (any(a < b - tol for a, b in zip(values, values[1:])) or chosen > values[0] + tol
-                        or (token in listed and abs(listed[token] - chosen) > tol)
-                        or (token not in listed and len(top) >= want and chosen > values[-1] + tol)):
-                    inconsistent.append(position)
-                elif request.temperature == 0 and token != top[0].token_id and chosen < values[0] - tol:
-                    not_top1.append(position)
-            position += 1
-    failures = []
-    if missing:
-        failures.append(Failure("logprobs_missing", f"{len(missing)} tokens have fewer than {want} alternatives "
-                                                    f"(first at {missing[0]})"))
-    if inconsistent:
-        failures.append(Failure("logprobs_inconsistent", f"{len(inconsistent)} tokens have a chosen logprob that "
-                                                         f"contradicts their own top list (first at {inconsistent[0]})"))
-    if not_top1:
-        failures.append(Failure("greedy_not_top1", f"temperature 0, yet {len(not_top1)} tokens are not the top-1 of "
-                                                   f"the miner's own distribution (first at {not_top1[0]})"))
-    return failures
-
-
-# ------------------------------------------------------------------ references for tier 1
+# ------------------------------------------------------------------ references
 class Reference(Protocol):
     """Anything that teacher-forces token ids: `LocalEngine`, `MinerScoreReference`, ...
 
@@ -239,7 +106,7 @@ def _mean_prob_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
     return sum(abs(math.exp(x.logprob) - math.exp(y.logprob)) for x, y in zip(a, b)) / len(a)
 
 
-# ------------------------------------------------------------------ tier 1
+# ------------------------------------------------------------------ the audit
 @dataclass
 class AuditResult:
     passed: Optional[bool]  # None: no verdict (auditors disagree, reference failed, nothing to audit)
@@ -411,7 +278,7 @@ def logprob_gap_bound(config: ScoringConfig, precision: Optional[str],
 def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: bool,
                      exact: bool = False, precision: Optional[str] = None,
                      prompt_tokens: Optional[int] = None) -> list[Failure]:
-    """The tier-1 rules (docs-snippets/verify.md). Every soft threshold sits outside what honest
+    """The tier-1 rules (docs/verification.md). Every soft threshold sits outside what honest
     numerics produce (bf16/fp16, other kernels, batching, chunking, sharding: the envelope measured
     by benchmarks/verification.py); a failure is hard only when the reference is trusted (the
     validator's own engine) and the evidence is far outside that envelope, at any temperature.
@@ -554,271 +421,8 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
         quality=None if diff is None else config.quality_from_margin(diff), mean_prob_diff=diff, **common)
 
 
-def audit_probability(item: "WorkItem", config: ScoringConfig, *, new_or_suspect: bool) -> float:
-    """Chance that this response gets a tier-1 audit (decide after the answer is in)."""
-    rate = config.audit_rate_new_or_suspect if new_or_suspect else config.audit_rate
-    if item.kind == "long_context":
-        rate = max(rate, config.long_context_audit_rate)
-    return rate
-
-
-# ------------------------------------------------------------------ tier 2
-class CanaryPoolError(ValueError):
-    """A canary pool file that cannot be used."""
-
-
-@dataclass(frozen=True)
-class Canary:
-    canary_id: str
-    prompt_ids: tuple[int, ...]
-    tokens: tuple[int, ...]  # the reference's greedy continuation (shorter when it ended at EOS)
-    margins: tuple[float, ...]  # reference top-1 minus top-2 logprob at each position
-    runner_up_ids: Optional[tuple[int, ...]] = None  # reference top-2 at each position, when known
-    logprobs: Optional[tuple[float, ...]] = None  # reference logprob of each greedy token, when known
-
-    def __post_init__(self):
-        if not self.prompt_ids or not self.tokens:
-            raise CanaryPoolError(f"canary {self.canary_id}: prompt_ids and tokens must not be empty")
-        if len(self.margins) != len(self.tokens):
-            raise CanaryPoolError(f"canary {self.canary_id}: one margin per token is needed")
-        if self.runner_up_ids is not None and len(self.runner_up_ids) != len(self.tokens):
-            raise CanaryPoolError(f"canary {self.canary_id}: one runner-up id per token is needed")
-        if self.logprobs is not None and (len(self.logprobs) != len(self.tokens)
-                                          or any(not (lp <= 0.0) for lp in self.logprobs)):
-            raise CanaryPoolError(f"canary {self.canary_id}: one logprob (<= 0) per token is needed")
-        if any(not (m >= 0) for m in self.margins):
-            raise CanaryPoolError(f"canary {self.canary_id}: margins must be non-negative numbers")
-
-
-def canary_id_for(prompt_ids: Sequence[int]) -> str:
-    return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
-
-
-class CanaryPool:
-    """Canaries, each used once. The pool file (JSON):
-
-        {"format": "k3-canaries", "version": 1, "model_fingerprint": "...",
-         "canaries": [{"id": "...", "prompt_ids": [...], "tokens": [...], "margins": [...],
-                       "runner_up_ids": [...], "logprobs": [...]}]}   # runner_up_ids, logprobs optional
-
-    Which canaries were used is the validator's state: persist `used` and pass it back in."""
-
-    FORMAT = "k3-canaries"
-    VERSION = 1
-
-    def __init__(self, canaries: Iterable[Canary], used: Iterable[str] = (), model_fingerprint: str = ""):
-        self.canaries: dict[str, Canary] = {}
-        for canary in canaries:
-            if canary.canary_id in self.canaries:
-                raise CanaryPoolError(f"canary id {canary.canary_id} appears twice")
-            self.canaries[canary.canary_id] = canary
-        self.used: set[str] = set(used)
-        self.model_fingerprint = model_fingerprint
-
-    def __len__(self) -> int:
-        return len(self.canaries)
-
-    @property
-    def remaining(self) -> int:
-        return sum(1 for cid in self.canaries if cid not in self.used)
-
-    def take(self, rng: random.Random, max_prompt_tokens: Optional[int] = None) -> Optional[Canary]:
-        """A random unused canary whose prompt fits, now marked used; None when none is left."""
-        choices = sorted(cid for cid, c in self.canaries.items() if cid not in self.used
-                         and (max_prompt_tokens is None or len(c.prompt_ids) <= max_prompt_tokens))
-        if not choices:
-            return None
-        chosen = rng.choice(choices)
-        self.used.add(chosen)
-        return self.canaries[chosen]
-
-    def mark_used(self, canary_ids: Iterable[str]) -> None:
-        self.used.update(canary_ids)
-
-    # -------------------------------------------------------------- files
-    def to_json(self) -> dict:
-        return {
-            "format": self.FORMAT, "version": self.VERSION, "model_fingerprint": self.model_fingerprint,
-            "canaries": [
-                {"id": c.canary_id, "prompt_ids": list(c.prompt_ids), "tokens": list(c.tokens),
-                 "margins": list(c.margins),
-                 **({"runner_up_ids": list(c.runner_up_ids)} if c.runner_up_ids is not None else {}),
-                 **({"logprobs": list(c.logprobs)} if c.logprobs is not None else {})}
-                for c in self.canaries.values()
-            ],
-        }
-
-    def to_file(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
-
-    @classmethod
-    def from_json(cls, data: Any, used: Iterable[str] = (), source: str = "pool") -> "CanaryPool":
-        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
-            raise CanaryPoolError(f"{source} is not a canary pool (expected format {cls.FORMAT!r})")
-        if data.get("version") != cls.VERSION:
-            raise CanaryPoolError(f"{source} has version {data.get('version')!r}; this validator reads {cls.VERSION}")
-        entries = data.get("canaries")
-        if not isinstance(entries, list):
-            raise CanaryPoolError(f"{source} has no 'canaries' list")
-        canaries = []
-        for k, entry in enumerate(entries):
-            try:
-                runner_up, logprobs = entry.get("runner_up_ids"), entry.get("logprobs")
-                canaries.append(Canary(
-                    canary_id=str(entry["id"]),
-                    prompt_ids=tuple(_ints(entry["prompt_ids"])),
-                    tokens=tuple(_ints(entry["tokens"])),
-                    margins=tuple(float(m) for m in entry["margins"]),
-                    runner_up_ids=None if runner_up is None else tuple(_ints(runner_up)),
-                    logprobs=None if logprobs is None else tuple(float(lp) for lp in logprobs),
-                ))
-            except (KeyError, TypeError, ValueError, AttributeError) as error:
-                raise CanaryPoolError(f"{source}: canary {k} is malformed: {error}") from None
-        return cls(canaries, used, str(data.get("model_fingerprint", "")))
-
-    @classmethod
-    def from_file(cls, path: str | Path, used: Iterable[str] = ()) -> "CanaryPool":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise CanaryPoolError(f"cannot read the canary pool {path}: {error}") from None
-        return cls.from_json(data, used, source=str(path))
-
-    @classmethod
-    async def from_engine(cls, engine, prompts: Iterable[Sequence[int]], config: ScoringConfig = DEFAULT_CONFIG,
-                          model_fingerprint: str = "") -> "CanaryPool":
-        """Canaries computed by the validator's own reference engine (local testnet): the first
-        `config.canary_tokens` greedy tokens of each prompt, with top-1/top-2 margins and the
-        reference's logprob of each token (what an auditor checked on the canary must report)."""
-
-        async def one(prompt: Sequence[int]) -> Canary:
-            params = SamplingParams(max_tokens=config.canary_tokens, temperature=0.0, logprobs=2)
-            tokens, margins, runner_up, logprobs = [], [], [], []
-            async for event in engine.generate(GenerationRequest(list(prompt), params)):
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.token_id)
-                    logprobs.append(min(0.0, float(event.logprob)))
-                    top = event.top_logprobs
-                    margins.append(top[0][1] - top[1][1] if len(top) > 1 else math.inf)
-                    runner_up.append(top[1][0] if len(top) > 1 else top[0][0])
-            return Canary(canary_id_for(prompt), tuple(prompt), tuple(tokens), tuple(margins), tuple(runner_up),
-                          tuple(logprobs))
-
-        canaries = await asyncio.gather(*(one(p) for p in prompts))
-        return cls(canaries, model_fingerprint=model_fingerprint)
-
-
-def _ints(values) -> list[int]:
-    out = [int(v) for v in values]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError("token ids must be non-negative integers")
-    return out
-
-
-@dataclass
-class Tier2Result:
-    passed: bool
-    compared: int  # positions compared before a stop (end, near-tie divergence or mismatch)
-    near_tie_at: Optional[int] = None  # the miner took another token at a near-tie here; rest not compared
-    mismatch_at: Optional[int] = None
-    failures: list[Failure] = field(default_factory=list)
-
-
-def check_tier2(canary: Canary, result: GenerateResult, config: ScoringConfig = DEFAULT_CONFIG, *,
-                exact: bool = False) -> Tier2Result:
-    """The miner's greedy output must equal the canary's known continuation until the first place
-    where honest numerics may take another token: where the reference's top-1 vs top-2 margin is
-    under `greedy_gap_soft` (the flips of honest bf16, measured up to 5 nats on the random tiny
-    model), or under `near_tie_margin` for a miner that declares fp32 (`exact`), and the miner took
-    the runner-up (when the pool names it). After such a divergence the two continuations no longer
-    share a prefix, so comparing stops there and the canary passes. Any other divergence fails;
-    hard only where the reference's margin exceeds `greedy_gap_hard` (odds of e^6 against an honest
-    flip), soft otherwise (it counts towards the audit failure rate)."""
-    tokens = result.token_ids
-    tolerance = config.near_tie_margin if exact else max(config.near_tie_margin, config.greedy_gap_soft)
-    for i, want in enumerate(canary.tokens[: config.canary_tokens]):
-        if i >= len(tokens):
-            return Tier2Result(passed=True, compared=i)
-        got = tokens[i]
-        if got == want:
-            continue
-        margin = canary.margins[i]
-        acceptable = canary.runner_up_ids is None or got == canary.runner_up_ids[i]
-        if margin < tolerance and acceptable:
-            return Tier2Result(passed=True, compared=i, near_tie_at=i)
-        hard = margin > config.greedy_gap_hard
-        reason = (f"canary {canary.canary_id}: token {i} is {got}, the reference's greedy token is {want} "
-                  f"(margin {margin:.3f}; honest {'fp32' if exact else 'numerics'} may differ under {tolerance:g}"
-                  f"{'' if acceptable else ', and only to the runner-up'}; hard over {config.greedy_gap_hard:g})")
-        return Tier2Result(passed=False, compared=i, mismatch_at=i,
-                           failures=[Failure("canary_mismatch", reason, hard=hard)])
-    return Tier2Result(passed=True, compared=min(len(canary.tokens), config.canary_tokens, len(tokens)))
-
-
-# ------------------------------------------------------------------ answers
-def check_answer(item: "WorkItem", result: GenerateResult) -> list[Failure]:
-    """Exact-copy and planted-fact answers (soft failures; how they count is the scorer's call)."""
-    expect, text = item.expect, result.text
-    failures = []
-    if expect.copy_text is not None and expect.copy_text.strip() not in text:
-        failures.append(Failure("copy", "the answer does not contain the text it was asked to repeat"))
-    if expect.answer is not None and expect.answer not in text:
-        failures.append(Failure("planted_fact", f"the answer does not contain the planted value for {expect.subject}"))
-    return failures
-
-
-# ------------------------------------------------------------------ all tiers for one item
-@dataclass
-class Verification:
-    tier0: list[Failure] = field(default_factory=list)
-    audit: Optional[AuditResult] = None
-    tier2: Optional[Tier2Result] = None
-    answer: list[Failure] = field(default_factory=list)
-
-    @property
-    def tier0_ok(self) -> bool:
-        return not self.tier0
-
-    @property
-    def failures(self) -> list[Failure]:
-        out = list(self.tier0)
-        if self.audit is not None:
-            out += self.audit.failures
-        if self.tier2 is not None:
-            out += self.tier2.failures
-        return out + list(self.answer)
-
-    @property
-    def hard_failures(self) -> list[Failure]:
-        return [f for f in self.failures if f.hard]
-
-
-async def verify_item(item: "WorkItem", result: GenerateResult, *, tokenizer, capabilities: Capabilities,
-                      miner_hotkey: str, config: ScoringConfig = DEFAULT_CONFIG,
-                      reference: Optional[Reference] = None, audit: bool = False,
-                      rng: Optional[random.Random] = None) -> Verification:
-    """Tier 0 always; tier 1 when `audit` (and a reference is given and tier 0 found no hard
-    failure, which already settles the matter); tier 2 for canaries; answer checks for items
-    that expect an answer."""
-    verification = Verification(tier0=check_tier0(item, result, tokenizer, capabilities, miner_hotkey, config))
-    if result.final is None:
-        return verification
-    if audit and reference is not None and not any(f.hard for f in verification.tier0):
-        verification.audit = await audit_tier1(item.prompt_ids, result, reference, config,
-                                               stop_ids=tokenizer.stop_ids, rng=rng,
-                                               declared_precision=capabilities.precision)
-    if item.expect.canary is not None:
-        exact = (capabilities.precision or "").lower() in config.exact_precisions
-        verification.tier2 = check_tier2(item.expect.canary, result, config, exact=exact)
-    if item.expect.answer is not None or item.expect.copy_text is not None:
-        verification.answer = check_answer(item, result)
-    return verification
-
-
 __all__ = [
-    "Failure", "validator_prompt_ids", "check_tier0", "Reference", "MinerScoreReference", "ConsensusReference",
-    "ReferenceDisagreement", "AuditResult", "AuditStatistics", "audit_statistics", "judge_statistics",
-    "logprob_gap_bound", "outside_top_k_bound", "audit_tier1", "audit_probability",
-    "Canary", "CanaryPool", "CanaryPoolError", "canary_id_for", "Tier2Result", "check_tier2", "check_answer",
-    "Verification", "verify_item",
+    "Reference", "MinerScoreReference", "ConsensusReference", "ReferenceDisagreement", "AuditResult",
+    "AuditStatistics", "audit_statistics", "judge_statistics", "logprob_gap_bound", "outside_top_k_bound",
+    "audit_tier1",
 ]

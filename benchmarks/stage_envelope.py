@@ -1,0 +1,221 @@
+"""The honest envelope of stage checks: route sessions through honest stages in several numerics, each stage's
+recorded steps re-run on the validator's fp32 reference of its block, the per-check statistics tabulated, and
+(with --write FILE) the bounds a validator judges stage checks by written into a model envelope file.
+
+A session here is what a route driver sends (scoring's validator does the same from stage ledgers): a prompt of
+chat-like text prefilled in random chunks, then decode steps, the head sampling (greedy or T = 0.8) with the
+session's seed; each stage's output crosses the wire codec in the stage's wire dtype, as it would between two
+stage miners. Honest variants: fp32 (1 thread), fp32 on 2 threads, bf16 weights with a bf16 wire, fp16 weights
+(fp32 wire), and a block sharded over 2 local processes (expert parallel, fp32).
+
+    python -m benchmarks.stage_envelope --sessions 150 --write scoring/envelopes/tiny_trained.json
+    python -m benchmarks.stage_envelope --checkpoint random --sessions 40
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
+from inference.decoding.sampling import SamplingParams
+from inference.model import load_tokenizer, read_config
+from inference.planning.swarm_plan import stage_blocks
+from inference.serving.builders import load_reference_model
+from inference.swarm.stage import HeadOutput, LayerRange, Stage
+from neurons.swarm.codec import decode_inputs, encode_state
+from scoring.corpus import code_snippet, paragraph
+from scoring.stage_checks import OpenedStep, recheck_opened, reference_stage
+from scoring.stage_judge import (CheckStats, NumericsEnvelope, derive_envelope, stage_envelope_section,
+                                 write_stage_section)
+
+NUMERICS = {"fp32": "float32", "fp32-2-threads": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "sharded-fp32": "float32"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RouteStage:
+    stage: Stage
+    wire_dtype: str = "float32"
+    threads: int = 1
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def wire(state, dtype: str):
+    """A state as the next stage decodes it from the wire (the stage's wire dtype)."""
+    specs, body = encode_state(state, dtype)
+    view = memoryview(body)
+    tensors, offset = [], 0
+    for s in specs:
+        tensors.append((s, view[offset:offset + s.nbytes]))
+        offset += s.nbytes
+    return decode_inputs(tensors, False, state.partial.shape[1])
+
+
+def session_plan(rng: random.Random, prompt_tokens: int, decode_tokens: int) -> list[int]:
+    """Forward sizes: the prompt in random chunks (1-64 tokens), then one token per decode step."""
+    chunks, left = [], prompt_tokens
+    while left:
+        c = min(left, rng.randint(1, 64))
+        chunks.append(c)
+        left -= c
+    return chunks + [1] * decode_tokens
+
+
+def drive_session(route: Sequence[RouteStage], prompt: list[int], plan: list[int], *, temperature: float,
+                  seed: int, session: str, wrap: Callable = lambda i, s: s) -> list[list[OpenedStep]]:
+    """One session through the route: per stage, its steps as its ledger records them. The head samples on the
+    last prompt chunk and every decode step; the token it emits is the next decode step's input."""
+    sampling = SamplingParams(temperature=temperature, logprobs=2)
+    for r in route:
+        r.stage.open(session, sampling=sampling, seed=seed)
+    recorded: list[list[OpenedStep]] = [[] for _ in route]
+    ids, position = list(prompt), 0
+    try:
+        for step, n in enumerate(plan):
+            x = torch.tensor(ids[position:position + n])
+            mode = "sample" if position + n >= len(prompt) else "none"
+            for i, r in enumerate(route):
+                stage = wrap(i, r.stage)
+                with threads(r.threads):
+                    out = stage.forward(session, position, x, mode if r.stage.layers.has_head else "none")
+                if not isinstance(out, HeadOutput):
+                    out = wire(out, r.wire_dtype)
+                recorded[i].append(OpenedStep(step, position, mode if r.stage.layers.has_head else "none", None, 0,
+                                              None, x, out))
+                x = out
+            position += n
+            if isinstance(x, HeadOutput) and x.mode == "sample" and position >= len(ids):
+                ids.append(int(x.token_id))
+    finally:
+        for r in route:
+            r.stage.close(session)
+    return recorded
+
+
+def prompt_ids(rng: random.Random, tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(paragraph(rng) if rng.random() < 0.7 else code_snippet(rng))
+    return ids[:n]
+
+
+def honest_routes(ckpt: Path, blocks: list[tuple[int, int]], num_layers: int, only: Sequence[str]) -> dict:
+    routes = {}
+    for name in only:
+        numerics = NUMERICS[name]
+        shard = 2 if name.startswith("sharded") else 1
+        routes[name] = [RouteStage(Stage.from_checkpoint(ckpt, LayerRange(a, b, num_layers), DTYPES[numerics],
+                                                         shard_ranks=shard if b - a >= 2 else 1,
+                                                         threads_per_rank=1),
+                                   "bfloat16" if numerics == "bfloat16" else "float32",
+                                   2 if name == "fp32-2-threads" else 1)
+                        for a, b in blocks]
+    return routes
+
+
+def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, seed: int,
+            max_prompt: int, max_decode: int) -> list[tuple[str, str, str, CheckStats]]:
+    """(variant, numerics, kind "state"|"head", statistics) of every stage check."""
+    config = read_config(ckpt)
+    tokenizer = load_tokenizer(ckpt, config)
+    model, _, _ = load_reference_model(ckpt, verify=False)
+    blocks = stage_blocks(config.num_layers, config.attn_res_block_size, stages)
+    references = [reference_stage(model, a, b) for a, b in blocks]
+    routes = honest_routes(ckpt, blocks, config.num_layers, variants)
+    rng = random.Random(seed)
+    rows = []
+    try:
+        for k in range(sessions):
+            prompt = prompt_ids(rng, tokenizer, rng.randint(8, max_prompt))
+            plan = session_plan(rng, len(prompt), rng.randint(1, max_decode))
+            temperature = rng.choice([0.0, 0.8])
+            for name, route in routes.items():
+                s_seed = rng.getrandbits(62)
+                recorded = drive_session(route, prompt, plan, temperature=temperature, seed=s_seed,
+                                         session=f"{name}-{k}")
+                for (a, b), ref, steps in zip(blocks, references, recorded):
+                    c = recheck_opened(steps, ref, seed=rng.getrandbits(62))
+                    kind = "head" if b == config.num_layers else "state"
+                    rows.append((name, NUMERICS[name], kind, CheckStats.of(c)))
+    finally:
+        for route in routes.values():
+            for r in route:
+                r.stage.shutdown()
+    return rows
+
+
+def table(rows, envelopes: dict[tuple[str, str], NumericsEnvelope]) -> str:
+    out = ["| variant | numerics | kind | checks | tokens | median of medians | worst median | bad tokens | "
+           "worst bad fraction | outside the envelope |", "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str, str], list[CheckStats]] = {}
+    for name, numerics, kind, st in rows:
+        groups.setdefault((name, numerics, kind), []).append(st)
+    for (name, numerics, kind), stats in groups.items():
+        env = envelopes[(numerics, kind)]
+        outside = sum(1 for s in stats if env.outside(s))
+        tokens = sum(s.tokens for s in stats)
+        out.append(f"| {name} | {numerics} | {kind} | {len(stats)} | {tokens} | "
+                   f"{np.median([s.median for s in stats]):.2e} | {max(s.median for s in stats):.2e} | "
+                   f"{sum(s.bad for s in stats) / max(1, tokens):.3%} | "
+                   f"{max(s.bad_fraction for s in stats):.3f} | {outside} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.stage_envelope", description=__doc__.split("\n\n")[0])
+    add_checkpoint_argument(ap)
+    ap.add_argument("--sessions", type=int, default=40, help="sessions per honest variant")
+    ap.add_argument("--stages", type=int, default=3, help="stages on the route (blocks of the model)")
+    ap.add_argument("--variants", default=",".join(NUMERICS), help=f"comma-separated, of {list(NUMERICS)}")
+    ap.add_argument("--max-prompt", type=int, default=160)
+    ap.add_argument("--max-decode", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", metavar="FILE", help="write the bounds into this model envelope file (its `stages`)")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(NUMERICS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {list(NUMERICS)}")
+    started = time.time()
+    torch.set_num_threads(1)  # the stages and the reference take turns; a variant sets its own threads
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = resolve_checkpoint(args.checkpoint, Path(tmp))
+        rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
+                       max_prompt=args.max_prompt, max_decode=args.max_decode)
+    envelopes = {(n, k): derive_envelope(n, k, [s for _, n2, k2, s in rows if (n2, k2) == (n, k)])
+                 for n, k in {(n, k) for _, n, k, _ in rows}}
+    print(table(rows, envelopes))
+    print()
+    for (numerics, kind), env in sorted(envelopes.items()):
+        print(f"{numerics:9s} {kind:5s} {json.dumps(env.to_json())}")
+    print(f"\n{len(rows)} stage checks in {time.time() - started:.0f} s")
+    if args.write:
+        write_stage_section(Path(args.write), stage_envelope_section(envelopes.values(), command=" ".join(
+            ["python -m benchmarks.stage_envelope"] + (argv if argv is not None else sys.argv[1:]))))
+        print(f"wrote the stage envelope into {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
