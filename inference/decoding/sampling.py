@@ -162,6 +162,41 @@ def gumbel_choice(logits: torch.Tensor, p: "SamplingParams", seed: int, index: i
     return int(torch.argmax(perturbed_values(logits, p, seed, index)))
 
 
+@dataclass(frozen=True)
+class ReplayedToken:
+    """A sampled token replayed from a reference's logits: what k3-gumbel/1 picks there, and how far the token
+    the miner sent is from it, in nats of logit (T times the perturbed values' difference, so that honest
+    numerics, which move logits and not the noise, move it the same at every temperature)."""
+
+    index: int  # generated-token index
+    token: int  # the token the miner sent
+    replayed: int  # the token the sampler picks from the reference's logits with the reported seed
+    gap: float  # T * (z[replayed] - z[token]): 0 when they agree, inf when the token is not allowed at all
+    margin: float  # T * (best - second best perturbed value): how near a tie the replay is (inf: one allowed)
+
+
+@dataclass(frozen=True)
+class ReplayKey:
+    """What an engine's teacher-forced scoring needs to replay a sampled answer as well: the request's sampling
+    parameters, the seed the answer was drawn with, and where in the scored token ids the answer starts (the
+    position of generated-token index 0: the prompt's length)."""
+
+    sampling: "SamplingParams"
+    seed: int
+    first_position: int
+
+
+def replay_token(logits: torch.Tensor, p: "SamplingParams", seed: int, index: int, token: int) -> ReplayedToken:
+    """Replay generated-token `index` (temperature > 0) of an answer that sent `token` from the reference's logits
+    row [V]: the validator's side of k3-gumbel/1."""
+    values = perturbed_values(logits, p, seed, index)
+    top = torch.topk(values, min(2, values.numel()))
+    best, t = int(top.indices[0]), float(p.temperature)
+    margin = t * float(top.values[0] - top.values[1]) if values.numel() > 1 else float("inf")
+    gap = 0.0 if token == best else t * float(values[best] - values[token])
+    return ReplayedToken(index, int(token), best, gap, margin)
+
+
 def draw_seed() -> int:
     """A fresh request seed in [0, 2^64), for a request that did not give one (the engine reports it)."""
     return int.from_bytes(os.urandom(8), "little")

@@ -4,7 +4,8 @@
 `EngineError` with a clear code when it cannot be served) and returns an
 `EventStream`: an async iterator of `TokenEvent`s then one `FinalEvent`.
 `Engine.score(...)` runs a teacher-forced prefill and returns per-position
-logprobs. `LocalEngine` runs a model in-process (the reference model, or a
+logprobs (and, given a `ReplayKey`, replays the sampled tokens of an answer
+under the protocol's sampler k3-gumbel/1: what a validator's audit needs). `LocalEngine` runs a model in-process (the reference model, or a
 sharded model with the same `new_cache`/`forward` surface) under a scheduler
 that does continuous batching with chunked prefill; `RemoteEngine`
 (`inference.serving.remote`) adapts an OpenAI-compatible server.
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.decoding.sampling import MAX_LOGPROBS, SAMPLER, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.decoding.sampling import (MAX_LOGPROBS, SAMPLER, ReplayedToken, ReplayKey, SampledToken, SamplingParams,
+                                         TokenSampler, find_stop, replay_token)
 from inference.decoding.speculation import SequenceSpeculation, SpeculationConfig
 from inference.model import ModelConfig
 from inference.serving.metrics import EngineMetrics
@@ -105,6 +107,7 @@ class ScoredPosition:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    replayed: ReplayedToken | None = None  # score(..., replay=key): the sampler's token here from these logits
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,12 @@ class Engine(abc.ABC):
     def generate(self, request: GenerationRequest) -> EventStream: ...
 
     @abc.abstractmethod
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]: ...
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        """Teacher-forced logprobs of token_ids[p] given token_ids[:p] for each asked p (all by default), with the
+        top_k alternatives; with `replay`, each position at or after replay.first_position also carries the
+        token k3-gumbel/1 draws there (ScoredPosition.replayed). An engine that cannot replay refuses it
+        (EngineError invalid_request)."""
 
     @abc.abstractmethod
     def capabilities(self) -> EngineCapabilities: ...
@@ -203,8 +211,8 @@ class WrappedEngine(Engine):
         return self.inner.generate(request)
 
     async def score(self, token_ids: list[int], positions: list[int] | None = None,
-                    top_k: int = 0) -> list[ScoredPosition]:
-        return await self.inner.score(token_ids, positions, top_k)
+                    top_k: int = 0, replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        return await self.inner.score(token_ids, positions, top_k, replay)
 
     def capabilities(self) -> EngineCapabilities:
         return self.inner.capabilities()
@@ -246,7 +254,7 @@ class _Sequence:
         "request_id", "kind", "token_ids", "prompt_len", "sampling", "sampler", "cache", "consumed",
         "generated", "text", "text_emitted", "queue", "reserved", "submitted_at", "admitted_at",
         "prefill_done_at", "first_token_at", "last_token_at", "cancelled", "finished",
-        "positions", "top_k", "scores", "future", "decoder", "speculation", "draft", "group",
+        "positions", "top_k", "scores", "future", "decoder", "speculation", "draft", "group", "replay",
     )
 
     def __init__(self, kind, token_ids, sampling=None, request_id=""):
@@ -278,6 +286,7 @@ class _Sequence:
         self.speculation: SequenceSpeculation | None = None  # drafter and statistics, when the engine speculates
         self.draft = None  # this step's drafted tokens (inference.decoding.drafters.Draft)
         self.group: int | None = None  # micro_batches > 1: the group whose steps carry this sequence
+        self.replay: ReplayKey | None = None  # a score sequence that also replays an answer's sampled tokens
 
     @property
     def in_prefill(self) -> bool:
@@ -462,7 +471,8 @@ class LocalEngine(Engine):
         self._enqueue(seq)
         return EventStream(seq.queue, lambda: self._cancel(seq))
 
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:
@@ -473,8 +483,11 @@ class LocalEngine(Engine):
         bad = sorted(p for p in wanted if not 1 <= p < n)
         if bad:
             raise EngineError("invalid_request", f"positions {bad[:5]} are outside 1..{n - 1}")
+        if replay is not None and not (replay.sampling.temperature > 0 and 1 <= replay.first_position < n):
+            raise EngineError("invalid_request", "a replay needs a temperature above 0 and an answer that starts "
+                                                 f"inside the token ids (at {replay.first_position} of {n})")
         seq = _Sequence("score", token_ids)
-        seq.positions, seq.top_k = wanted, top_k
+        seq.positions, seq.top_k, seq.replay = wanted, top_k, replay
         seq.reserved = self._admissible(n)
         seq.future = asyncio.get_running_loop().create_future()
         self._enqueue(seq)
@@ -930,7 +943,10 @@ class LocalEngine(Engine):
                 if seq.top_k:
                     v, i = torch.topk(lp[r], seq.top_k)
                     top = [(int(a), float(b)) for a, b in zip(i, v)]
-                seq.scores.append(ScoredPosition(pos, tok, float(lp[r, tok]), top))
+                key, replayed = seq.replay, None
+                if key is not None and pos >= key.first_position:
+                    replayed = replay_token(out[r].float(), key.sampling, key.seed, pos - key.first_position, tok)
+                seq.scores.append(ScoredPosition(pos, tok, float(lp[r, tok]), top, replayed))
 
     def _emit_token(self, seq: _Sequence, sampled: SampledToken, now: float) -> None:
         p = seq.sampling

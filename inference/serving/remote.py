@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from inference.decoding.sampling import ENGINE_SAMPLER, MAX_LOGPROBS, draw_seed
+from inference.decoding.sampling import ENGINE_SAMPLER, MAX_LOGPROBS, ReplayKey, draw_seed
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.metrics import EngineMetrics
@@ -414,7 +414,11 @@ class RemoteEngine(Engine):
         }
 
     # -------------------------------------------------------------- scoring
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        if replay is not None:
+            raise EngineError("invalid_request", "a remote engine returns no logits rows: it cannot replay sampled "
+                                                 "tokens")
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:

@@ -54,7 +54,7 @@ from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
 from chain.interface import NeuronInfo
-from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, draw_seed, find_stop
+from inference.decoding.sampling import MAX_LOGPROBS, ReplayKey, SamplingParams, draw_seed, find_stop
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
@@ -837,7 +837,11 @@ class RouteEngine(Engine):
             spec.observe_plain(out.token_id)
         return out
 
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        if replay is not None:
+            raise EngineError("invalid_request", "a route's head stage answers logprobs, not logits rows: it cannot "
+                                                 "replay sampled tokens")
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:
