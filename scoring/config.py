@@ -280,6 +280,7 @@ class ScoringConfig:
             probes_scored=(),
             long_context_budget_base_s=30.0,
             long_context_budget_s_per_1k_tokens=2.0,
+            replay_resend_rate=0.2,  # rounds of 12 requests: a resend within a few rounds
         )
         base.update(overrides)
         return cls(**base)

@@ -176,3 +176,29 @@ def test_resends_repeat_an_earlier_sampled_prompt_with_another_seed_and_are_alwa
     one = resend(rng, sampled[0])
     assert audit_probability(one, CONFIG, new_or_suspect=False) == 1.0
     assert audit_probability(sampled[0], CONFIG, new_or_suspect=False) == CONFIG.audit_rate
+
+
+async def test_the_sampling_cheats_run_the_real_model_but_not_the_sampler_asked(model, tokenizer):
+    """localnet/cheats/miner.py's sampling cheats, each reporting the seed asked: what each one really ran."""
+    from localnet.cheats.miner import CheatingEngine
+    asked = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    async with engine_for(model, tokenizer) as honest:
+        want = {"honest": await answer(honest, asked),
+                "greedy": await answer(honest, dataclasses.replace(asked, temperature=0.0)),
+                "cooler": await answer(honest, dataclasses.replace(asked, temperature=0.4)),
+                "seed 0": await answer(honest, dataclasses.replace(asked, seed=0))}
+    runs = {"greedy-for-sampled": "greedy", "cooler-sampling": "cooler", "fixed-seed": "seed 0"}
+    for cheat, ran in runs.items():
+        async with CheatingEngine(engine_for(model, tokenizer), cheat) as engine:
+            tokens, _, final = await answer(engine, asked)
+            greedy, _, _ = await answer(engine, dataclasses.replace(asked, temperature=0.0))
+        assert tokens == want[ran][0] != want["honest"][0] and final.seed == 5, cheat
+        assert greedy == want["greedy"][0]  # greedy requests (canaries) are served honestly
+    async with CheatingEngine(engine_for(model, tokenizer), "seed-ignoring-replay") as engine:
+        first, _, _ = await answer(engine, asked)
+        again, _, final = await answer(engine, dataclasses.replace(asked, seed=6))
+    assert first == want["honest"][0] and again == first and final.seed == 6  # the cached answer, the new seed
+    async with CheatingEngine(engine_for(model, tokenizer), "coarse-experts-for-sampled") as engine:
+        tokens, _, _ = await answer(engine, asked)
+        greedy, _, _ = await answer(engine, dataclasses.replace(asked, temperature=0.0))
+    assert tokens != want["honest"][0] and greedy == want["greedy"][0]
