@@ -78,9 +78,10 @@ from inference.model import read_config
 from inference.model.checkpoint import CheckpointError
 from inference.model.tokenizer import IM_END, load_tokenizer
 from inference.serving import (EngineError, EngineSettings, FinalEvent as EngineFinal, GenerationRequest, LocalEngine,
-                               RemoteEngine, RemoteSettings, SamplingParams, TokenEvent as EngineToken)
+                               RemoteEngine, RemoteSettings, TokenEvent as EngineToken)
 from inference.serving.remote import (DRAIN_S, _drain, _error_from_status, _stream_error, _VLLMStream, event_chunk,
                                       openai_sampling_extras, parse_token_key)
+from neurons.base.engine_wire import sampling_params, token_message, unsigned_final_message, wire_logprob
 from neurons.base.observability import setup_logging
 from neurons.base.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Section, Setting, WalletNotFound,
                                    WalletSettings, build_parser, build_settings, non_negative_float, non_negative_int,
@@ -89,8 +90,8 @@ from neurons.base.settings import (LOG_FORMAT, LOG_LEVEL, WALLET, Option, Sectio
 from protocol.client import (ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerHTTPError,
                              MinerProtocolError, MinerStreamError, MinerTimeout, MinerUnreachable, TimedEvent)
 from protocol.errors import ErrorCode
-from protocol.schemas import (LOGPROB_FLOOR, Capabilities, FinalMessage, GenerateRequest, ResponseSignature, Timings,
-                              TokenMessage, TopLogprob, Usage, encode_model)
+from protocol.schemas import (LOGPROB_FLOOR, MAX_TOKEN_TEXT, Capabilities, FinalMessage, GenerateRequest, Timings,
+                              TokenMessage, TopLogprob, encode_model)
 from scoring import corpus
 from scoring.audit_sequence import check_answer
 from scoring.canaries import CanaryPool, check_tier2
@@ -513,9 +514,7 @@ class OpenAIEndpoint:
         chunk competes with the server's on a small machine, so it is kept low. The adapter's deadlines:
         the first token within its prefill budget from the request's start, then the stall timer."""
         result = GenerateResult(request=request, body=encode_model(request), started_at=time.time())
-        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                                  top_k=request.top_k, seed=request.seed, stop=tuple(request.stop),
-                                  logprobs=request.logprobs, ignore_eos=self.ignore_eos)
+        sampling = sampling_params(request, ignore_eos=self.ignore_eos)
         wanted = GenerationRequest(list(request.prompt_token_ids), sampling, request.request_id)
         engine = self.engine
         loop = asyncio.get_running_loop()
@@ -565,7 +564,7 @@ class OpenAIEndpoint:
                         arrived = loop.time() - start
                         first_token = arrived if first_token is None else first_token
                         for token_id, text, logprob, top in tokens:
-                            result.events.append(TimedEvent(_wire_token(
+                            result.events.append(TimedEvent(token_message(
                                 EngineToken(index, token_id, text, logprob, top)), arrived))
                             index += 1
             finally:
@@ -590,14 +589,11 @@ class OpenAIEndpoint:
         if reason == "stop" and tokens and tokens[-1] in self.stop_ids and not any(
                 s in result.text for s in result.request.stop):
             reason = "eos"  # the adapter says "stop" for both; tier 0 tells them apart
-        # No signature and no declared fingerprint: built without validation, and tier 0's
-        # signature and fingerprint checks are reported as not applicable.
-        return FinalMessage.model_construct(
-            type="final", finish_reason=reason,
-            usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
-            timings=Timings(queue_ms=0.0, ttft_ms=event.ttft_ms or 0.0, total_ms=event.total_ms),
-            model_fingerprint=UNDECLARED,
-            signature=ResponseSignature.model_construct(hotkey="", request_sha256="", tokens_sha256="", signature=""))
+        # No signature and no declared fingerprint: tier 0's signature and fingerprint checks are reported as
+        # not applicable.
+        return unsigned_final_message(
+            event, finish_reason=reason, model_fingerprint=UNDECLARED,
+            timings=Timings(queue_ms=0.0, ttft_ms=event.ttft_ms or 0.0, total_ms=event.total_ms))
 
     async def close(self) -> None:
         if self.session is not None:
@@ -684,10 +680,10 @@ class ChatEndpoint(OpenAIEndpoint):
                         if entries:
                             ids = [parse_token_key(e.get("token")) for e in entries]
                             event = TokenMessage(
-                                index=index, token_ids=ids, text=content[:16_384],
-                                logprobs=[_logprob(e.get("logprob", LOGPROB_FLOOR)) for e in entries],
+                                index=index, token_ids=ids, text=content[:MAX_TOKEN_TEXT],
+                                logprobs=[wire_logprob(e.get("logprob", LOGPROB_FLOOR)) for e in entries],
                                 top_logprobs=[[TopLogprob(token_id=parse_token_key(top.get("token")),
-                                                          logprob=_logprob(top.get("logprob", LOGPROB_FLOOR)))
+                                                          logprob=wire_logprob(top.get("logprob", LOGPROB_FLOOR)))
                                                for top in (e.get("top_logprobs") or [])[:request.logprobs]]
                                               for e in entries])
                             arrived = loop.time() - start
@@ -757,16 +753,6 @@ async def sse_data(response: aiohttp.ClientResponse):
         event = events.decode(line)
         if event is not None:
             yield event.data
-
-
-def _logprob(value: float) -> float:
-    return min(max(float(value), LOGPROB_FLOOR), 0.0) if not math.isnan(value) else LOGPROB_FLOOR
-
-
-def _wire_token(event: EngineToken) -> TokenMessage:
-    return TokenMessage(index=event.index, token_ids=[event.token_id], text=event.text[:16_384],
-                      logprobs=[_logprob(event.logprob)],
-                      top_logprobs=[[TopLogprob(token_id=t, logprob=_logprob(lp)) for t, lp in event.top_logprobs]])
 
 
 def _miner_error(error: EngineError, timeouts: ClientTimeouts) -> MinerError:

@@ -34,8 +34,9 @@ from chain import connect
 from chain.devnet import DevnetChain
 from inference.serving import (Engine, EngineSettings, EventStream, GenerationRequest, LocalEngine, SamplingParams,
                                TokenEvent as EngineTokenEvent, WrappedEngine, load_reference_model)
+from neurons.base.engine_wire import token_message
 from neurons.base.settings import ChainSettings
-from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings, wire_token_event
+from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore, sign_request, verify_request
 from protocol.client import MinerClient
 from protocol.schemas import GENERATE_PATH, GenerateRequest, encode_event, encode_model
@@ -132,7 +133,7 @@ async def bench_streaming(miner: MinerServer, replay_miner: MinerServer, engine:
     n = 20000
     started = time.perf_counter()
     for _ in range(n):
-        encode_event(wire_token_event(event))
+        encode_event(token_message(event))
     convert_us = (time.perf_counter() - started) / n * 1e6
     return [
         ("stream: engine alone, per token", f"{direct_s / total * 1e3:.2f} ms ({total / direct_s:.0f} tok/s)"),

@@ -42,7 +42,8 @@ from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 from inference.model.kda import KDALayerCache
 from inference.serving.builders import load_reference_model
-from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine, TokenEvent
+from inference.serving.engine import EngineSettings, GenerationRequest, TokenEvent
+from inference.serving.local_engine import LocalEngine
 
 PROMPTS = {
     "code-like": (

@@ -8,8 +8,13 @@ session's seed; each stage's output crosses the wire codec in the stage's wire d
 stage miners. Honest variants: fp32 (1 thread), fp32 on 2 threads, bf16 weights with a bf16 wire, fp16 weights
 (fp32 wire), and a block sharded over 2 local processes (expert parallel, fp32).
 
+With --cheats KIND,... it also runs each stage cheater of localnet/cheats/stage.py in the middle block, in
+process, `--repeats` times: sessions through [honest, cheater, honest] until the judge blames the cheater with the
+envelope in --envelope (the shipped one of the model by default), and prints how many checked sessions and how
+many tokens of lying each took.
+
     python -m benchmarks.stage_envelope --sessions 150 --write scoring/envelopes/tiny_trained.json
-    python -m benchmarks.stage_envelope --checkpoint random --sessions 40
+    python -m benchmarks.stage_envelope --sessions 0 --cheats echo,fewer-experts,sparse-liar --repeats 5
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -30,14 +36,17 @@ import torch
 from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 from inference.decoding.sampling import SamplingParams
 from inference.model import load_tokenizer, read_config
+from inference.model.checkpoint import fingerprint
 from inference.planning.swarm_plan import stage_blocks
 from inference.serving.builders import load_reference_model
 from inference.swarm.stage import HeadOutput, LayerRange, Stage
+from localnet.cheats.stage import CHEAT_DEFAULT_DTYPES, CHEATS
 from neurons.swarm.codec import decode_inputs, encode_state
 from scoring.corpus import code_snippet, paragraph
+from scoring.model_envelope import shipped_envelope
 from scoring.stage_checks import OpenedStep, recheck_opened, reference_stage
-from scoring.stage_judge import (CheckStats, NumericsEnvelope, derive_envelope, stage_envelope_section,
-                                 write_stage_section)
+from scoring.stage_judge import (CheckStats, NumericsEnvelope, derive_envelope, load_stage_envelopes,
+                                 stage_envelope_section, verdict, write_stage_section)
 
 NUMERICS = {"fp32": "float32", "fp32-2-threads": "float32", "bf16": "bfloat16", "fp16": "float16",
             "sharded-fp32": "float32"}
@@ -165,6 +174,59 @@ def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, 
     return rows
 
 
+IN_PROCESS_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay",
+                     "watch-aware", "sparse-liar", "fewer-experts", "quantized", "stale-state", "late-switch",
+                     "misdeclared")  # the others lie on the wire or with a partner
+
+
+def checks_to_blame(ckpt: Path, kind: str, envelopes: dict, *, repeats: int, limit: int, seed: int,
+                    max_prompt: int, max_decode: int) -> list[dict]:
+    """Per run: sessions through [honest, `kind`, honest] (the cheater declaring what it declares), each
+    rechecked and judged with the judge's window test, until it is blamed (or `limit` sessions)."""
+    config = read_config(ckpt)
+    tokenizer = load_tokenizer(ckpt, config)
+    model, _, _ = load_reference_model(ckpt, verify=False)
+    blocks = stage_blocks(config.num_layers, config.attn_res_block_size, 3)
+    references = [reference_stage(model, a, b) for a, b in blocks]
+    dtype = DTYPES[CHEAT_DEFAULT_DTYPES.get(kind, "float32")]
+    runs = []
+    for r in range(repeats):
+        rng = random.Random(seed * 1000 + r)
+        a, b = blocks[1]
+        extra = {"late-switch": {"honest_forwards": 40}}.get(kind, {})
+        cheat = CHEATS[kind].from_checkpoint(ckpt, LayerRange(a, b, config.num_layers), dtype, **extra)
+        route = [RouteStage(Stage.from_checkpoint(ckpt, LayerRange(*blocks[0], config.num_layers))),
+                 RouteStage(cheat, "bfloat16" if dtype == torch.bfloat16 else "float32"),
+                 RouteStage(Stage.from_checkpoint(ckpt, LayerRange(*blocks[2], config.num_layers)))]
+        env = envelopes[(cheat.numerics, "state")]
+        outcomes, lying_tokens, blamed_at = [], 0, None
+        for k in range(1, limit + 1):
+            prompt = prompt_ids(rng, tokenizer, rng.randint(8, max_prompt))
+            plan = session_plan(rng, len(prompt), rng.randint(1, max_decode))
+            recorded = drive_session(route, prompt, plan, temperature=rng.choice([0.0, 0.8]),
+                                     seed=rng.getrandbits(62), session=f"{kind}-{r}-{k}")
+            c = recheck_opened(recorded[1], references[1], seed=rng.getrandbits(62))
+            st = CheckStats.of(c)
+            outcomes.append(env.outside(st) if c.ok else f"exact: {c.reason}")
+            lying_tokens += st.tokens
+            if not c.ok or verdict(outcomes, env).blame:
+                blamed_at = k
+                break
+        runs.append({"kind": kind, "blamed_at": blamed_at, "tokens": lying_tokens, "outside": sum(map(bool, outcomes))})
+    return runs
+
+
+def cheat_table(runs: dict[str, list[dict]], limit: int) -> str:
+    out = ["| cheat (middle block, in process) | blamed (runs) | checked sessions to blame: median | max | "
+           "tokens served before blame: median |", "|---|---|---|---|---|"]
+    for kind, rs in runs.items():
+        at = [r["blamed_at"] for r in rs if r["blamed_at"]]
+        toks = [r["tokens"] for r in rs if r["blamed_at"]]
+        out.append(f"| {kind} | {len(at)}/{len(rs)} | {statistics.median(at) if at else f'>{limit}'} | "
+                   f"{max(at) if len(at) == len(rs) else f'>{limit}'} | {statistics.median(toks) if toks else '-'} |")
+    return "\n".join(out)
+
+
 def table(rows, envelopes: dict[tuple[str, str], NumericsEnvelope]) -> str:
     out = ["| variant | numerics | kind | checks | tokens | median of medians | worst median | bad tokens | "
            "worst bad fraction | outside the envelope |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -192,29 +254,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-decode", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", metavar="FILE", help="write the bounds into this model envelope file (its `stages`)")
+    ap.add_argument("--cheats", default="", help=f"comma-separated, of {list(IN_PROCESS_CHEATS)}")
+    ap.add_argument("--repeats", type=int, default=5, help="--cheats: runs per cheat")
+    ap.add_argument("--limit", type=int, default=30, help="--cheats: give up on a cheat after this many sessions")
+    ap.add_argument("--envelope", metavar="FILE", help="--cheats: judge by this envelope file (default: the shipped "
+                                                       "one of the model, or the one just measured)")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(NUMERICS))
+    cheats = [c for c in args.cheats.split(",") if c]
+    unknown = sorted(set(variants) - set(NUMERICS)) + sorted(set(cheats) - set(IN_PROCESS_CHEATS))
     if unknown:
-        ap.error(f"unknown variants {unknown}; known: {list(NUMERICS)}")
+        ap.error(f"unknown variants or cheats {unknown}; known: {list(NUMERICS)}, {list(IN_PROCESS_CHEATS)}")
     started = time.time()
     torch.set_num_threads(1)  # the stages and the reference take turns; a variant sets its own threads
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = resolve_checkpoint(args.checkpoint, Path(tmp))
-        rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
-                       max_prompt=args.max_prompt, max_decode=args.max_decode)
-    envelopes = {(n, k): derive_envelope(n, k, [s for _, n2, k2, s in rows if (n2, k2) == (n, k)])
-                 for n, k in {(n, k) for _, n, k, _ in rows}}
-    print(table(rows, envelopes))
-    print()
-    for (numerics, kind), env in sorted(envelopes.items()):
-        print(f"{numerics:9s} {kind:5s} {json.dumps(env.to_json())}")
-    print(f"\n{len(rows)} stage checks in {time.time() - started:.0f} s")
-    if args.write:
-        write_stage_section(Path(args.write), stage_envelope_section(envelopes.values(), command=" ".join(
-            ["python -m benchmarks.stage_envelope"] + (argv if argv is not None else sys.argv[1:]))))
-        print(f"wrote the stage envelope into {args.write}")
+        envelopes = {}
+        if args.sessions:
+            rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
+                           max_prompt=args.max_prompt, max_decode=args.max_decode)
+            envelopes = {(n, k): derive_envelope(n, k, [s for _, n2, k2, s in rows if (n2, k2) == (n, k)])
+                         for n, k in {(n, k) for _, n, k, _ in rows}}
+            print(table(rows, envelopes))
+            print()
+            for (numerics, kind), env in sorted(envelopes.items()):
+                print(f"{numerics:9s} {kind:5s} {json.dumps(env.to_json())}")
+            print(f"\n{len(rows)} stage checks in {time.time() - started:.0f} s")
+            if args.write:
+                write_stage_section(Path(args.write), stage_envelope_section(envelopes.values(), command=" ".join(
+                    ["python -m benchmarks.stage_envelope"] + (argv if argv is not None else sys.argv[1:]))))
+                print(f"wrote the stage envelope into {args.write}")
+        if cheats:
+            envelopes = judged_by(ckpt, args.envelope) or envelopes
+            runs = {kind: checks_to_blame(ckpt, kind, envelopes, repeats=args.repeats, limit=args.limit,
+                                          seed=args.seed, max_prompt=args.max_prompt, max_decode=args.max_decode)
+                    for kind in cheats}
+            print(cheat_table(runs, args.limit))
     return 0
+
+
+def judged_by(ckpt: Path, path: str | None) -> dict:
+    """The stage envelope to judge cheats by: the given file's, else the one shipped for this checkpoint."""
+    path = path or shipped_envelope(fingerprint(ckpt))
+    return (load_stage_envelopes(str(path)) or {}) if path else {}
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ async def run_bench(args) -> list[dict]:
     from inference.model.config import ModelConfig  # noqa: PLC0415
     from inference.model.tokenizer import load_tokenizer  # noqa: PLC0415
     from inference.serving.builders import load_reference_model  # noqa: PLC0415
-    from inference.serving.engine import EngineSettings, LocalEngine  # noqa: PLC0415
+    from inference.serving.engine import EngineSettings  # noqa: PLC0415
+    from inference.serving.local_engine import LocalEngine  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix="bench_swarm_"))
     ckpt = Path(args.checkpoint) if args.checkpoint else work / "ckpt"

@@ -29,16 +29,16 @@ completion through the route, checks it against the single-process model, shows 
 then runs until --duration ends or Ctrl-C. Each stage miner announces its layer block on chain itself.
 
 `--swarm N --cheat-stage KIND` (repeatable: `--cheat-stage echo --cheat-stage replay`) makes the stage miner of a
-block a cheater (KIND as in localnet/cheats/stage.py: other-weights, skip-layer, echo, session-liar,
-long-position-liar, replay, forwarder; the validator serves a decoy of a forwarder's block, which the forwarder
-finds among the stages of its block), gives every cheated block an honest spare, and runs one honest stage in
-bf16; `--cheat-stage forge-receipts` makes the route miner a cheating route driver (it claims receipts the stages
-never signed, localnet/cheats/route.py). The validator challenges the stage miners (against its own copy of
-the weights) and credits the stages the route work whose receipts the route miner submits to its work endpoint
-(--stage-work-port); organic requests go through the validator's organic gateway all along (with an API key, as
-a user's), which serves them through its own route of the stages (--gateway-route first, re-reading the stages and
-its blames every 2 s, each route it plans logged to RUN_DIR/gateway-routes.jsonl) and credits the stages the
-audited work; the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one, weight 0
+block a cheater (KIND as in localnet/cheats/stage.py; pair-cover is two adjacent cheaters; the validator serves a
+decoy of a forwarder's block, which the forwarder finds among the stages of its block), gives every cheated block
+an honest spare, and runs one honest stage in bf16; `--cheat-stage forge-receipts` or `self-driver` makes the
+route miner a cheating route driver (localnet/cheats/route.py). The validator drives sessions of its own through
+the stages (--stage-sessions per round) and checks them after they ran against its own copy of the weights, and
+credits the stages the route work the route miner submits to its work endpoint (--stage-work-port) for requests
+the validator sent it; organic requests go through the validator's organic gateway all along (with an API key,
+as a user's), which serves them through the same route driver (--gateway-route first, re-reading the stages and
+its blames every 2 s, each route it plans logged to RUN_DIR/gateway-routes.jsonl), credits the stages that work
+and checks a share of it; the dashboard shows each stage's layers, tokens, route work, weight and, for a blamed one, weight 0
 with the reason, and the route driver's credited work and blame. `--stop-when-caught` ends the run once every
 cheater is blamed and zeroed on chain, every honest stage is checked and paid, and the gateway's organic traffic
 goes through the spares.
@@ -164,9 +164,10 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--cheat-stage", action="append", choices=STAGE_CHEATS + DRIVER_CHEATS, default=[], metavar="KIND",
                     help="--swarm: one stage miner cheats this way (repeat for several, each on another block; "
                          "each cheated block gets an honest spare): " + ", ".join(STAGE_CHEATS) + "; or the route "
-                         "miner, as a route driver: forge-receipts (it claims receipts the stages never signed)")
-    ap.add_argument("--stage-challenges", type=int, default=2,
-                    help="--swarm: the validator's challenges per stage miner per round")
+                         "miner, as a route driver: " + ", ".join(DRIVER_CHEATS))
+    ap.add_argument("--stage-sessions", type=int, default=2,
+                    help="--swarm: sessions the validator drives through the stages per round (each checked after "
+                         "it ran)")
     ap.add_argument("--stop-when-caught", action="store_true",
                     help="--swarm with --cheat-stage: stop once every cheater is blamed and at weight 0 on chain, "
                          "every honest stage is checked and paid, and an organic request went through the spares; "
@@ -776,8 +777,8 @@ DECOY_HOTKEY = "decoy"  # the hotkey of the validator's wallet its decoys sign a
 
 def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path,
                             neurons: list[Neuron]) -> list[str]:
-    """The validator, checking the stage miners (--stage-challenges per stage per round, against its own copy
-    of the weights), serving a decoy of each forwarder's block, crediting the route miner's receipts (its work
+    """The validator, checking the stage miners (--stage-sessions sessions per round through them, each checked
+    after it ran against its own copy of the weights), serving a decoy of each forwarder's block, crediting the route miner's receipts (its work
     endpoint on its port), checking the route miner as a whole-model miner, and serving organic requests on its
     gateway (its gateway_port, key GATEWAY_KEY) through its own route of the stages (--gateway-route first: it
     re-reads the stages and its blames every ROUTE_REFRESH_S and logs each route to RUN_DIR/GATEWAY_ROUTE_LOG),
@@ -791,7 +792,7 @@ def swarm_validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_d
     decoys = [f"{s.layers}:{s.decoy_port}" for s in neurons if s.decoy_port]
     flags = ["--stage-decoys", ",".join(decoys), "--stage-decoy-hotkey", DECOY_HOTKEY] if decoys else []
     return validator_command(n, args, chain_spec, netuid, run_dir) + flags + [
-        "--stage-challenges", str(args.stage_challenges), "--canaries", "0", "--stage-work-port", str(n.port),
+        "--stage-sessions", str(args.stage_sessions), "--canaries", "0", "--stage-work-port", str(n.port),
         # nothing to submit before the first stage checks land: hold a few seconds, not the default two minutes
         "--weights-retry-max-s", "4",
         # the route miner takes 8 streams per caller: leave room beside the validator's own requests to it for the
@@ -956,16 +957,19 @@ def read_validator(run_dir: Path) -> dict:
         return {}
 
 
+SESSION_CHECKS = ("session_check", "session_lie")  # a stage's sessions checked after the fact
+
+
 def blame_timeline(checks: list[dict], hotkey: str) -> dict:
-    """For one stage: its checks until the first blame: challenges (and checks of every kind) up to and
-    including the blaming one, seconds from the start of its first check, and the reason."""
+    """For one stage: its checks until the first blame: sessions checked (and rows of every kind) up to and
+    including the blaming one, seconds from the start of its first row, and the reason."""
     mine = [c for c in checks if c["hotkey"] == hotkey]
     first = next((c for c in mine if c["blame"]), None)
     if first is None:
-        return {"blamed": False, "challenges": sum(1 for c in mine if c["kind"] == "challenge"), "checks": len(mine)}
+        return {"blamed": False, "sessions": sum(1 for c in mine if c["kind"] in SESSION_CHECKS), "checks": len(mine)}
     before = [c for c in mine if c["id"] <= first["id"]]
     begun = min(c["at"] - (c["wall_s"] or 0.0) for c in before)
-    return {"blamed": True, "challenges": sum(1 for c in before if c["kind"] == "challenge"), "checks": len(before),
+    return {"blamed": True, "sessions": sum(1 for c in before if c["kind"] in SESSION_CHECKS), "checks": len(before),
             "seconds": first["at"] - begun, "at": first["at"], "kind": first["kind"],
             "reason": f"{first['kind']}: {first['reason']}"}
 
@@ -985,8 +989,8 @@ async def stage_health(url: str, timeout_s: float = 2.0) -> dict:
 async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str, dict], run_dir: Path,
                        view: dict | None = None) -> list[dict]:
     """Every stage miner as the chain, its process and the validator see it: uid, layers, kind, what it
-    announced, step time, tokens it computed (routes and probes), the validator's verified tokens, challenges,
-    weight, and for a blamed stage the reason (and its blame timeline)."""
+    announced, step time, tokens it computed, the layer-tokens the validator credited, sessions checked (and how many
+    lay outside the honest envelope), weight, and for a blamed stage the reason (and its blame timeline)."""
     meta, commitments = await chain.metagraph(netuid), await chain.commitments(netuid)
     view = read_validator(run_dir) if view is None else view
     by_hotkey = {s["hotkey"]: s for s in (view.get("status") or {}).get("stage_miners", [])}
@@ -1005,7 +1009,7 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
                      "tokens": h.get("tokens"), "verified_tokens": v.get("tokens", 0),
                      "route_work_tokens": sum(int(c["tokens"] or 0) for c in view.get("checks", [])
                                               if c["hotkey"] == hotkey and c["kind"] == "route_work"),
-                     "challenges": v.get("challenges", 0), "failed": v.get("failed", 0),
+                     "checked": v.get("checked", 0), "outside": v.get("outside", 0),
                      "weight": v.get("weight", 0.0), "blamed": v.get("blamed", False), "reason": v.get("reason"),
                      "blame": blame_timeline(view.get("checks", []), hotkey),
                      "incentive": info.incentive if info else 0.0})
@@ -1028,7 +1032,7 @@ def swarm_driver(route: Neuron, view: dict) -> dict:
 def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:
     on_route = {r["hotkey"] for r in route}
     t = Table(title="k3-subnet swarm", caption=caption)
-    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "verified", "route work", "challenges",
+    for col in ("stage", "uid", "layers", "serves", "port", "step ms", "tokens", "credited", "route work", "checked",
                 "on route", "up", "weight", "incentive", "zeroed because"):
         t.add_column(col, overflow="fold")
     for s in stages:
@@ -1036,7 +1040,7 @@ def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Tab
         t.add_row(s["name"], str(s["uid"]), s["layers"], s.get("role", ""), s["url"].rsplit(":", 1)[-1],
                   f"{s['step_ms']:.1f}", str(s.get("tokens", "-")), str(s.get("verified_tokens", "-")),
                   str(s.get("route_work_tokens", "-")),
-                  f"{s.get('challenges', 0)} ({s.get('failed', 0)} failed)",
+                  f"{s.get('checked', 0)} ({s.get('outside', 0)} outside)",
                   "yes" if s["hotkey"] in on_route else "-", "yes" if s["alive"] else "NO",
                   f"{s.get('weight', 0.0):.3f}" + (" BLAMED" if s.get("blamed") else ""), f"{s['incentive']:.3f}",
                   reason[:70])
@@ -1050,7 +1054,7 @@ ROUTE_SETTLE_S = 2 * ROUTE_REFRESH_S + 1.0  # after a blame, every route the rou
 
 def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: dict | None = None) -> bool:
     """Every cheating stage (and a cheating route driver) blamed and at weight 0 in weights set after its blame, no
-    honest stage (nor an honest driver) blamed, every honest stage challenged (none failed) and paid in those weights,
+    honest stage (nor an honest driver) blamed, every honest stage checked and paid in those weights,
     at least MIN_ORGANIC organic requests served by the gateway, one of them sent ROUTE_SETTLE_S after the last blame
     and served through the gateway's own route of unblamed stages."""
     parties = rows + ([driver] if driver else [])
@@ -1061,8 +1065,7 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
         return False
     if not all(r["blame"]["blamed"] and r["weight"] == 0.0 and set_at > r["blame"]["at"] for r in cheaters):
         return False
-    if not all(r["challenges"] >= 1 and r["failed"] == 0 and r["verified_tokens"] > 0 and r["weight"] > 0
-               for r in rows if not r["cheat"]):
+    if not all(r["checked"] >= 1 and r["verified_tokens"] > 0 and r["weight"] > 0 for r in rows if not r["cheat"]):
         return False
     last = max(r["blame"]["at"] for r in cheaters)
     blamed = {r["hotkey"] for r in rows if r["cheat"]}
@@ -1142,8 +1145,8 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
                  gateway_routes=planned_routes(run_dir, GATEWAY_ROUTE_LOG),
                  driver=swarm_driver(route, view),
-                 stage_challenge_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
-                                        if c["kind"] == "challenge" and c["cpu_s"] is not None],
+                 stage_check_cpu_s=[c["cpu_s"] for c in view.get("checks", [])
+                                     if c["kind"] in SESSION_CHECKS and c["cpu_s"] is not None],
                  first_stage_check_at=min((c["at"] - (c["wall_s"] or 0.0) for c in view.get("checks", [])),
                                           default=None))
     return state
@@ -1195,7 +1198,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
                            routes=watched["routes"], gateway_routes=watched["gateway_routes"],
                            driver=watched["driver"],
-                           stage_challenge_cpu_s=watched["stage_challenge_cpu_s"],
+                           stage_check_cpu_s=watched["stage_check_cpu_s"],
                            first_stage_check_at=watched["first_stage_check_at"])
             if args.stop_when_caught and not watched["caught"]:
                 print("[localnet] the run ended before every cheating stage was blamed and zeroed")

@@ -22,10 +22,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from chain import connect
 from chain.interface import ChainError, RateLimited
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.swarm.stage import LayerRange, Stage
@@ -80,7 +82,7 @@ async def announce(chain, wallet, netuid: int, ip: str, port: int, announcement:
 
 
 async def run(settings: StageMinerSettings) -> None:
-    b, s, c = settings.block, settings.server, settings.chain
+    b = settings.block
     config = read_config(b.checkpoint)
     layers = LayerRange.parse(b.serve_layers, config.num_layers)
     stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits(), shard_ranks=b.shard_ranks,
@@ -95,9 +97,11 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
     b, s, c = settings.block, settings.server, settings.chain
     layers = stage.layers
     wallet = load_wallet(settings.wallet)
+    readers = ValidatorReaders(c.network, c.netuid) if c.network else None
     server = StageServer(stage, wallet.hotkey, StageServerSettings(
         host=s.host, port=s.port, public_url=s.public_url, max_body_bytes=s.max_body_bytes,
-        hop_timeout_s=s.hop_timeout_s, wire_dtype=b.wire_dtype))
+        hop_timeout_s=s.hop_timeout_s, wire_dtype=b.wire_dtype, retain_s=s.ledger_retain_s,
+        ledger_bytes=s.ledger_bytes), ledger_readers=readers)
     server.warm_up()
     await server.start()
     metrics = None
@@ -107,12 +111,11 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
                                     component="stage-metrics")
             await metrics.start()
         if c.network:
-            from chain import connect  # noqa: PLC0415
-
             port = s.external_port or server.port
             async with connect(c.network) as chain:
                 await announce(chain, wallet, c.netuid, s.external_ip or s.host, port,
                                announcement_for(b.checkpoint, stage))
+            await readers.start()
         info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
                 "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
                 "shard_pids": sorted(stage.model.pids.values()) if stage.sharded else [],
@@ -122,9 +125,52 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
                  f"; metrics on {info['metrics_url']}" if metrics else "")
         await serve_until_signalled(info, s.ready_file)
     finally:
+        if readers is not None:
+            await readers.close()
         if metrics is not None:
             await metrics.close()
         await server.close()
+
+
+class ValidatorReaders:
+    """Who may read the stage's ledger: the subnet's validators (a validator permit on chain), from a metagraph
+    re-read every `refresh_s`, and at once (at most every `stale_s`) when a caller it does not know asks; until
+    the first read, nobody."""
+
+    def __init__(self, network: str, netuid: int, refresh_s: float = 60.0, stale_s: float = 5.0):
+        self.network, self.netuid, self.refresh_s, self.stale_s = network, netuid, refresh_s, stale_s
+        self.hotkeys: frozenset[str] = frozenset()
+        self._task: asyncio.Task | None = None
+        self._read_at = 0.0
+        self._pending: asyncio.Task | None = None
+
+    def __call__(self, hotkey: str) -> bool:
+        if hotkey not in self.hotkeys and time.monotonic() - self._read_at > self.stale_s and \
+                (self._pending is None or self._pending.done()):
+            self._pending = asyncio.create_task(self._refresh())  # a new validator: known for its next ask
+        return hotkey in self.hotkeys
+
+    async def start(self) -> None:
+        await self._refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _refresh(self) -> None:
+        self._read_at = time.monotonic()
+        try:
+            async with connect(self.network) as chain:
+                meta = await asyncio.wait_for(chain.metagraph(self.netuid), 30.0)
+            self.hotkeys = frozenset(n.hotkey for n in meta.validators)
+        except (ChainError, asyncio.TimeoutError, OSError) as e:  # keep the last list: a validator stays a reader
+            log.warning("could not re-read the subnet's validators (ledger readers): %s", e)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self._refresh()
 
 
 async def serve_until_signalled(info: dict, ready_file: str) -> None:

@@ -99,8 +99,8 @@ def format_status(report: dict) -> str:
     stages = report.get("stage_miners") or []
     if stages:
         lines += ["", "swarm stage miners:",
-                  "uid  layers  challenges  failed  route audits  tokens  step_ms  weight  zeroed because"]
-        lines += [f"{s['uid']:<4} {s['layers']:<7} {s['challenges']:<11} {s['failed']:<7} {s['route_audits']:<13} "
+                  "uid  layers  checked  outside  unchecked  tokens  step_ms  weight  zeroed because"]
+        lines += [f"{s['uid']:<4} {s['layers']:<7} {s['checked']:<8} {s['outside']:<8} {s['unchecked']:<10} "
                   f"{s['tokens']:<7} {_number(s['step_ms'], 1):<8} {_number(s['weight'], 4):<7} "
                   f"{(s['reason'] or '')[:90]}" for s in stages]
     return "\n".join(lines)

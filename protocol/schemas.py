@@ -46,6 +46,7 @@ U64_MAX = 2**64 - 1
 MAX_TOKEN_ID = 2**32 - 1
 # A token event may carry several tokens (e.g. speculative decoding accepts a few at once).
 MAX_TOKENS_PER_EVENT = 64
+MAX_TOKEN_TEXT = 16_384  # characters of text one token event may carry
 # The chosen token's logprob may round slightly above 0 in float arithmetic.
 LOGPROB_CEILING = 1e-3
 LOGPROB_FLOOR = -1e6
@@ -388,7 +389,7 @@ class TokenMessage(_WireModel):
     type: Literal["token"] = "token"
     index: int = Field(ge=0, le=2**31 - 1)
     token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKENS_PER_EVENT)]
-    text: str = Field(max_length=16_384)
+    text: str = Field(max_length=MAX_TOKEN_TEXT)
     logprobs: Annotated[list[Logprob], Field(max_length=MAX_TOKENS_PER_EVENT)]
     top_logprobs: Annotated[list[TopLogprobs], Field(max_length=MAX_TOKENS_PER_EVENT)]
 

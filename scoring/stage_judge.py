@@ -39,7 +39,10 @@ from .model_envelope import _binomial_upper_bound, binomial_tail
 from .stage_checks import Comparison
 
 STAGE_SECTION_VERSION = 1
-MARGIN = 1.5  # a bound is this times the worst honest check that set it
+MARGIN = 2.0  # a bound is this times the worst honest check that set it
+# the least a median bound may be, per numerics: reductions in another order (other thread counts, GPU kernels,
+# another batch) move honest outputs by a few ulps of the dtype even where the measured ones matched bit for bit
+MEDIAN_FLOOR = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 5e-3}
 MIN_BAD = 2  # a check with fewer far-off tokens than this is never outside on their count
 ALPHA = 1e-7  # blame when an honest stage would show the window's outside checks with less chance than this
 MIN_TOKENS = 4  # checks shorter than this say too little to count either way
@@ -99,12 +102,13 @@ class NumericsEnvelope:
 
 
 def derive_envelope(numerics: str, kind: str, stats: Sequence[CheckStats], margin: float = MARGIN) -> NumericsEnvelope:
-    """Bounds from every other honest check (margin x the worst of them), counted on the rest."""
+    """Bounds from every other honest check (margin x the worst of them, the median bound at least the
+    numerics' floor), counted on the rest."""
     usable = [s for s in stats if s.tokens >= MIN_TOKENS]
     setting, heldout = usable[0::2], usable[1::2]
     if not setting:
         raise ValueError(f"no honest {numerics} {kind} checks of {MIN_TOKENS}+ tokens to set bounds from")
-    max_median = margin * max(s.median for s in setting)
+    max_median = max(margin * max(s.median for s in setting), MEDIAN_FLOOR.get(numerics, 0.0))
     max_bad = min(1.0, margin * max(s.bad_fraction for s in setting if s.bad >= MIN_BAD)) \
         if any(s.bad >= MIN_BAD for s in setting) else 0.0
     draft = NumericsEnvelope(numerics, kind, max_median, max_bad, len(setting), len(heldout), 0, 1.0)
@@ -172,5 +176,16 @@ def parse_stage_section(section: dict, source: str = "envelope") -> dict[tuple[s
     return out
 
 
+def load_stage_envelopes(path: str) -> Optional[dict[tuple[str, str], NumericsEnvelope]]:
+    """The `stages` section of a model envelope file (None when the file has none: the model's stage outputs
+    were never measured, and only exact checks apply). StageEnvelopeError for a file that cannot be used."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise StageEnvelopeError(f"{path}: {e}") from None
+    section = data.get("stages") if isinstance(data, dict) else None
+    return parse_stage_section(section, path) if section is not None else None
+
+
 __all__ = ["ALPHA", "CheckStats", "MARGIN", "NumericsEnvelope", "StageEnvelopeError", "StageVerdict", "derive_envelope",
-           "parse_stage_section", "stage_envelope_section", "verdict", "write_stage_section"]
+           "load_stage_envelopes", "parse_stage_section", "stage_envelope_section", "verdict", "write_stage_section"]

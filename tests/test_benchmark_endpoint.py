@@ -19,7 +19,7 @@ from neurons.gateway import GatewayServer, GatewaySettings, MinerTarget
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
 from protocol.auth import SQLiteNonceStore
 from protocol.client import ClientTimeouts, MinerClient
-from protocol.schemas import Capabilities, Limits
+from protocol.schemas import Capabilities, Limits, encode_event
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig.tiny()
@@ -463,3 +463,27 @@ async def test_the_gateway_honours_vllm_extensions(world, gateway):
         async with http.get(gateway.url + "/v1/models") as response:
             listing = await response.json()
         assert listing["data"][0]["max_model_len"] == 512
+
+
+async def test_a_miner_and_an_openai_server_put_the_same_tokens_on_the_wire(world, miner, openai_server):
+    """One engine<->wire adapter (neurons/base/engine_wire.py): the same greedy generation of the same model,
+    streamed by a miner and read by the benchmark from an OpenAI-compatible server, is the same token events
+    byte for byte."""
+    tokenizer = world["tokenizer"]
+    targets = {"miner": ["--miner", miner.url, "--miner-hotkey", miner.hotkey, "--wallet-name", "validator",
+                         "--wallet-hotkey", "default", "--wallet-path", str(world["root"] / "wallets")],
+               "openai": ["--openai", openai_server, "--model", MODEL_NAME]}
+    lines = {}
+    for name, argv in targets.items():
+        settings = bench.read_benchmark_settings(
+            argv + ["--tokenizer-checkpoint", str(world["ckpt"]), "--concurrency", "1"], environ={})
+        endpoint = bench.open_endpoint(settings)
+        try:
+            await endpoint.capabilities(tokenizer)
+            request = bench.GenerateRequest(request_id=f"same-{name}", prompt_token_ids=tokenizer.encode(
+                "The tide came in and"), max_tokens=8, temperature=0.0, logprobs=3)
+            result = await endpoint.generate(request)
+        finally:
+            await endpoint.close()
+        lines[name] = [encode_event(timed.event) for timed in result.token_events]
+    assert len(lines["miner"]) >= 2 and lines["miner"] == lines["openai"]

@@ -4,13 +4,15 @@
   to embed anywhere;
 - inside inference/: the model is the bottom floor; decoding (the sampler, speculative decoding) sits on the model
   only; the sharded runtime does not import serving; planning imports neither serving nor the sharded runtime;
+  in serving, the engine interface imports no engine, and the step scheduler imports no thread, event loop, torch
+  or model (the engine runs its plans);
 - chain/ imports nothing of ours outside chain/ (it knows only the SDK, numpy and SQLite);
 - protocol/ imports nothing from inference/, neurons/, chain/ or scoring/;
 - scoring/ and neurons/ import neither benchmarks/ nor localnet/ (tooling sits on top; nothing runs it);
-- inside neurons/: base/ (settings, logging, rate limits) imports no other room of neurons/; the apps (miner_app,
-  gateway, swarm, validator_app) never import a process (neurons/miner.py, validator.py, stage_miner.py,
-  route_miner.py); the swarm library and the gateway import no validator_app; the miner app and the gateway import
-  no other app;
+- inside neurons/: base/ (settings, logging, rate limits, the engine<->wire adapter) imports no other room of
+  neurons/; the apps (miner_app, gateway, swarm, validator_app) never import a process (neurons/miner.py,
+  validator.py, stage_miner.py, route_miner.py); the swarm library and the gateway import no validator_app; the
+  miner app and the gateway import no other app;
 - no two modules import each other, directly or around a circle (function-level imports count: a lazy import is
   still a seam), and no two public classes share a name.
 
@@ -39,6 +41,11 @@ RULES = [
     ("inference.decoding", ("inference.serving", "inference.sharding", "inference.planning", "inference.swarm"),
      "decoding sits on the model only, below the engine and the swarm stage"),
     ("inference.planning", ("inference.serving", "inference.sharding"), "plans are made before anything runs"),
+    ("inference.serving.scheduler", ("asyncio", "threading", "concurrent", "torch", "inference.model",
+                                     "inference.sharding", "inference.serving.local_engine"),
+     "the step scheduler is policy only: plain numbers and sequences in, plans out (no threads, no model)"),
+    ("inference.serving.engine", ("inference.serving.local_engine", "inference.serving.scheduler",
+                                  "inference.serving.remote"), "the engine interface knows no engine"),
     ("chain", ("inference", "protocol", "neurons", "scoring", "scripts", "tests", *TOOLING), "chain/ is a leaf"),
     ("protocol", ("inference", "neurons", "chain", "scoring", *TOOLING), "protocol/ knows schemas, signing and HTTP only"),
     ("scoring", ("neurons", *TOOLING), "scoring judges; the neurons and the tooling use it"),
@@ -212,6 +219,9 @@ def test_every_module_keeps_the_import_rules():
     ("chain/probe.py", "from protocol.schemas import Capabilities\n", True),
     ("protocol/probe.py", "import inference.model\n", True),
     ("scoring/probe.py", "from protocol.client import MinerClient\nfrom inference.serving import Engine\n", False),
+    ("inference/serving/scheduler.py", "import threading\n", True),
+    ("inference/serving/scheduler.py", "from inference.serving.engine import EngineSettings\n", False),
+    ("inference/serving/engine.py", "from inference.serving.local_engine import LocalEngine\n", True),
 ])
 def test_the_check_catches_a_broken_rule(tmp_path, where, source, broken):
     """The checker itself: each rule flags a probe module that breaks it, and leaves allowed imports alone."""
@@ -223,7 +233,8 @@ def test_the_check_catches_a_broken_rule(tmp_path, where, source, broken):
 
 
 @pytest.mark.parametrize("module", ["inference.decoding.speculation", "inference.decoding.drafters",
-                                    "inference.serving.engine"])
+                                    "inference.serving.engine", "inference.serving.scheduler",
+                                    "inference.serving.local_engine"])
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
     import subprocess
     import sys

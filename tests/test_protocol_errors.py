@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from inference.serving import engine as engine_module, openai_server
+from inference.serving import engine as engine_module, local_engine, openai_server, scheduler
 from inference.serving.engine import ERROR_CODES, EngineError
 from neurons.gateway import ApiError
 from neurons.miner_app import Refusal, engine_refusal
@@ -30,7 +30,7 @@ def test_every_engine_error_code_is_in_the_enum():
         assert ErrorCode.parse(code) is not None, f"engine code {code!r} has no entry in protocol.errors"
     # the codes the engine modules actually raise are all declared in ERROR_CODES
     raised = set()
-    for module in (engine_module, __import__("inference.serving.remote", fromlist=["x"])):
+    for module in (engine_module, local_engine, scheduler, __import__("inference.serving.remote", fromlist=["x"])):
         source = open(module.__file__).read()
         raised |= set(re.findall(r'EngineError\(\s*"([a-z_]+)"', source))
     assert raised and raised <= set(ERROR_CODES), raised - set(ERROR_CODES)

@@ -21,7 +21,8 @@ from sglang_protocol import load_api_types
 from inference.decoding.sampling import SamplingParams
 from inference.model.config import ModelConfig
 from inference.model.tokenizer import ByteTokenizer
-from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, TokenEvent
+from inference.serving.engine import EngineError, EngineSettings, FinalEvent, GenerationRequest, TokenEvent
+from inference.serving.local_engine import LocalEngine
 from inference.serving.remote import RemoteEngine, RemoteSettings
 
 pytestmark = pytest.mark.timeout(1200)

@@ -12,7 +12,8 @@ from inference.decoding.sampling import SamplingParams
 from inference.decoding.speculation import SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
-from inference.serving.engine import EngineSettings, GenerationRequest, LocalEngine
+from inference.serving.engine import EngineSettings, GenerationRequest
+from inference.serving.local_engine import LocalEngine
 
 CONFIG = ModelConfig.tiny()
 

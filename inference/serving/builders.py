@@ -17,7 +17,8 @@ from inference.decoding.distilled import draft_model_problems, speculation_with_
 from inference.decoding.drafters import DRAFTER_KINDS
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
 from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
-from inference.serving.engine import Engine, EngineSettings, LocalEngine
+from inference.serving.engine import Engine, EngineSettings
+from inference.serving.local_engine import LocalEngine
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this

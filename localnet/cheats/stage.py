@@ -40,7 +40,7 @@ import torch
 from inference.model.k3 import ResidualState
 from inference.model.kda import KDALayerCache
 from inference.swarm.stage import LayerRange, Stage, StageError, StageLimits, blocks_before, load_stage_model
-from neurons.swarm.codec import encode_head_output, encode_state
+from neurons.swarm.codec import decode_wire, encode_head_output, encode_state
 from neurons.swarm.stage_server import StageServer
 
 
@@ -170,7 +170,7 @@ class ForwardingStage(_Cheat):
     async def _connect(self):
         import aiohttp  # noqa: PLC0415
 
-        from neurons.swarm.relay import StageRelay, StageSink  # noqa: PLC0415
+        from localnet.relay import StageRelay, StageSink  # noqa: PLC0415
 
         sink = StageSink(self.keypair)
         await sink.start()
@@ -184,9 +184,8 @@ class ForwardingStage(_Cheat):
                 and s.hotkey != self.keypair.ss58_address]
 
     def forward(self, session_id, position, inputs, mode="none", targets=None, top_k=0):
-        from neurons.swarm.relay import LoopThread, encode_input  # noqa: PLC0415
-        from protocol.stage import WireSampling  # noqa: PLC0415
-        from scoring.stage_checks import decode_wire_state  # noqa: PLC0415
+        from localnet.relay import LoopThread, encode_input  # noqa: PLC0415
+        from neurons.base.engine_wire import wire_sampling  # noqa: PLC0415
 
         with self._lock:
             session = self.get(session_id)
@@ -198,11 +197,9 @@ class ForwardingStage(_Cheat):
                 self._targets = self._loop.call(self._discover(), 30.0)  # whoever serves the block now
                 if self._targets:
                     target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
-                    s = session.sampling
-                    wire = WireSampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
-                                        logprobs=int(s.logprobs))
                     rid = secrets.token_hex(8)
-                    opening = self._relay.open(target, session_id, rid, wire, session.seed, session.prompt_tokens)
+                    opening = self._relay.open(target, session_id, rid, wire_sampling(session.sampling),
+                                               session.seed, session.prompt_tokens)
                     self._loop.call(opening, self.timeout_s)
                     self._remote[session_id] = [target, rid, 0]
             if session_id not in self._remote:
@@ -217,7 +214,7 @@ class ForwardingStage(_Cheat):
             session.last_used = time.monotonic()
             self.forwards += 1
             self.tokens += n
-            return decode_wire_state(list(hop.output_specs), hop.output_body)
+            return decode_wire(list(hop.output_specs), hop.output_body, False, self.config.hidden_size)
 
     def close(self, session_id: str) -> None:
         super().close(session_id)
@@ -289,7 +286,7 @@ class FewerExpertsStage(_Cheat):
         for i in range(self.layers.start, self.layers.stop):
             layer = self.model.layers[i]
             if getattr(layer, "is_moe", False):
-                router = layer.block_sparse_moe.router
+                router = layer.block_sparse_moe.gate
                 k = self.experts or max(1, router.config.experts_per_token // 2)
                 router.config = replace(router.config, experts_per_token=k)
 

@@ -91,18 +91,13 @@ class GatewaySettings:
     )).field(ClientTimeouts)
     route: str = setting("off", "also serve organic requests through a route of the subnet's swarm stage miners, "
                          "driven by this validator (stages it blamed are left out), tried before (first) or after "
-                         "(last) the ranked whole-model miners; the route's work is audited and credited to the "
-                         "stages (needs --reference-engine and --stage-challenges > 0)", flag="--gateway-route",
+                         "(last) the ranked whole-model miners; the route's work is credited to the stages and a "
+                         "share of its sessions checked after the fact (needs --reference-engine and "
+                         "--stage-sessions > 0)", flag="--gateway-route",
                          choices=("off", "first", "last"))
-    route_audit_rate: float = setting(0.1, "share of the route's organic answers teacher-forced on the validator's "
-                                      "reference before the stages are credited (a failing one is bisected)",
+    route_audit_rate: float = setting(0.1, "share of the route's organic sessions checked after the fact, every stage "
+                                      "re-run on the validator's reference over its recorded inputs",
                                       flag="--gateway-route-audit-rate", read=non_negative_float, metavar="X")
-    route_port: int = setting(0, "port of the route driver's result endpoint, where the route's last stage sends each "
-                              "result (0 picks a free one; binds --stage-sink-host)", flag="--gateway-route-port",
-                              read=port_number)
-    route_url: Optional[str] = setting(None, "address the route's last stage reaches that endpoint at, "
-                                       "http(s)://HOST:PORT (needed when stages run on other machines)",
-                                       flag="--gateway-route-url", metavar="URL")
     route_refresh_s: float = setting(30.0, "how often the route re-reads the subnet's stage miners and this "
                                      "validator's blames (a stage blamed elsewhere leaves the route within this)",
                                      flag="--gateway-route-refresh-s", read=positive_float)
@@ -127,8 +122,6 @@ class GatewaySettings:
                 out.append(f"gateway {name} must be a positive number of seconds, got {value}")
         if self.route not in ("off", "first", "last"):
             out.append(f"--gateway-route {self.route!r} is not off, first or last")
-        if self.route_url:
-            out += public_url_problems(self.route_url, self.route_port, "--gateway-route-url", "--gateway-route-port")
         if not 0.0 <= self.route_audit_rate <= 1.0:
             out.append(f"--gateway-route-audit-rate must lie in [0, 1], got {self.route_audit_rate}")
         if self.max_body_bytes < 1024:

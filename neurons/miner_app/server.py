@@ -50,8 +50,9 @@ from chain import connect
 from chain.interface import Chain, ChainError, NotRegistered, RateLimited
 from chain.watch import MetagraphWatch
 from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError, FinalEvent as EngineFinalEvent,
-                               GenerationRequest, SamplingParams, TokenEvent as EngineTokenEvent, build_engine)
+                               GenerationRequest, TokenEvent as EngineTokenEvent, build_engine)
 from inference.version import __version__
+from neurons.base.engine_wire import final_message, sampling_params, scored_position_message, token_message
 from neurons.base.observability import CALLER, observed_app
 from neurons.base.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
 from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
@@ -62,10 +63,9 @@ from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hot
 from protocol.errors import ErrorCode
 from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
 from protocol.schemas import (CAPABILITIES_PATH, DEFAULT_LIMITS, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE,
-                              LOGPROB_FLOOR, NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalMessage,
-                              GenerateRequest, Health, Limits, ProtocolError, ScoredPositionMessage, ScoreRequest,
-                              ScoreResponse, Timings, TokenMessage, TopLogprob, Usage, encode_event, encode_model,
-                              parse_generate, parse_score)
+                              NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalMessage, GenerateRequest,
+                              Health, Limits, ProtocolError, ScoreRequest, ScoreResponse, Timings, encode_event,
+                              encode_model, parse_generate, parse_score)
 from protocol.signature import sign_response
 
 log = logging.getLogger("k3.miner")
@@ -76,36 +76,10 @@ OFF_LOOP_BYTES = 1 << 20
 MAX_MILLIS = 1e9
 
 
-# ---------------------------------------------------------------- wire conversion
-def _logprob(value: float) -> float:
-    value = float(value)
-    if math.isnan(value):
-        raise EngineError("engine_failure", "the engine produced a NaN logprob")
-    # -inf (a token of probability 0 among the top-k) goes on the wire as the protocol's floor.
-    return min(max(value, LOGPROB_FLOOR), 0.0)
-
-
-def wire_token_event(event: EngineTokenEvent) -> TokenMessage:
-    # Validating one plain dict is cheaper than building the nested models one by one.
-    return TokenMessage.model_validate({
-        "index": int(event.index),
-        "token_ids": [int(event.token_id)],
-        "text": str(event.text),
-        "logprobs": [_logprob(event.logprob)],
-        "top_logprobs": [[{"token_id": int(t), "logprob": _logprob(lp)} for t, lp in event.top_logprobs]],
-    })
-
-
+# ---------------------------------------------------------------- requests and timings
 def _millis(value: float | None, fallback: float) -> float:
     value = fallback if value is None or not math.isfinite(value) else value
     return float(min(max(value, 0.0), MAX_MILLIS))
-
-
-def sampling_params(request: GenerateRequest) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-        top_k=request.top_k, seed=request.seed, stop=tuple(request.stop), logprobs=request.logprobs,
-    )
 
 
 def prompt_token_ids(request: GenerateRequest, tokenizer, chat: bool = False) -> list[int]:
@@ -486,9 +460,7 @@ class MinerServer:
     def _score_answer(self, parsed: ScoreRequest, scored) -> bytes:
         return encode_model(ScoreResponse(
             request_id=parsed.request_id, model_fingerprint=self.engine_capabilities.model_fingerprint,
-            scores=[ScoredPositionMessage(position=int(p.position), token_id=int(p.token_id), logprob=_logprob(p.logprob),
-                                   top=[TopLogprob(token_id=int(t), logprob=_logprob(lp)) for t, lp in p.top])
-                    for p in scored],
+            scores=[scored_position_message(p) for p in scored],
         ))
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
@@ -543,7 +515,7 @@ class MinerServer:
                     if event.index != len(token_ids):
                         raise EngineError("engine_failure", f"the engine sent token index {event.index}, "
                                                             f"expected {len(token_ids)}")
-                    line = encode_event(wire_token_event(event))
+                    line = encode_event(token_message(event))
                     token_ids.append(int(event.token_id))
                     await response.write(line)
                     first_token_at = first_token_at or time.perf_counter()
@@ -579,15 +551,13 @@ class MinerServer:
         decode_rate = None
         if len(token_ids) > 1 and first_token_at is not None and now > first_token_at:
             decode_rate = min((len(token_ids) - 1) / (now - first_token_at), 1e12)
-        return FinalMessage(
-            finish_reason=final.finish_reason,
-            usage=Usage(prompt_tokens=int(final.prompt_tokens), completion_tokens=int(final.completion_tokens)),
+        return final_message(
+            final,
             timings=Timings(queue_ms=_millis(final.queue_ms, 0.0), ttft_ms=_millis(ttft_ms, total_ms),
                             total_ms=_millis(total_ms, 0.0), prefill_tokens_per_s=prefill_rate,
                             decode_tokens_per_s=decode_rate),
             model_fingerprint=self.engine_capabilities.model_fingerprint,
             signature=sign_response(self.keypair, body, token_ids, final.seed),
-            seed=final.seed,
         )
 
 

@@ -61,6 +61,18 @@ def decode_inputs(tensors: list[tuple[WireTensorSpec, memoryview]], first_stage:
     return ResidualState((int(n),), values[:-1], values[-1])
 
 
+def decode_wire(specs, body: bytes, first_stage: bool, hidden_size: int):
+    """What a frame's body holds, decoded as its receiver would: token ids (the first stage's input), a
+    ResidualState, or (no specs) the head's answer."""
+    if not specs:
+        return decode_head_output(body)
+    view, tensors, offset = memoryview(body), [], 0
+    for spec in specs:
+        tensors.append((spec, view[offset:offset + spec.nbytes]))
+        offset += spec.nbytes
+    return decode_inputs(tensors, first_stage, hidden_size)
+
+
 def encode_head_output(out: HeadOutput) -> bytes:
     return json.dumps({"mode": out.mode, "token_id": out.token_id, "logprob": out.logprob, "top": out.top,
                        "logprobs": out.logprobs, "row_tops": out.row_tops, "verified": out.verified,

@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import math
-import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -60,15 +59,15 @@ from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.swarm.stage import HeadOutput
+from neurons.base.engine_wire import wire_sampling
 from neurons.swarm.codec import decode_head_output, encode_ids
 from neurons.swarm.signed_http import post_signed, start_result_site
 from protocol.auth import AuthFailure, verify_request
 from protocol.schemas import error_body
 from protocol.stage import (CAPABILITIES_PATH, CLOSE_PATH, FORK_PATH, FORWARD_PATH, HEALTH_PATH, OPEN_PATH, RESULT_PATH,
                             REWIND_PATH, CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader,
-                            RewindRequest, StageAnnouncement, StageCapabilities, StageWireError, WireSampling,
-                            encode_frame, parse_model, split_frame, state_sha256, verify_capabilities,
-                            verify_receipt_chain)
+                            RewindRequest, StageAnnouncement, StageCapabilities, StageWireError, encode_frame,
+                            parse_model, split_frame, state_sha256, verify_capabilities, verify_receipt_chain)
 
 log = logging.getLogger("k3.route")
 
@@ -198,29 +197,30 @@ class MetagraphDirectory(StageDirectory):
         return stages
 
 
-def stage_weight(s: StageInfo) -> float:
-    """A stage's share of the sessions among the stages of its block: its session capacity over its measured
-    single-token step time, so identical stages get the same share and redundancy carries traffic."""
+def stage_weight(s: StageInfo, step_ms: float | None = None) -> float:
+    """A stage's share of the traffic among the stages of its block: its session capacity over its step time (the
+    measured one when given, else the announced one), so identical stages get the same share."""
     sessions = max(1, int(s.caps.capacity.get("sessions", 1)))
-    return sessions / max(float(s.caps.step_ms or 1.0), 0.05)
+    return sessions / max(float(step_ms or s.caps.step_ms or 1.0), 0.05)
 
 
 def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = frozenset(),
-               prefer: set[str] = frozenset(), rng: random.Random | None = None) -> list[StageInfo] | None:
+               prefer: set[str] = frozenset(), load: dict[str, float] | None = None,
+               weights: dict[str, float] | None = None) -> list[StageInfo] | None:
     """Stages covering [0, num_layers) in order, or None: fewest hops first; among the stages of one block, with
-    `rng`, a draw weighted by `stage_weight` (each session of a balanced driver takes its own draw), else the
-    current stages (`prefer`), then the measured step time."""
+    `load` (tokens each stage was sent so far), the one least loaded for its weight (`weights`, default
+    `stage_weight`: a balanced driver spreads its traffic so), else the current stages (`prefer`), then the
+    measured step time."""
     by_start: dict[int, list[StageInfo]] = {}
     for s in stages:
         if s.hotkey not in exclude and s.caps.num_layers == num_layers:
             by_start.setdefault(s.start, []).append(s)
     dead_ends: set[int] = set()
-    # an exponential race: the smallest -log(u) / w wins with probability w / sum(w)
-    race = {s.hotkey: -math.log(1.0 - rng.random()) / stage_weight(s) for s in stages} if rng else {}
 
     def order(s: StageInfo):
-        if rng is not None:
-            return (-s.stop, race[s.hotkey])
+        if load is not None:
+            w = (weights or {}).get(s.hotkey) or stage_weight(s)
+            return (-s.stop, load.get(s.hotkey, 0.0) / w, s.hotkey)
         return (s.hotkey not in prefer, -s.stop, s.caps.step_ms or math.inf)
 
     def search(pos: int, used: frozenset) -> list[StageInfo] | None:
@@ -295,6 +295,8 @@ class _Pending:
     position: int = 0
     input: tuple = ()  # (specs, body) of what the driver sent, kept only when the driver records steps
     rewind: int | None = None
+    sent_at: float = field(default_factory=time.monotonic)
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,7 @@ class RouteDriver:
         stages of each block (`plan_route` with a weighted draw) instead of keeping one route."""
         self.directory = directory
         self.balance = balance
-        self._rng = random.Random(secrets.randbits(64))
+        self.load: dict[str, float] = {}  # per stage hotkey: tokens sent through it (what balancing evens out)
         self.keypair = keypair
         self.hotkey = keypair.ss58_address
         self.config = config
@@ -354,12 +356,18 @@ class RouteDriver:
         self.rewind_in_forward = rewind_in_forward
         self.rewind_messages = 0  # rewind round trips made (one per rewind, to all stages in parallel)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=max(1, record_steps))
+        # per stage hotkey: the recent decode step times of the routes it was on, each divided by their stages
+        self.step_times: dict[str, collections.deque] = {}
+        self.closed: dict[str, None] = {}  # sessions this driver closed (their records are complete), oldest first
 
     @property
     def url(self) -> str:
         return self.public_url or f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
+        """Start the result endpoint (once: an engine and a miner server over it may both ask)."""
+        if self._runner is not None:
+            return
         self._http = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post(RESULT_PATH, self.handle_result)
@@ -373,6 +381,7 @@ class RouteDriver:
             await self._runner.cleanup()
         if self._http:
             await self._http.close()
+        self._runner = self._http = None
 
     # ------------------------------------------------------------ routes
     async def stages(self, refresh: bool = False) -> list[StageInfo]:
@@ -380,6 +389,16 @@ class RouteDriver:
             self._stages = await self.directory.stages(self._http)
             self._stages_at = time.monotonic()
         return self._stages
+
+    def _measured_weights(self, stages: list[StageInfo]) -> dict[str, float]:
+        """Each stage's weight from the step times this driver measured of the routes it was on, where it has
+        some (a stage cannot draw traffic by announcing a fast step it does not have)."""
+        out = {}
+        for s in stages:
+            times = self.step_times.get(s.hotkey)
+            if times:
+                out[s.hotkey] = stage_weight(s, sorted(times)[len(times) // 2])
+        return out
 
     def known_stages(self) -> list[StageInfo]:
         """The stages the directory last listed (any of them may be on a route)."""
@@ -390,16 +409,17 @@ class RouteDriver:
         return {h for h, t in self.failed.items() if now - t < self.refresh_s}
 
     async def plan(self, refresh: bool = False) -> list[StageInfo]:
-        """A route for the next session: with `balance`, drawn afresh among the live stages of each block
-        (`plan_route`'s weighted draw), else the current stages while they live."""
+        """A route for the next session: with `balance`, the least loaded live stage of each block for its
+        weight (`plan_route`), else the current stages while they live."""
         stages = await self.stages(refresh)
         exclude = self._excluded()
-        rng = self._rng if self.balance else None
-        route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, rng)
+        load, weights = (self.load, self._measured_weights(stages)) if self.balance else (None, None)
+        route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, load, weights)
         if route is None and self.restarting and await self._await_restarts():
             stages = await self.stages(refresh=True)
             exclude = self._excluded()
-            route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, rng)
+            route = plan_route(stages, self.config.num_layers, exclude, {s.hotkey for s in self.current}, load,
+                               weights)
         if route is None:
             where = uncovered(stages, self.config.num_layers, exclude) or "the model"
             raise EngineError("engine_unavailable",
@@ -456,8 +476,7 @@ class RouteDriver:
         route = await self.plan()
         rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12), request_id=request_id)
         me = Hop(url=self.url, hotkey=self.hotkey)
-        wire = WireSampling(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                            top_k=int(sampling.top_k), logprobs=int(sampling.logprobs))
+        wire = wire_sampling(sampling)
 
         async def open_one(i: int, s: StageInfo) -> None:
             req = OpenRequest(route_id=rs.route_id, session=rs.session,
@@ -494,6 +513,9 @@ class RouteDriver:
         return json.loads(answer or b"{}")
 
     async def close(self, rs: RouteSession) -> None:
+        self.closed[rs.session] = None
+        while len(self.closed) > 65536:
+            del self.closed[next(iter(self.closed))]
         body = CloseRequest(session=rs.session).model_dump_json().encode()
         await asyncio.gather(*(self._control(s, CLOSE_PATH, body, self.probe_timeout_s) for s in rs.route),
                              return_exceptions=True)
@@ -564,7 +586,8 @@ class RouteDriver:
                                        mode=mode, targets=targets, top_k=top_k, rewind=rs.rewind_to, tensors=specs)
                 pending = _Pending(asyncio.get_running_loop().create_future(), state_sha256(specs, body),
                                    [s.hotkey for s in rs.route], rs.position,
-                                   (tuple(specs), body) if self.record_steps else (), rs.rewind_to)
+                                   (tuple(specs), body) if self.record_steps else (), rs.rewind_to,
+                                   tokens=len(ids))
                 self._pending[(rs.session, step)] = pending
                 waits.append((step, pending))
                 try:
@@ -582,6 +605,8 @@ class RouteDriver:
                                                         f"{answer[:300].decode(errors='replace')}")
                 rs.step += 1
                 rs.position += len(ids)
+                for st in rs.route:
+                    self.load[st.hotkey] = self.load.get(st.hotkey, 0.0) + len(ids)
                 rs.rewind_to = None  # the first stage took it; the forward carries it down the route
             outputs = []
             for step, pending in waits:
@@ -618,6 +643,10 @@ class RouteDriver:
             raise RouteFailure(f"receipts do not chain: {problem}", {bad})
         rs.receipts = list(header.receipts)
         self.last_receipts = rs.receipts
+        if pending.tokens == 1:  # a decode step: the route's step time, shared by its stages
+            share = (time.monotonic() - pending.sent_at) * 1000.0 / len(pending.hotkeys)
+            for hotkey in pending.hotkeys:
+                self.step_times.setdefault(hotkey, collections.deque(maxlen=256)).append(share)
         if self.record_steps:
             self.records.append(StepRecord(rs.route_id, rs.session, step, pending.position, tuple(header.receipts),
                                            pending.input[0], bytes(pending.input[1]), bytes(body), pending.rewind,

@@ -18,9 +18,8 @@ from inference.decoding.speculation import MAX_DRAFT_TOKENS
 from inference.serving import EngineSpec
 from inference.swarm.stage import SHARD_MODES, StageLimits
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section,
-                                   Setting, WalletSettings, build_settings, byte_size, network_spec, non_negative_float,
-                                   non_negative_int, port_number, positive_float, read_options, setting,
-                                   settings_options)
+                                   Setting, WalletSettings, build_settings, byte_size, network_spec, non_negative_int,
+                                   port_number, positive_float, read_options, setting, settings_options)
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
 from protocol.stage import DEFAULT_MAX_BODY_BYTES, Hop
 
@@ -97,6 +96,11 @@ class StageListenSettings:
                                   read=byte_size, metavar="SIZE")
     hop_timeout_s: float = setting(5.0, "deadline for sending on to the next hop (connect and its 202)",
                                    read=positive_float)
+    ledger_retain_s: float = setting(900.0, "how long the stage keeps each session's inputs and outputs as it signed "
+                                     "them, for validators to check after the fact (POST /stage/ledger)",
+                                     read=positive_float)
+    ledger_bytes: int = setting(256 << 20, "most bytes the ledger keeps (the oldest sessions go first)", read=byte_size,
+                                metavar="SIZE")
     ready_file: str = setting("", "once listening, write {url, hotkey, pid, layers, fingerprint, step_ms, "
                               "metrics_url} there as JSON", metavar="FILE")
     metrics: bool = setting(False, f"serve Prometheus /metrics on {METRICS_HOST}")

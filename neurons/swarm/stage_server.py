@@ -34,10 +34,10 @@ import torch
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
-from inference.decoding.sampling import SamplingParams
 from inference.model.k3 import ResidualState
 from inference.swarm.stage import HeadOutput, Stage, StageError
 from inference.version import __version__
+from neurons.base.engine_wire import stage_sampling_params
 from neurons.base.observability import CALLER, observed_app
 from neurons.swarm.codec import decode_inputs, encode_head_output, encode_state
 from neurons.swarm.ledger import StageLedger
@@ -279,13 +279,11 @@ class StageServer:
     async def handle_open(self, caller: str, body: bytes) -> web.Response:
         req: OpenRequest = parse_model(OpenRequest, body, "open")
         self.stage.check_serving()  # here, not behind a restart in the compute thread
-        s = req.sampling
         if not self.stage.layers.has_head and req.downstream is None:
             raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
         session = await self._in_worker(lambda: self.stage.open(
             req.session, route_id=req.route_id, seed=req.seed, prompt_tokens=req.prompt_tokens, owner=caller,
-            upstream=req.upstream,
-            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, logprobs=s.logprobs),
+            upstream=req.upstream, sampling=stage_sampling_params(req.sampling),
             downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
         self._queued[req.session] = session.position
         self.ledger.open(req.route_id, req.session, req.sampling, req.seed)

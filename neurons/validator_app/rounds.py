@@ -870,7 +870,7 @@ def reference_capabilities(engine) -> Capabilities:
     return Capabilities(model_id=caps.model_id, model_fingerprint=caps.model_fingerprint or "reference",
                         vocab_size=caps.vocab_size, max_context=caps.max_context,
                         max_concurrent_streams=max(1, caps.max_concurrent_sequences), engine=caps.engine_kind,
-                        precision=caps.precision or "unknown", software_version=__version__)
+                        precision=caps.precision or "unknown", sampler=caps.sampler, software_version=__version__)
 
 
 def open_wallet(settings: WalletSettings):

@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 import aiohttp
 
 from inference.swarm.stage import HeadOutput
-from neurons.swarm.codec import decode_head_output, decode_inputs
+from neurons.swarm.codec import decode_wire
 from neurons.swarm.ledger import LedgerUnavailable, read_ledger
 from neurons.swarm.route import NUMERICS_ORDER, StageInfo, StepRecord
 from protocol.stage import LedgerStep, Receipt, WireTensorSpec, state_sha256, verify_receipt
@@ -106,7 +106,13 @@ class SessionAuditor:
                    stages: Mapping[str, StageInfo]) -> tuple[list[StageCheck], int]:
         """Check every stage of one recorded session; (one StageCheck per stage of its route, bytes read)."""
         records = sorted(records, key=lambda r: r.step)
+        gap = recorded_prefix_problem(records)
         route = [r.stage for r in records[0].receipts]
+        if gap:  # nothing to re-run from: a fault of the record, checked by nobody
+            layers = {r.stage: tuple(r.layers) for r in records[0].receipts}
+            return [StageCheck(h, layers[h], stage_numerics(stages[h]) if h in stages else "float32",
+                               "head" if layers[h][1] == self.num_layers else "state", unavailable=gap)
+                    for h in route], 0
         if any([r.stage for r in rec.receipts] != route for rec in records):
             return [], 0  # a session's route never changes (recovery opens a new session): not ours to judge
         pool = _Pool()
@@ -182,11 +188,8 @@ class SessionAuditor:
             m = meta.get(rec.step)
             if m is None:
                 return [], f"step {rec.step}: no stage gave its forward's header fields"
-            first = r.layers[0] == 0
-            inputs = decode_inputs(_tensors(*got_in), first, self.hidden_size)
-            specs_out, body_out = got_out
-            output = decode_head_output(body_out) if not specs_out else \
-                decode_inputs(_tensors(specs_out, body_out), False, self.hidden_size)
+            inputs = decode_wire(*got_in, r.layers[0] == 0, self.hidden_size)
+            output = decode_wire(*got_out, False, self.hidden_size)
             steps.append(OpenedStep(rec.step, m.position, m.mode, tuple(m.targets) if m.targets else None, m.top_k,
                                     m.rewind, inputs, output))
         return steps, None
@@ -229,12 +232,16 @@ class SessionAuditor:
         return verdict(outcomes, env, self.alpha) if env is not None else None
 
 
-def _tensors(specs: Sequence[WireTensorSpec], body: bytes):
-    view, out, offset = memoryview(body), [], 0
-    for s in specs:
-        out.append((s, view[offset:offset + s.nbytes]))
-        offset += s.nbytes
-    return out
+def recorded_prefix_problem(records: Sequence[StepRecord]) -> Optional[str]:
+    """Why these steps (sorted) cannot be re-run from the start of their session, or None: they must start at
+    position 0 and each must start where the one before ended (or rewind into it)."""
+    position = 0
+    for i, rec in enumerate(records):
+        rewound = rec.rewind is not None and rec.rewind == rec.position <= position
+        if rec.step != records[0].step + i or not (rec.position == position or rewound):
+            return f"the recorded steps of session {rec.session} do not run from its start (step {rec.step})"
+        position = rec.position + int(rec.input_specs[0].shape[0])
+    return None if records and records[0].position == 0 else "the session's first step was not recorded"
 
 
 def _digest(x) -> str:

@@ -13,9 +13,9 @@ from typing import Any, Optional
 from inference.model import CheckpointError, fingerprint
 from inference.serving import EngineSpec
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
-                                   WalletSettings, build_settings, engine_section, expanded_path, non_negative_int,
-                                   optional_float, port_number, positive_float, positive_rate, read_options, setting,
-                                   settings_options)
+                                   WalletSettings, build_settings, engine_section, expanded_path, non_negative_float,
+                                   non_negative_int, port_number, positive_float, positive_rate,
+                                   read_options, setting, settings_options)
 from neurons.gateway.settings import GATEWAY, GatewaySettings, host_problem, public_url_problems
 from protocol.client import ClientTimeouts
 from scoring.config import ScoringConfig, ScoringConfigError
@@ -55,10 +55,9 @@ class RoundSettings:
                                   "unpredictable, as production needs)")
     uids: Optional[str] = setting(None, "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others "
                                   "keep their window scores (default: every serving miner)", metavar="UIDS")
-    stage_challenges: int = setting(2, "challenges per swarm stage miner per round, against this validator's own "
-                                    "copy of the weights (with --reference-engine; blocks outside --stage-own-layers: "
-                                    "against two other stage miners of the block), plus --stage-route-audits "
-                                    "relayed route audits; 0: stage miners are not checked", read=non_negative_int)
+    stage_sessions: int = setting(2, "sessions this validator drives through the swarm's stage miners per round, "
+                                  "each checked after it ran against its own copy of the weights (with "
+                                  "--reference-engine); 0: stage miners are not checked", read=non_negative_int)
 
     def only_uids(self) -> Optional[set[int]]:
         if not self.uids:
@@ -118,36 +117,30 @@ def layer_block(text: str, what: str = "a layer block") -> tuple[int, int]:
 @dataclass(frozen=True)
 class StageSettings:
     """Swarm stage checks (neurons/validator_app/stage_rounds.py); on with --reference-engine and
-    --stage-challenges > 0."""
+    --stage-sessions > 0."""
 
-    max_tokens: int = setting(96, "longest stage challenge in tokens (lengths are drawn log-uniformly from 16 up to "
-                              "it, so short and long positions are both checked)", flag="--stage-max-tokens",
-                              read=non_negative_int)
-    route_audits: int = setting(1, "relayed route audits per round (one stage per block, the validator relaying "
-                                "every hop; a failing answer is bisected to the stage that diverged)",
-                                flag="--stage-route-audits", read=non_negative_int)
-    timeout_s: float = setting(15.0, "one hop of a stage challenge or a relayed route audit", flag="--stage-timeout-s",
-                               read=positive_float, group="timeouts")
+    max_tokens: int = setting(48, "longest completion of a session the validator drives (lengths are drawn "
+                              "uniformly from 4 up to it)", flag="--stage-max-tokens", read=non_negative_int)
+    work_audit_rate: float = setting(0.25, "share of the sessions outside route drivers claim that are checked after "
+                                     "the fact", flag="--stage-work-audit-rate", read=non_negative_float, metavar="X")
+    timeout_s: float = setting(15.0, "one hop of the validator's route, and reading one stage ledger",
+                               flag="--stage-timeout-s", read=positive_float, group="timeouts")
     blame_s: float = setting(24 * 3600.0, "how long a blamed stage miner stays at weight 0 (and out of the gateway's "
                              "routes)", flag="--stage-blame-s", read=positive_float)
     window_s: float = setting(24 * 3600.0, "window of verified stage work the weights count",
                               flag="--stage-window-s", read=positive_float)
-    own_layers: Optional[str] = setting(None, "layers this validator checks stages against with its own copy of the "
-                                        "weights, A-B (default: all); a stage whose block lies outside is checked "
-                                        "against two other stage miners of its block on different coldkeys",
-                                        flag="--stage-own-layers", metavar="A-B")
     decoys: Optional[str] = setting(None, "blocks this validator serves itself under --stage-decoy-hotkey, to catch "
                                     "stage miners that hand their work to another stage: comma-separated "
                                     "LAYERS:PORT, e.g. 6-8:9310,0-2:9311", flag="--stage-decoys",
                                     metavar="A-B:PORT,...")
     decoy_hotkey: Optional[str] = setting(None, "hotkey (of the validator's wallet) the decoys sign as; must not be "
                                           "the validator's own", flag="--stage-decoy-hotkey", metavar="NAME")
-    sink_host: str = setting("127.0.0.1", "address the validator's stage sink binds to (challenged stages and the "
-                             "last hop of relayed routes send their outputs there)", flag="--stage-sink-host",
-                             metavar="HOST")
-    sink_port: int = setting(0, "port of the stage sink (0 picks a free one; give a fixed one with "
-                             "--stage-sink-url)", flag="--stage-sink-port", read=port_number)
-    sink_url: Optional[str] = setting(None, "address stage miners reach the stage sink at, http(s)://HOST:PORT "
+    sink_host: str = setting("127.0.0.1", "address the result endpoint of the validator's route driver binds to (the "
+                             "last stage of each of its routes sends the head's answers there)",
+                             flag="--stage-sink-host", metavar="HOST")
+    sink_port: int = setting(0, "port of that endpoint (0 picks a free one; give a fixed one with --stage-sink-url)",
+                             flag="--stage-sink-port", read=port_number)
+    sink_url: Optional[str] = setting(None, "address stage miners reach that endpoint at, http(s)://HOST:PORT "
                                       "(needed when stages run on other machines; default: "
                                       "http://--stage-sink-host:PORT)", flag="--stage-sink-url", metavar="URL")
     work_port: Optional[int] = setting(None, "port (on --stage-sink-host; 0 picks a free one) where outside route "
@@ -155,9 +148,6 @@ class StageSettings:
                                        "signed): the stages are credited that work, a driver whose receipts the "
                                        "stages never signed is blamed and zeroed; unset: no such endpoint",
                                        flag="--stage-work-port", read=port_number, metavar="PORT")
-
-    def own_block(self) -> Optional[tuple[int, int]]:
-        return layer_block(self.own_layers, "--stage-own-layers") if self.own_layers else None
 
     def decoy_ports(self) -> dict[tuple[int, int], int]:
         """{(start, stop): port} from --stage-decoys; ValidatorSetupError with what is wrong."""
@@ -179,13 +169,15 @@ class StageSettings:
 
     def problems(self) -> list[str]:
         out = []
-        if self.max_tokens < 16:
-            out.append(f"--stage-max-tokens must be at least 16 (the shortest challenge), got {self.max_tokens}")
-        for check in (self.own_block, self.decoy_ports):
-            try:
-                check()
-            except ValidatorSetupError as error:
-                out.append(str(error))
+        if self.max_tokens < 4:
+            out.append(f"--stage-max-tokens must be at least 4 (the shortest session's completion), got "
+                       f"{self.max_tokens}")
+        if not 0.0 <= self.work_audit_rate <= 1.0:
+            out.append(f"--stage-work-audit-rate must lie in [0, 1], got {self.work_audit_rate}")
+        try:
+            self.decoy_ports()
+        except ValidatorSetupError as error:
+            out.append(str(error))
         if self.decoys and not self.decoy_hotkey:
             out.append("--stage-decoys needs --stage-decoy-hotkey NAME: the decoys sign as another hotkey of the "
                        "validator's wallet (stage miners must not recognise the validator)")
@@ -327,9 +319,9 @@ class ValidatorSettings:
                        "canaries could not run; run the model as this validator's reference (--reference-engine, "
                        "--engine remote for a GPU server) or give it a canary pool from a reference deployment")
         if self.gateway.enabled and self.gateway.route != "off" and not (self.reference_engine
-                                                                          and self.rounds.stage_challenges):
+                                                                          and self.rounds.stage_sessions):
             out.append("--gateway-route needs the validator's stage checks (--reference-engine and "
-                       "--stage-challenges > 0): the route's work is checked before it is credited")
+                       "--stage-sessions > 0): the route's work is checked before it is credited")
         r, w = self.rounds, self.weights
         try:
             r.only_uids()

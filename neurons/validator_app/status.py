@@ -87,22 +87,23 @@ def status_report(store: ValidatorStore) -> dict:
 
 
 def stage_miner_rows(store: ValidatorStore, last, blame_s: float = 24 * 3600.0) -> list[dict]:
-    """Swarm stage miners: layers, challenges passed and failed, work credited, measured step time, the weight
-    last set, and why a zeroed one is zeroed (its latest blame)."""
+    """Swarm stage miners: layers, sessions checked (and how many lay outside the honest envelope, how many could
+    not be checked), layer-tokens credited, the weight last set, and why a zeroed one is zeroed (its latest
+    blame)."""
     now = time.time()
     checks = store.stage_checks(since=now - blame_s)
     rows = []
     for uid, sm in store.stage_miners().items():
         mine = [c for c in checks if c["hotkey"] == sm["hotkey"]]
-        challenges = [c for c in mine if c["kind"] == "challenge"]
+        checked = [c for c in mine if c["kind"] in ("session_check", "session_lie")]
         blames = [c for c in mine if c["blame"]]
-        steps = [c["step_ms"] for c in challenges if c["step_ms"]]
         rows.append({
             "uid": uid, "hotkey": sm["hotkey"], "url": sm["url"], "layers": sm["layers"],
-            "challenges": len(challenges), "failed": sum(1 for c in challenges if not c["passed"]),
-            "route_audits": sum(1 for c in mine if c["kind"] in ("route_audit", "bisection")),
-            "tokens": sum(int(c["tokens"] or 0) for c in mine if c["passed"]),
-            "step_ms": sorted(steps)[len(steps) // 2] if steps else sm["step_ms"],
+            "checked": len(checked), "outside": sum(1 for c in checked if c["outside"] or c["blame"]),
+            "unchecked": sum(1 for c in mine if c["kind"] == "unchecked"),
+            "tokens": sum(int(c["tokens"] or 0) for c in mine
+                          if c["kind"] in ("validator_work", "gateway_work", "route_work")),
+            "step_ms": sm["step_ms"],
             "blamed": bool(blames),
             "reason": f"{blames[-1]['kind']}: {blames[-1]['reason']}" if blames else None,
             "weight": last.weights.get(uid, 0.0) if last.hotkeys.get(uid) in (None, sm["hotkey"]) else 0.0,

@@ -1,13 +1,7 @@
-"""The relaying party: talks to one stage at a time and receives that stage's output itself.
-
-A route driver (neurons/swarm/route.py) never sees the states between stages: each stage sends its output
-straight to the next. A validator checking stages needs those states, so it *relays*: it opens the session
-on a stage with itself as the upstream, the downstream and the reply-to hop (`StageSink`, its own small
-signed endpoint), sends the input, receives the stage's output frame and its signed receipt, and only then
-sends anything on. That gives stage challenges over the real wire (`RemoteStage`, what
-scoring.stage_checks.run_challenge talks to), relayed route probes whose every hop is recorded for the
-route audit and bisection (`relay_route`), and, for the tests, a stage that secretly hands its work to
-another stage (localnet/cheats/stage.py `ForwardingStage`).
+"""A relaying party: talks to one stage at a time and receives that stage's output itself (it opens the session
+with itself as the upstream, the downstream and the reply-to hop: `StageSink`, its own small signed endpoint).
+A route driver never does this; the one party that does is a stage that secretly hands its work to another
+stage (localnet/cheats/stage.py `ForwardingStage`), which the validator's decoys catch.
 
 Every call has a timeout; what the stage answers is checked against what was sent: the receipt must be
 signed by the stage's hotkey for this route, session, step and its layers, and hash exactly the input sent
@@ -17,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import secrets
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import torch
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
-from inference.swarm.stage import HeadOutput, StageError
+from inference.swarm.stage import StageError
 from neurons.swarm.codec import encode_ids, encode_state
 from neurons.swarm.route import StageInfo
 from neurons.swarm.signed_http import post_signed, start_result_site
@@ -37,7 +29,6 @@ from protocol.stage import (CLOSE_PATH, DEFAULT_MAX_BODY_BYTES, FORWARD_PATH, MA
                             CloseRequest, ForwardHeader, Hop, OpenRequest, Receipt, ResultHeader, StageWireError,
                             WireSampling, WireTensorSpec, encode_frame, parse_model, split_frame, state_sha256,
                             verify_receipt)
-from scoring.stage_checks import HopRecord, decode_wire_state
 
 
 @dataclass
@@ -50,10 +41,6 @@ class RelayedHop:
     output_specs: tuple[WireTensorSpec, ...]
     output_body: bytes
     wall_s: float
-
-    def record(self, position: int, mode: str = "none", targets=None, top_k: int = 0) -> HopRecord:
-        return HopRecord(self.receipt, position, self.input_specs, self.input_body, self.output_specs,
-                         self.output_body, mode, tuple(targets) if targets else None, top_k)
 
 
 class StageSink:
@@ -224,83 +211,4 @@ class LoopThread:
             raise StageError(504, "timeout", f"no answer within {timeout_s} s") from None
 
 
-@dataclass
-class RemoteStage:
-    """A stage miner over the wire, as scoring.stage_checks.run_challenge talks to it (synchronous calls from a
-    worker thread; the relay runs on `loop`). Keeps every hop it relayed (`hops`) and the wall time of
-    single-token steps (`decode_s`)."""
-
-    relay: StageRelay
-    info: StageInfo
-    loop: LoopThread
-    timeout_s: float = 15.0
-    hops: list[HopRecord] = field(default_factory=list)
-    decode_s: list[float] = field(default_factory=list)
-    inputs_sent: list[str] = field(default_factory=list)  # sha256 of every input sent
-    _routes: dict[str, str] = field(default_factory=dict)
-    _steps: dict[str, int] = field(default_factory=dict)
-
-    def open(self, session_id: str, route_id: str = "", **kw) -> None:
-        route_id = route_id or secrets.token_hex(8)
-        self._routes[session_id], self._steps[session_id] = route_id, 0
-        self.loop.call(self.relay.open(self.info, session_id, route_id), self.timeout_s)
-
-    def forward(self, session_id: str, position: int, inputs, mode: str = "none", targets=None, top_k: int = 0):
-        specs, body = encode_input(inputs)
-        step = self._steps[session_id]
-        self._steps[session_id] = step + 1
-        self.inputs_sent.append(state_sha256(specs, body))
-        hop = self.loop.call(self.relay.forward(self.info, session_id, self._routes[session_id], step, position,
-                                                specs, body, mode, targets, top_k), self.timeout_s)
-        self.hops.append(hop.record(position, mode, targets, top_k))
-        n = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else int(inputs.partial.shape[0])
-        if n == 1:
-            self.decode_s.append(hop.wall_s)
-        try:
-            return decode_wire_state(hop.output_specs, hop.output_body)
-        except (ValueError, KeyError, TypeError) as e:
-            raise StageError(502, "bad_output", f"the output does not decode: {e}") from None
-
-    def close(self, session_id: str) -> None:
-        self._routes.pop(session_id, None)
-        self.loop.call(self.relay.close(self.info, session_id), self.timeout_s)
-
-    @property
-    def step_ms(self) -> float | None:
-        return statistics.median(self.decode_s) * 1000.0 if self.decode_s else None
-
-
-async def relay_route(relay: StageRelay, route: list[StageInfo], token_ids: list[int], chunks: list[int],
-                      route_id: str | None = None, session: str | None = None,
-                      top_k: int = 2) -> tuple[list[HopRecord], dict[int, str], list[HeadOutput]]:
-    """A teacher-forced route answer relayed hop by hop: per step the token ids go to the first stage, each
-    output to the next, the head scores the next tokens. Returns (HopRecords for audit_route / bisect_route,
-    {step: sha256 of what was sent to the first stage}, the head's outputs)."""
-    route_id = route_id or secrets.token_hex(8)
-    session = session or secrets.token_hex(12)
-    await asyncio.gather(*(relay.open(s, session, route_id) for s in route))
-    records, inputs, heads, pos = [], {}, [], 0
-    try:
-        for step, n in enumerate(chunks):
-            specs, body = encode_ids(token_ids[pos:pos + n])
-            inputs[step] = state_sha256(specs, body)
-            for s in route:
-                head = s.caps.head
-                targets = ([int(t) for t in token_ids[pos + 1:pos + n + 1]] + [-1] * n)[:n] if head else None
-                mode, k = ("score", top_k) if head else ("none", 0)
-                try:
-                    hop = await relay.forward(s, session, route_id, step, pos, specs, body, mode, targets, k)
-                except StageError as e:
-                    e.stage = s.hotkey  # the hop that failed
-                    raise
-                records.append(hop.record(pos, mode, targets, k))
-                specs, body = list(hop.output_specs), hop.output_body
-                if head:
-                    heads.append(decode_wire_state([], body))
-            pos += n
-    finally:
-        await asyncio.gather(*(relay.close(s, session) for s in route))
-    return records, inputs, heads
-
-
-__all__ = ["LoopThread", "RelayedHop", "RemoteStage", "StageRelay", "StageSink", "encode_input", "relay_route"]
+__all__ = ["LoopThread", "RelayedHop", "StageRelay", "StageSink", "encode_input"]
