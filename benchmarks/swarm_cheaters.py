@@ -70,20 +70,22 @@ def summarise(kind: str, runs: list[dict]) -> dict:
             "seconds": statistics.median([r["seconds"] for r in caught if r["seconds"] is not None] or [0.0]),
             "weight": max(r["weight"] for r in runs), "honest_blamed": sorted({h for r in runs for h in r["honest_blamed"]}),
             "min_honest_weight": min(r["min_honest_weight"] for r in runs),
-            "cpu_s": statistics.mean(cpu) if cpu else None, "reason": next((r["reason"] for r in caught), "")}
+            "cpu_s": statistics.mean(cpu) if cpu else None, "reason": next((r["reason"] for r in caught), ""),
+            "route_weight": min((r["route_weight"] for r in runs if r["route_weight"] is not None), default=None)}
 
 
 def table(rows: list[dict]) -> str:
     out = ["| cheat | caught (runs) | checks to blame: median | max | seconds to blame (median) | weight at the end | "
-           "honest blamed | smallest honest weight | validator CPU s per stage check | reason |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "honest blamed | smallest honest stage weight | smallest honest route miner weight | validator CPU s per "
+           "stage check | reason |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         unit = " rows" if r["kind"] in DRIVER_CHEATS else ""
         med = f"{r['median']:g}{unit}" if r["median"] is not None else "-"
         cpu = f"{r['cpu_s']:.2f}" if r["cpu_s"] is not None else "-"
+        route = f"{r['route_weight']:.3f}" if r["route_weight"] is not None else "(the cheater)"
         out.append(f"| {r['kind']} | {r['caught']}/{r['runs']} | {med} | {r['max'] if r['max'] is not None else '-'} | "
                    f"{r['seconds']:.0f} | {r['weight']:.3f} | {', '.join(r['honest_blamed']) or 'none'} | "
-                   f"{r['min_honest_weight']:.3f} | {cpu} | {r['reason'][:80]} |")
+                   f"{r['min_honest_weight']:.3f} | {route} | {cpu} | {r['reason'][:80]} |")
     return "\n".join(out)
 
 

@@ -97,7 +97,8 @@ class WorkReport:
     def claims(self, records: list) -> list[RouteWorkStep]:
         """The steps to claim for `records` (a cheating driver claims more: localnet/cheats/route.py)."""
         return [RouteWorkStep(route_id=r.route_id, session=r.session, step=r.step, position=r.position,
-                              request_id=r.request_id, token_ids=np.frombuffer(r.input_body, dtype="<i4").tolist(),
+                              request_id=r.request_id, rewind=r.rewind,
+                              token_ids=np.frombuffer(r.input_body, dtype="<i4").tolist(),
                               receipts=list(r.receipts))
                 for r in records]
 

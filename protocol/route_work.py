@@ -10,13 +10,14 @@ once, none presented before) and credits each stage the step's tokens, but only 
 driver, and at most the tokens it measured for that request: work nobody asked for earns nothing. Receipts the
 stages never signed blame the driver and credit no one.
 
-Answers: 200 {"steps", "credited_tokens", "uncredited_steps"}; 400 a malformed claim; 401/403 the signature; 413 too large; 422
+Answers: 200 {"steps", "credited_tokens", "held_steps", "uncredited_steps"} (held: the request is not measured
+yet; credited once it is); 400 a malformed claim; 401/403 the signature; 413 too large; 422
 receipts that do not audit (the driver is blamed; {"error": {"code": "receipts_rejected", "message"}}); 503
 the validator has not found the stage miners yet (try again later).
 """
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 from pydantic import Field
 
@@ -35,6 +36,7 @@ class RouteWorkStep(_Msg):
     step: int = Field(ge=0, le=2**31 - 1)
     position: int = Field(ge=0, le=2**31 - 1)
     request_id: str = Field("", max_length=128, pattern=r"^[A-Za-z0-9._:\-]*$")
+    rewind: Optional[int] = Field(None, ge=0, le=2**31 - 1)  # the rewind the forward carried, if any
     token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=MAX_STEP_TOKENS)
     receipts: list[Receipt] = Field(min_length=1, max_length=MAX_RECEIPTS)
 

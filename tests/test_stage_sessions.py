@@ -191,3 +191,21 @@ def test_a_stage_whose_bytes_nobody_gives_is_not_checked_and_not_blamed(referenc
     assert "given by no one" in checks[0].unavailable
     assert checks[1].unavailable  # its input is stage 0's output: only the two refusers held it
     assert checks[2].checked  # the head gives its own ledger: its inputs and answers are had
+
+
+def test_a_route_declares_the_coarsest_numerics_of_its_stages():
+    """A route through one bf16 stage, or over one bf16 wire, answers in bf16: the validator judges it by that
+    envelope (an honest route miner over mixed stages was judged as fp32 and zeroed before)."""
+    from neurons.swarm.route import StageInfo, route_numerics  # noqa: PLC0415
+    from protocol.stage import sign_capabilities  # noqa: PLC0415
+
+    def info(i, dtype="float32", wire="float32"):
+        return StageInfo(sign_capabilities(
+            STAGE_KEYS[i], model_id="m", config_hash="c", num_layers=13, hidden_size=8, vocab_size=256,
+            layers=list(BLOCKS[i]), embedding=i == 0, head=i == 2, fingerprint="f", capacity={}, dtype=dtype,
+            wire_dtype=wire, max_body_bytes=1 << 20, url="http://127.0.0.1:1", software_version="x", signed_at=0.0))
+
+    assert route_numerics([info(0), info(1), info(2)]) == "float32"
+    assert route_numerics([info(0), info(1, "bfloat16", "bfloat16"), info(2)]) == "bfloat16"
+    assert route_numerics([info(0, "float32", "bfloat16"), info(1), info(2)]) == "bfloat16"
+    assert route_numerics([info(0, "float16"), info(1), info(2)]) == "float16"

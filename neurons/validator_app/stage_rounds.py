@@ -70,6 +70,10 @@ log = logging.getLogger("k3.validator.stages")
 
 OWN_REQUEST_PREFIX = "stage-session-"  # request ids of the validator's own sessions (never sent to a stage)
 WORK_KINDS = ("validator_work", "gateway_work", "route_work")  # credited layer-tokens
+MAX_HELD_STEPS = 4096  # per driver: claimed steps waiting for the validator to measure their request
+# a request's route work is credited up to this many times its measured prompt and completion tokens (a verify step
+# of speculative decoding runs its drafts through every stage, and a recovery re-prefills)
+SPECULATION_ROOM = 2
 
 
 @dataclass(frozen=True)
@@ -164,10 +168,14 @@ class StageRounds:
         self._http: Optional[aiohttp.ClientSession] = None
         self._decoy_servers: list[DecoyServer] = []
         self._own: set[str] = set()  # request ids of the validator's own sessions not settled yet
+        self._finished: set[str] = set()  # ... of those, the ones whose generation ended
         self._settling = asyncio.Lock()
         self._audits: set[asyncio.Task] = set()  # checks of claimed route work, in the background
         self._claimed: dict[str, list[StepRecord]] = {}  # session -> the steps drivers claimed of it (bounded)
-        self.claim_settle_s = 15.0  # a sampled claimed session is checked this long after its first claim
+        self._held: dict[str, list] = {}  # driver -> [(when, claimed step)] whose request is not measured yet
+        self.hold_s = 600.0
+        self._claimed_at: dict[str, float] = {}  # session -> when a step of it was last credited
+        self.claim_settle_s = 20.0  # a sampled claimed session is checked once no step came for this long
         self.number = 0
         self.last_report = StageRoundReport()
         self._credited = _SeenReceipts()  # receipt signatures credited (the validator's driver and outside drivers)
@@ -248,6 +256,7 @@ class StageRounds:
                                            step_ms=m.info.caps.step_ms) for m in miners])
         report = StageRoundReport(stage_miners=len(miners))
         await self.driver.stages(refresh=True)
+        self.credit_held()
         for _ in range(self.sessions):
             report.sessions += await self.drive_session()
         settled = await self.settle()
@@ -282,6 +291,8 @@ class StageRounds:
         except Exception as e:  # noqa: BLE001 (no route, a stage down: a fault, retried next round)
             log.info("the validator's own session found no route: %s", e)
             return 0
+        finally:
+            self._finished.add(request_id)  # its records are complete, closed or not
         return 1
 
     # ------------------------------------------------------------ settling recorded sessions
@@ -292,7 +303,8 @@ class StageRounds:
             records, open_ = [], []
             while self.driver is not None and self.driver.records:
                 rec = self.driver.records.popleft()
-                (records if rec.session in self.driver.closed else open_).append(rec)
+                done = rec.session in self.driver.closed or rec.request_id in self._finished
+                (records if done else open_).append(rec)
             if self.driver is not None:
                 self.driver.records.extendleft(reversed(open_))  # sessions still running: settled once closed
             stages = {s.hotkey: s for s in (await self.driver.stages() if self.driver else [])}
@@ -316,6 +328,7 @@ class StageRounds:
             if own or self.rng.random() < self.organic_audit_rate:
                 await self._check(recs, stages, "validator" if own else "organic", out)
         self._own -= {r.request_id for r in records}
+        self._finished -= {r.request_id for r in records}
         return out
 
     def _credit(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str,
@@ -427,18 +440,33 @@ class StageRounds:
         """A claim an outside route driver submitted (protocol.route_work.RouteWork, at the work endpoint):
         (HTTP status, answer). 503 until a round has found the stage miners; 403 when the driver is no serving
         neuron of the subnet; 422 (the driver blamed, nothing credited) when the receipts do not audit; else 200
-        with the layer-tokens credited and the steps not credited (no request of this validator's, or more
-        tokens than it measured for the request)."""
+        with the layer-tokens credited, the steps held (their request is not measured yet: credited once it is,
+        within `hold_s`) and the steps not credited (no request of this validator's, or more tokens than it
+        measured for the request)."""
         if self.model is None or not self.miners:
             return 503, {"code": "not_ready", "message": "the validator has not found the stage miners yet; submit "
                                                          "again after its next round"}
         if driver not in self.serving:
             return 403, {"code": "not_registered", "message": f"{driver} is not a serving neuron of this subnet"}
+        self.credit_held()
+        return self._credit_steps(list(work.steps), driver, hold=True)
+
+    def credit_held(self, now: Optional[float] = None) -> int:
+        """Credit the held steps whose request the validator has measured since (or drop them past `hold_s`);
+        the layer-tokens credited."""
+        now = time.time() if now is None else now
+        credited = 0
+        for driver, held in list(self._held.items()):
+            ready = [s for at, s in held if self.store.request_measurement(s.request_id, driver) is not None]
+            self._held[driver] = [(at, s) for at, s in held if now - at < self.hold_s and s not in ready]
+            if ready:
+                status, answer = self._credit_steps(ready, driver, hold=False)
+                credited += answer.get("credited_tokens", 0) if status == 200 else 0
+        return credited
+
+    def _credit_steps(self, steps, driver: str, hold: bool) -> tuple[int, dict]:
         stages = {m.hotkey: m.info for m in self.miners.values()}
-        records, uncredited = self._asked_for(work, driver)
-        by_session: dict[str, list[StepRecord]] = {}
-        for rec in records:
-            by_session.setdefault(rec.session, []).append(rec)
+        records, uncredited, held = self._asked_for(steps, driver, hold)
         registered = {h: (s.start, s.stop) for h, s in stages.items()}
         seen = _NewReceipts(self._credited)
         for rec in records:
@@ -458,39 +486,55 @@ class StageRounds:
                           reason=f"route work of driver {driver} for request {rec.request_id}")
                 credited += tokens
         seen.keep()
-        for session, recs in by_session.items():
-            known = self._claimed.setdefault(session, [])
-            first = not known
-            known.extend(recs)
-            if first and self.rng.random() < self.work_audit_rate:  # drawn once per session, at its first claim
-                task = asyncio.ensure_future(self._check_claimed(session, stages, driver))
+        self._sample_claimed(records, stages, driver)
+        log.info("route driver %s: %d steps, %d layer-tokens credited, %d held, %d not credited", driver, len(steps),
+                 credited, held, uncredited)
+        return 200, {"steps": len(steps), "credited_tokens": credited, "held_steps": held,
+                     "uncredited_steps": uncredited}
+
+    def _sample_claimed(self, records: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str) -> None:
+        """Keep the claimed steps per session; a session is drawn for a check once, at its first claimed step."""
+        for rec in records:
+            known = self._claimed.setdefault(rec.session, [])
+            if not known and self.rng.random() < self.work_audit_rate:
+                task = asyncio.ensure_future(self._check_claimed(rec.session, stages, driver))
                 self._audits.add(task)
                 task.add_done_callback(self._audits.discard)
+            known.append(rec)
+            self._claimed_at[rec.session] = time.monotonic()
         while len(self._claimed) > 4096:
+            self._claimed_at.pop(next(iter(self._claimed)), None)
             del self._claimed[next(iter(self._claimed))]
-        log.info("route driver %s: %d steps, %d layer-tokens credited, %d steps not credited", driver,
-                 len(work.steps), credited, uncredited)
-        return 200, {"steps": len(work.steps), "credited_tokens": credited, "uncredited_steps": uncredited}
 
-    def _asked_for(self, work, driver: str) -> tuple[list[StepRecord], int]:
+    def _asked_for(self, steps, driver: str, hold: bool) -> tuple[list[StepRecord], int, int]:
         """The claimed steps that serve a request this validator sent `driver`, within the tokens it measured for
-        each request (prompt and completion, less what was credited for it before); (records, steps left out)."""
+        each request (prompt and completion, less what was credited for it before): (records, steps left out,
+        steps held: with `hold`, a step whose request is not measured yet waits for it)."""
         budget: dict[str, int] = {}
-        records, left_out = [], 0
-        for s in sorted(work.steps, key=lambda s: (s.request_id, s.session, s.step)):
+        spent: set[str] = set()
+        records, left_out, held = [], 0, 0
+        for s in sorted(steps, key=lambda s: (s.request_id, s.session, s.step)):
             if s.request_id not in budget:
                 m = self.store.request_measurement(s.request_id, driver) if s.request_id else None
-                budget[s.request_id] = 0 if m is None else \
-                    int(m["prompt_tokens"] or 0) + int(m["completion_tokens"] or 0) - \
-                    self.store.credited_request_tokens(s.request_id) // max(1, len(s.receipts))
-            if len(s.token_ids) > budget[s.request_id]:
+                if m is None and hold and s.request_id and len(self._held.get(driver, ())) < MAX_HELD_STEPS:
+                    budget[s.request_id] = -1  # not measured yet: hold its steps
+                else:
+                    budget[s.request_id] = 0 if m is None else \
+                        SPECULATION_ROOM * (int(m["prompt_tokens"] or 0) + int(m["completion_tokens"] or 0)) - \
+                        self.store.credited_request_tokens(s.request_id) // max(1, len(s.receipts))
+            if budget[s.request_id] < 0 and s.request_id not in spent:
+                self._held.setdefault(driver, []).append((time.time(), s))
+                held += 1
+                continue
+            if s.request_id in spent or len(s.token_ids) > budget[s.request_id]:
+                spent.add(s.request_id)  # the rest of this request's steps: a gap would leave nothing to re-run
                 left_out += 1
                 continue
             budget[s.request_id] -= len(s.token_ids)
             specs, body = encode_ids(list(s.token_ids))
             records.append(StepRecord(s.route_id, s.session, s.step, s.position, tuple(s.receipts), tuple(specs), body,
-                                      b"", None, s.request_id))
-        return records, left_out
+                                      b"", s.rewind, s.request_id))
+        return records, left_out, held
 
     def _blame_driver(self, driver: str, audit, rec: StepRecord) -> None:
         who = driver if audit.blame == "driver" else audit.blame
@@ -504,9 +548,13 @@ class StageRounds:
                                         reason=f"presented by route driver {driver}: {problem}"))
 
     async def _check_claimed(self, session: str, stages: Mapping[str, StageInfo], driver: str) -> None:
-        """Check a claimed session once the driver has had time to claim the rest of it (its steps come in over
-        several claims): what it claimed by then, from the session's start."""
-        await asyncio.sleep(self.claim_settle_s)
+        """Check a claimed session once no step of it was credited for `claim_settle_s` (its steps come in over
+        several claims, some held until their request is measured): what was credited by then."""
+        while True:
+            quiet = time.monotonic() - self._claimed_at.get(session, 0.0)
+            if quiet >= self.claim_settle_s:
+                break
+            await asyncio.sleep(self.claim_settle_s - quiet)
         recs = sorted(self._claimed.get(session, []), key=lambda r: r.step)
         try:
             await self._check(recs, stages, f"route work of {driver}", {"checked": 0, "outside": 0, "blamed": []})
