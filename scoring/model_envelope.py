@@ -113,8 +113,27 @@ class ProbeRecord:
 
 
 def binomial_tail(n: int, k: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p), in log space (n of tens of thousands, tails down to 1e-300)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+
+    def term(i: int) -> float:
+        return math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                        + i * math.log(p) + (n - i) * math.log1p(-p))
+
+    if k <= n * p:  # the tail holds most of the mass: one minus the (shorter) head
+        return min(1.0, max(0.0, 1.0 - sum(term(i) for i in range(k))))
+    total = 0.0
+    for i in range(k, n + 1):  # past the mode the terms only shrink
+        t = term(i)
+        total += t
+        if t <= total * 1e-17:
+            break
+    return min(1.0, total)
 
 
 def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
