@@ -10,7 +10,7 @@ import pytest
 from conftest import collect_events
 
 from inference.decoding.sampling import ReplayKey
-from inference.serving import EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams
+from inference.serving import EngineError, EngineSettings, FinalEvent, GenerationRequest, LocalEngine, SamplingParams
 from protocol.client import GenerateResult, TimedEvent
 from protocol.schemas import Capabilities, FinalMessage, GenerateRequest, Timings, TokenMessage, TopLogprob, Usage
 from protocol.signature import sign_response
@@ -33,6 +33,20 @@ def engine_for(model, tokenizer):
 async def answer(engine, params: SamplingParams, prompt=PROMPT):
     tokens, final = await collect_events(engine.generate(GenerationRequest(list(prompt), params)))
     return [t.token_id for t in tokens], [t.logprob for t in tokens], final
+
+
+async def read_until_final(stream):
+    """(token ids, final event) read as the miner's server reads an engine's stream: it stops at the final event
+    and closes the stream."""
+    tokens = []
+    try:
+        async for event in stream:
+            if isinstance(event, FinalEvent):
+                return tokens, event
+            tokens.append(event.token_id)
+    finally:
+        await stream.aclose()
+    raise AssertionError("the stream ended without a final event")
 
 
 async def replayed(engine, tokens, params: SamplingParams, seed: int, prompt=PROMPT) -> ReplayStatistics:
@@ -195,8 +209,9 @@ async def test_the_sampling_cheats_run_the_real_model_but_not_the_sampler_asked(
         assert tokens == want[ran][0] != want["honest"][0] and final.seed == 5, cheat
         assert greedy == want["greedy"][0]  # greedy requests (canaries) are served honestly
     async with CheatingEngine(engine_for(model, tokenizer), "seed-ignoring-replay") as engine:
-        first, _, _ = await answer(engine, asked)
-        again, _, final = await answer(engine, dataclasses.replace(asked, seed=6))
+        first, _ = await read_until_final(engine.generate(GenerationRequest(list(PROMPT), asked)))  # as a miner does
+        again, final = await read_until_final(engine.generate(GenerationRequest(list(PROMPT),
+                                                                                dataclasses.replace(asked, seed=6))))
     assert first == want["honest"][0] and again == first and final.seed == 6  # the cached answer, the new seed
     async with CheatingEngine(engine_for(model, tokenizer), "coarse-experts-for-sampled") as engine:
         tokens, _, _ = await answer(engine, asked)

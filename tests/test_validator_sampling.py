@@ -153,6 +153,7 @@ def failures_of(root: Path, uid: int) -> list[dict]:
         return [dict(f) for f in store.failures(uid)]
 
 
+@pytest.mark.timeout(900)  # a miner process and three rounds of audited sampled answers
 def test_an_honest_bf16_miner_of_a_model_without_an_envelope_is_never_zeroed(tmp_path_factory, tiny_checkpoint,
                                                                              make_wallets, make_subnet, caplog):
     root = tmp_path_factory.mktemp("random_bf16")
@@ -173,6 +174,7 @@ def test_an_honest_bf16_miner_of_a_model_without_an_envelope_is_never_zeroed(tmp
 
 
 @pytest.mark.exclusive
+@pytest.mark.timeout(2400)  # four miner processes and up to six rounds of audited sampled answers
 def test_greedy_and_seed_ignoring_miners_are_zeroed_by_the_replay(tmp_path_factory, trained_checkpoint, make_wallets,
                                                                   make_subnet):
     """Two cheaters that run the real model, each caught by the replay of its sampled answers: one answers every

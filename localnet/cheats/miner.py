@@ -164,11 +164,11 @@ class CheatingEngine(WrappedEngine):
                 now = time.monotonic()
                 events.append((now - last, event))
                 last = now
+                if isinstance(event, FinalEvent) and event.finish_reason != "cancelled":
+                    self.answers[key] = events  # kept before the final event goes out: the reader stops there
                 yield event
         finally:
             await stream.aclose()
-        if events and isinstance(events[-1][1], FinalEvent) and events[-1][1].finish_reason != "cancelled":
-            self.answers[key] = events
 
     async def _cached(self, events: list, seed):
         """A cached answer, paced as it first came, under the seed asked this time."""
