@@ -486,8 +486,8 @@ def render(state: dict, started: float) -> Group:
 
 def zeroed_at(run_dir: Path, uid: int) -> dict | None:
     """When the validator first zeroed `uid` (a hard failure or the audit failure rate): the round, the reason,
-    and how many audits (tier 1 and tier 2) of it the validator had made by the end of that round; None while it
-    was never zeroed."""
+    and how many audits (tier 1 and tier 2) of it the validator had made until then: up to its first hard failure,
+    or by the end of the round whose failure rate zeroed it; None while it was never zeroed."""
     from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415 (needs the validator's packages)
 
     db = run_dir / "validator.sqlite"
@@ -499,7 +499,8 @@ def zeroed_at(run_dir: Path, uid: int) -> dict | None:
             reasons = json.loads(score["reasons"] or "[]") if score is not None else []
             zeroing = [r for r in reasons if r.startswith(("hard failure", "failed "))]
             if zeroing:
-                audits = [a for a in store.audits(uid) if a["round"] <= number]
+                hard = [f["at"] for f in store.failures(uid) if f["hard"] and f["round"] <= number]
+                audits = [a for a in store.audits(uid) if a["round"] <= number and (not hard or a["at"] <= min(hard))]
                 return {"round": number, "reason": zeroing[0], "audits": len(audits),
                         "tier1_audits": sum(1 for a in audits if a["tier"] == 1)}
     return None
