@@ -97,7 +97,7 @@ class Probe:
         final = events[-1] if events else None
         ok = isinstance(final, FinalMessage)
         token_ids = [t for e in events[:-1] for t in e.token_ids]
-        ok = ok and verify_response(final.signature, body, token_ids, self.miner_hotkey)
+        ok = ok and verify_response(final.signature, body, token_ids, self.miner_hotkey, final.seed)
         return self.note(f"legitimate request after {phase}", ok, f"200 in {took:.2f} s, signature "
                                                                   f"{'verified' if ok else 'NOT verified'}")
 

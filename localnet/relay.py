@@ -129,10 +129,10 @@ class StageRelay:
                                                  f"{type(e).__name__}") from None
 
     async def open(self, stage: StageInfo, session: str, route_id: str, sampling: WireSampling = WireSampling(),
-                   seed: int = 0) -> None:
+                   seed: int = 0, prompt_tokens: int = 0) -> None:
         req = OpenRequest(route_id=route_id, session=session, upstream=self.keypair.ss58_address,
                           downstream=None if stage.caps.head else self.sink.hop, reply_to=self.sink.hop,
-                          sampling=sampling, seed=seed)
+                          sampling=sampling, seed=seed, prompt_tokens=prompt_tokens)
         status, answer = await self._post(stage, OPEN_PATH, req.model_dump_json().encode(), "application/json")
         if status != 200:
             raise StageError(status, "open_refused", answer[:300].decode(errors="replace"))

@@ -16,6 +16,11 @@ then it starts the miners (miner 0 single-process, miner 1 sharded over 2 proces
 validator as separate processes, and shows a live dashboard. Logs of every process are in RUN_DIR/logs.
 Ctrl-C or the end of --duration stops everything it started (whole process groups, shards included).
 `--summary FILE` writes what happened (weights, incentive, failures) as JSON at the end.
+`--bf16-miners N` serves N honest miners (after the sharded ones) in bf16. A sampling cheat (`--cheat
+greedy-for-sampled`, `seed-ignoring-replay`, `cooler-sampling`, `fixed-seed`, `coarse-experts-for-sampled`:
+localnet/cheats/miner.py) runs the real model but not the sampler asked; with `--stop-when-caught` the run ends
+once the validator zeroed the cheater and set weights with it at 0 and every honest miner above 0, and the
+summary says after how many of the cheater's audits.
 
 `--swarm N` (devnet) runs the tiny model as a swarm instead (`run_swarm`): N stage miners holding its layers in
 blocks cut at Attention Residuals block boundaries, one spare for the middle block, a route miner (a route driver
@@ -74,7 +79,11 @@ from chain.devnet import DevnetChain
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
 
-CHEATS = ("inflate", "buffer", "truncate", "weights", "none")
+# how the last miner cheats (localnet.cheats.miner.CHEATS but "weights", which serves another checkpoint; named here
+# so --help needs no torch)
+SAMPLING_CHEATS = ("greedy-for-sampled", "seed-ignoring-replay", "cooler-sampling", "fixed-seed",
+                   "coarse-experts-for-sampled")
+CHEATS = ("inflate", "buffer", "truncate", "weights", "none") + SAMPLING_CHEATS
 # how a swarm stage miner can cheat (localnet.cheats.stage.CHEATS; named here so --help needs no torch)
 STAGE_CHEATS = ("other-weights", "skip-layer", "echo", "session-liar", "long-position-liar", "replay", "forwarder",
                 "watch-aware", "driver-aware", "sparse-liar", "fewer-experts", "quantized", "stale-state", "late-switch",
@@ -114,9 +123,12 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--miners", type=int, default=3, help="number of miners (>= 2; the last one cheats)")
     ap.add_argument("--sharded-miners", type=int, default=1,
                     help="how many miners (after the first) run sharded over 2 processes")
+    ap.add_argument("--bf16-miners", type=int, default=0,
+                    help="how many honest miners (after the sharded ones) serve the model in bf16")
     ap.add_argument("--cheat", choices=CHEATS, default="inflate",
                     help="how the last miner cheats: inflate usage counts, buffer its stream, truncate prompts to "
-                         "their last 512 tokens, serve different weights, or none (all honest)")
+                         "their last 512 tokens, serve different weights, a sampling cheat (" +
+                         ", ".join(SAMPLING_CHEATS) + "), or none (all honest)")
     ap.add_argument("--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
     ap.add_argument("--base-port", type=int, default=18091, help="miners listen on base, base+1, ...")
     ap.add_argument("--metrics-base-port", type=int, default=19091, help="miners' local metrics ports")
@@ -158,14 +170,19 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
                          "it ran)")
     ap.add_argument("--stop-when-caught", action="store_true",
                     help="--swarm with --cheat-stage: stop once every cheater is blamed and at weight 0 on chain, "
-                         "every honest stage is checked and paid, and an organic request went through the spares "
-                         "(exit 1 if --duration ends first)")
+                         "every honest stage is checked and paid, and an organic request went through the spares; "
+                         "whole-model miners: stop once the validator zeroed the cheating miner and set weights with "
+                         "it at 0 and every honest miner above 0 (exit 1 if --duration ends first)")
     args = ap.parse_args(argv)
-    if (args.cheat_stage or args.stop_when_caught) and not args.swarm:
-        ap.error("--cheat-stage and --stop-when-caught go with --swarm N")
+    if args.cheat_stage and not args.swarm:
+        ap.error("--cheat-stage goes with --swarm N")
+    if args.stop_when_caught and not args.swarm and (args.cheat == "none" or args.chain != "devnet"):
+        ap.error("--stop-when-caught on whole-model miners needs a --cheat other than none, on the devnet")
+    if args.sharded_miners + args.bf16_miners > args.miners - (args.cheat != "none"):
+        ap.error("--sharded-miners plus --bf16-miners must leave the last miner to cheat")
     if sum(2 if k == "pair-cover" else 1 for k in args.cheat_stage if k in STAGE_CHEATS) > args.swarm:
         ap.error(f"--cheat-stage: at most one cheater per block ({args.swarm} blocks)")
-    if args.stop_when_caught and not args.cheat_stage:
+    if args.stop_when_caught and args.swarm and not args.cheat_stage:
         ap.error("--stop-when-caught needs at least one --cheat-stage")
     if args.swarm and (args.chain != "devnet" or args.setup_only or args.swarm < 2):
         ap.error("--swarm N runs on the embedded devnet (no --network, no --setup-only) with N >= 2")
@@ -324,11 +341,23 @@ def miner_command(n: Neuron, index: int, args, chain_spec: str, netuid: int, run
            "--metagraph-refresh-s", "5"]
     if n.kind.startswith("sharded"):
         cmd += ["--engine", "sharded", "--shards", "2", "--shard-mode", "pipeline"]
+    if n.kind.endswith("bf16") or cheat == "coarse-experts-for-sampled":  # that cheat declares bf16
+        cmd += ["--dtype", "bfloat16"]
     if cheat and cheat != "weights":
         cmd += ["--cheat", cheat]
     elif cheat == "weights":
         cmd += ["--cheat", "none"]
     return cmd
+
+
+def honest_kind(i: int, args) -> str:
+    """Honest miner i: miner 0 single-process in fp32, then --sharded-miners sharded ones, then --bf16-miners in
+    bf16, then single-process fp32 again."""
+    if 1 <= i <= args.sharded_miners:
+        return "sharded x2"
+    if args.sharded_miners < i <= args.sharded_miners + args.bf16_miners:
+        return "reference bf16"
+    return "reference"
 
 
 def validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Path) -> list[str]:
@@ -455,10 +484,52 @@ def render(state: dict, started: float) -> Group:
     return Group(t)
 
 
+def zeroed_at(run_dir: Path, uid: int) -> dict | None:
+    """When the validator first zeroed `uid` (a hard failure or the audit failure rate): the round, the reason,
+    and how many audits (tier 1 and tier 2) of it the validator had made until then: up to its first hard failure,
+    or by the end of the round whose failure rate zeroed it; None while it was never zeroed."""
+    from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415 (needs the validator's packages)
+
+    db = run_dir / "validator.sqlite"
+    if not db.exists():
+        return None
+    with ValidatorStore(db, readonly=True) as store:
+        for number in range(1, store.round + 1):
+            score = store.scores_of_round(number).get(uid)
+            reasons = json.loads(score["reasons"] or "[]") if score is not None else []
+            zeroing = [r for r in reasons if r.startswith(("hard failure", "failed "))]
+            if zeroing:
+                hard = [f["at"] for f in store.failures(uid) if f["hard"] and f["round"] <= number]
+                audits = [a for a in store.audits(uid) if a["round"] <= number and (not hard or a["at"] <= min(hard))]
+                return {"round": number, "reason": zeroing[0], "audits": len(audits),
+                        "tier1_audits": sum(1 for a in audits if a["tier"] == 1)}
+    return None
+
+
+def caught_cheater(state: dict, run_dir: Path, zeroed_block: int | None) -> tuple[dict | None, int | None]:
+    """(what --stop-when-caught waits for: the cheating miner zeroed by the validator and at weight 0 in weights
+    set after the block where that was first seen, `zeroed_block`, with every honest miner above 0 there, or None
+    until then; the block where the zeroing was first seen)."""
+    miners = [r for r in state["rows"] if r["role"] == "miner" and r["uid"] is not None]
+    cheater = next((r for r in miners if r["kind"].startswith("cheat")), None)
+    zeroed = zeroed_at(run_dir, cheater["uid"]) if cheater is not None else None
+    if zeroed is None:
+        return None, None
+    zeroed_block = state["block"] if zeroed_block is None else zeroed_block
+    row = {int(uid): w for uid, w in (state.get("weights_row") or {}).items()}
+    honest = [r for r in miners if r is not cheater]
+    if (state.get("validator_last_update") or 0) <= zeroed_block or row.get(cheater["uid"], 0) > 0 \
+            or any(row.get(r["uid"], 0) <= 0 for r in honest):
+        return None, zeroed_block
+    return {**zeroed, "cheat": cheater["kind"], "weights_block": state["validator_last_update"],
+            "honest_weights": {r["name"]: row[r["uid"]] for r in honest}}, zeroed_block
+
+
 async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron], t_launch: float) -> dict:
     chain = connect(chain_spec)
     started = time.monotonic()
     first_weights = None
+    caught, zeroed_block = None, None
     console = Console()
     state = await snapshot(chain, netuid, run_dir, neurons)
     stop = asyncio.Event()
@@ -496,6 +567,13 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
                 if args.stop_after_epochs and len(epochs) >= args.stop_after_epochs:
                     console.print(f"[localnet] {len(epochs)} epoch(s) after the first weights: stopping")
                     break
+            if args.stop_when_caught:
+                caught, zeroed_block = caught_cheater(state, run_dir, zeroed_block)
+                if caught is not None:
+                    console.print(f"[localnet] the cheater was zeroed in round {caught['round']} after "
+                                  f"{caught['audits']} audits ({caught['reason'][:120]}); weights at block "
+                                  f"{caught['weights_block']} hold it at 0 and every honest miner above 0: stopping")
+                    break
             if live:
                 live.update(render(state, started))
             else:
@@ -507,6 +585,8 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
             live.stop()
         await chain.close()
     state["first_weights"] = first_weights
+    state["caught"] = caught
+    state["watch_s"] = time.monotonic() - started
     return state
 
 
@@ -541,7 +621,7 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
         names = [w.strip() for w in args.miner_wallets.split(",") if w.strip()]
     for i, name in enumerate(names):
         cheat = i == len(names) - 1 and args.cheat != "none"
-        kind = f"cheat: {args.cheat}" if cheat else ("sharded x2" if 1 <= i <= args.sharded_miners else "reference")
+        kind = f"cheat: {args.cheat}" if cheat else honest_kind(i, args)
         wallet = make_wallet(wallet_dir, name) if args.chain == "devnet" else bt.Wallet(name, "default", path=str(wallet_dir))
         neurons.append(Neuron(name, "miner", wallet, port=args.base_port + i, kind=kind))
 
@@ -574,8 +654,10 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
     if args.summary:
         args.summary.write_text(json.dumps({"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
                                             **state}, indent=2, default=str))
+    if args.stop_when_caught and not state.get("caught"):
+        print("[localnet] --duration ended before the cheater was caught")
+        return 1
     return 0
-
 
 
 # ------------------------------------------------------------------ the swarm

@@ -419,7 +419,9 @@ class Timings(_WireModel):
 
 class FinalMessage(_WireModel):
     """Last event of a successful stream. finish_reason: "eos" (end-of-sequence
-    token), "stop" (a stop string), "length" (max_tokens reached)."""
+    token), "stop" (a stop string), "length" (max_tokens reached). `seed`: the seed
+    the sampler ran with (the request's, or one the miner drew), covered by the
+    signature; with the miner's declared sampler it replays the answer."""
 
     type: Literal["final"] = "final"
     finish_reason: Literal["stop", "length", "eos"]
@@ -427,6 +429,7 @@ class FinalMessage(_WireModel):
     timings: Timings
     model_fingerprint: str = Field(min_length=1, max_length=128, pattern=_ID_PATTERN)
     signature: ResponseSignature
+    seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
 
 
 class ErrorDetail(_WireModel):
@@ -453,6 +456,9 @@ class ErrorBody(_WireModel):
 
 
 EngineKind = Literal["reference", "sharded", "remote"]
+# The sampler a miner declares (inference.decoding.sampling.SAMPLERS states the same names; a test checks):
+# "k3-gumbel/1", the protocol's replayable sampler, or "engine", a serving engine's own (not replayable).
+SamplerName = Literal["k3-gumbel/1", "engine"]
 
 
 class Capabilities(_WireModel):
@@ -465,6 +471,7 @@ class Capabilities(_WireModel):
     engine: EngineKind
     layout: dict[str, Any] = Field(default_factory=dict, max_length=64)  # shards, placement plan, ...
     precision: str = Field(min_length=1, max_length=64)
+    sampler: SamplerName = "engine"  # undeclared: the miner's own sampler, checked statistically only
     software_version: str = Field(min_length=1, max_length=64)
     limits: Limits = DEFAULT_LIMITS  # the request bounds this miner enforces
 

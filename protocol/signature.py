@@ -9,9 +9,13 @@ concatenation of all token events' `token_ids`), each encoded as an unsigned
 32-bit little-endian integer, concatenated with no length prefix (no tokens:
 the sha256 of the empty string).
 
-The hotkey signs, with sr25519, `RESPONSE_SIGNATURE_DOMAIN + digest`. The
-domain prefix keeps a response signature from ever being valid as any other
-message the same hotkey signs (a btauth/1 payload, an extrinsic).
+The hotkey signs, with sr25519, `RESPONSE_SIGNATURE_DOMAIN + digest`, followed,
+when the final event reports the seed the sampler ran with, by that seed as an
+unsigned 64-bit little-endian integer (8 bytes): the answer is bound to its seed,
+so a validator can replay it and the miner cannot disown it. The two forms differ
+in length, so neither can pass for the other. The domain prefix keeps a response
+signature from ever being valid as any other message the same hotkey signs (a
+btauth/1 payload, an extrinsic).
 """
 from __future__ import annotations
 
@@ -39,12 +43,23 @@ def response_digest(request_body: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
 
 
-def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int]) -> ResponseSignature:
-    """Sign a finished generation with the miner's hotkey (an sr25519 Keypair)."""
+def signed_message(digest: bytes, seed: int | None) -> bytes:
+    """The bytes a response signature signs: the domain, the digest, and the seed when one is reported."""
+    if seed is None:
+        return RESPONSE_SIGNATURE_DOMAIN + digest
+    if not 0 <= seed < 2**64:
+        raise ValueError("a seed must be an integer in 0..2**64-1")
+    return RESPONSE_SIGNATURE_DOMAIN + digest + struct.pack("<Q", seed)
+
+
+def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int],
+                  seed: int | None = None) -> ResponseSignature:
+    """Sign a finished generation with the miner's hotkey (an sr25519 Keypair); `seed`: the seed the sampler
+    ran with, as the final event reports it."""
     if getattr(hotkey_keypair, "crypto_type", CRYPTO_SR25519) != CRYPTO_SR25519:
         raise ValueError("response signatures use sr25519; this hotkey has another crypto type")
     digest = response_digest(request_body, token_ids)
-    signature = bytes(hotkey_keypair.sign(RESPONSE_SIGNATURE_DOMAIN + digest))
+    signature = bytes(hotkey_keypair.sign(signed_message(digest, seed)))
     return ResponseSignature(
         hotkey=hotkey_keypair.ss58_address,
         request_sha256=digest[:32].hex(),
@@ -58,9 +73,10 @@ def verify_response(
     request_body: bytes,
     token_ids: Sequence[int],
     expected_hotkey_ss58: str,
+    seed: int | None = None,
 ) -> bool:
     """True when `signature` is `expected_hotkey_ss58`'s signature over this exact
-    request body and these exact token ids."""
+    request body, these exact token ids and this reported seed (None: none reported)."""
     if signature.hotkey != expected_hotkey_ss58:
         return False
     try:
@@ -70,9 +86,13 @@ def verify_response(
     if digest[:32].hex() != signature.request_sha256 or digest[32:].hex() != signature.tokens_sha256:
         return False
     try:
+        message = signed_message(digest, seed)
+    except ValueError:  # a seed outside u64
+        return False
+    try:
         return bool(
             sp_core_verify(
-                RESPONSE_SIGNATURE_DOMAIN + digest,
+                message,
                 bytes.fromhex(signature.signature),
                 expected_hotkey_ss58,
                 CRYPTO_SR25519,

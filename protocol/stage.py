@@ -108,7 +108,8 @@ class OpenRequest(_Msg):
     downstream: Optional[Hop] = None  # the next stage; None on the last stage (its output goes to reply_to)
     reply_to: Hop  # the route driver
     sampling: WireSampling = WireSampling()
-    seed: int = Field(0, ge=0, lt=2**63)
+    seed: int = Field(0, ge=0, lt=2**64)  # the request's seed: the head samples under k3-gumbel/1 with it
+    prompt_tokens: int = Field(0, ge=0, le=2**31 - 1)  # the head samples position p as generated-token index p - this
 
 
 class RewindRequest(_Msg):

@@ -7,7 +7,8 @@ For an answer that reached its final event, `AuditSequence.check` runs:
 2. whether the answer gets a tier-1 audit: drawn at the item's rate (higher for a new or suspect miner and
    for long-context items), never after a hard tier-0 failure;
 3. who audits (scoring.tier1): the validator's own engine, else two miners on two other coldkeys
-   (scoring.auditors), each of which scores a canary of its own; a wrong one voids the audit;
+   (scoring.auditors), each of which scores a canary of its own; a wrong one voids the audit; the
+   validator's own engine also replays a sampled answer of a miner declaring k3-gumbel/1 (scoring.replay);
 4. escalation: when the auditors disagree, or miner auditors saw what would be hard evidence, the audited
    miner gets a greedy canary shaped like any other request.
 
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
+from inference.serving import Engine
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient
 from protocol.schemas import Capabilities
 
@@ -38,6 +40,7 @@ from .auditors import AuditorCandidate, check_auditor, choose_auditors, consensu
 from .canaries import Canary, CanaryPool, Tier2Result, check_tier2
 from .config import DEFAULT_CONFIG, ScoringConfig
 from .failures import Failure
+from .replay import replays
 from .tier0 import check_tier0
 from .tier1 import AuditResult, Reference, audit_tier1
 from .workloads import WorkItem, WorkloadError, canary_item
@@ -112,8 +115,15 @@ async def verify_item(item: WorkItem, result: GenerateResult, *, tokenizer, capa
     if audit and reference is not None and not any(f.hard for f in verification.tier0):
         verification.audit = await audit_tier1(item.prompt_ids, result, reference, config,
                                                stop_ids=tokenizer.stop_ids, rng=rng,
-                                               declared_precision=capabilities.precision)
+                                               declared_precision=capabilities.precision,
+                                               replay=replayable(reference, capabilities))
     return verification
+
+
+def replayable(reference, capabilities: Capabilities) -> bool:
+    """Whether an audit on `reference` also replays the sampled tokens: the miner declares k3-gumbel/1 and the
+    reference is an engine in the validator's own process (it replays while it scores; miner auditors do not)."""
+    return replays(capabilities.sampler) and isinstance(reference, Engine)
 
 
 # ------------------------------------------------------------------ whether to audit, and escalation
@@ -122,6 +132,8 @@ def audit_probability(item: WorkItem, config: ScoringConfig, *, new_or_suspect: 
     rate = config.audit_rate_new_or_suspect if new_or_suspect else config.audit_rate
     if item.kind == "long_context":
         rate = max(rate, config.long_context_audit_rate)
+    if item.resend_of is not None:  # a resend exists to be replayed (scoring.workloads.with_resends)
+        rate = 1.0
     return rate
 
 
@@ -230,7 +242,8 @@ class AuditSequence:
         reference, name, auditors = self._reference_for(item, result, uid, coldkey, candidates)
         if reference is None:
             return
-        audit, wall_s, cpu_s = await self._timed_audit(item, result, reference, capabilities.precision)
+        audit, wall_s, cpu_s = await self._timed_audit(item, result, reference, capabilities.precision,
+                                                       replayable(reference, capabilities))
         if auditors and (audit.passed is not None or audit.escalate):
             failed = await self._check_auditors(reference, auditors, checked)
             if failed:
@@ -255,12 +268,12 @@ class AuditSequence:
         return reference, name, chosen
 
     async def _timed_audit(self, item: WorkItem, result: GenerateResult, reference,
-                           precision: Optional[str]) -> tuple[AuditResult, float, float]:
+                           precision: Optional[str], replay: bool = False) -> tuple[AuditResult, float, float]:
         wall, cpu = time.monotonic(), time.process_time()
         try:
             audit = await asyncio.wait_for(
                 audit_tier1(item.prompt_ids, result, reference, self.config, stop_ids=self.tokenizer.stop_ids,
-                            rng=self.rng, declared_precision=precision),
+                            rng=self.rng, declared_precision=precision, replay=replay),
                 self.audit_timeout_s)
         except TimeoutError:
             audit = AuditResult(passed=None, error=f"the reference took over {self.audit_timeout_s:g} s")

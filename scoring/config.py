@@ -164,6 +164,30 @@ class ScoringConfig:
     near_tie_margin: float = 0.1
     """Tier 2 (and greedy tier 1): a reference top-1 vs top-2 logprob margin under this is a
     near-tie, where a different token is accepted."""
+    statistical_checks: bool = True
+    """(not in the spec) Judge tier 1's statistical tests (logprob gap, surprisal, tokens outside the reference
+    top-k, the reference logprob floor, EOS avoidance), whose thresholds assume honest numerics of a known
+    envelope. The validator turns this off for a model without a measured envelope (scoring/envelopes/, matched
+    by fingerprint) and says so at start: then its statistics are recorded but only exact checks judge (tier 0,
+    canaries, the greedy check and the replay of sampled answers with the conservative values below)."""
+    replay_p_soft: float = 1e-6
+    """(not in the spec) A sampled answer of a miner declaring the sampler k3-gumbel/1 is replayed on the
+    reference (scoring/replay.py); it fails (soft) when its tokens beyond a near-tie of the replayed ones would
+    happen to an honest miner with chance under this (binomial tail against the measured honest rate's 95%
+    bound): the stated false-positive budget per audit..."""
+    replay_p_hard: float = 1e-12
+    """...and hard under this on a trusted reference."""
+    replay_delta_unmeasured: float = 2.0
+    """(not in the spec) Near-tie allowance, in nats of logit, for a model or precision without a measured replay
+    envelope: a replayed token trailing by less is excused. Set over the worst gap of honest bf16 on the random
+    tiny model, whose numerics move logits the most of anything measured (benchmarks/verification.py)..."""
+    replay_rate_unmeasured: float = 0.05
+    """...and the share of honest sampled tokens beyond it assumed there (conservative: several times what
+    honest bf16 on the random tiny model had)."""
+    replay_resend_rate: float = 0.05
+    """(not in the spec) Share of sampled chat requests sent again, later, to the same miner with another seed
+    (and another request id): a miner that caches answers by prompt returns the cached tokens, which the replay
+    of the new seed fails."""
     buffering_min_tokens: int = 60
     """Buffering detector: only streams with more than this many tokens are judged..."""
     buffering_head_fraction: float = 0.05
@@ -256,6 +280,7 @@ class ScoringConfig:
             probes_scored=(),
             long_context_budget_base_s=30.0,
             long_context_budget_s_per_1k_tokens=2.0,
+            replay_resend_rate=0.2,  # rounds of 12 requests: a resend within a few rounds
         )
         base.update(overrides)
         return cls(**base)
@@ -351,6 +376,11 @@ class ScoringConfig:
             out.append("need 1 <= quality_min_positions <= quality_sample_positions")
         if self.eos_ratio <= 1:
             out.append("eos_ratio must exceed 1")
+        if not 0.0 < self.replay_p_hard <= self.replay_p_soft < 1.0:
+            out.append("need 0 < replay_p_hard <= replay_p_soft < 1")
+        if not self.replay_delta_unmeasured > 0.0 or not 0.0 < self.replay_rate_unmeasured < 1.0:
+            out.append("replay_delta_unmeasured must be > 0 and replay_rate_unmeasured in (0, 1)")
+        fraction("replay_resend_rate")
         if self.canary_tokens < 1 or self.near_tie_margin < 0:
             out.append("canary_tokens must be >= 1 and near_tie_margin >= 0")
         if self.long_context_max_tokens[1] > self.buffering_min_tokens:

@@ -9,6 +9,12 @@ tier-1 audit on the validator's own engine; `scoring.tier1.audit_statistics` mea
 same is done for cheaters (another model, a truncated context, perturbed experts, fewer experts per
 token, a swap on long prompts only) to measure the detection rate.
 
+Every sampled answer is also replayed (scoring/replay.py): the reference's logits and the answer's seed give the
+token the sampler k3-gumbel/1 picks at each index, and the gap by which the variant's token trails it. The honest
+variants' gaps give each precision its near-tie allowance and honest rate (`replay_section`, the envelope
+file's "replay"); the cheaters here and the sampling cheaters (greedy answers, a lowered temperature, a fixed
+seed) show what the replay catches.
+
     report = measure_envelope(checkpoint, audits_per_variant=200)
     print(format_report(report))
 
@@ -36,7 +42,8 @@ from inference.model.fp8 import quantize_dense
 
 from .config import ScoringConfig
 from .failures import Failure
-from .model_envelope import MARGIN, build_envelope
+from .model_envelope import MARGIN, build_envelope, build_replay
+from .replay import ReplayStatistics, judge_replay, replay_rows, replay_rule
 from .tier1 import AuditStatistics, audit_statistics, judge_statistics
 
 REFERENCE_TOP_K = 20
@@ -81,6 +88,32 @@ def perturb_experts(model, relative_noise: float, seed: int = 0) -> None:
                                                    * torch.randn(w.shape, generator=gen))
                     lin.weight_packed.copy_(packed)
                     lin.weight_scale.copy_(scale)
+            moe.set_dequantize_cache(moe.dequantize_cache)  # drop decoded copies of the old weights
+
+
+def coarsen_experts(model, bits: int) -> None:
+    """Round every routed expert weight of `model` in place to a `bits`-bit integer grid per output channel (2:
+    -1, 0, 1 times the channel's scale), kept in the checkpoint's MXFP4 form: a cheaper expert set than the
+    real one, under the same fingerprint."""
+    from inference.model import mxfp4  # noqa: PLC0415
+
+    top = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for layer in model.layers:
+            if not layer.is_moe:
+                continue
+            moe = layer.block_sparse_moe
+            for expert in moe.experts:
+                for lin in (expert.w1, expert.w2, expert.w3):
+                    w = lin.dequantized_weight() if hasattr(lin, "weight_packed") else lin.weight.float()
+                    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / top
+                    coarse = (w / scale).round().clamp(-top, top) * scale
+                    if hasattr(lin, "weight_packed"):
+                        packed, block_scale = mxfp4.quantize(coarse)
+                        lin.weight_packed.copy_(packed)
+                        lin.weight_scale.copy_(block_scale)
+                    else:
+                        lin.weight.copy_(coarse.to(lin.weight.dtype))
             moe.set_dequantize_cache(moe.dequantize_cache)  # drop decoded copies of the old weights
 
 
@@ -185,6 +218,7 @@ class Answer:
     logprobs: list[float]  # the miner's raw logprobs of its tokens
     temperature: float
     long: bool = False
+    seed: int = 0  # the sampler's seed (k3-gumbel/1): with the reference's logits it replays the answer
 
 
 @dataclass
@@ -223,7 +257,7 @@ def generate(model, prompts: Sequence[Sequence[int]], temperatures: Sequence[flo
             while active:
                 nxt = []
                 for r in active:
-                    chosen = samplers[r].choose(last[r])
+                    chosen = samplers[r].choose(last[r], len(out_tokens[r]))
                     out_tokens[r].append(chosen.token_id)
                     out_lps[r].append(chosen.logprob)
                     if chosen.token_id not in stop_ids and len(out_tokens[r]) < max_tokens:
@@ -235,27 +269,44 @@ def generate(model, prompts: Sequence[Sequence[int]], temperatures: Sequence[flo
                     for r, lg in zip(active, logits):
                         last[r] = lg
             for r, i in enumerate(group):
-                answers[i] = Answer(list(prompts[i]), out_tokens[r], out_lps[r], temperatures[i])
+                answers[i] = Answer(list(prompts[i]), out_tokens[r], out_lps[r], temperatures[i], seed=seeds[i])
             if free_cache is not None:
                 for c in caches:
                     free_cache(c)
     return answers  # type: ignore[return-value]
 
 
-def reference_scores(model: KimiK3Model, answers: Sequence[Answer], batch: int = 8) -> list[list[Score]]:
-    """The fp32 reference teacher-forcing prompt + answer: per output token its logprob and top-20."""
+def reference_rows(model: KimiK3Model, answers: Sequence[Answer], batch: int = 8) -> list[torch.Tensor]:
+    """The fp32 reference teacher-forcing prompt + answer: per answer the logits rows [len(tokens), V] that
+    predict its output tokens."""
     out = []
     with torch.inference_mode():
         for start in range(0, len(answers), batch):
             group = answers[start:start + batch]
             seqs = [torch.tensor(a.prompt + a.tokens) for a in group]
             logits = model.forward(seqs, [model.new_cache() for _ in group], all_logits=True)
-            for a, lg in zip(group, logits):
-                lps = torch.log_softmax(lg[len(a.prompt) - 1: -1].float(), dim=-1)
-                vals, ids = torch.topk(lps, REFERENCE_TOP_K, dim=-1)
-                out.append([Score(len(a.prompt) + j, t, float(lps[j, t]),
-                                  list(zip(ids[j].tolist(), vals[j].tolist()))) for j, t in enumerate(a.tokens)])
+            out += [lg[len(a.prompt) - 1: -1].float() for a, lg in zip(group, logits)]
     return out
+
+
+def scores_of(answer: Answer, rows: torch.Tensor) -> list[Score]:
+    """Per output token its reference logprob and top-20, from the reference's rows."""
+    lps = torch.log_softmax(rows, dim=-1)
+    vals, ids = torch.topk(lps, REFERENCE_TOP_K, dim=-1)
+    return [Score(len(answer.prompt) + j, t, float(lps[j, t]), list(zip(ids[j].tolist(), vals[j].tolist())))
+            for j, t in enumerate(answer.tokens)]
+
+
+def reference_scores(model: KimiK3Model, answers: Sequence[Answer], batch: int = 8) -> list[list[Score]]:
+    """The fp32 reference teacher-forcing prompt + answer: per output token its logprob and top-20."""
+    return [scores_of(a, rows) for a, rows in zip(answers, reference_rows(model, answers, batch))]
+
+
+def replay_answer(answer: Answer, rows: torch.Tensor) -> Optional[ReplayStatistics]:
+    """A sampled answer replayed from the reference's rows (None for a greedy one)."""
+    if answer.temperature <= 0 or not answer.tokens:
+        return None
+    return replay_rows(rows, answer.tokens, SamplingParams(temperature=answer.temperature), answer.seed)
 
 
 # ------------------------------------------------------------------ the rules before the envelope
@@ -306,6 +357,8 @@ class VariantResult:
     new_failures: list[list[Failure]] = field(default_factory=list)
     old_failures: list[list[Failure]] = field(default_factory=list)
     seconds: float = 0.0
+    replays: list[Optional[ReplayStatistics]] = field(default_factory=list)  # per answer (None: greedy)
+    replay_failures: list[list[Failure]] = field(default_factory=list)  # per answer, judged by the config's rule
 
     def rate(self, which: str, hard: Optional[bool] = None, long_only: bool = False) -> float:
         rows = getattr(self, which)
@@ -454,7 +507,33 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
         Variant("cheat-bf16-truncated-context", "bf16 on the last 64 prompt tokens only, declares bf16", False,
                 truncating(_plain(bf16)), CHEATER_SHARE, precision="bf16"),
     ]
-    return variants
+    return variants + sampling_cheaters(ref_run, bf16, checkpoint)
+
+
+def sampling_cheaters(ref_run, bf16: KimiK3Model, checkpoint: str | Path) -> list[Variant]:
+    """Miners that run the real model but not the sampler asked for: each reports the request's temperature and
+    seed (the replay of sampled answers catches them; the statistical tests hardly do)."""
+    def reported(run, temps_of=None, seeds_of=None):
+        def wrapped(prompts, temps, seeds, max_tokens, stop_ids, **k):
+            answers = run(prompts, temps_of(temps) if temps_of else temps, seeds_of(seeds) if seeds_of else seeds,
+                          max_tokens, stop_ids, **k)
+            for a, t, seed in zip(answers, temps, seeds):
+                a.temperature, a.seed = t, seed
+            return answers
+        return wrapped
+
+    coarse = load_model(checkpoint, torch.bfloat16)
+    coarsen_experts(coarse, 2)
+    return [
+        Variant("cheat-greedy-for-sampled", "greedy answers whatever the temperature asked", False,
+                reported(ref_run, temps_of=lambda temps: [0.0] * len(temps)), CHEATER_SHARE),
+        Variant("cheat-cooler", "samples at half the temperature asked", False,
+                reported(ref_run, temps_of=lambda temps: [t / 2 for t in temps]), CHEATER_SHARE),
+        Variant("cheat-fixed-seed", "samples with seed 0 whatever the seed asked (cacheable answers)", False,
+                reported(ref_run, seeds_of=lambda seeds: [0] * len(seeds)), CHEATER_SHARE),
+        Variant("cheat-bf16-2bit-experts", "declares bf16, experts rounded to 2 bits per weight", False,
+                _plain(coarse), CHEATER_SHARE, precision="bf16"),
+    ]
 
 
 def _sharded_session(checkpoint, mode: str, dtype: str = "float32"):
@@ -537,7 +616,11 @@ def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps,
         answers = run(prompts[sl], temps[sl], seeds[sl], max_tokens, stop_ids)
         for (_, long), a in zip(texts[sl], answers):
             a.long = long
-        for a, scores in zip(answers, reference_scores(reference, answers)):
+        for a, rows in zip(answers, reference_rows(reference, answers)):
+            scores = scores_of(a, rows)
+            replayed = replay_answer(a, rows)
+            result.replays.append(replayed)
+            result.replay_failures.append(judge_variant_replay(replayed, variant, config))
             qrng = random.Random(len(result.answers))
             sample = []
             if len(a.tokens) >= config.quality_min_positions:
@@ -552,6 +635,14 @@ def _audit_variant(run, result: VariantResult, reference, prompts, texts, temps,
             on_batch()
 
 
+def judge_variant_replay(replayed: Optional[ReplayStatistics], variant: Variant,
+                         config: ScoringConfig) -> list[Failure]:
+    """A sampled answer's replay judged as the validator judges a miner declaring the variant's precision."""
+    if replayed is None:
+        return []
+    return judge_replay(replayed, replay_rule(config, variant.precision), config, trusted=True)
+
+
 def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
     """The same measured statistics judged under other rules (thresholds)."""
     for r in report.results:
@@ -559,6 +650,7 @@ def rejudge(report: EnvelopeReport, config: ScoringConfig) -> EnvelopeReport:
                                            precision=r.variant.precision, prompt_tokens=len(a.prompt) or None)
                           for st, a in zip(r.statistics, r.answers)]
         r.old_failures = [legacy_failures(st, ScoringConfig.local_testnet()) for st in r.statistics]
+        r.replay_failures = [judge_variant_replay(rp, r.variant, config) for rp in r.replays]
     report.config = config
     return report
 
@@ -568,7 +660,8 @@ def save_report(report: EnvelopeReport, path: str | Path) -> None:
     import pickle  # noqa: PLC0415
     rows = [dict(name=r.variant.name, description=r.variant.description, honest=r.variant.honest,
                  precision=r.variant.precision, statistics=r.statistics, long=[a.long for a in r.answers],
-                 prompt_tokens=[len(a.prompt) for a in r.answers], seconds=r.seconds) for r in report.results]
+                 prompt_tokens=[len(a.prompt) for a in r.answers], seconds=r.seconds, replays=r.replays)
+            for r in report.results]
     Path(path).write_bytes(pickle.dumps(dict(checkpoint=report.checkpoint, rows=rows)))
 
 
@@ -587,6 +680,7 @@ def load_reports(paths: Sequence[str | Path], config: ScoringConfig) -> Envelope
             lengths = row.get("prompt_tokens") or [0] * len(row["statistics"])  # older files: not recorded
             r.answers = [Answer([0] * n, [], [], st.temperature, long)
                          for st, long, n in zip(row["statistics"], row["long"], lengths)]
+            r.replays = row.get("replays") or [None] * len(row["statistics"])  # older files: not replayed
             r.seconds = row["seconds"]
             results.append(r)
     order = {name: i for i, name in enumerate(VARIANT_ORDER)}
@@ -606,6 +700,38 @@ def envelope_file(report: EnvelopeReport, margin: float = MARGIN) -> dict:
             for r in report.honest for st, a in zip(r.statistics, r.answers)
             if st.logprob_gap_mean is not None and a.prompt]
     return build_envelope(rows, checkpoint=report.checkpoint, fingerprint=print_, margin=margin)
+
+
+def replay_section(report: EnvelopeReport, margin: float = MARGIN) -> dict:
+    """The envelope file's "replay" section (scoring/model_envelope.py) from the honest variants' sampled answers:
+    per declared precision, fp32 included, the near-tie allowance and the honest rate beyond it."""
+    rows = []
+    for r in report.honest:
+        replayed = [rp for rp in r.replays if rp is not None]
+        rows.append((r.variant.name, r.variant.precision, len(replayed), sum(rp.positions for rp in replayed),
+                     [g for rp in replayed for g in rp.gaps if g > 0.0], [m for rp in replayed for m in rp.margins]))
+    return build_replay(rows, margin=margin)
+
+
+def replay_table(report: EnvelopeReport) -> list[str]:
+    """Per variant: sampled answers and tokens replayed, the tokens that were not the replayed one (all, and
+    beyond the near-tie allowance its precision is judged by), the worst gap, and the answers failed."""
+    lines = [f"{'variant':32} {'answers':>7} {'tokens':>7} {'mismatch':>8} {'beyond':>6} {'rate':>7} "
+             f"{'worst gap':>9} {'failed':>6} {'hard':>5}"]
+    for r in report.results:
+        pairs = [(rp, f) for rp, f in zip(r.replays, r.replay_failures) if rp is not None]
+        if not pairs:
+            continue
+        delta = replay_rule(report.config, r.variant.precision).delta
+        tokens = sum(rp.positions for rp, _ in pairs)
+        mismatched = sum(rp.mismatches for rp, _ in pairs)
+        beyond = sum(rp.beyond(delta) for rp, _ in pairs)
+        worst = max(rp.worst_gap for rp, _ in pairs)
+        failed = sum(1 for _, f in pairs if f)
+        hard = sum(1 for _, f in pairs if any(x.hard for x in f))
+        lines.append(f"{r.variant.name:32} {len(pairs):7d} {tokens:7d} {mismatched:8d} {beyond:6d} "
+                     f"{beyond / max(1, tokens):7.4f} {worst:9.4f} {failed:6d} {hard:5d}")
+    return lines
 
 
 def holdout_table(report: EnvelopeReport, margin: float = MARGIN) -> list[str]:
@@ -649,7 +775,8 @@ VARIANT_ORDER = ("fp32-batched", "fp32-alone", "fp32-threads-2", "fp32-chunk-16"
                  "sharded-pipeline", "sharded-expert", "sharded-expert-bf16",
                  "cheat-other-weights", "cheat-other-weights-relabelled", "cheat-truncated-context",
                  "cheat-perturbed-experts", "cheat-half-experts", "cheat-long-swap", "cheat-bf16-half-experts",
-                 "cheat-bf16-truncated-context")
+                 "cheat-bf16-truncated-context", "cheat-greedy-for-sampled", "cheat-cooler", "cheat-fixed-seed",
+                 "cheat-bf16-2bit-experts")
 
 
 # ------------------------------------------------------------------ the tables
@@ -776,11 +903,13 @@ def format_report(report: EnvelopeReport) -> str:
              *statistic_table(report.results), "",
              "== false-positive rate per honest variant (share of audits; old = rules before the envelope)",
              *rate_table(report), "", "== detection per cheater (new rules)", *detection_table(report), "",
-             "== long-context answers on their own", *long_context_table(report)]
+             "== long-context answers on their own", *long_context_table(report), "",
+             "== replay of sampled answers (k3-gumbel/1; beyond: tokens past the near-tie allowance of the "
+             "precision judged)", *replay_table(report)]
     return "\n".join(parts)
 
 
-__all__ = ["measure_envelope", "format_report", "envelope_file", "rejudge", "holdout_table", "EnvelopeReport",
-           "VariantResult", "Variant", "legacy_failures",
-           "generate", "reference_scores", "gpu_kernel_emulation", "perturb_experts", "perturbed_experts",
-           "load_model"]
+__all__ = ["measure_envelope", "format_report", "envelope_file", "replay_section", "replay_table", "rejudge",
+           "holdout_table", "EnvelopeReport", "VariantResult", "Variant", "legacy_failures",
+           "generate", "reference_rows", "reference_scores", "replay_answer", "gpu_kernel_emulation",
+           "perturb_experts", "perturbed_experts", "coarsen_experts", "load_model"]

@@ -23,6 +23,21 @@ PROBE_MIN_PASS of its probes and its own prompt range lies within the measured o
 held to answering them. Its misses are then judged against the 95% upper bound of the measured miss rate
 (ScoringConfig.probe_miss_rate, scoring/rewards.py).
 
+A file may also record the replay of sampled answers (scoring/replay.py: a miner declaring the sampler
+k3-gumbel/1 is replayed token by token), written by `benchmarks/verification.py --write-replay FILE`, a section
+with a version of its own:
+
+    "replay": {"version": 1, "sampler": "k3-gumbel/1", "margin": 1.5, "min_delta": 0.001,
+               "precisions": {"bf16": {"variants": [...], "answers": 400, "positions": 9000, "mismatches": 31,
+                                       "worst_gap": 0.043, "delta": 0.0645, "beyond_delta": 0,
+                                       "near_ties": 52, "rate_95": 0.00033}}}
+
+Per declared precision (fp32 included): `delta`, the near-tie allowance in nats of logit, is `margin` times the
+worst gap by which an honest sampled token trailed the replayed one (at least `min_delta`); `rate_95` is the 95%
+upper bound of the share of honest sampled tokens beyond it (none of `positions` were: about 3 / positions).
+`near_ties`: honest tokens whose replay had a best-vs-second margin under `delta`, where another token is
+excused. A precision the section does not cover is replayed with the validator's conservative values.
+
 A bin covers the prompt lengths (in tokens) its honest audits had; its soft bound is `margin` times the worst
 mean |miner logprob - reference logprob| of those audits. With none of n honest audits over the worst, the
 chance that an honest audit of those variants exceeds the bound is under 3/n at 95% confidence (the rule of
@@ -44,6 +59,9 @@ SCORABLE_PROBES = ("copy", "planted_fact")  # answer probes with a right answer 
 HONEST_PROBE_MISS_RATE = 0.1  # a probe kind is scored only for a model measured to answer at least 1 - this
 VERSION = 1
 MARGIN = 1.5  # soft bound = this x the worst honest audit of the bin
+REPLAY_VERSION = 1  # of the "replay" section
+REPLAY_SAMPLER = "k3-gumbel/1"  # the sampler the section measured (inference.decoding.sampling.SAMPLER)
+REPLAY_MIN_DELTA = 1e-3  # nats of logit: the smallest near-tie allowance, whatever the measured worst gap
 MIN_BIN_AUDITS = 50  # a prompt class with fewer honest audits is not tightened (3/n would say little)
 PROBE_MIN_PASS = 1.0 - HONEST_PROBE_MISS_RATE  # a probe kind the model answers this often, in every honest
 # variant measured, is scored
@@ -95,8 +113,27 @@ class ProbeRecord:
 
 
 def binomial_tail(n: int, k: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return min(1.0, sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p), in log space (n of tens of thousands, tails down to 1e-300)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+
+    def term(i: int) -> float:
+        return math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                        + i * math.log(p) + (n - i) * math.log1p(-p))
+
+    if k <= n * p:  # the tail holds most of the mass: one minus the (shorter) head
+        return min(1.0, max(0.0, 1.0 - sum(term(i) for i in range(k))))
+    total = 0.0
+    for i in range(k, n + 1):  # past the mode the terms only shrink
+        t = term(i)
+        total += t
+        if t <= total * 1e-17:
+            break
+    return min(1.0, total)
 
 
 def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
@@ -111,11 +148,23 @@ def _binomial_upper_bound(k: int, n: int, alpha: float) -> float:
 
 
 @dataclass(frozen=True)
+class ReplayRecord:
+    """The replay of one declared precision's honest sampled answers (the file's "replay" section)."""
+
+    precision: str
+    delta: float  # near-tie allowance, nats of logit
+    rate_95: float  # 95% upper bound of the share of honest sampled tokens beyond delta
+    positions: int
+    worst_gap: float
+
+
+@dataclass(frozen=True)
 class ModelEnvelope:
     checkpoint: str
     fingerprint: Optional[str]
     bins: dict  # precision key -> tuple[GapBin, ...] sorted by prompt length
     probes: dict = field(default_factory=dict)  # probe kind -> ProbeRecord
+    replay: dict = field(default_factory=dict)  # precision key -> ReplayRecord
 
     def answered_probes(self, prompt_tokens: tuple[int, int]) -> tuple[str, ...]:
         """The probe kinds this model was measured to answer at prompts of these sizes (ProbeRecord.answered)."""
@@ -191,7 +240,61 @@ def parse_envelope(data: dict, source: str = "envelope") -> ModelEnvelope:
             raise
         raise ModelEnvelopeError(f"{source}: malformed ({type(error).__name__}: {error})") from None
     return ModelEnvelope(str(data.get("checkpoint", "")), data.get("fingerprint"), bins,
-                         _parse_probes(data.get("probes", {}), source))
+                         _parse_probes(data.get("probes", {}), source), _parse_replay(data.get("replay"), source))
+
+
+def _parse_replay(data, source: str) -> dict:
+    if data is None:
+        return {}
+    found = (data.get("version"), data.get("sampler")) if isinstance(data, dict) else (None, None)
+    if found != (REPLAY_VERSION, REPLAY_SAMPLER):
+        raise ModelEnvelopeError(f"{source}: the replay section is not version {REPLAY_VERSION} of {REPLAY_SAMPLER} "
+                                 f"(got version {found[0]!r} of {found[1]!r})")
+    out = {}
+    try:
+        for key, entry in data["precisions"].items():
+            record = ReplayRecord(precision_key(key), float(entry["delta"]), float(entry["rate_95"]),
+                                  int(entry["positions"]), float(entry["worst_gap"]))
+            if not (record.delta > 0 and 0 < record.rate_95 <= 1 and record.positions > 0):
+                raise ModelEnvelopeError(f"{source}: replay of {key!r} needs delta > 0, rate_95 in (0, 1] and "
+                                         f"positions > 0: {record}")
+            out[record.precision] = record
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        if isinstance(error, ModelEnvelopeError):
+            raise
+        raise ModelEnvelopeError(f"{source}: malformed replay ({type(error).__name__}: {error})") from None
+    return out
+
+
+def build_replay(rows: Sequence[tuple[str, str, int, int, Sequence[float], Sequence[float]]],
+                 margin: float = MARGIN, min_delta: float = REPLAY_MIN_DELTA) -> dict:
+    """The "replay" section from honest replays: rows of (variant, declared precision, answers, sampled
+    positions, the gaps of the mismatched tokens, the replay margins of every position), any number of rows per
+    variant. Per precision, delta = max(margin x worst gap, min_delta), and the 95% bound of the rate beyond it."""
+    out: dict = {"version": REPLAY_VERSION, "sampler": REPLAY_SAMPLER, "margin": margin, "min_delta": min_delta,
+                 "precisions": {}}
+    for key in sorted({precision_key(r[1]) for r in rows} - {None}):
+        mine = [r for r in rows if precision_key(r[1]) == key]
+        positions = sum(r[3] for r in mine)
+        if not positions:
+            continue
+        gaps = [g for r in mine for g in r[4] if g > 0.0]
+        finite = [g for g in gaps if math.isfinite(g)]
+        worst = max(finite, default=0.0)
+        delta = max(margin * worst, min_delta)
+        beyond = sum(1 for g in gaps if g >= delta)  # 0 unless a token was not allowed at all (an infinite gap)
+        out["precisions"][key] = {
+            "variants": sorted({r[0] for r in mine}), "answers": sum(r[2] for r in mine), "positions": positions,
+            "mismatches": len(gaps), "worst_gap": round(worst, 6), "delta": round(delta, 6), "beyond_delta": beyond,
+            "near_ties": sum(1 for r in mine for m in r[5] if m < delta),
+            "rate_95": round(_binomial_upper_bound(beyond, positions, 0.05), 8)}
+    return out
+
+
+def with_replay(data: dict, replay: dict) -> dict:
+    """`data` (an envelope file's content) with its "replay" section set to `replay` (build_replay)."""
+    _parse_replay(replay, "the replay section")
+    return {**data, "replay": replay}
 
 
 def _parse_probes(data, source: str) -> dict:
@@ -236,6 +339,7 @@ def load_envelope(path: str) -> ModelEnvelope:
 
 __all__ = ["ModelEnvelope", "ModelEnvelopeError", "GapBin", "ProbeRecord", "build_envelope", "parse_envelope",
            "load_envelope", "with_probes", "precision_key", "MARGIN", "MIN_BIN_AUDITS", "PROBE_MIN_PASS",
+           "ReplayRecord", "build_replay", "with_replay", "REPLAY_VERSION", "REPLAY_MIN_DELTA",
            "PROBE_MIN_COUNT"]
 
 

@@ -2,7 +2,8 @@
 
 Usage counts against the validator's own, finish reason and max_tokens, nothing after an end-of-sequence
 token, logprobs present and consistent (greedy tokens at the miner's own top-1), no buffered stream, the
-response signature and the model fingerprint: `check_tier0`.
+response signature (over the request, the tokens and the reported seed), the seed the request asked for, and the
+model fingerprint: `check_tier0`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from protocol.signature import verify_response
 
 from .config import DEFAULT_CONFIG, ScoringConfig
 from .failures import Failure
+from .replay import replays
 from .workloads import WorkItem
 
 
@@ -78,9 +80,15 @@ def check_tier0(item: Optional[WorkItem], result: GenerateResult, tokenizer, cap
                 f"the first {head} of {n} tokens arrived at {arrivals[head - 1]:.3f} s of {total:.3f} s",
                 hard=True))
 
-    if not verify_response(final.signature, result.body, tokens, miner_hotkey):
-        failures.append(Failure("signature", "the response signature does not cover this request and these tokens "
-                                             "under the miner's hotkey", hard=True))
+    if not verify_response(final.signature, result.body, tokens, miner_hotkey, final.seed):
+        failures.append(Failure("signature", "the response signature does not cover this request, these tokens and "
+                                             "this seed under the miner's hotkey", hard=True))
+    if request.seed is not None and final.seed is not None and final.seed != request.seed:
+        failures.append(Failure("seed", f"the final event reports seed {final.seed}, the request asked for "
+                                        f"{request.seed}", hard=True))
+    elif final.seed is None and request.temperature > 0 and replays(capabilities.sampler):
+        failures.append(Failure("seed_missing", "a sampled answer of a miner declaring k3-gumbel/1 names no seed, "
+                                                "so it cannot be replayed"))
     if final.model_fingerprint != capabilities.model_fingerprint:
         failures.append(Failure("fingerprint", f"final event names model {final.model_fingerprint}, capabilities "
                                                f"say {capabilities.model_fingerprint}"))

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
+from inference.decoding.sampling import ReplayKey, SamplingParams
 from inference.serving import EngineError
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError
 from protocol.schemas import ScoreRequest
@@ -21,6 +22,7 @@ from protocol.schemas import ScoreRequest
 from .config import DEFAULT_CONFIG, ScoringConfig
 from .failures import Failure
 from .model_envelope import load_envelope, precision_key
+from .replay import ReplayStatistics, judge_replay, replay_rule
 
 
 # ------------------------------------------------------------------ references
@@ -125,6 +127,7 @@ class AuditResult:
     auditor_verdicts: list[bool] = field(default_factory=list)  # per reference: passed (consensus audits)
     error: Optional[str] = None
     statistics: Optional["AuditStatistics"] = None
+    replay: Optional[ReplayStatistics] = None  # a sampled answer of a k3-gumbel/1 miner, replayed on the reference
 
     @property
     def hard(self) -> bool:
@@ -284,12 +287,15 @@ def judge_statistics(stats: AuditStatistics, config: ScoringConfig, trusted: boo
     validator's own engine) and the evidence is far outside that envelope, at any temperature.
     `exact`: the miner declared fp32 numerics (config.exact_precisions), whose envelope is far
     tighter; missing it is a soft failure only. `precision` (what the miner declared) and `prompt_tokens`
-    pick the served model's measured logprob-gap bound when the config names an envelope file."""
+    pick the served model's measured logprob-gap bound when the config names an envelope file.
+    With `config.statistical_checks` off (a model without a measured envelope) only the greedy check judges:
+    the statistics are kept, their thresholds assume numerics nobody measured on this model."""
     failures: list[Failure] = []
     n = stats.positions
 
     def fail(check: str, reason: str, hard_evidence: bool) -> None:
-        failures.append(Failure(check, reason, hard=trusted and hard_evidence))
+        if check == "greedy_mismatch" or config.statistical_checks:
+            failures.append(Failure(check, reason, hard=trusted and hard_evidence))
 
     # 1. the miner's own logprobs of its tokens against the reference's: same model, other
     #    numerics stays within a few hundredths of a nat; another model is off by tenths or more
@@ -350,15 +356,30 @@ def _judge(result: GenerateResult, scores: Sequence[Any], config: ScoringConfig,
     return stats, judge_statistics(stats, config, trusted, exact, precision, prompt_tokens)
 
 
+def replay_key(result: GenerateResult, prompt_tokens: int) -> Optional[ReplayKey]:
+    """What replays a sampled answer: the request's sampling and seed (the seed the miner reported when the
+    request gave none); None for a greedy answer or one without a seed."""
+    request, final = result.request, result.final
+    seed = request.seed if request.seed is not None else (final.seed if final is not None else None)
+    if request.temperature <= 0 or seed is None:
+        return None
+    return ReplayKey(SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k),
+                     int(seed), prompt_tokens)
+
+
 async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, reference: Reference,
                       config: ScoringConfig = DEFAULT_CONFIG, *, stop_ids: Iterable[int],
-                      rng: Optional[random.Random] = None, declared_precision: Optional[str] = None) -> AuditResult:
+                      rng: Optional[random.Random] = None, declared_precision: Optional[str] = None,
+                      replay: bool = False) -> AuditResult:
     """Teacher-force prompt + the miner's output on `reference` and judge the output tokens.
 
     `prompt_ids` is what the miner had to condition on (`WorkItem.prompt_ids`): the whole
     prompt, so a miner that dropped part of the context is judged against all of it.
     `stop_ids` are the end-of-sequence ids (`tokenizer.stop_ids`) for the EOS-avoidance test.
     `declared_precision` (Capabilities.precision) picks the envelope the miner is judged by.
+    `replay`: the miner declares the sampler k3-gumbel/1 and `reference` is an engine that replays sampled
+    tokens while it scores them (`Engine.score(..., replay=ReplayKey)`, the validator's own): a sampled answer
+    is also replayed token by token (scoring/replay.py).
     Reference failures (timeouts, errors) give `passed=None` with `error` set."""
     tokens = result.token_ids
     if not tokens:
@@ -373,9 +394,12 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
     if len(tokens) >= config.quality_min_positions:
         sample = sorted(rng.sample(range(len(tokens)), min(config.quality_sample_positions, len(tokens))))
     references = reference.references if isinstance(reference, ConsensusReference) else [reference]
+    key = replay_key(result, len(prompt_ids)) if replay and not isinstance(reference, ConsensusReference) else None
     try:
         if isinstance(reference, ConsensusReference):
             answers = await reference.score_each(token_ids, positions, config.audit_reference_top_k)
+        elif key is not None:
+            answers = [await reference.score(token_ids, positions, config.audit_reference_top_k, replay=key)]
         else:
             answers = [await reference.score(token_ids, positions, config.audit_reference_top_k)]
     except (MinerError, EngineError, ReferenceDisagreement, TimeoutError, ValueError) as error:
@@ -410,6 +434,10 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
                 f"auditors disagree (verdicts {sorted(verdicts)}, mean probability spread {spread:.3f})"), **common)
     escalate = False
     failures = first_failures
+    if key is not None:
+        replayed = ReplayStatistics.of([s.replayed for s in answers[0]], key.sampling.temperature)
+        failures = failures + judge_replay(replayed, replay_rule(config, declared_precision), config, trusted=True)
+        common["replay"] = replayed
     if not trusted and any(f.hard for f in failures):
         escalate = True
         failures = [Failure(f.check, f.reason + " (miner auditors: soft until a canary or a trusted reference "
@@ -424,5 +452,5 @@ async def audit_tier1(prompt_ids: Sequence[int], result: GenerateResult, referen
 __all__ = [
     "Reference", "MinerScoreReference", "ConsensusReference", "ReferenceDisagreement", "AuditResult",
     "AuditStatistics", "audit_statistics", "judge_statistics", "logprob_gap_bound", "outside_top_k_bound",
-    "audit_tier1",
+    "audit_tier1", "replay_key",
 ]

@@ -15,6 +15,11 @@ copy, the canary). Nothing in a request tells a probe from ordinary traffic:
 
 Long-context requests are recognisable by their size, which is fine: they are ordinary
 traffic of their own kind, and whether one is audited is decided after the answer arrives.
+
+Resends (`with_resends`): a share of a round's sampled chat requests are replaced by a sampled chat
+request the same miner answered in an earlier round, sent again with another seed and request id
+(users repeat prompts too). A miner that caches answers by prompt returns the cached tokens, drawn
+with the first seed; every resend is audited, and the replay of the new seed fails it.
 """
 from __future__ import annotations
 
@@ -59,6 +64,12 @@ class WorkItem:
     expect: Expectation = field(default_factory=Expectation)
     burst_id: Optional[str] = None  # streams of one burst share it; send them at the same time
     burst_size: int = 1
+    resend_of: Optional[str] = None  # a resend: the request id of the earlier request with this prompt
+
+    @property
+    def sampled_chat(self) -> bool:
+        """An ordinary chat request at a temperature above 0: what a resend repeats."""
+        return self.kind == "chat" and self.burst_id is None and self.request.temperature > 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -370,6 +381,23 @@ def plan_round(rng: random.Random, capabilities: Capabilities, config: ScoringCo
     return items
 
 
+def resend(rng: random.Random, item: WorkItem) -> WorkItem:
+    """`item` sent again: the same prompt and sampling, another seed and request id."""
+    request = item.request.model_copy(update={"request_id": request_id(rng), "seed": rng.getrandbits(63)})
+    return WorkItem(item.kind, request, item.prompt_ids, item.expect, resend_of=item.request.request_id)
+
+
+def with_resends(rng: random.Random, items: list[WorkItem], earlier: list[WorkItem],
+                 config: ScoringConfig) -> list[WorkItem]:
+    """The round's items with each sampled chat request replaced, with probability `config.replay_resend_rate`, by
+    a resend of one of `earlier` (sampled chat requests this miner answered before)."""
+    out = []
+    for item in items:
+        chosen = rng.random() < config.replay_resend_rate and item.sampled_chat
+        out.append(resend(rng, rng.choice(earlier)) if chosen and earlier else item)
+    return out
+
+
 def canary_item(rng: random.Random, canary: Canary, capabilities: Capabilities, config: ScoringConfig,
                 tokenizer, *, max_tokens: Optional[int] = None) -> WorkItem:
     """A greedy request for a canary, shaped like any other request (for escalations, too)."""
@@ -417,6 +445,7 @@ def group_bursts(items: list[WorkItem]) -> tuple[list[WorkItem], dict[str, list[
 
 
 __all__ = [
-    "KINDS", "PROBE_KINDS", "TASKS", "Expectation", "WorkItem", "WorkloadError", "plan_round",
+    "KINDS", "PROBE_KINDS", "TASKS", "Expectation", "WorkItem", "WorkloadError", "plan_round", "resend",
+    "with_resends",
     "canary_item", "canary_prompts", "group_bursts", "draw_temperature", "request_id",
 ]

@@ -1,5 +1,5 @@
 """The distilled draft model (inference/decoding/distilled.py): bound to its checkpoint's fingerprint,
-proposes what the target says on contexts it was distilled from, and leaves greedy output unchanged."""
+proposes what the target says on contexts it was distilled from, and leaves greedy and sampled output unchanged."""
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,8 @@ from inference.decoding.speculation import SpeculationConfig, speculative_genera
 from inference.model.training import greedy_answer
 from inference.serving.builders import load_reference_model
 
-TEXT = Path(__file__).resolve().parents[1].joinpath("inference", "decoding", "drafters.py").read_bytes()
+# the corpus distilled from: a text that code changes leave alone (the windows and their continuations depend on it)
+TEXT = Path(__file__).resolve().parents[1].joinpath("LICENSE").read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +68,22 @@ def test_proposes_the_targets_choice_on_distilled_contexts(trained, table_file):
     assert drafter.propose(prompt, 4).tokens == out[:4]
 
 
-def test_greedy_output_equals_plain(trained, table_file):
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
+                                    SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.6, seed=11),
+                                    SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=12)])
+def test_output_equals_plain_greedy_and_sampled(trained, table_file, params):
+    """The distilled drafter's guesses are kept only where they are the token plain decoding emits there
+    (k3-gumbel/1 for sampled requests): the output is plain decoding's, token for token."""
     model, tokenizer, fp = trained
     config = speculation_with_table(SpeculationConfig(drafter="distilled"), table_file, fp)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    accepted = 0
     for text in ("def add(a, b):\n    return a + b\n\ndef ", "Marigold ferries drift past quiet harbours"):
         ids = tokenizer.encode(text, add_bos=True)
         plain, _ = speculative_generate(model, ids, params, SpeculationConfig())
         spec, stats = speculative_generate(model, ids, params, config)
         assert spec == plain
-        assert stats["draft_accepted"] > 0
+        accepted += stats["draft_accepted"]
+    assert accepted > 0
 
 
 def test_the_shipped_table_belongs_to_the_shipped_checkpoint():

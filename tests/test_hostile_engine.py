@@ -47,7 +47,7 @@ LOGITS = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 30.0
 def test_sampling_returns_a_valid_token_for_every_admitted_value(temperature, top_p, top_k, seed):
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, logprobs=3)
     # numerically safe even below the bounds that problems() now enforces
-    token = TokenSampler(params).choose(LOGITS.clone())
+    token = TokenSampler(params).choose(LOGITS.clone(), 0)
     assert 0 <= token.token_id < V
     assert token.logprob <= 0.0 and token.logprob == token.logprob
     if temperature:
@@ -62,7 +62,7 @@ def test_sampling_returns_a_valid_token_for_every_admitted_value(temperature, to
 
 def test_tiny_temperature_and_top_p_sample_the_best_token():
     for temperature, top_p in [(1e-39, 1.0), (5e-324, 1.0), (1.0, 5e-324), (1e-45, 5e-324)]:
-        token = TokenSampler(SamplingParams(temperature=temperature, top_p=top_p, seed=1)).choose(LOGITS.clone())
+        token = TokenSampler(SamplingParams(temperature=temperature, top_p=top_p, seed=1)).choose(LOGITS.clone(), 0)
         assert token.token_id == int(torch.argmax(LOGITS))
 
 
@@ -70,7 +70,7 @@ def test_nan_logits_fail_the_sequence_not_silently():
     bad = LOGITS.clone()
     bad[4] = float("nan")
     with pytest.raises(ValueError):
-        TokenSampler(SamplingParams(temperature=1.0, seed=1)).choose(bad)
+        TokenSampler(SamplingParams(temperature=1.0, seed=1)).choose(bad, 0)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -32,7 +32,7 @@ async def test_health_reports_a_dead_scheduler_and_its_recovery(world, start_min
     async with MinerClient(world.key("validator")) as client:
         result = await client.generate(miner.url, miner.hotkey, GenerateRequest(
             request_id="after-restart", prompt_token_ids=[1, 2, 3], max_tokens=2, temperature=0.0))
-    assert verify_response(result.final.signature, result.body, result.token_ids, miner.hotkey)
+    assert verify_response(result.final.signature, result.body, result.token_ids, miner.hotkey, result.final.seed)
 
 
 def stored_nonces(miner) -> int:

@@ -255,3 +255,32 @@ def test_the_trained_model_is_the_default_and_the_random_one_stays_a_flag_away(t
     random_args = parse_args(["--checkpoints", str(tmp_path), "--model", "random"])
     assert checkpoint_dir(random_args) == tmp_path / "tiny"
     assert checkpoint_dir(random_args, cheat_weights=True) == tmp_path / "tiny-seed1"
+
+
+def test_whole_model_layout_with_bf16_miners_and_a_sampling_cheat(tmp_path, capsys):
+    """`--miners 4 --sharded-miners 1 --bf16-miners 1 --cheat KIND`: miner0 fp32, miner1 sharded, miner2 bf16,
+    miner3 the cheater (in bf16 when it claims bf16 numerics); the sampling cheats are those localnet/cheats/miner.py
+    runs; --stop-when-caught works on whole-model miners with a cheater."""
+    import pytest
+
+    from localnet.cheats.miner import SAMPLING_CHEATS as RUN
+    from localnet.testnet import SAMPLING_CHEATS, Neuron, honest_kind, miner_command, parse_args
+
+    assert SAMPLING_CHEATS == RUN
+    args = parse_args(["--miners", "4", "--sharded-miners", "1", "--bf16-miners", "1", "--cheat",
+                       "coarse-experts-for-sampled", "--stop-when-caught"])
+    assert [honest_kind(i, args) for i in range(3)] == ["reference", "sharded x2", "reference bf16"]
+    wallet = type("Wallet", (), {"name": "m", "path": str(tmp_path)})()  # what the command reads of a wallet
+    commands = {}
+    for kind in ("reference", "reference bf16", "cheat: coarse-experts-for-sampled"):
+        n = Neuron("m", "miner", wallet, port=1, kind=kind)
+        commands[kind] = miner_command(n, 0, args, "devnet:x", 1, tmp_path)
+    assert "--dtype" not in commands["reference"]
+    assert commands["reference bf16"][-2:] == ["--dtype", "bfloat16"]
+    cheat = commands["cheat: coarse-experts-for-sampled"]
+    assert cheat[2] == "localnet.cheats.miner" and "bfloat16" in cheat and "coarse-experts-for-sampled" in cheat
+    for argv, message in ((["--stop-when-caught", "--cheat", "none"], "needs a --cheat other than none"),
+                          (["--miners", "3", "--sharded-miners", "1", "--bf16-miners", "2"], "must leave the last")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err

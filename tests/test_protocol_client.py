@@ -227,7 +227,8 @@ async def test_generate_streams_typed_events_with_arrival_times(keys, miner, cli
     gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
     assert all(gap >= STEP_S * 0.8 for gap in gaps), gaps  # streamed, not buffered
     assert result.total_s >= arrivals[-1]
-    assert verify_response(result.final.signature, result.body, result.token_ids, keys["miner"].ss58_address)
+    assert verify_response(result.final.signature, result.body, result.token_ids, keys["miner"].ss58_address,
+                           result.final.seed)
 
 
 async def test_stream_generate_yields_events_as_they_arrive(keys, miner, client):
@@ -450,3 +451,17 @@ def test_response_signature_fails_on_any_change(keys):
     # a signature over the bare digest (no domain prefix) is not a response signature
     bare = keys["miner"].sign(response_digest(BODY, IDS)).hex()
     assert not verify_response(signature.model_copy(update={"signature": bare}), BODY, IDS, miner_ss58)
+
+
+def test_response_signature_binds_the_answer_to_its_seed(keys):
+    """The reported seed is signed: the same answer under another seed, or with its seed left out (or one
+    added), no longer verifies, so a miner can neither disown the seed it reported nor have it swapped."""
+    miner_ss58 = keys["miner"].ss58_address
+    seeded = sign_response(keys["miner"], BODY, IDS, 2**64 - 1)
+    assert verify_response(seeded, BODY, IDS, miner_ss58, 2**64 - 1)
+    assert not verify_response(seeded, BODY, IDS, miner_ss58, 2**64 - 2)
+    assert not verify_response(seeded, BODY, IDS, miner_ss58)  # the seed dropped
+    assert not verify_response(seeded, BODY, IDS, miner_ss58, 2**64)  # not a u64
+    assert not verify_response(sign_response(keys["miner"], BODY, IDS), BODY, IDS, miner_ss58, 0)  # one added
+    with pytest.raises(ValueError, match="seed"):
+        sign_response(keys["miner"], BODY, IDS, -1)

@@ -245,6 +245,7 @@ def test_events_round_trip_through_ndjson():
     assert stream.count(b"\n") == len(events)
     decoded = [decode_event(line) for line in stream.splitlines()]
     assert decoded == events
+    assert decode_event(encode_event(final_event(seed=2**64 - 1))).seed == 2**64 - 1
     assert [type(event) for event in decoded] == [TokenMessage, TokenMessage, FinalMessage, ErrorEvent]
 
 
@@ -268,7 +269,8 @@ def test_final_event_bounds():
     raw = json.loads(final_event().model_dump_json())
     for path, value in [(("finish_reason",), "cancelled"), (("usage", "extra"), 1),
                         (("usage", "completion_tokens"), -1), (("timings", "ttft_ms"), -5),
-                        (("signature", "signature"), "zz" * 64), (("signature", "hotkey"), "0xnot-ss58")]:
+                        (("signature", "signature"), "zz" * 64), (("signature", "hotkey"), "0xnot-ss58"),
+                        (("seed",), -1), (("seed",), 2**64), (("seed",), "7")]:
         mutated = json.loads(json.dumps(raw))
         target = mutated
         for key in path[:-1]:
@@ -283,11 +285,16 @@ def test_answers_round_trip_and_error_body():
     capabilities = Capabilities(
         model_id="kimi-k3-tiny", model_fingerprint="fp-1", vocab_size=1000, max_context=4096,
         max_concurrent_streams=8, engine="sharded", layout={"shards": 2, "plan": [[0, 1], [2, 3]]},
-        precision="bf16+mxfp4", software_version="0.1.0", limits=Limits(max_tokens=1024),
+        precision="bf16+mxfp4", sampler="k3-gumbel/1", software_version="0.1.0", limits=Limits(max_tokens=1024),
     )
     assert Capabilities.model_validate_json(encode_model(capabilities)) == capabilities
     with pytest.raises(ValidationError):
         Capabilities.model_validate_json(encode_model(capabilities).replace(b'"sharded"', b'"gpu"'))
+    with pytest.raises(ValidationError):  # a sampler the protocol does not name
+        Capabilities.model_validate_json(encode_model(capabilities).replace(b'"k3-gumbel/1"', b'"k3-gumbel/2"'))
+    undeclared = json.loads(encode_model(capabilities))
+    del undeclared["sampler"]  # a miner that declares none runs its own sampler: not replayed
+    assert Capabilities.model_validate(undeclared).sampler == "engine"
     score = ScoreResponse(request_id="s-1", model_fingerprint="fp-1", scores=[])
     assert ScoreResponse.model_validate_json(encode_model(score)) == score
     health = Health(status="degraded", detail="one shard restarting")

@@ -57,6 +57,9 @@ async def test_remote_generation_matches_the_local_engine(served, sampling):
         assert [i for i, _ in got.top_logprobs] == [i for i, _ in want.top_logprobs]
     assert isinstance(final, FinalEvent) and final.completion_tokens == len(tokens)
     assert final.prompt_tokens == len(PROMPT) and final.ttft_ms is not None
+    # the seed sent to the server is reported: the request's, or one drawn (under 2^63 for any server)
+    assert final.seed == sampling.seed if sampling.seed is not None else 0 <= final.seed < 2**63
+    assert engine.capabilities().sampler == "engine"  # the server's own sampler: not replayable
 
 
 @pytest.mark.parametrize("mode", ["prompt_logprobs", "echo"])

@@ -149,6 +149,26 @@ def test_a_small_envelope_separates_honest_bf16_from_another_model(checkpoint):
     assert report.results[1].rate("new_failures", hard=True) == 1.0  # the test can fail
 
 
+def test_the_envelope_replays_sampled_answers_and_writes_the_replay_section(checkpoint):
+    """Every sampled answer is replayed from the reference's logits: the fp32 miner's tokens are the replayed ones,
+    a greedy miner's and a fixed-seed miner's are not; the honest variants give the replay section (the near-tie
+    allowance and the honest rate per precision), which judges the cheaters."""
+    from scoring.envelope import replay_section
+    report = measure_envelope(checkpoint, audits_per_variant=8, max_tokens=16, prompt_lengths=(16, 64),
+                              long_share=0.0, sharded=False, greedy_share=0.0, temperatures=(0.5, 1.0),
+                              only=["fp32-batched", "bf16", "cheat-greedy-for-sampled", "cheat-fixed-seed"])
+    by_name = {r.variant.name: r for r in report.results}
+    assert all(rp is not None for rp in by_name["fp32-batched"].replays)  # every answer sampled, every one replayed
+    assert sum(rp.mismatches for rp in by_name["fp32-batched"].replays) == 0
+    for cheat in ("cheat-greedy-for-sampled", "cheat-fixed-seed"):
+        assert sum(rp.mismatches for rp in by_name[cheat].replays) >= 4, cheat
+    section = replay_section(report)
+    assert set(section["precisions"]) == {"fp32", "bf16"}  # the honest variants only
+    fp32 = section["precisions"]["fp32"]
+    assert fp32["positions"] == sum(rp.positions for rp in by_name["fp32-batched"].replays)
+    assert fp32["mismatches"] == 0 and fp32["delta"] == 1e-3 and fp32["beyond_delta"] == 0
+
+
 def test_a_sharded_variant_runs_its_shard_processes_once_for_all_its_audits(checkpoint, monkeypatch):
     """The expert-parallel variant: 2 gloo shard processes started once for the variant's 20 audits (two
     generation batches), its fp32 answers scored by the single-process reference within fp32's envelope."""

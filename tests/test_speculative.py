@@ -1,5 +1,5 @@
 """Speculative decoding: drafters, the acceptance rule, and the speculative loop against plain decoding
-(greedy token for token; sampled in distribution)."""
+(token for token, greedy and sampled, under the protocol's sampler k3-gumbel/1)."""
 import random
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from inference.decoding.acceptance import accept_drafts
 from inference.decoding.drafters import Draft, Drafter, NgramDrafter, ReplayDrafter, SuffixDrafter, make_drafter
-from inference.decoding.sampling import SamplingParams, filtered_probs
+from inference.decoding.sampling import SamplingParams, TokenSampler, gumbel_choice
 from inference.decoding.speculation import DraftLength, SequenceSpeculation, SpeculationConfig, speculative_generate
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
@@ -15,31 +15,10 @@ from inference.model.k3 import KimiK3Model
 _models: dict = {}
 
 
-def model_for(name: str = "tiny") -> KimiK3Model:
-    if name not in _models:
-        # "micro": 4 layers (KDA, MLA, KDA, MLA), for the many-seed statistical test
-        config = ModelConfig.tiny() if name == "tiny" else ModelConfig.tiny(num_layers=4, mla_layers=[1, 3])
-        _models[name] = KimiK3Model(config, seed=3)
-    return _models[name]
-
-
-def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
-    """Pearson chi-square goodness of fit; cells with tiny expectation are pooled."""
-    obs, exp = [], []
-    pool_o, pool_e = 0, 0.0
-    for o, e in zip(observed, expected):
-        if e < 5:
-            pool_o, pool_e = pool_o + o, pool_e + e
-        else:
-            obs.append(o)
-            exp.append(e)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+def model_for() -> KimiK3Model:
+    if "tiny" not in _models:
+        _models["tiny"] = KimiK3Model(ModelConfig.tiny(), seed=3)
+    return _models["tiny"]
 
 
 # ----------------------------------------------------------------------------------- drafters
@@ -99,39 +78,36 @@ def test_greedy_acceptance_stops_at_the_first_mismatch():
     logits = torch.full((4, 6), -5.0)
     for row, best in enumerate([2, 4, 1, 5]):
         logits[row, best] = 5.0
-    greedy = SamplingParams(max_tokens=8)
-    v = accept_drafts([2, 4, 1], logits, greedy, None)
+    greedy = TokenSampler(SamplingParams(max_tokens=8))
+    v = accept_drafts([2, 4, 1], logits, greedy, 0)
     assert v.accepted == 3 and [t.token_id for t in v.tokens] == [2, 4, 1, 5]  # all accepted, plus the bonus
-    v = accept_drafts([2, 3, 1], logits, greedy, None)
+    v = accept_drafts([2, 3, 1], logits, greedy, 0)
     assert v.accepted == 1 and [t.token_id for t in v.tokens] == [2, 4]  # correction replaces the mismatch
-    v = accept_drafts([], logits[:1], greedy, None)
+    v = accept_drafts([], logits[:1], greedy, 0)
     assert v.accepted == 0 and [t.token_id for t in v.tokens] == [2]
     assert v.tokens[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
     with pytest.raises(ValueError, match="3 drafts need 4 rows"):
-        accept_drafts([1, 2, 3], logits[:3], greedy, None)
+        accept_drafts([1, 2, 3], logits[:3], greedy, 0)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
-                                    SamplingParams(temperature=1.3, top_p=0.8)])
-@pytest.mark.parametrize("with_q", [False, True])
-def test_sampled_acceptance_keeps_the_target_distribution(params, with_q):
-    """The first token a verify step emits is distributed as p, whatever the draft (point mass or q)."""
-    torch.manual_seed(0)
-    V = 8
-    logits = torch.randn(2, V) * 1.5
-    p = filtered_probs(logits[0], params)
-    q = torch.softmax(torch.randn(1, V), -1) if with_q else None
-    g = torch.Generator().manual_seed(1)
-    n, counts = 5000, [0] * V
-    accepted = 0
-    for _ in range(n):
-        draft = int(torch.multinomial(q[0], 1, generator=g)) if with_q else 3  # q's own draws, or a fixed guess
-        v = accept_drafts([draft], logits, params, g, q)
-        counts[v.tokens[0].token_id] += 1
-        accepted += v.accepted
-    assert chi_square_p_value(counts, [n * float(x) for x in p]) > 1e-3
-    if not with_q:  # a point-mass draft is accepted with probability p(draft)
-        assert accepted / n == pytest.approx(float(p[3]), abs=0.03)
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=5),
+                                    SamplingParams(temperature=0.7, top_k=4, seed=6),
+                                    SamplingParams(temperature=1.3, top_p=0.8, seed=7)])
+def test_sampled_acceptance_keeps_exactly_the_tokens_plain_sampling_draws(params):
+    """A sampled draft is accepted exactly when it is the k3-gumbel/1 draw at its index, and every emitted
+    token is that draw: the verify step emits what plain sampling with the same seed would."""
+    V, k = 8, 3
+    logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(0)) * 1.5
+    sampler = TokenSampler(params)
+    for first in (0, 11):
+        plain = [gumbel_choice(logits[i], params, params.seed, first + i) for i in range(k + 1)]
+        assert accept_drafts(plain[:k], logits, sampler, first).accepted == k  # the right guesses: all kept
+        for wrong_at in range(k):
+            drafts = list(plain[:k])
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % V
+            v = accept_drafts(drafts, logits, sampler, first)
+            assert v.accepted == wrong_at
+            assert [t.token_id for t in v.tokens] == plain[:wrong_at + 1]  # the correction is plain's token
 
 
 # ----------------------------------------------------------------------- the loop against plain
@@ -188,43 +164,27 @@ def test_greedy_equality_with_adaptive_k_and_both_rewind_modes(mode):
     assert got == plain and stats["draft_accepted"] > 0
 
 
-def test_sampled_speculative_matches_plain_sampling_in_distribution():
-    """Three tokens with top_k = 2 (8 outcomes): the speculative loop's outcome frequencies over many
-    seeds against the exact plain-sampling distribution computed from the model."""
-    model = model_for("micro")
-    prompt = [72, 105, 33, 32, 72]
-    params = dict(max_tokens=3, temperature=1.0, top_k=2)
-    # exact plain distribution over the 8 outcomes
-    exact: dict[tuple, float] = {}
-    with torch.inference_mode():
-        c0 = model.new_cache()
-        p1 = filtered_probs(model([torch.tensor(prompt)], [c0])[0], SamplingParams(**params))
-        for t1 in torch.nonzero(p1).flatten().tolist():
-            c1 = c0.clone()
-            p2 = filtered_probs(model([torch.tensor([t1])], [c1])[0], SamplingParams(**params))
-            for t2 in torch.nonzero(p2).flatten().tolist():
-                c2 = c1.clone()
-                p3 = filtered_probs(model([torch.tensor([t2])], [c2])[0], SamplingParams(**params))
-                for t3 in torch.nonzero(p3).flatten().tolist():
-                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
-    assert len(exact) == 8
-
-    class FirstChoiceDrafter(Drafter):  # always guesses the outcome (t1, t2, t3) = the first key
-        def propose(self, history, k):
-            i = len(history) - len(prompt)
-            return Draft(list(next(iter(exact)))[i:i + k])
-
-    n = 200
-    counts = dict.fromkeys(exact, 0)
-    accepted = 0
-    for seed in range(n):
-        got, stats = speculative_generate(model, prompt, SamplingParams(seed=seed, **params),
-                                          SpeculationConfig(fixed_draft_tokens=1), drafter=FirstChoiceDrafter())
-        counts[tuple(got)] += 1
-        accepted += stats["draft_accepted"]
-    assert 0 < accepted < n  # drafts were judged both ways
-    outcomes = list(exact)
-    assert chi_square_p_value([counts[o] for o in outcomes], [n * exact[o] for o in outcomes]) > 1e-3
+def test_sampled_speculative_equals_plain_sampling_token_for_token():
+    """Under k3-gumbel/1 a sampled request's speculative output is plain sampling's with the same seed, whatever
+    the drafter (copying, mostly right, always wrong), the draft length and the filter (temperature, top-k,
+    top-p)."""
+    model = model_for()
+    compared = accepted = 0
+    for seed, params in enumerate([dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                   dict(temperature=1.2, top_p=0.9)]):
+        p = SamplingParams(max_tokens=16, ignore_eos=True, seed=seed, **params)
+        for name, prompt in PROMPTS.items():
+            plain, stats = speculative_generate(model, prompt, p, SpeculationConfig())
+            assert stats["draft_proposed"] == 0 and len(plain) == 16
+            runs = [(SpeculationConfig(drafter=kind, fixed_draft_tokens=3), None) for kind in ("ngram", "suffix")]
+            runs += [(SpeculationConfig(fixed_draft_tokens=4), ReplayDrafter(len(prompt), plain, 256, wrong_every=5)),
+                     (SpeculationConfig(fixed_draft_tokens=2), WrongDrafter(plain, len(prompt)))]
+            for config, drafter in runs:
+                got, stats = speculative_generate(model, prompt, p, config, drafter=drafter)
+                assert got == plain, (seed, name, config.drafter, type(drafter).__name__)
+                compared += 1
+                accepted += stats["draft_accepted"]
+    assert compared == 36 and accepted > 0  # drafts were judged both ways
 
 
 def test_adaptive_k_drops_to_plain_on_poor_drafts_and_recovers():

@@ -1,6 +1,8 @@
-"""Speculative decoding inside the serving engine: continuous batching with per-sequence drafts, greedy
-output equal to the plain engine's, the counts in the final event, and clear refusals."""
+"""Speculative decoding inside the serving engine: continuous batching with per-sequence drafts, output equal
+to the plain engine's (greedy, and sampled for the same seed), the counts and the seed in the final event, and
+clear refusals."""
 import asyncio
+import dataclasses
 
 import pytest
 from conftest import collect_events
@@ -10,7 +12,7 @@ from inference.decoding.sampling import SamplingParams
 from inference.decoding.speculation import SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model
-from inference.serving.engine import EngineSettings, FinalEvent, GenerationRequest
+from inference.serving.engine import EngineSettings, GenerationRequest
 from inference.serving.local_engine import LocalEngine
 
 CONFIG = ModelConfig.tiny()
@@ -77,16 +79,32 @@ async def test_batched_speculation_with_drafts_that_mostly_accept(model, tokeniz
         assert final.verify_steps < 0.6 * len(tokens)
 
 
-async def test_sampled_speculation_is_seeded_and_stops_at_max_tokens(model, tokenizer):
-    spec = SpeculationConfig(drafter="suffix", fixed_draft_tokens=4)
-    req = GenerationRequest(list(b"ab ab ab ab ab ab ab ab"),
-                            SamplingParams(max_tokens=9, temperature=0.8, seed=4, stop=("zzz",)))
-    async with engine(model, tokenizer, spec) as fast:
-        a, fa = await collect_events(fast.generate(req))
-        b, _ = await collect_events(fast.generate(req))
-    assert [t.token_id for t in a] == [t.token_id for t in b]  # the same seed, the same tokens
-    assert len(a) == 9 and fa.finish_reason in ("length", "eos")
-    assert [t.index for t in a] == list(range(9))
+async def test_batched_sampled_speculation_equals_the_plain_engine_and_reports_its_seed(model, tokenizer):
+    """Sampled requests batched together, with drafts that mostly accept: the speculating engine emits the plain
+    engine's tokens for the same seed (k3-gumbel/1), stops at max_tokens, and every final event names the seed,
+    a drawn one too, with which the answer replays."""
+    requests = [GenerationRequest(r.prompt_token_ids, SamplingParams(max_tokens=r.sampling.max_tokens, temperature=t,
+                                                                     top_p=top_p, seed=seed, logprobs=2))
+                for r, (t, top_p, seed) in zip(REQUESTS, [(0.8, 1.0, 4), (1.0, 0.9, 5), (0.5, 1.0, None)])]
+    async with engine(model, tokenizer) as plain:
+        assert plain.capabilities().sampler == "k3-gumbel/1"
+        want = await asyncio.gather(*(collect_events(plain.generate(r)) for r in requests))
+    assert [f.seed for _, f in want[:2]] == [4, 5] and want[2][1].seed is not None  # the drawn seed is reported
+    replays = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=f.seed))
+               for r, (_, f) in zip(requests, want)]
+    continuations = {tuple(r.prompt_token_ids): [t.token_id for t in w[0]] for r, w in zip(requests, want)}
+
+    def replay(prompt_ids):
+        return ReplayDrafter(len(prompt_ids), continuations[tuple(prompt_ids)], CONFIG.vocab_size, wrong_every=4)
+
+    async with engine(model, tokenizer, SpeculationConfig(drafter_factory=replay)) as fast:
+        got = await asyncio.gather(*(collect_events(fast.generate(r)) for r in replays))
+    for (want_tokens, want_final), (tokens, final), r in zip(want, got, requests):
+        assert [t.token_id for t in tokens] == [t.token_id for t in want_tokens]
+        assert [t.index for t in tokens] == list(range(len(tokens)))
+        assert final.seed == want_final.seed and final.finish_reason == want_final.finish_reason
+        assert final.draft_accepted >= 0.5 * final.draft_proposed > 0
+    assert len(got[0][0]) == requests[0].sampling.max_tokens or got[0][1].finish_reason == "eos"
 
 
 def test_engine_refuses_bad_speculation_settings(model, tokenizer):

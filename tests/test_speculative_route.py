@@ -4,8 +4,9 @@ The route driver drafts (n-gram, suffix, or a drafter of known quality), sends [
 the route as one forward in verify mode, the last stage judges the drafts, and on a rejection the driver
 rewinds every stage (the rewind message) to the last accepted position. Greedy with speculation equals greedy
 without (the single-process model), token for token and logprobs within 1e-4 (fp32), over 2 and 3 stages,
-for drafts that are always accepted, never accepted, and the model-free drafters; the final event reports the
-proposed and accepted draft tokens. Plus the stage's own checks of a verify forward.
+for drafts that are always accepted, never accepted, and the model-free drafters; sampled output (plain and
+speculating) equals the single-process model's sampling with the same seed (k3-gumbel/1); the final event
+reports the proposed and accepted draft tokens and the seed. Plus the stage's own checks of a verify forward.
 """
 import asyncio
 
@@ -115,19 +116,27 @@ def test_plain_route_reports_no_drafts(swarm):
     assert (final.draft_proposed, final.draft_accepted, final.verify_steps) == (0, 0, 0)
 
 
-def test_sampled_speculation_is_seeded(swarm):
-    """Sampled speculation over the route: the acceptance rule runs on the last stage with generators seeded
-    by (seed, step start), so the same seed gives the same tokens, and another seed other tokens."""
-    spec = SpeculationConfig(drafter="ngram", max_draft_tokens=4)
+@pytest.mark.parametrize("hops", [2, 3])
+def test_sampled_route_equals_plain_sampling_with_and_without_speculation(swarm, hops):
+    """Sampled over the route: the head samples under k3-gumbel/1 with the request's seed and generated-token
+    index, so the route's tokens are those the single-process model samples with that seed, plain or
+    speculating (the drafts judged on the last stage), and the final event names the seed."""
+    from inference.decoding.speculation import speculative_generate
 
-    def run(seed):
-        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=seed)
-        return asyncio.run(generate(make_engine(swarm, 2, spec), REPEATING, params))
-
-    a, b, c = run(7), run(7), run(8)
-    assert a[0] == b[0] and a[2].draft_proposed == b[2].draft_proposed
-    assert all(0 <= t < ModelConfig.tiny().vocab_size for t in a[0]) and len(a[0]) == 12
-    assert a[0] != c[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=2**64 - 7)
+    for prompt in (REPEATING, NOVEL):
+        want, _ = speculative_generate(swarm["model"], prompt, params, SpeculationConfig())
+        for spec in (None, SpeculationConfig(drafter="ngram", max_draft_tokens=4),
+                     SpeculationConfig(max_draft_tokens=4, fixed_draft_tokens=4, drafter_factory=lambda ids, w=want:
+                                       ReplayDrafter(len(ids), w, ModelConfig.tiny().vocab_size, 3))):
+            got, _, final = asyncio.run(generate(make_engine(swarm, hops, spec), prompt, params))
+            assert got == want, (prompt[:4], spec)
+            assert final.seed == params.seed
+            if spec is not None and spec.drafter_factory is not None:
+                assert final.draft_accepted > 0 and final.draft_proposed > final.draft_accepted
+    _, _, drawn = asyncio.run(generate(make_engine(swarm, hops, None), NOVEL, SamplingParams(max_tokens=3,
+                                                                                              temperature=1.0)))
+    assert drawn.seed is not None  # a request without a seed gets one, reported so the answer replays
 
 
 def test_verify_forward_checks_and_rewind(swarm):

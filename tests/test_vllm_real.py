@@ -348,7 +348,8 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
                                               seed=11, logprobs=5)
                     result = await client.generate(url, hotkey, request)
                     assert result.final is not None and len(result.token_ids) == result.final.usage.completion_tokens
-                    assert verify_response(result.final.signature, result.body, result.token_ids, hotkey)
+                    assert verify_response(result.final.signature, result.body, result.token_ids, hotkey,
+                                           result.final.seed)
                     failures = check_tier0(None, result, tokenizer, caps, hotkey)
                     assert failures == [], failures
                     prompt_ids = validator_prompt_ids(request, tokenizer)

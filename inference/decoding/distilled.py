@@ -9,9 +9,8 @@ context ending the history that the table holds, appends its token and goes on f
 drafts: k dictionary look-ups per step, no model work.
 
 A table belongs to one checkpoint: it records the target's manifest fingerprint, and `load_table` refuses a
-table made for another one. Its drafts are deterministic given the history, so the draft distribution q is
-a point mass (`Draft.probs` None) and verify.accept_drafts' rule (accept with p(d), resample from p without
-d) keeps sampled output distributed as plain sampling.
+table made for another one. Its drafts are guesses like any drafter's: the target keeps those equal to what
+it would emit itself (inference.decoding.acceptance), so greedy and sampled output are those of plain decoding.
 
 File: gzip'd JSON (written with mtime 0, entries sorted, so a rebuild from the same inputs is the same
 bytes): {"format", "target_fingerprint", "n_min", "n_max", "min_confidence", "source", "entries": [[context

@@ -1,10 +1,8 @@
 """Drafters: guess the next tokens of a sequence from its history, for the target model to verify.
 
 A drafter proposes up to k tokens that may follow `history` (the prompt and every accepted token so far,
-append-only). Model-free drafters copy from the history itself, so their proposals are deterministic: the
-draft distribution q is a point mass on each proposed token (`Draft.probs` is None). A draft model (an MTP
-head or a small model) would return its distributions in `Draft.probs` [k, V] so that the acceptance rule
-can use min(1, p/q) with its real q.
+append-only). The target accepts a draft exactly when it equals the token the protocol's sampler picks at
+that index (inference.decoding.acceptance), so a drafter needs no distribution of its own: only its guesses.
 
 - `NgramDrafter` (prompt lookup): the longest n-gram (max_n down to min_n) ending the history that occurred
   before; proposes what followed its most recent earlier occurrence.
@@ -17,7 +15,7 @@ Both index the history incrementally (each call looks only at tokens added since
 drafter instance belongs to one sequence.
 
 `inference.decoding.distilled.DistilledDrafter` is a draft model behind the same interface: a context
-table of the target's own greedy choices, distilled from it (deterministic too, so q is a point mass).
+table of the target's own greedy choices, distilled from it.
 """
 from __future__ import annotations
 
@@ -25,15 +23,12 @@ import abc
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 DRAFTER_KINDS = ("none", "ngram", "suffix", "distilled")  # distilled: a table file (speculative.distilled)
 
 
 @dataclass
 class Draft:
     tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None = point masses (model-free)
 
 
 class Drafter(abc.ABC):

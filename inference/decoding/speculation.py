@@ -184,9 +184,10 @@ class SequenceSpeculation:
             return Draft([])
         return draft
 
-    def judge(self, draft: Draft, logits: torch.Tensor, sampler: TokenSampler) -> Verdict:
-        """Accept or reject `draft` with the verify logits [k+1, V]; updates the statistics."""
-        verdict = accept_drafts(draft.tokens, logits, self.params, sampler.generator, draft.probs)
+    def judge(self, draft: Draft, logits: torch.Tensor, sampler: TokenSampler, first_index: int) -> Verdict:
+        """Accept or reject `draft` with the verify logits [k+1, V], row 0 being generated-token index
+        `first_index`; updates the statistics."""
+        verdict = accept_drafts(draft.tokens, logits, sampler, first_index)
         self.record_verdict(len(draft.tokens), verdict.accepted)
         return verdict
 
@@ -243,7 +244,7 @@ def speculative_generate(model, prompt_ids: Sequence[int], params: SamplingParam
     cache = model.new_cache()
     logits = model.forward([torch.tensor(history, dtype=torch.long)], [cache])[0]
     out: list[int] = []
-    token = sampler.choose(logits).token_id
+    token = sampler.choose(logits, 0).token_id
     while True:
         out.append(token)
         history.append(token)
@@ -254,13 +255,13 @@ def speculative_generate(model, prompt_ids: Sequence[int], params: SamplingParam
         fed = torch.tensor([token] + draft.tokens, dtype=torch.long)
         if not draft.tokens:
             logits = model.forward([fed], [cache])[0]
-            token = sampler.choose(logits).token_id
+            token = sampler.choose(logits, len(out)).token_id
             spec.observe_plain(token)
             continue
         start = cache.length
         cache.mark(config.rewind_mode)
         rows = model.forward([fed], [cache], all_logits=True)[0]
-        verdict = spec.judge(draft, rows, sampler)
+        verdict = spec.judge(draft, rows, sampler, len(out))
         cache.rewind(start + 1 + verdict.accepted)
         emitted = [t.token_id for t in verdict.tokens]
         for t in emitted[:-1]:  # accepted drafts: already in the cache

@@ -3,7 +3,8 @@
 `Engine.generate(request)` validates and admits the request at once (raising `EngineError` with a clear code
 when it cannot be served) and returns an `EventStream`: an async iterator of `TokenEvent`s then one
 `FinalEvent`. `Engine.score(...)` runs a teacher-forced prefill and returns per-position logprobs
-(`ScoredPosition`). This module holds that interface, its requests, events and errors, and `EngineSettings`;
+(`ScoredPosition`; given a `ReplayKey`, also the token the protocol's sampler k3-gumbel/1 draws at each
+generated position: what a validator's replay of a sampled answer needs). This module holds that interface, its requests, events and errors, and `EngineSettings`;
 the engines live beside it:
 
 - `inference.serving.local_engine.LocalEngine` runs a model in-process (the reference model, or a sharded
@@ -17,7 +18,7 @@ import abc
 import asyncio
 from dataclasses import dataclass, field
 
-from inference.decoding.sampling import SamplingParams
+from inference.decoding.sampling import SAMPLER, ReplayedToken, ReplayKey, SamplingParams
 
 
 # ------------------------------------------------------------------- types
@@ -79,6 +80,7 @@ class FinalEvent:
     draft_proposed: int = 0  # speculative decoding: drafted tokens verified, and how many were accepted
     draft_accepted: int = 0
     verify_steps: int = 0
+    seed: int | None = None  # the seed the sampler ran with (the request's or one drawn): replays the answer
 
 
 @dataclass
@@ -87,6 +89,7 @@ class ScoredPosition:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    replayed: ReplayedToken | None = None  # score(..., replay=key): the sampler's token here from these logits
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class EngineCapabilities:
     engine_kind: str  # "reference" | "sharded" | "remote"
     layout: dict = field(default_factory=dict)
     precision: str = "fp32"
+    sampler: str = SAMPLER  # inference.decoding.sampling.SAMPLERS: k3-gumbel/1 (replayable) or "engine" (its own)
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,12 @@ class Engine(abc.ABC):
     def generate(self, request: GenerationRequest) -> EventStream: ...
 
     @abc.abstractmethod
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]: ...
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        """Teacher-forced logprobs of token_ids[p] given token_ids[:p] for each asked p (all by default), with the
+        top_k alternatives; with `replay`, each position at or after replay.first_position also carries the
+        token k3-gumbel/1 draws there (ScoredPosition.replayed). An engine that cannot replay refuses it
+        (EngineError invalid_request)."""
 
     @abc.abstractmethod
     def capabilities(self) -> EngineCapabilities: ...
@@ -184,8 +193,8 @@ class WrappedEngine(Engine):
         return self.inner.generate(request)
 
     async def score(self, token_ids: list[int], positions: list[int] | None = None,
-                    top_k: int = 0) -> list[ScoredPosition]:
-        return await self.inner.score(token_ids, positions, top_k)
+                    top_k: int = 0, replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        return await self.inner.score(token_ids, positions, top_k, replay)
 
     def capabilities(self) -> EngineCapabilities:
         return self.inner.capabilities()

@@ -17,7 +17,8 @@ from collections import deque
 
 import torch
 
-from inference.decoding.sampling import MAX_LOGPROBS, SampledToken, SamplingParams, TokenSampler, find_stop
+from inference.decoding.sampling import (MAX_LOGPROBS, ReplayKey, SampledToken, SamplingParams, TokenSampler, find_stop,
+                                         replay_token)
 from inference.decoding.speculation import SequenceSpeculation, SpeculationConfig
 from inference.model import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EngineSettings,
@@ -48,6 +49,7 @@ class _Sequence(ScheduledSequence):
     __slots__ = (
         "request_id", "kind", "sampling", "sampler", "cache", "text", "queue", "submitted_at", "admitted_at",
         "prefill_done_at", "first_token_at", "last_token_at", "positions", "top_k", "scores", "future", "decoder",
+        "replay",
     )
 
     def __init__(self, kind, token_ids, sampling: SamplingParams | None = None, request_id=""):
@@ -69,6 +71,7 @@ class _Sequence(ScheduledSequence):
         self.scores: list[ScoredPosition] = []
         self.future: asyncio.Future | None = None
         self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
+        self.replay: ReplayKey | None = None  # a score sequence that also replays an answer's sampled tokens
 
 
 class LocalEngine(Engine):
@@ -226,7 +229,8 @@ class LocalEngine(Engine):
         self._enqueue(seq)
         return EventStream(seq.queue, lambda: self._cancel(seq))
 
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:
@@ -237,8 +241,11 @@ class LocalEngine(Engine):
         bad = sorted(p for p in wanted if not 1 <= p < n)
         if bad:
             raise EngineError("invalid_request", f"positions {bad[:5]} are outside 1..{n - 1}")
+        if replay is not None and not (replay.sampling.temperature > 0 and 1 <= replay.first_position < n):
+            raise EngineError("invalid_request", "a replay needs a temperature above 0 and an answer that starts "
+                                                 f"inside the token ids (at {replay.first_position} of {n})")
         seq = _Sequence("score", token_ids)
-        seq.positions, seq.top_k = wanted, top_k
+        seq.positions, seq.top_k, seq.replay = wanted, top_k, replay
         seq.reserved = self.scheduler.admissible(n)
         seq.future = asyncio.get_running_loop().create_future()
         self._enqueue(seq)
@@ -596,7 +603,7 @@ class LocalEngine(Engine):
             logprobs = torch.log_softmax(rows, dim=-1)
             for seq, row, lp in zip(sample_seqs, rows, logprobs):
                 with self._failing_alone(seq, "sampling"):
-                    self._emit_token(seq, seq.sampler.choose(row, lp), now)
+                    self._emit_token(seq, seq.sampler.choose(row, len(seq.generated), lp), now)
         for seq in sample_seqs:  # speculation: judge the drafter's unused guess against the chosen token
             if seq.speculation is not None and seq.generated:
                 seq.speculation.observe_plain(seq.generated[-1])
@@ -605,7 +612,7 @@ class LocalEngine(Engine):
         """A speculative step ran [last token, drafts] from position `start`: accept drafts by the rules in
         inference.decoding.acceptance, rewind the cache to the kept positions, emit the 1..k+1 tokens."""
         draft, seq.draft = seq.draft, None
-        verdict = seq.speculation.judge(draft, rows.float(), seq.sampler)
+        verdict = seq.speculation.judge(draft, rows.float(), seq.sampler, len(seq.generated))
         seq.consumed = start + 1 + verdict.accepted
         seq.cache.rewind(seq.consumed)
         for sampled in verdict.tokens:
@@ -635,7 +642,10 @@ class LocalEngine(Engine):
                 if seq.top_k:
                     v, i = torch.topk(lp[r], seq.top_k)
                     top = [(int(a), float(b)) for a, b in zip(i, v)]
-                seq.scores.append(ScoredPosition(pos, tok, float(lp[r, tok]), top))
+                key, replayed = seq.replay, None
+                if key is not None and pos >= key.first_position:
+                    replayed = replay_token(out[r].float(), key.sampling, key.seed, pos - key.first_position, tok)
+                seq.scores.append(ScoredPosition(pos, tok, float(lp[r, tok]), top, replayed))
 
     def _emit_token(self, seq: _Sequence, sampled: SampledToken, now: float) -> None:
         p = seq.sampling
@@ -684,6 +694,7 @@ class LocalEngine(Engine):
                 ttft_ms=ms(seq.submitted_at, seq.first_token_at),
                 total_ms=ms(seq.submitted_at, end),
                 prefill_ms=ms(seq.admitted_at, seq.prefill_done_at),
+                seed=seq.sampler.seed,
                 **(seq.speculation.final_counts() if seq.speculation is not None else {}),
             ))
         if seq.future is not None and not seq.future.done():

@@ -18,6 +18,10 @@ The model-dependent parts come from the served model's own files (`build_remote_
 vocabulary and eos from its `config.json`, the fingerprint from `k3_manifest.json` (made by
 `python -m inference manifest DIR`), the tokenizer from `tiktoken.model` (Kimi K3 releases) or
 `tokenizer.json` (byte-level BPE saved by `tokenizers`).
+
+Sampling is the server's own (capabilities say `sampler: "engine"`): every request carries a seed (the
+request's, or one drawn here and reported in the final event), but the server's sampler is not the protocol's
+k3-gumbel/1, so a validator cannot replay its sampled answers token by token (it checks them statistically).
 """
 from __future__ import annotations
 
@@ -25,13 +29,13 @@ import asyncio
 import collections
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from inference.decoding.sampling import MAX_LOGPROBS
+from inference.decoding.sampling import ENGINE_SAMPLER, MAX_LOGPROBS, ReplayKey, draw_seed
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, FinalEvent,
                                       GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.metrics import EngineMetrics
@@ -249,7 +253,7 @@ class RemoteEngine(Engine):
         return EngineCapabilities(
             model_id=s.model_name, model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
             max_context=s.max_context, max_concurrent_sequences=s.max_concurrent_sequences, engine_kind="remote",
-            layout={"server": s.base_url, "protocol": s.protocol}, precision="server",
+            layout={"server": s.base_url, "protocol": s.protocol}, precision="server", sampler=ENGINE_SAMPLER,
         )
 
     def first_token_deadline_s(self, prompt_tokens: int) -> float:
@@ -318,6 +322,9 @@ class RemoteEngine(Engine):
         problems = p.problems()
         if problems:
             raise EngineError("invalid_request", "; ".join(problems))
+        if p.seed is None:  # every answer names its seed; under 2^63, which every server reads as an integer
+            p = replace(p, seed=draw_seed() >> 1)
+            request = replace(request, sampling=p)
         n_prompt = len(request.prompt_token_ids)
         if n_prompt + p.max_tokens > self.settings.max_context:
             raise EngineError("context_too_long", f"prompt plus max_tokens exceeds {self.settings.max_context}")
@@ -361,7 +368,7 @@ class RemoteEngine(Engine):
         self.metrics.record_finished(reason, n_prompt, index, t0, None, first_at, end)
         yield FinalEvent(
             finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=index, queue_ms=0.0,
-            ttft_ms=None if first_at is None else (first_at - t0) * 1000, total_ms=(end - t0) * 1000,
+            ttft_ms=None if first_at is None else (first_at - t0) * 1000, total_ms=(end - t0) * 1000, seed=p.seed,
         )
 
     def _vllm_generate_body(self, request: GenerationRequest) -> dict:
@@ -407,7 +414,11 @@ class RemoteEngine(Engine):
         }
 
     # -------------------------------------------------------------- scoring
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        if replay is not None:
+            raise EngineError("invalid_request", "a remote engine returns no logits rows: it cannot replay sampled "
+                                                 "tokens")
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:

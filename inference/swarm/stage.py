@@ -32,9 +32,11 @@ set fails (a process died or hung) every session is lost with it: the forward th
 "shard_set_failed", `status()` says "failed", and `restart_shards()` starts a fresh set (opens get 503
 "stage_restarting" until it serves).
 
-Sampling at the head: the token at position p is drawn with a generator seeded from (session seed, p), so a
-token does not depend on how many draws came before it; a rewound or re-prefilled session (after a stage was
-replaced) draws the same tokens again. Greedy is argmax, as everywhere.
+Sampling at the head is the protocol's sampler (k3-gumbel/1, inference.decoding.sampling) with the request's seed:
+the token at position p is generated-token index p - prompt_tokens (the prompt length the driver states at open),
+so the head draws exactly the token a whole-model engine would, whatever the route's chunking, speculation or
+rewinds; a rewound or re-prefilled session (after a stage was replaced) draws the same tokens again, and a
+validator can replay a route's sampled answer like any other. Greedy is argmax, as everywhere.
 """
 from __future__ import annotations
 
@@ -226,6 +228,7 @@ class StageSession:
     cache: SequenceCache
     sampling: SamplingParams
     seed: int
+    prompt_tokens: int = 0  # the request's prompt length: position p samples generated-token index p - this
     owner: str = ""  # who opened it (the wire checks later control messages against it)
     upstream: str = ""  # who may send forwards
     downstream: dict = field(default_factory=dict)  # where the output goes (the wire's business)
@@ -247,11 +250,6 @@ def _slice_input(payload, lo: int, hi: int):
     if isinstance(payload, Tensor):
         return payload[lo:hi]
     return ResidualState((hi - lo,), [b[lo:hi] for b in payload.blocks], payload.partial[lo:hi])
-
-
-def _position_seed(seed: int, position: int | str) -> int:
-    digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % (2**63)
 
 
 def end_mark(cache) -> None:
@@ -419,7 +417,7 @@ class Stage:
     # ------------------------------------------------------------ sessions
     def open(self, session_id: str, route_id: str = "", sampling: SamplingParams = SamplingParams(),
              seed: int = 0, owner: str = "", upstream: str = "", downstream: dict | None = None,
-             reply_to: dict | None = None) -> StageSession:
+             reply_to: dict | None = None, prompt_tokens: int = 0) -> StageSession:
         """A new session at position 0 (admission: refused with 429 when full and nothing can be evicted)."""
         problems = sampling.problems()
         if problems:
@@ -432,7 +430,8 @@ class Stage:
             self.expire_idle()
             if len(self.sessions) >= self.limits.max_sessions:
                 self._evict_one()
-            session = StageSession(session_id, route_id, self._new_cache(), sampling, int(seed), owner=owner,
+            session = StageSession(session_id, route_id, self._new_cache(), sampling, int(seed), int(prompt_tokens),
+                                   owner=owner,
                                    upstream=upstream, downstream=dict(downstream or {}),
                                    reply_to=dict(reply_to or {}))
             self.sessions[session_id] = session
@@ -536,6 +535,9 @@ class Stage:
             raise StageError(400, "bad_mode", f"mode must be one of {HEAD_MODES}")
         if not 0 <= top_k <= MAX_LOGPROBS:
             raise StageError(400, "bad_top_k", f"top_k must lie in 0..{MAX_LOGPROBS}")
+        if mode in ("sample", "verify") and position + (n if mode == "sample" else 1) < session.prompt_tokens:
+            raise StageError(400, "bad_position", f"mode {mode} samples inside the prompt (position {position} + "
+                                                  f"{n} tokens, a {session.prompt_tokens}-token prompt)")
         if mode == "verify":
             if n < 2 or targets is None or len(targets) != n - 1:
                 raise StageError(400, "bad_targets", "verifying takes the last token then k >= 1 drafted ones, "
@@ -655,16 +657,13 @@ class Stage:
         """The last stage's answer from the logits of `_head_rows(mode, n, targets)`."""
         if mode == "none":
             return HeadOutput("none")
-        if mode == "verify":
-            # one generator per verify step, seeded by where the step starts (steps start at increasing
-            # positions, so no two steps of a generation share random numbers)
-            generator = torch.Generator().manual_seed(_position_seed(session.seed, f"verify:{position}"))
-            verdict = accept_drafts(list(targets), logits.float(), session.sampling, generator)
+        sampler = TokenSampler(replace(session.sampling, seed=session.seed))
+        if mode == "verify":  # row 0 predicts position + 1
+            verdict = accept_drafts(list(targets), logits.float(), sampler, position + 1 - session.prompt_tokens)
             return HeadOutput("verify", accepted=verdict.accepted,
                               verified=[(t.token_id, t.logprob, list(t.top)) for t in verdict.tokens])
-        if mode == "sample":
-            params = replace(session.sampling, seed=_position_seed(session.seed, position + n))
-            chosen = TokenSampler(params).choose(logits[0])
+        if mode == "sample":  # the last row predicts position + n
+            chosen = sampler.choose(logits[0], position + n - session.prompt_tokens)
             return HeadOutput("sample", token_id=chosen.token_id, logprob=chosen.logprob, top=chosen.top)
         rows = [r for r, t in enumerate(targets) if t >= 0]
         out = HeadOutput("score", logprobs=[None] * n, row_tops=[[] for _ in range(n)])

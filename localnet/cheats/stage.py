@@ -198,8 +198,9 @@ class ForwardingStage(_Cheat):
                 if self._targets:
                     target = self._targets[hashlib.sha256(session_id.encode()).digest()[0] % len(self._targets)]
                     rid = secrets.token_hex(8)
-                    self._loop.call(self._relay.open(target, session_id, rid, wire_sampling(session.sampling),
-                                                     session.seed), self.timeout_s)
+                    opening = self._relay.open(target, session_id, rid, wire_sampling(session.sampling),
+                                               session.seed, session.prompt_tokens)
+                    self._loop.call(opening, self.timeout_s)
                     self._remote[session_id] = [target, rid, 0]
             if session_id not in self._remote:
                 return super().forward(session_id, position, inputs, mode, targets, top_k)

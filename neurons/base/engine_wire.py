@@ -47,9 +47,11 @@ def _final_fields(event: FinalEvent, finish_reason: Optional[str], timings: Timi
 
 def final_message(event: FinalEvent, *, timings: Timings, model_fingerprint: str, signature: ResponseSignature,
                   finish_reason: Optional[str] = None) -> FinalMessage:
-    """The engine's final event as the wire's, with the sender's timings (its own clock), the model it declares
-    and its signature over the request and the tokens; `finish_reason` overrides the engine's."""
-    return FinalMessage(**_final_fields(event, finish_reason, timings, model_fingerprint), signature=signature)
+    """The engine's final event as the wire's, with the sender's timings (its own clock), the model it declares,
+    the seed the engine sampled with, and its signature over the request, the tokens and that seed
+    (protocol.signature.sign_response(..., event.seed)); `finish_reason` overrides the engine's."""
+    return FinalMessage(**_final_fields(event, finish_reason, timings, model_fingerprint), signature=signature,
+                        seed=event.seed)
 
 
 def unsigned_final_message(event: FinalEvent, *, timings: Timings, model_fingerprint: str,

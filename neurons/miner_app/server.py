@@ -433,7 +433,7 @@ class MinerServer:
             model_id=fixed.model_id, model_fingerprint=fixed.model_fingerprint, vocab_size=fixed.vocab_size,
             max_context=fixed.max_context, max_concurrent_streams=self.capacity, engine=fixed.engine_kind,
             layout=dict(caps.layout), precision=caps.precision or fixed.precision or "unknown",
-            software_version=__version__, limits=self.limits,
+            sampler=fixed.sampler, software_version=__version__, limits=self.limits,
         ))
 
     async def handle_score(self, request: web.Request) -> web.Response:
@@ -557,7 +557,7 @@ class MinerServer:
                             total_ms=_millis(total_ms, 0.0), prefill_tokens_per_s=prefill_rate,
                             decode_tokens_per_s=decode_rate),
             model_fingerprint=self.engine_capabilities.model_fingerprint,
-            signature=sign_response(self.keypair, body, token_ids),
+            signature=sign_response(self.keypair, body, token_ids, final.seed),
         )
 
 

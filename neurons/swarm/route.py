@@ -14,8 +14,9 @@ stage is the input hash of the next, starting from the hash of what the driver s
 Speculative decoding (`RouteEngine(speculation=SpeculationConfig(drafter="ngram"|"suffix"))`, or a distilled
 draft table's `drafter_factory`): per request a drafter (inference.decoding) proposes k tokens with adaptive
 k, without model work; the driver sends [last token, d_1..d_k] through the route as one forward in mode
-"verify", the last stage judges the drafts against its logits (greedy: argmax; sampled: the
-speculative-sampling rule, so the distribution is unchanged) and answers the accepted drafts plus one token;
+"verify", the last stage judges the drafts against its logits (a draft is kept when it is the token the
+protocol's sampler, k3-gumbel/1, picks at its index, so the output is plain decoding's, greedy or sampled) and
+answers the accepted drafts plus one token;
 when it rejected some, every stage's session must return to the last accepted position (KDA, convolution and
 MLA state). The driver sends that rewind with the next forward (`ForwardHeader.rewind`) when every stage of
 the route takes it there (`capacity["forward_rewind"]`), else as the rewind message to every stage in
@@ -42,7 +43,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -53,7 +53,7 @@ from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
 from chain.interface import NeuronInfo
-from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, find_stop
+from inference.decoding.sampling import MAX_LOGPROBS, ReplayKey, SamplingParams, draw_seed, find_stop
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.model.config import ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EventStream, FinalEvent,
@@ -469,7 +469,10 @@ class RouteDriver:
                 self.restarting[hotkey] = urls[hotkey]
         await asyncio.gather(*(one(h) for h in failure.blame - set(self.restarting) if h in urls))
 
-    async def open(self, sampling: SamplingParams, seed: int, request_id: str = "") -> RouteSession:
+    async def open(self, sampling: SamplingParams, seed: int, request_id: str = "",
+                   prompt_tokens: int = 0) -> RouteSession:
+        """Sessions on every stage of a planned route; the head samples with `seed` and counts generated tokens
+        from `prompt_tokens` (k3-gumbel/1's index)."""
         route = await self.plan()
         rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12), request_id=request_id)
         me = Hop(url=self.url, hotkey=self.hotkey)
@@ -479,7 +482,7 @@ class RouteDriver:
             req = OpenRequest(route_id=rs.route_id, session=rs.session,
                               upstream=self.hotkey if i == 0 else route[i - 1].hotkey,
                               downstream=route[i + 1].hop if i + 1 < len(route) else None,
-                              reply_to=me, sampling=wire, seed=seed % (2**63))
+                              reply_to=me, sampling=wire, seed=seed, prompt_tokens=prompt_tokens)
             await self._control(s, OPEN_PATH, req.model_dump_json().encode())
 
         results = await asyncio.gather(*(open_one(i, s) for i, s in enumerate(route)), return_exceptions=True)
@@ -777,7 +780,7 @@ class RouteEngine(Engine):
     async def _generate(self, request: GenerationRequest, queue: asyncio.Queue) -> None:
         p = request.sampling
         t0 = time.perf_counter()
-        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
+        seed = p.seed if p.seed is not None else draw_seed()
         committed = list(request.prompt_token_ids)
         decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
         generated: list[int] = []
@@ -791,7 +794,7 @@ class RouteEngine(Engine):
             while True:
                 try:
                     if rs is None:
-                        rs = await self.driver.open(p, seed, request.request_id)
+                        rs = await self.driver.open(p, seed, request.request_id, len(request.prompt_token_ids))
                         out = (await self.driver.run(rs, self._chunks(rs, committed, "sample"), 0))[-1]
                         prefill_at = prefill_at or time.perf_counter()
                     while True:
@@ -819,7 +822,7 @@ class RouteEngine(Engine):
                                 counts = spec.final_counts() if spec is not None else {}
                                 queue.put_nowait(FinalEvent(reason, len(request.prompt_token_ids), len(generated),
                                                             0.0, ms(first_at), (time.perf_counter() - t0) * 1000.0,
-                                                            ms(prefill_at), **counts))
+                                                            ms(prefill_at), seed=seed, **counts))
                                 return
                             committed.append(token)
                         out = await self._step(rs, committed, spec, p.max_tokens - len(generated))
@@ -863,7 +866,11 @@ class RouteEngine(Engine):
             spec.observe_plain(out.token_id)
         return out
 
-    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0) -> list[ScoredPosition]:
+    async def score(self, token_ids: list[int], positions: list[int] | None = None, top_k: int = 0,
+                    replay: ReplayKey | None = None) -> list[ScoredPosition]:
+        if replay is not None:
+            raise EngineError("invalid_request", "a route's head stage answers logprobs, not logits rows: it cannot "
+                                                 "replay sampled tokens")
         if len(token_ids) < 2:
             raise EngineError("invalid_request", "scoring needs at least 2 tokens")
         if not 0 <= top_k <= MAX_LOGPROBS:

@@ -282,8 +282,8 @@ class StageServer:
         if not self.stage.layers.has_head and req.downstream is None:
             raise StageError(400, "no_downstream", "a stage that is not the last one needs a downstream hop")
         session = await self._in_worker(lambda: self.stage.open(
-            req.session, route_id=req.route_id, seed=req.seed, owner=caller, upstream=req.upstream,
-            sampling=stage_sampling_params(req.sampling),
+            req.session, route_id=req.route_id, seed=req.seed, prompt_tokens=req.prompt_tokens, owner=caller,
+            upstream=req.upstream, sampling=stage_sampling_params(req.sampling),
             downstream=req.downstream.model_dump() if req.downstream else {}, reply_to=req.reply_to.model_dump()))
         self._queued[req.session] = session.position
         self.ledger.open(req.route_id, req.session, req.sampling, req.seed)

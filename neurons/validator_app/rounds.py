@@ -7,7 +7,8 @@ One round (`ValidatorLoop.run_round`):
 3. pick the miners: every neuron with an endpoint except this validator, or, when
    `--sample-size` is set, that many of them, those evaluated least recently first;
 4. fetch each miner's capabilities (cached per uid and endpoint, refreshed periodically);
-5. send each miner its planned work (scoring.workloads.plan_round), bursts as simultaneous
+5. send each miner its planned work (scoring.workloads.plan_round; a share of its sampled chat
+   requests are resends of its earlier ones with another seed, scoring.workloads.with_resends), bursts as simultaneous
    streams, with bounded concurrency overall and per miner (and, optionally, a bound on miners
    evaluated at once), per-request client timeouts and a deadline per miner from the start of
    its evaluation: what is still in flight then is cut and measured as a timeout, so a miner
@@ -29,6 +30,7 @@ counter, the measurement window, the EMA, the last weights and the used canaries
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -62,14 +64,16 @@ from scoring.canaries import CanaryPool, CanaryPoolError
 from scoring.config import ScoringConfig
 from scoring.failures import Failure
 from scoring.metrics import Measurement, measure_auditor_failure, measure_burst, measure_request
+from scoring.replay import replays
 from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema
 from scoring.tier0 import check_tier0, validator_prompt_ids
 from scoring.weights import WeightEvidence, miner_weights, weights_from_ema, weights_to_submit
-from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round
+from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round, with_resends
 
 log = logging.getLogger("k3.validator")
 
 TRANSIENT_CHAIN_ERRORS = (ChainConnectionError, RateLimited, TimeoutError, OSError)
+RESEND_MEMORY = 64  # sampled chat items remembered per miner, to resend with another seed
 
 
 # ---------------------------------------------------------------- small pieces
@@ -281,6 +285,8 @@ class ValidatorLoop:
         self.ema: dict[int, EmaEntry] = store.load_ema()
         self.metagraph = MetagraphWatch(chain, self.netuid, settings.chain.timeout_s)
         self._capabilities: dict[int, tuple[str, str, Capabilities, float]] = {}  # uid -> hotkey, url, caps, at
+        self._unreplayable: set[str] = set()  # hotkeys already logged as declaring a sampler that does not replay
+        self._sent_chat: dict[str, collections.deque] = {}  # hotkey -> its recent sampled chat items (resends)
         self.in_flight: dict[int, int] = {}  # uid -> our requests to it in flight now
         self.cpu = CpuStats()
         self._global_slots: Optional[_Slots] = None
@@ -291,6 +297,12 @@ class ValidatorLoop:
         last = store.last_weights()
         self.last_weights_block: Optional[int] = last.block
         self.stage = None  # neurons.validator_app.stage_rounds.StageRounds, when it checks stage miners
+        if not self.config.statistical_checks:
+            log.warning("no honest-numerics envelope is measured for this model (scoring/envelopes/, matched by "
+                        "fingerprint): tier 1's statistical tests are recorded, not judged; exact checks only (tier 0, "
+                        "canaries, the greedy check, the replay of sampled answers with the conservative near-tie "
+                        "allowance of %g nats and honest rate %g)", self.config.replay_delta_unmeasured,
+                        self.config.replay_rate_unmeasured)
         if store.round:
             log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
                      store.round, len(self.window), len(self.ema), last.block)
@@ -483,6 +495,10 @@ class ValidatorLoop:
                 return cached[2], None
             return None, f"{type(error).__name__}: {error}"
         self._capabilities[neuron.uid] = (neuron.hotkey, url, caps, now)
+        if not replays(caps.sampler) and neuron.hotkey not in self._unreplayable:
+            self._unreplayable.add(neuron.hotkey)
+            log.info("uid %d (%s) declares sampler %r, not k3-gumbel/1: its sampled answers cannot be replayed and "
+                     "are checked statistically only", neuron.uid, neuron.hotkey, caps.sampler)
         self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, url, caps.model_dump(mode="json"),
                               time.time())
         if self.expected_fingerprint and caps.model_fingerprint != self.expected_fingerprint:
@@ -509,6 +525,7 @@ class ValidatorLoop:
             try:
                 items = plan_round(self.rng, caps, self.config, tokenizer=self.tokenizer, canaries=self.canaries,
                                    shape_seed=getattr(self, "round_shape_seed", None))
+                items = self._with_resends(neuron.hotkey, items)
             except WorkloadError as error:
                 self._record_unreachable(neuron, number, f"cannot plan work for its declared limits: {error}",
                                          check="capabilities")
@@ -528,6 +545,14 @@ class ValidatorLoop:
         finally:
             self.store.save_miner(neuron.uid, neuron.hotkey, neuron.coldkey, neuron.endpoint.url, last_round=number)
         return report
+
+    def _with_resends(self, hotkey: str, items: list[WorkItem]) -> list[WorkItem]:
+        """Some sampled chat items replaced by resends of this miner's earlier ones (another seed: a cache of
+        answers by prompt fails their replay); this round's own sampled chat items are remembered for later."""
+        earlier = self._sent_chat.setdefault(hotkey, collections.deque(maxlen=RESEND_MEMORY))
+        items = with_resends(self.rng, items, list(earlier), self.config)
+        earlier.extend(i for i in items if i.sampled_chat and i.resend_of is None)
+        return items
 
     def _record_unreachable(self, neuron: NeuronInfo, number: int, reason: str, check: str = "unreachable") -> None:
         """A miner we could not even plan a round for: one failed request, so that it is unreliable."""
@@ -845,7 +870,7 @@ def reference_capabilities(engine) -> Capabilities:
     return Capabilities(model_id=caps.model_id, model_fingerprint=caps.model_fingerprint or "reference",
                         vocab_size=caps.vocab_size, max_context=caps.max_context,
                         max_concurrent_streams=max(1, caps.max_concurrent_sequences), engine=caps.engine_kind,
-                        precision=caps.precision or "unknown", software_version=__version__)
+                        precision=caps.precision or "unknown", sampler=caps.sampler, software_version=__version__)
 
 
 def open_wallet(settings: WalletSettings):

@@ -254,6 +254,8 @@ class ValidatorSettings:
             if value is not None:
                 changes[name] = value
         changes.update(self.envelope_override(changes.get("logprob_gap_envelope")))
+        if not changes.get("logprob_gap_envelope"):  # nothing measured on this model: no statistical judgements
+            changes.setdefault("statistical_checks", False)
         try:
             if self.scoring.profile == "local_testnet":
                 config = ScoringConfig.local_testnet(**changes)
