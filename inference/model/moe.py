@@ -26,6 +26,10 @@ RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, 
 # Below this many multiply-adds per step, running every expert on every token in batched matmuls beats one
 # small matmul per expert hit (the tiny model's decode steps); above it, experts run only on their tokens.
 ALL_EXPERTS_MACS = 1 << 24
+# Steps of at most this many tokens (decode, speculative verify) run the experts they hit batched by expert on a
+# GPU (`LatentMoE._grouped_partial`): one dequantisation and three batched matmuls instead of a small matmul per
+# expert. Longer steps (prefill) are compute-bound and run each expert on its own tokens.
+GROUPED_MAX_TOKENS = 64
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
@@ -156,6 +160,10 @@ class LatentMoE(nn.Module):
         self.routing_observer: RoutingObserver | None = None
         self._dense_cache: mxfp4.DequantizedCache | None = None
         self._stacked = None  # (key, w1 [E, F, L], w3 [E, F, L], w2 [E, L, F]) for the all-experts path
+        # Experts batched by expert for short steps: None on a GPU only, True everywhere (the tests run it on the
+        # CPU against the per-expert loop), False never (the loop is the oracle).
+        self.grouped_experts: bool | None = None
+        self._packed: dict[str, Tensor] | None = None  # w1/w2/w3 packed and scale bytes stacked [E, ...]
 
     # ------------------------------------------------------------- switches
     def set_dequantize_cache(self, enabled: bool) -> None:
@@ -198,6 +206,8 @@ class LatentMoE(nn.Module):
         if allowed is None and self._dense_cache is not None and self.config.mxfp4_experts \
                 and E * T * 3 * self.config.latent_size * self.config.expert_intermediate_size <= ALL_EXPERTS_MACS:
             return self._all_experts_partial(z, ids, weights)
+        if allowed is None and self._groups_experts(z, T):
+            return self._grouped_partial(z, ids, weights)
         y = torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -238,6 +248,53 @@ class LatentMoE(nn.Module):
         out = torch.bmm(act.to(z.dtype), w2.transpose(1, 2))  # [E, T, L]
         tokens = torch.arange(T, device=z.device).repeat_interleave(k)
         picked = out[ids.reshape(-1), tokens].float() * weights.reshape(-1, 1).float()  # [T*k, L]
+        return torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device).index_add_(
+            0, tokens, picked)
+
+    def _groups_experts(self, z: Tensor, T: int) -> bool:
+        if self.grouped_experts is False or not self.config.mxfp4_experts or T > GROUPED_MAX_TOKENS:
+            return False
+        if self.grouped_experts is None and not z.is_cuda:
+            return False
+        return not any(lin.weight_packed.is_meta for ex in self.experts for lin in (ex.w1, ex.w2, ex.w3))
+
+    def packed_experts(self) -> dict[str, Tensor]:
+        """Every expert's MXFP4 bytes stacked by expert ({"w1.packed": [E, F, L/2], "w1.scale": [E, F, L/32], ...}),
+        made once; each expert's own buffers become views of the stacks, so the bytes are held once and a later
+        in-place load into an expert lands in the stacks."""
+        if self._packed is None:
+            stacks = {}
+            for name in ("w1", "w2", "w3"):
+                for part, buffer in (("packed", "weight_packed"), ("scale", "weight_scale")):
+                    stacks[f"{name}.{part}"] = torch.stack([getattr(getattr(ex, name), buffer) for ex in self.experts])
+            for e, ex in enumerate(self.experts):
+                for name in ("w1", "w2", "w3"):
+                    lin = getattr(ex, name)
+                    lin._buffers["weight_packed"] = stacks[f"{name}.packed"][e]
+                    lin._buffers["weight_scale"] = stacks[f"{name}.scale"][e]
+            if self._dense_cache is not None:
+                self._dense_cache.clear()  # its entries hold the old buffers
+            self._packed = stacks
+        return self._packed
+
+    def _grouped_partial(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """expert_partial for a short step on a device: the experts it hits, dequantised together (on the device,
+        per call: the bytes read are the MXFP4 ones), every hit expert on every token of the step in three batched
+        matmuls, then the routed (token, expert) pairs gathered. Equal to the per-expert loop up to rounding."""
+        T, k = ids.shape
+        hit, slot = torch.unique(ids.reshape(-1), return_inverse=True)  # [n] experts hit, [T*k] their index
+        packed = self.packed_experts()
+
+        def dense(name):  # [n, out, in] in z's dtype, decoded exactly
+            return mxfp4.dequantize(packed[f"{name}.packed"].index_select(0, hit),
+                                    packed[f"{name}.scale"].index_select(0, hit), z.dtype)
+
+        zt = z.unsqueeze(0).expand(hit.shape[0], -1, -1)  # [n, T, L]
+        act = situ_glu(torch.bmm(zt, dense("w1").transpose(1, 2)), torch.bmm(zt, dense("w3").transpose(1, 2)),
+                       self.config.situ_beta, self.config.situ_linear_beta)
+        out = torch.bmm(act.to(z.dtype), dense("w2").transpose(1, 2))  # [n, T, L]
+        tokens = torch.arange(T, device=z.device).repeat_interleave(k)
+        picked = out[slot, tokens].float() * weights.reshape(-1, 1).float()  # [T*k, L]
         return torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device).index_add_(
             0, tokens, picked)
 
