@@ -17,6 +17,7 @@ import torch
 from inference.model import (DeviceError, KimiK3Model, ModelConfig, device_problem, make_random_checkpoint,
                              resolve_device, resolve_dtype)
 from inference.model.kda import KDAAttention, KDALayerCache, fla_kda, kda_chunked, kda_recurrent
+from inference.model import moe as moe_module
 from inference.model.moe import LatentMoE
 from inference.planning.plan import Plan
 from inference.serving import EngineSpec, load_reference_model
@@ -125,11 +126,15 @@ def test_the_device_loader_on_the_cpu_holds_the_checkpoint_bit_for_bit(tiny_chec
 
 
 # ----------------------------------------------------------------- routed experts batched by expert
-@pytest.mark.parametrize("experts, top_k, tokens", [(16, 4, 1), (16, 4, 7), (64, 8, 16)])
-def test_grouped_experts_equal_the_per_expert_loop(experts, top_k, tokens):
-    """The GPU decode path of the MoE (hit experts dequantised together, batched matmuls), forced on here, against
-    the per-expert loop it replaces."""
+@pytest.mark.parametrize("experts, top_k, tokens, chunk", [(16, 4, 1, None), (64, 4, 3, None), (64, 4, 3, 5),
+                                                            (16, 4, 7, None), (64, 8, 16, None)])
+def test_grouped_experts_equal_the_per_expert_loop(experts, top_k, tokens, chunk, monkeypatch):
+    """The GPU decode path of the MoE (the pairs' experts dequantised together, batched matmuls; in chunks; or every
+    expert on every token), forced on here, against the per-expert loop it replaces."""
     config = ModelConfig.tiny(num_experts=experts, experts_per_token=top_k)
+    if chunk:  # chunks of `chunk` pairs
+        monkeypatch.setattr(moe_module, "GROUPED_DEQUANT_BYTES", chunk * 3 * config.latent_size
+                            * config.expert_intermediate_size * 4)
     torch.manual_seed(0)
     moe = LatentMoE(config).eval()
     z = torch.randn(tokens, config.latent_size)
@@ -290,3 +295,36 @@ def test_bf16_on_the_gpu_decodes_the_cpu_references_greedy_tokens(trained_checkp
             seq = torch.tensor([out[-1]])
         tokens[name] = out
     assert tokens["gpu"] == tokens["cpu"]
+
+
+# ----------------------------------------------------------------------------- the prepared GPU check
+def test_the_gpu_checks_dry_run_writes_every_step(tmp_path):
+    """benchmarks/gpu_check.py's entry at a tiny size on the CPU (its dry run's path; the tiny trained model's step
+    and the swarm of processes are left out here for time): every step's figures land in the JSON."""
+    from benchmarks import gpu_check  # noqa: PLC0415
+
+    config = gpu_check.scaled_k3_config(10**6, layers=4)
+    assert config.hidden_size % 64 == 0 and config.kda_head_dim == 128 and config.num_layers == 4
+    make_random_checkpoint(config, gpu_check.scaled_checkpoint_dir(config, tmp_path), seed=0)  # as k3-checkpoint
+    out = tmp_path / "check.json"
+    code = gpu_check.main(["--device", "cpu", "--scaled-gb", "0.001", "--scaled-layers", "4", "--skip", "tiny",
+                           "--skip", "swarm", "--prompt-tokens", "6", "--new-tokens", "2", "--audits", "1",
+                           "--decode-steps", "1", "--prefill-tokens", "16", "--kda-tokens", "16", "--out", str(out),
+                           "--work", str(tmp_path)])
+    data = json.loads(out.read_text())
+    assert code == 0
+    assert {"command", "dtype", "machine", "tiny", "kda", "scaled_checkpoint", "scaled", "swarm", "seconds"} <= set(data)
+    assert data["tiny"] == {"skipped": "--skip tiny"} and data["swarm"] == {"skipped": "--skip swarm"}
+    assert data["scaled_checkpoint"]["reused"] is True and data["machine"]["bandwidth_measured"] > 0
+    scaled = data["scaled"]
+    assert "error" not in scaled, scaled.get("traceback")
+    assert {"greedy", "teacher_forced", "stage_judge", "speed", "roofline", "config"} <= set(scaled)
+    assert len(scaled["greedy"]["device"]) == 2 and scaled["teacher_forced"]["audits"] == 1
+    assert [b["exact_checks"] for b in scaled["stage_judge"]] == ["ok"] * 3
+    assert {"decode_1", "decode_16", "prefill"} <= set(scaled["speed"])
+    roof = scaled["roofline"]
+    assert roof["weight_bytes_per_step"]["experts"] > 0 and 0 < roof["fraction_of_measured_bandwidth"]
+    for kernel in ("prefill", "decode"):
+        assert data["kda"][kernel]["ours_ms"] > 0
+        if not CUDA:
+            assert "need a CUDA device" in data["kda"][kernel]["fla"]

@@ -26,10 +26,12 @@ RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, 
 # Below this many multiply-adds per step, running every expert on every token in batched matmuls beats one
 # small matmul per expert hit (the tiny model's decode steps); above it, experts run only on their tokens.
 ALL_EXPERTS_MACS = 1 << 24
-# Steps of at most this many tokens (decode, speculative verify) run the experts they hit batched by expert on a
-# GPU (`LatentMoE._grouped_partial`): one dequantisation and three batched matmuls instead of a small matmul per
-# expert. Longer steps (prefill) are compute-bound and run each expert on its own tokens.
-GROUPED_MAX_TOKENS = 64
+# Steps with at most this many (token, expert) pairs (decode, speculative verify) run their experts batched on a
+# GPU (`LatentMoE._grouped_partial`): one dequantisation and three batched matmuls per chunk instead of a small
+# matmul per expert and a host round trip. Longer steps (prefill) run each expert on its own tokens.
+GROUPED_MAX_PAIRS = 512
+# The dense copies one chunk of the batched path holds at once (K3: about 30 experts' w1, w2, w3 in bf16).
+GROUPED_DEQUANT_BYTES = 2 << 30
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
@@ -252,7 +254,8 @@ class LatentMoE(nn.Module):
             0, tokens, picked)
 
     def _groups_experts(self, z: Tensor, T: int) -> bool:
-        if self.grouped_experts is False or not self.config.mxfp4_experts or T > GROUPED_MAX_TOKENS:
+        if self.grouped_experts is False or not self.config.mxfp4_experts \
+                or T * self.config.experts_per_token > GROUPED_MAX_PAIRS:
             return False
         if self.grouped_experts is None and not z.is_cuda:
             return False
@@ -278,25 +281,38 @@ class LatentMoE(nn.Module):
         return self._packed
 
     def _grouped_partial(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """expert_partial for a short step on a device: the experts it hits, dequantised together (on the device,
-        per call: the bytes read are the MXFP4 ones), every hit expert on every token of the step in three batched
-        matmuls, then the routed (token, expert) pairs gathered. Equal to the per-expert loop up to rounding."""
+        """expert_partial for a short step on a device, without a host round trip: the MXFP4 bytes of the experts
+        it needs are gathered and dequantised together (on the device, per call: what is held between calls is
+        MXFP4), then three batched matmuls. Each (token, expert) pair is one matrix-vector product, in chunks of at
+        most GROUPED_DEQUANT_BYTES of dense weights (a single stream reads exactly its k experts); when the step has
+        at least as many pairs as there are experts and all of them fit in one chunk, every expert runs on every
+        token instead and the routed pairs are picked. Equal to the per-expert loop up to rounding."""
         T, k = ids.shape
-        hit, slot = torch.unique(ids.reshape(-1), return_inverse=True)  # [n] experts hit, [T*k] their index
+        E, L, F = self.config.num_experts, self.config.latent_size, self.config.expert_intermediate_size
+        flat = ids.reshape(-1)  # [T*k] the experts of the pairs, token-major
+        tokens = torch.arange(T, device=z.device).repeat_interleave(k)
+        per_chunk = max(1, GROUPED_DEQUANT_BYTES // (3 * L * F * z.element_size()))
+        if T * k >= E and E <= per_chunk:
+            picked = self._experts_on(z.unsqueeze(0).expand(E, -1, -1), None)[flat, tokens]  # [T*k, L]
+        else:
+            picked = torch.cat([self._experts_on(z[tokens[i:i + per_chunk]].unsqueeze(1), flat[i:i + per_chunk])[:, 0]
+                                for i in range(0, T * k, per_chunk)])
+        picked = picked.float() * weights.reshape(-1, 1).float()
+        return torch.zeros(T, L, dtype=torch.float32, device=z.device).index_add_(0, tokens, picked)
+
+    def _experts_on(self, x: Tensor, which: Tensor | None) -> Tensor:
+        """x [n, t, L] through the experts `which` [n] (None: all E, in order): [n, t, L] in x.dtype."""
         packed = self.packed_experts()
 
-        def dense(name):  # [n, out, in] in z's dtype, decoded exactly
-            return mxfp4.dequantize(packed[f"{name}.packed"].index_select(0, hit),
-                                    packed[f"{name}.scale"].index_select(0, hit), z.dtype)
+        def dense(name):  # [n, out, in] in x's dtype, decoded exactly
+            data, scale = packed[f"{name}.packed"], packed[f"{name}.scale"]
+            if which is not None:
+                data, scale = data.index_select(0, which), scale.index_select(0, which)
+            return mxfp4.dequantize(data, scale, x.dtype)
 
-        zt = z.unsqueeze(0).expand(hit.shape[0], -1, -1)  # [n, T, L]
-        act = situ_glu(torch.bmm(zt, dense("w1").transpose(1, 2)), torch.bmm(zt, dense("w3").transpose(1, 2)),
+        act = situ_glu(torch.bmm(x, dense("w1").transpose(1, 2)), torch.bmm(x, dense("w3").transpose(1, 2)),
                        self.config.situ_beta, self.config.situ_linear_beta)
-        out = torch.bmm(act.to(z.dtype), dense("w2").transpose(1, 2))  # [n, T, L]
-        tokens = torch.arange(T, device=z.device).repeat_interleave(k)
-        picked = out[slot, tokens].float() * weights.reshape(-1, 1).float()  # [T*k, L]
-        return torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device).index_add_(
-            0, tokens, picked)
+        return torch.bmm(act.to(x.dtype), dense("w2").transpose(1, 2))
 
     def finish(self, y_latent: Tensor, x: Tensor) -> Tensor:
         """Latent RMSNorm on the weighted sum, latent -> D, plus the shared experts on the full-width x."""
