@@ -2,7 +2,7 @@
 
     scripts/gpu_check.sh --out gpu_check.json            # --device cuda; the scaled K3 at 20 GB; < 8 min on an H100
     scripts/gpu_check.sh --device cpu --out dry.json     # the dry run on a CPU: the same steps, the scaled K3 at 0.2 GB
-    python -m benchmarks.gpu_check --device cuda --work /tmp/k3-gpu-check --skip swarm
+    python -m benchmarks.gpu_check --device cuda --work ~/k3-gpu-check --skip swarm
 
 Steps (each records its seconds, and its error if it fails, so one failing step leaves the others' figures):
 1. `tiny` and `scaled`: the tiny trained model (inference/model/assets/tiny_trained) and a K3-shaped model scaled
@@ -457,7 +457,7 @@ def run(args) -> dict:
     from inference.model import read_config, resolve_device  # noqa: PLC0415
 
     device = resolve_device(args.device)
-    work = Path(args.work or tempfile.mkdtemp(prefix="k3-gpu-check-"))
+    work = Path(args.work).expanduser() if args.work else Path(tempfile.mkdtemp(prefix="k3-gpu-check-"))
     out_path = Path(args.out)
     started = time.perf_counter()
     results: dict = {"command": "python -m benchmarks.gpu_check " + " ".join(args.argv), "dtype": args.dtype,
@@ -555,9 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaled-layers", type=int, default=12, help="layers of the scaled K3 (more are added in fours "
                                                                    "when K3's widths need them to reach --scaled-gb)")
     ap.add_argument("--prompt-tokens", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared, answers' length")
-    ap.add_argument("--audits", type=int, default=4, help="answers teacher-forced per model")
-    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default: 32 on a GPU, 8 "
+    ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens compared, answers' length (default: "
+                                                                 "16 on a GPU, 8 on the CPU)")
+    ap.add_argument("--audits", type=int, default=None, help="answers teacher-forced per model (default: 4 on a GPU, "
+                                                             "2 on the CPU)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default: 32 on a GPU, 4 "
                                                                    "on the CPU)")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="prefill timed (default: 8192 on a GPU, 256 "
                                                                      "on the CPU)")
@@ -569,7 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     gpu = args.device != "cpu"
     args.scaled_gb = args.scaled_gb if args.scaled_gb is not None else (20.0 if gpu else 0.2)
-    args.decode_steps = args.decode_steps or (32 if gpu else 8)
+    args.new_tokens = args.new_tokens or (16 if gpu else 8)
+    args.audits = args.audits or (4 if gpu else 2)
+    args.decode_steps = args.decode_steps or (32 if gpu else 4)
     args.prefill_tokens = args.prefill_tokens or (8192 if gpu else 256)
     args.kda_tokens = args.kda_tokens or (8192 if gpu else 256)
     from inference.model import device_problem  # noqa: PLC0415

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check (docs/benchmarks.md, "GPU check"): the project's engine and stage miners on one GPU against
 # the fp32 CPU reference, speed, KDA against fla's kernels, a 3-stage swarm, the bandwidth roofline; one JSON file.
-#   scripts/gpu_check.sh --out gpu_check.json --work /tmp/k3-gpu-check    # --device cuda, the scaled K3 at 20 GB
+#   scripts/gpu_check.sh --out gpu_check.json --work ~/k3-gpu-check    # --device cuda, the scaled K3 at 20 GB
 #   scripts/gpu_check.sh --device cpu --out dry.json                       # the dry run on a CPU (0.2 GB)
 # Every flag goes to python -m benchmarks.gpu_check (--help lists them). The interpreter: $PYTHON, else .venv's,
 # else python3. Wheels in .whl/ (scripts/gpu_wheels.sh: the dependencies a bare GPU image lacks) are installed

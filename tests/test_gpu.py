@@ -189,6 +189,18 @@ def test_a_model_with_grouped_experts_decodes_as_the_plain_one(tiny_checkpoint):
         a, b = plain.forward(nxt, caches[0]), fast.forward(nxt, caches[1])
 
 
+def test_the_envelope_measures_a_device_variant_through_the_same_code(tiny_checkpoint):
+    """benchmarks/verification.py --device: the honest miner on a device, fp32 and bf16, its logits back on the host;
+    run here with device "cpu" through the code a GPU takes."""
+    from scoring.envelope import device_variants  # noqa: PLC0415
+
+    fp32, bf16 = device_variants(tiny_checkpoint, "cpu")
+    assert (fp32.name, bf16.name, fp32.precision, bf16.precision) == ("fp32-cpu", "bf16-cpu", "fp32", "bf16")
+    assert fp32.honest and bf16.honest
+    (answer,) = bf16.run([[256, 1, 2, 3]], [0.8], [5], 3, frozenset())
+    assert len(answer.tokens) == 3 and all(math.isfinite(lp) and lp <= 0 for lp in answer.logprobs)
+
+
 # ----------------------------------------------------------------------------- a stage on its device
 def test_a_stage_computes_on_its_models_device_and_answers_on_the_host(tiny_checkpoint):
     stage = Stage.from_checkpoint(tiny_checkpoint, "0-5", device="cpu")
