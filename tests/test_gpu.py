@@ -162,6 +162,24 @@ def test_a_load_after_stacking_lands_in_the_stacks():
     assert bool((stacks["w2.packed"][5] == 0x22).all())
 
 
+def test_experts_held_stacked_before_a_load_receive_the_checkpoint_in_place(tiny_checkpoint):
+    """What a GPU load does (the stacks allocated on the device, the loader copying each expert into its view), here
+    on the CPU: every expert's bytes land in the stacks, and the model equals the checkpoint's."""
+    from inference.model import load_checkpoint  # noqa: PLC0415
+    from inference.sharding.worker import model_skeleton  # noqa: PLC0415
+
+    model = model_skeleton(ModelConfig.tiny(), torch.float32)
+    model.hold_experts_stacked("cpu", layers=[1, 2])
+    moe = model.layers[1].block_sparse_moe
+    assert moe.experts[7].w3.weight_scale.data_ptr() == moe.packed_experts()["w3.scale"][7].data_ptr()
+    load_checkpoint(model, tiny_checkpoint, verify=False, progress=False)
+    seeded = KimiK3Model(ModelConfig.tiny(), seed=0).state_dict()
+    assert all(torch.equal(t, seeded[k]) for k, t in model.state_dict().items())
+    stacks = moe.packed_experts()
+    assert torch.equal(stacks["w2.packed"][7], seeded["model.layers.1.block_sparse_moe.experts.7.w2.weight_packed"])
+    assert model.layers[3].block_sparse_moe._packed is None  # only the layers asked for
+
+
 def test_the_model_switch_puts_every_layer_on_its_plain_twin():
     model = KimiK3Model(ModelConfig.tiny(), seed=0)
     model.set_fast_paths(False)

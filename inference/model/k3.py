@@ -317,6 +317,13 @@ class KimiK3Model(nn.Module):
             if layer.is_moe:
                 layer.block_sparse_moe.grouped_experts = None if enabled else False
 
+    def hold_experts_stacked(self, device: torch.device | str, layers: Iterable[int] | None = None) -> None:
+        """Before loading into a skeleton: each MoE layer's (of `layers`, default all) routed experts allocated as
+        stacks on `device`, for the batched expert path (LatentMoE.hold_experts_stacked)."""
+        for i in range(self.config.num_layers) if layers is None else layers:
+            if self.layers[i].is_moe:
+                self.layers[i].block_sparse_moe.hold_experts_stacked(device)
+
     @property
     def device(self) -> torch.device:
         """Where the materialised weights live (a stage's skeleton keeps the rest on meta)."""

@@ -261,24 +261,36 @@ class LatentMoE(nn.Module):
             return False
         return not any(lin.weight_packed.is_meta for ex in self.experts for lin in (ex.w1, ex.w2, ex.w3))
 
+    _PACKED_BUFFERS = (("packed", "weight_packed"), ("scale", "weight_scale"))
+
     def packed_experts(self) -> dict[str, Tensor]:
         """Every expert's MXFP4 bytes stacked by expert ({"w1.packed": [E, F, L/2], "w1.scale": [E, F, L/32], ...}),
-        made once; each expert's own buffers become views of the stacks, so the bytes are held once and a later
-        in-place load into an expert lands in the stacks."""
+        made once (here from the experts' own buffers; before a load, `hold_experts_stacked`); each expert's buffers
+        are views of the stacks, so the bytes are held once and a later in-place load into an expert lands there."""
         if self._packed is None:
-            stacks = {}
-            for name in ("w1", "w2", "w3"):
-                for part, buffer in (("packed", "weight_packed"), ("scale", "weight_scale")):
-                    stacks[f"{name}.{part}"] = torch.stack([getattr(getattr(ex, name), buffer) for ex in self.experts])
-            for e, ex in enumerate(self.experts):
-                for name in ("w1", "w2", "w3"):
-                    lin = getattr(ex, name)
-                    lin._buffers["weight_packed"] = stacks[f"{name}.packed"][e]
-                    lin._buffers["weight_scale"] = stacks[f"{name}.scale"][e]
-            if self._dense_cache is not None:
-                self._dense_cache.clear()  # its entries hold the old buffers
-            self._packed = stacks
+            self._bind_stacks({f"{name}.{part}": torch.stack([getattr(getattr(ex, name), buffer) for ex in self.experts])
+                               for name in ("w1", "w2", "w3") for part, buffer in self._PACKED_BUFFERS})
         return self._packed
+
+    def hold_experts_stacked(self, device: torch.device | str) -> None:
+        """Before a load into a skeleton: the experts' MXFP4 bytes allocated as stacks on `device`, each expert's
+        buffers views of them, so the loader copies every expert into its place (no stacking copy later, which
+        would hold a layer's experts twice on the GPU for a moment)."""
+        if self._packed is not None or not self.config.mxfp4_experts:
+            return
+        first = self.experts[0]
+        self._bind_stacks({f"{name}.{part}": torch.empty((len(self.experts), *getattr(getattr(first, name), buffer).shape),
+                                                         dtype=torch.uint8, device=device)
+                           for name in ("w1", "w2", "w3") for part, buffer in self._PACKED_BUFFERS})
+
+    def _bind_stacks(self, stacks: dict[str, Tensor]) -> None:
+        for e, ex in enumerate(self.experts):
+            for name in ("w1", "w2", "w3"):
+                for part, buffer in self._PACKED_BUFFERS:
+                    getattr(ex, name)._buffers[buffer] = stacks[f"{name}.{part}"][e]
+        if self._dense_cache is not None:
+            self._dense_cache.clear()  # its entries hold the old buffers
+        self._packed = stacks
 
     def _grouped_partial(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """expert_partial for a short step on a device, without a host round trip: the MXFP4 bytes of the experts

@@ -123,6 +123,8 @@ def load_reference_model(checkpoint: str | Path, dtype: str = "auto", verify: bo
     except DeviceError as error:
         raise EngineSpecError(str(error)) from None
     model = model_skeleton(config, weights)
+    if where.type == "cuda":  # the batched expert path reads the experts stacked: load them into their places
+        model.hold_experts_stacked(where)
     load_checkpoint(model, checkpoint, verify=verify, progress=progress, device=where)
     left = [k for k, t in model.state_dict().items() if t.is_meta]
     if left:  # a checkpoint's tensors are checked against the model's names; nothing may stay unloaded

@@ -150,6 +150,8 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
             verify_tensors = bool(read_manifest(checkpoint).get("tensors"))
         except CheckpointError:  # no manifest at all: nothing to check against
             verify_tensors = False
+    if torch.device(device).type == "cuda":  # the batched expert path reads the experts stacked: load them in place
+        model.hold_experts_stacked(device, range(layers.start, layers.stop))
     load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select, verify_tensors=verify_tensors,
                     device=device)
     hashes, nbytes = {}, 0
