@@ -44,11 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         "that GPU, fp32 and bf16 (the reference stays fp32 on the CPU)")
     args = parser.parse_args(argv)
 
+    from inference.model import device_problem  # noqa: PLC0415
     from scoring.config import ScoringConfig  # noqa: PLC0415
     from scoring.envelope import (format_report, load_reports, markdown_tables, measure_envelope,  # noqa: PLC0415
                                   save_report)
-
-    from inference.model import device_problem  # noqa: PLC0415
     if device_problem(args.device):
         parser.error(device_problem(args.device))
     started = time.perf_counter()

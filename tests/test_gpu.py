@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from inference.model import (DeviceError, KimiK3Model, ModelConfig, device_problem, make_random_checkpoint,
-                             resolve_device, resolve_dtype)
+                             moe as moe_module, resolve_device, resolve_dtype)
 from inference.model.kda import KDAAttention, KDALayerCache, fla_kda, kda_chunked, kda_recurrent
-from inference.model import moe as moe_module
 from inference.model.moe import LatentMoE
 from inference.planning.plan import Plan
 from inference.serving import EngineSpec, load_reference_model

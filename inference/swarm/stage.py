@@ -51,8 +51,7 @@ from torch import Tensor
 
 from inference.decoding.acceptance import accept_drafts
 from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
-from inference.model import (CheckpointError, TensorSelection, load_checkpoint, model_device, read_config,
-                             resolve_device)
+from inference.model import CheckpointError, TensorSelection, load_checkpoint, model_device, read_config, resolve_device
 from inference.model.checkpoint import read_manifest, tensor_sha256
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
