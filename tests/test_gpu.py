@@ -124,6 +124,19 @@ def test_the_device_loader_on_the_cpu_holds_the_checkpoint_bit_for_bit(tiny_chec
     assert bf16.model.layers[1].self_attn.A_log.dtype == torch.float32  # the format's fp32 tensors stay fp32
 
 
+def test_mxfp4_decodes_straight_to_bf16_exactly():
+    """A GPU decodes experts per call in bf16 directly (half the bytes of an fp32 decode): for every byte and every
+    scale the same values as the fp32 decode rounded to bf16 (a code times a power of two is exact in either)."""
+    from inference.model import mxfp4  # noqa: PLC0415
+
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # every byte, under every scale byte below
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    direct = mxfp4.dequantize(packed, scale, torch.bfloat16)
+    via_fp32 = mxfp4.dequantize(packed, scale, torch.float32).to(torch.bfloat16)
+    assert direct.dtype == torch.bfloat16
+    assert bool(((direct == via_fp32) | (direct.isnan() & via_fp32.isnan())).all())
+
+
 # ----------------------------------------------------------------- routed experts batched by expert
 @pytest.mark.parametrize("experts, top_k, tokens, chunk", [(16, 4, 1, None), (64, 4, 3, None), (64, 4, 3, 5),
                                                             (16, 4, 7, None), (64, 8, 16, None)])
