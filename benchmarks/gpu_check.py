@@ -464,7 +464,7 @@ def run(args) -> dict:
                      "machine": machine(device)}
     scaled_config = scaled_k3_config(int(args.scaled_gb * 1e9), layers=args.scaled_layers)
     scaled_dir, writer = (None, None)
-    t_write = time.perf_counter()
+    t_write = time.time()
     if "scaled" not in args.skip or "swarm" not in args.skip:  # written meanwhile the tiny model is checked
         scaled_dir, writer = start_scaled_checkpoint(scaled_config, work)
     sizes = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
@@ -487,8 +487,9 @@ def run(args) -> dict:
         def wait_for_checkpoint():
             if writer is not None and writer.wait() != 0:
                 raise RuntimeError(f"k3-checkpoint failed: {(work / 'make_checkpoint.log').read_text()[-2000:]}")
-            return {"path": str(scaled_dir), "bytes": scaled_config.checkpoint_bytes(),
-                    "written_in_s": time.perf_counter() - t_write if writer is not None else 0.0,
+            # k3_manifest.json is the last file k3-checkpoint writes
+            written = (scaled_dir / "k3_manifest.json").stat().st_mtime - t_write if writer is not None else 0.0
+            return {"path": str(scaled_dir), "bytes": scaled_config.checkpoint_bytes(), "written_in_s": written,
                     "reused": writer is None}
         _step(results, "scaled_checkpoint", out_path, wait_for_checkpoint)
     if "scaled" not in args.skip and "error" not in results.get("scaled_checkpoint", {}):
