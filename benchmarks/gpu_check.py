@@ -56,11 +56,11 @@ def _multiple(x: float, m: int) -> int:
 
 
 def scaled_k3_config(target_bytes: int, layers: int = 12, experts: int = 16, top_k: int = 4):
-    """Kimi K3 cut down to about `target_bytes` of checkpoint: `layers` layers (MLA every 4th and the last, layer 0
-    dense, Attention Residuals blocks of 4), `experts` routed experts of K3's shape per MoE layer (top `top_k`).
-    Where K3's own widths fit (20 GB and up), they are kept (hidden 7168, 96 heads of 128, vocabulary 163840) and
-    layers are added in fours to reach the target; below, every width is scaled by one factor (heads stay 128 wide,
-    so fla's kernels apply), the smallest that reaches the target."""
+    """Kimi K3 cut down to about `target_bytes` of checkpoint: MLA every 4th layer and the last, layer 0 dense,
+    Attention Residuals blocks of 4, `experts` routed experts of K3's shape per MoE layer (top `top_k`). Where K3's
+    own widths fit (20 GB and up), they are kept (hidden 7168, 96 heads of 128, vocabulary 163840) with the fewest
+    layers that reach the target (11 for 20 GB); below, `layers` layers with every width scaled by one factor (heads
+    stay 128 wide, so fla's kernels apply), the smallest that reaches the target."""
     from inference.model import ModelConfig  # noqa: PLC0415 (torch)
 
     k3 = ModelConfig.kimi_k3()
@@ -78,11 +78,10 @@ def scaled_k3_config(target_bytes: int, layers: int = 12, experts: int = 16, top
             kda_heads=heads, q_lora_rank=_multiple(1536 * w, 32), kv_lora_rank=_multiple(512 * w, 32),
             a_log_size=max(heads, 128))
 
-    full = build(1.0, layers)
-    if target_bytes >= 0.8 * full.checkpoint_bytes():  # K3's widths: at least the target, in fours of layers
-        n = layers
+    if target_bytes >= 0.8 * build(1.0, layers).checkpoint_bytes():  # K3's widths: the fewest layers that reach it
+        n = 4
         while build(1.0, n).checkpoint_bytes() < target_bytes:
-            n += 4
+            n += 1
         return build(1.0, n)
     lo, hi = 0.0, 1.0
     for _ in range(30):
