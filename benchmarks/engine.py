@@ -94,13 +94,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script works")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the model computes)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="weights dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = args.checkpoint
     if ckpt == "random":
         ckpt = tempfile.mkdtemp(prefix="k3-bench-")
         make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0)
-    model, tok, fp = load_reference_model(ckpt)
+    model, tok, fp = load_reference_model(ckpt, args.dtype, device=args.device)
     out = {"threads": args.threads, "checkpoint_fingerprint": fp, "decode": [], "ttft": {}}
 
     levels = (1, 4, 16) if args.quick else (1, 4, 16, 64)

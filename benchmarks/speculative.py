@@ -236,6 +236,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-model", type=Path, help="a distilled draft table for the checkpoint "
                         "(scripts/distill_drafter.py): adds the \"distilled\" rows")
     parser.add_argument("--skip-rewind-table", action="store_true", help="leave out the rollback cost table")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the model computes)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="weights dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
         if ckpt is None:
             ckpt = Path(tmp) / "tiny"
             make_random_checkpoint(ModelConfig.tiny(), ckpt, seed=0, progress=False)
-        model, tokenizer, fp = load_reference_model(ckpt)
+        model, tokenizer, fp = load_reference_model(ckpt, args.dtype, device=args.device)
     print(f"checkpoint {args.checkpoint or 'random tiny (seed 0)'} ({fp}), {args.tokens} tokens per run, "
           f"greedy, one stream, median of {args.repeats}, {args.threads} thread(s)\n")
     table = load_table(args.draft_model, fp) if args.draft_model else None

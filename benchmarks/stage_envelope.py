@@ -15,6 +15,7 @@ many tokens of lying each took.
 
     python -m benchmarks.stage_envelope --sessions 150 --write scoring/envelopes/tiny_trained.json
     python -m benchmarks.stage_envelope --sessions 0 --cheats echo,fewer-experts,sparse-liar --repeats 5
+    python -m benchmarks.stage_envelope --sessions 150 --device cuda --write FILE   # with honest GPU stages
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch
 
 from benchmarks.checkpoint_choice import add_checkpoint_argument, resolve_checkpoint
 from inference.decoding.sampling import SamplingParams
-from inference.model import load_tokenizer, read_config
+from inference.model import device_problem, load_tokenizer, read_config
 from inference.model.checkpoint import fingerprint
 from inference.planning.swarm_plan import stage_blocks
 from inference.serving.builders import load_reference_model
@@ -50,6 +51,8 @@ from scoring.stage_judge import (CheckStats, NumericsEnvelope, derive_envelope, 
 
 NUMERICS = {"fp32": "float32", "fp32-2-threads": "float32", "bf16": "bfloat16", "fp16": "float16",
             "sharded-fp32": "float32"}
+# honest stages on the GPU of --device (its kernels: cuBLAS reductions, fla's KDA, experts batched by expert)
+GPU_NUMERICS = {"gpu-fp32": "float32", "gpu-bf16": "bfloat16"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -129,14 +132,16 @@ def prompt_ids(rng: random.Random, tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def honest_routes(ckpt: Path, blocks: list[tuple[int, int]], num_layers: int, only: Sequence[str]) -> dict:
+def honest_routes(ckpt: Path, blocks: list[tuple[int, int]], num_layers: int, only: Sequence[str],
+                  device: str = "cpu") -> dict:
     routes = {}
     for name in only:
-        numerics = NUMERICS[name]
+        numerics = {**NUMERICS, **GPU_NUMERICS}[name]
         shard = 2 if name.startswith("sharded") else 1
         routes[name] = [RouteStage(Stage.from_checkpoint(ckpt, LayerRange(a, b, num_layers), DTYPES[numerics],
                                                          shard_ranks=shard if b - a >= 2 else 1,
-                                                         threads_per_rank=1),
+                                                         threads_per_rank=1,
+                                                         device=device if name in GPU_NUMERICS else "cpu"),
                                    "bfloat16" if numerics == "bfloat16" else "float32",
                                    2 if name == "fp32-2-threads" else 1)
                         for a, b in blocks]
@@ -144,14 +149,15 @@ def honest_routes(ckpt: Path, blocks: list[tuple[int, int]], num_layers: int, on
 
 
 def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, seed: int,
-            max_prompt: int, max_decode: int) -> list[tuple[str, str, str, CheckStats, int]]:
-    """(variant, numerics, kind "state"|"head", statistics, block index) of every stage check."""
+            max_prompt: int, max_decode: int, device: str = "cpu") -> list[tuple[str, str, str, CheckStats, int]]:
+    """(variant, numerics, kind "state"|"head", statistics, block index) of every stage check. The `gpu-*` variants
+    run their stages on `device`; the references stay fp32 on the CPU."""
     config = read_config(ckpt)
     tokenizer = load_tokenizer(ckpt, config)
     model, _, _ = load_reference_model(ckpt, verify=False)
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, stages)
     references = [reference_stage(model, a, b) for a, b in blocks]
-    routes = honest_routes(ckpt, blocks, config.num_layers, variants)
+    routes = honest_routes(ckpt, blocks, config.num_layers, variants, device)
     rng = random.Random(seed)
     rows = []
     try:
@@ -166,7 +172,7 @@ def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, 
                 for i, ((a, b), ref, steps) in enumerate(zip(blocks, references, recorded)):
                     c = recheck_opened(steps, ref, seed=rng.getrandbits(62))
                     kind = "head" if b == config.num_layers else "state"
-                    rows.append((name, NUMERICS[name], kind, CheckStats.of(c), i))
+                    rows.append((name, {**NUMERICS, **GPU_NUMERICS}[name], kind, CheckStats.of(c), i))
             if (k + 1) % 10 == 0:
                 print(f"[stage_envelope] {k + 1}/{sessions} sessions, {len(rows)} checks", file=sys.stderr,
                       flush=True)
@@ -273,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     add_checkpoint_argument(ap)
     ap.add_argument("--sessions", type=int, default=40, help="sessions per honest variant")
     ap.add_argument("--stages", type=int, default=3, help="stages on the route (blocks of the model)")
-    ap.add_argument("--variants", default=",".join(NUMERICS), help=f"comma-separated, of {list(NUMERICS)}")
+    ap.add_argument("--variants", default="", help=f"comma-separated, of {list(NUMERICS)} (default: all), and "
+                                                   f"with --device {list(GPU_NUMERICS)}")
+    ap.add_argument("--device", default="cpu", help="cuda or cuda:N: also honest stages on that GPU (fp32 and bf16), "
+                                                    "so the envelope includes the GPU's numerics")
     ap.add_argument("--max-prompt", type=int, default=160)
     ap.add_argument("--max-decode", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -288,11 +297,14 @@ def main(argv: list[str] | None = None) -> int:
                                                             "positive table")
     ap.add_argument("--rows", metavar="FILE", help="write every check's statistics here as JSON")
     args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
+    known = list(NUMERICS) + (list(GPU_NUMERICS) if args.device != "cpu" else [])
+    variants = [v for v in args.variants.split(",") if v] or known
     cheats = [c for c in args.cheats.split(",") if c]
-    unknown = sorted(set(variants) - set(NUMERICS)) + sorted(set(cheats) - set(IN_PROCESS_CHEATS))
+    unknown = sorted(set(variants) - set(known)) + sorted(set(cheats) - set(IN_PROCESS_CHEATS))
     if unknown:
-        ap.error(f"unknown variants or cheats {unknown}; known: {list(NUMERICS)}, {list(IN_PROCESS_CHEATS)}")
+        ap.error(f"unknown variants or cheats {unknown}; known: {known}, {list(IN_PROCESS_CHEATS)}")
+    if device_problem(args.device):
+        ap.error(device_problem(args.device))
     started = time.time()
     torch.set_num_threads(1)  # the stages and the reference take turns; a variant sets its own threads
     with tempfile.TemporaryDirectory() as tmp:
@@ -300,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         envelopes = {}
         if args.sessions:
             rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
-                           max_prompt=args.max_prompt, max_decode=args.max_decode)
+                           max_prompt=args.max_prompt, max_decode=args.max_decode, device=args.device)
             if args.rows:
                 Path(args.rows).write_text(json.dumps([[v, n, k, b, st.__dict__] for v, n, k, st, b in rows]))
             if args.validate:

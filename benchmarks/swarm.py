@@ -141,7 +141,8 @@ async def start_delayed_route(ckpt: Path, config, tokenizer, work: Path, args):
         procs, infos = launch_stages(ckpt, ranges, work / "wallets", names[:-1], work,
                                      ports=[link.target[1] for link in links[:-1]],
                                      public_urls=[link.url for link in links[:-1]], threads=args.threads,
-                                     extra=["--hop-timeout-s", "30"])
+                                     extra=["--hop-timeout-s", "30", "--device", getattr(args, "device", "cpu"),
+                                            "--dtype", getattr(args, "dtype", "auto")])
     except BaseException:
         for link in links:
             await link.close()
@@ -168,7 +169,7 @@ async def run_bench(args) -> list[dict]:
     prompt = [(13 * j + 7) % 256 for j in range(args.prompt_tokens)]
     rows = []
 
-    model, tok, _ = load_reference_model(ckpt, verify=False)
+    model, tok, _ = load_reference_model(ckpt, verify=False, device=args.device)
     local = LocalEngine(model, tok, EngineSettings(max_context=1024, max_concurrent_sequences=1))
     async with local:
         rows.append({"setup": "single process", "rtt_ms": 0.0,
@@ -420,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: the single process and every stage miner "
+                                                   "compute there (several stages share one GPU)")
     p.add_argument("--speculate", default="none", choices=("none", "ngram", "suffix", "distilled"),
                    help="compare speculative decoding with these drafts against plain decoding on the route "
                         "(distilled: the draft table of --draft-model, made for --checkpoint)")

@@ -5,6 +5,7 @@
     python -m benchmarks.verification --load run*.pkl --write-envelope envelope.json   # the per-model bounds
     python -m benchmarks.verification --load run*.pkl --envelope envelope.json         # judged by them
     python -m benchmarks.verification --load run*.pkl --write-replay envelope.json     # its replay section
+    python -m benchmarks.verification --checkpoint ckpt/tiny --device cuda --write-envelope envelope.json
 
 Prints, per variant (honest numerics and cheaters) and statistic, the median, the 99th percentile and
 the worst value; the false-positive rate of the old and the new rules per honest variant; the
@@ -47,12 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holdout", action="store_true", help="also check the envelope on audits it was not "
                                                                 "measured on (two halves, each judged by the other's)")
     parser.add_argument("--markdown", action="store_true", help="also print the rate tables as markdown (the docs)")
+    parser.add_argument("--device", default="cpu", help="cuda or cuda:N: the honest variants include the miner on "
+                                                        "that GPU, fp32 and bf16 (the reference stays fp32 on the CPU)")
     args = parser.parse_args(argv)
 
+    from inference.model import device_problem  # noqa: PLC0415
     from scoring.config import ScoringConfig  # noqa: PLC0415
     from scoring.envelope import (format_report, load_reports, markdown_tables, measure_envelope,  # noqa: PLC0415
                                   save_report)
-
+    if device_problem(args.device):
+        parser.error(device_problem(args.device))
     started = time.perf_counter()
     config = ScoringConfig.local_testnet(logprob_gap_envelope=args.envelope)
     if args.load:
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             from inference.model import ModelConfig, make_random_checkpoint  # noqa: PLC0415
             checkpoint = f"{tmp}/tiny"
             make_random_checkpoint(ModelConfig.tiny(), checkpoint, seed=args.seed, progress=False)
-        report = measure_envelope(checkpoint, audits_per_variant=args.audits, max_tokens=args.max_tokens,
+        report = measure_envelope(checkpoint, device=args.device, audits_per_variant=args.audits,
+                                  max_tokens=args.max_tokens,
                                   long_length=args.long_length, sharded=not args.no_sharded, seed=args.seed,
                                   only=args.only, other_checkpoint=args.other_checkpoint,
                                   prompt_lengths=tuple(args.prompt_tokens), long_share=args.long_share, config=config,

@@ -3,6 +3,7 @@
     python -m inference generate --checkpoint DIR --prompt "Hello" --max-tokens 32 [--json]
     python -m inference generate --checkpoint DIR --token-ids 1,2,3 --temperature 0.8 --seed 7 --logprobs 5 --json
     python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate suffix --json
+    python -m inference generate --checkpoint DIR --prompt "Hello" --device cuda          (bf16 on the GPU)
     python -m inference generate --checkpoint DIR --prompt "def f(x):" --speculate distilled --draft-model FILE
     python -m inference score --checkpoint DIR --token-ids 1,2,3,4 --top-k 5 --json
     python -m inference info --checkpoint DIR
@@ -27,9 +28,9 @@ from pathlib import Path
 from inference.decoding.distilled import speculation_with_table
 from inference.decoding.drafters import DRAFTER_KINDS
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
-from inference.model import CheckpointError, ConfigError
-from inference.serving import (EngineError, EngineSettings, GenerationRequest, LocalEngine, SamplingParams, TokenEvent,
-                               load_reference_model)
+from inference.model import WEIGHT_DTYPES, CheckpointError, ConfigError
+from inference.serving import (EngineError, EngineSettings, EngineSpecError, GenerationRequest, LocalEngine,
+                               SamplingParams, TokenEvent, load_reference_model)
 
 
 class UsageError(Exception):
@@ -72,11 +73,13 @@ def _parser() -> argparse.ArgumentParser:
                                          "made for this checkpoint")
     g.add_argument("--draft-tokens", type=int, default=8,
                    help=f"most tokens drafted per step (1..{MAX_DRAFT_TOKENS}); fewer when drafts are poor")
+    _device_arguments(g)
     s = sub.add_parser("score", help="teacher-forced logprobs of given token ids")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--token-ids", required=True, help="comma-separated token ids, used exactly as given")
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--json", action="store_true")
+    _device_arguments(s)
     i = sub.add_parser("info", help="print the checkpoint's config summary and fingerprint")
     i.add_argument("--checkpoint", required=True)
     m = sub.add_parser("manifest", help="write k3_manifest.json (the fingerprint) for a release, weights optional")
@@ -87,12 +90,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="auto",
+                        help="weights dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+
+
+def _load(args):
+    """The reference model on --device in --dtype; a UsageError (one line) when the device is not here."""
+    try:
+        return load_reference_model(args.checkpoint, args.dtype, device=args.device)
+    except EngineSpecError as error:
+        raise UsageError(str(error)) from None
+
+
 async def _generate(args) -> dict:
     speculation = SpeculationConfig(drafter=args.speculate, max_draft_tokens=args.draft_tokens)
     problems = [p for p in speculation.problems() if not (args.draft_model and p.startswith("speculate distilled"))]
     if problems:
         raise UsageError("; ".join(problems).replace("max_draft_tokens", "--draft-tokens"))
-    model, tokenizer, fp = load_reference_model(args.checkpoint)
+    model, tokenizer, fp = _load(args)
     try:
         speculation = speculation_with_table(speculation, args.draft_model, fp)
     except ValueError as exc:
@@ -131,7 +148,7 @@ async def _generate(args) -> dict:
 
 
 async def _score(args) -> dict:
-    model, tokenizer, fp = load_reference_model(args.checkpoint)
+    model, tokenizer, fp = _load(args)
     ids = _token_ids(args.token_ids)
     settings = EngineSettings(max_context=model.config.max_position_embeddings, max_concurrent_sequences=1)
     async with LocalEngine(model, tokenizer, settings, model_fingerprint=fp) as engine:

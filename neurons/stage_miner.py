@@ -1,7 +1,8 @@
 """`python -m neurons.stage_miner --checkpoint DIR --serve-layers A-B ...`: serve one layer block.
 
 (Also `python neurons/miner.py --serve-layers A-B ...` / `k3-miner --serve-layers A-B ...`.) Loads only the
-block's tensors, measures its single-token step time, and serves the stage wire on --host/--port, signed
+block's tensors (onto --device: cpu, cuda or cuda:N; bf16 there unless --dtype says otherwise), measures its
+single-token step time, and serves the stage wire on --host/--port, signed
 with the wallet's hotkey (btcli's -w/-H/--wallet-path, BT_WALLET...). Every flag can also be set by the
 environment variable shown in --help; a flag wins. With --ready-file it writes {"url", "hotkey", "pid",
 "layers", "fingerprint", "step_ms", "metrics_url"} there once it listens (for scripts and tests that start
@@ -29,6 +30,7 @@ import torch
 
 from chain import connect
 from chain.interface import ChainError, RateLimited
+from inference.model import resolve_device, resolve_dtype
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.swarm.stage import LayerRange, Stage
 from neurons.base.observability import MetricsServer, setup_logging
@@ -38,7 +40,6 @@ from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import StageAnnouncement
 
 log = logging.getLogger("k3.stage_miner")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_wallet(settings: WalletSettings):
@@ -85,8 +86,10 @@ async def run(settings: StageMinerSettings) -> None:
     b = settings.block
     config = read_config(b.checkpoint)
     layers = LayerRange.parse(b.serve_layers, config.num_layers)
-    stage = Stage.from_checkpoint(b.checkpoint, layers, _DTYPES[b.dtype], b.limits(), shard_ranks=b.shard_ranks,
-                                  threads_per_rank=b.threads or None, shard_mode=b.shard_mode)
+    device = "cuda" if b.device == "cuda" and b.shard_ranks > 1 else resolve_device(b.device)
+    stage = Stage.from_checkpoint(b.checkpoint, layers, resolve_dtype(b.dtype, resolve_device(b.device)), b.limits(),
+                                  shard_ranks=b.shard_ranks, threads_per_rank=b.threads or None,
+                                  shard_mode=b.shard_mode, device=device)
     try:
         await serve_stage(settings, stage)
     finally:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from inference.decoding.sampling import SamplingParams, TokenSampler
-from inference.model import KimiK3Model, ModelConfig, load_checkpoint, load_tokenizer, read_config
+from inference.model import KimiK3Model, ModelConfig, load_checkpoint, load_tokenizer, read_config, resolve_device
 from inference.model.fp8 import quantize_dense
 
 from .config import ScoringConfig
@@ -53,10 +53,11 @@ CHEATER_SHARE = 0.3  # cheaters run this share of the audits per variant (they a
 
 # ------------------------------------------------------------------ models
 def load_model(checkpoint: str | Path, dtype: torch.dtype = torch.float32,
-               config: Optional[ModelConfig] = None) -> KimiK3Model:
-    """The checkpoint's model in `dtype` (optionally under a changed config of the same shapes)."""
+               config: Optional[ModelConfig] = None, device: str = "cpu") -> KimiK3Model:
+    """The checkpoint's model in `dtype` (optionally under a changed config of the same shapes), on `device`."""
     model = KimiK3Model(read_config(checkpoint), dtype=dtype, random_init=False).eval()
     load_checkpoint(model, checkpoint, verify=False, progress=False)
+    model.to(resolve_device(device))
     if config is not None:  # e.g. fewer experts per token: every module reads the shared config at run time
         for module in model.modules():
             if hasattr(module, "config"):
@@ -392,6 +393,29 @@ def _plain(model):
     return run
 
 
+class LogitsToHost:
+    """A model on a GPU behind the surface `generate` uses: its logits come back to the host, where the samplers
+    (each with its CPU generator) and the statistics run, as in a miner's engine."""
+
+    def __init__(self, model: KimiK3Model):
+        self.model, self.config = model, model.config
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, token_ids, caches, all_logits: bool = False):
+        return [t.cpu() for t in self.model.forward(token_ids, caches, all_logits=all_logits)]
+
+
+def device_variants(checkpoint: str | Path, device: str) -> list[Variant]:
+    """The honest miner on a GPU (`device`): the checkpoint there in fp32 and in bf16 (what `--device cuda` serves
+    by default), so that the envelope includes the GPU's kernels (other reductions, fla's KDA, batched experts)."""
+    return [Variant(f"fp32-{device}", f"fp32 on {device}, batched", True,
+                    _plain(LogitsToHost(load_model(checkpoint, device=device)))),
+            Variant(f"bf16-{device}", f"bf16 on {device}, batched", True,
+                    _plain(LogitsToHost(load_model(checkpoint, torch.bfloat16, device=device))), precision="bf16")]
+
+
 FP8_VARIANT = "fp8-dense"
 
 
@@ -405,8 +429,9 @@ def fp8_dense_variant(checkpoint: str | Path) -> Variant:
 
 def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: bool = True,
                    other_checkpoint: Optional[str | Path] = None, seed: int = 0,
-                   long_threshold: int = 512) -> list[Variant]:
-    """The honest variants and the cheaters, for one checkpoint (its fp32 model is the reference)."""
+                   long_threshold: int = 512, device: str = "cpu") -> list[Variant]:
+    """The honest variants and the cheaters, for one checkpoint (its fp32 model is the reference); with a GPU
+    `device` also the honest miner on it (`device_variants`)."""
     config = reference.config
     ref_run = _plain(reference)
     bf16 = load_model(checkpoint, torch.bfloat16)
@@ -479,6 +504,8 @@ def build_variants(checkpoint: str | Path, reference: KimiK3Model, *, sharded: b
         Variant("fp16", "fp16 weights and activations, batched", True, _plain(fp16), precision="fp16"),
         fp8_dense_variant(checkpoint),
     ]
+    if device != "cpu":
+        variants += device_variants(checkpoint, device)
     if sharded:
         variants += [
             Variant("sharded-pipeline", "fp32 over 2 pipeline shard processes", True, None,
@@ -571,14 +598,17 @@ def measure_envelope(checkpoint: str | Path, *, audits_per_variant: int = 200, m
                      sharded: bool = True, seed: int = 0, config: Optional[ScoringConfig] = None,
                      only: Optional[Sequence[str]] = None, other_checkpoint: Optional[str | Path] = None,
                      progress: Optional[Callable[[str], None]] = None,
-                     on_variant: Optional[Callable[["EnvelopeReport"], None]] = None) -> EnvelopeReport:
+                     on_variant: Optional[Callable[["EnvelopeReport"], None]] = None,
+                     device: str = "cpu") -> EnvelopeReport:
+    """`device` "cuda" / "cuda:N": the honest variants include the miner on that GPU (`device_variants`); the
+    reference stays the fp32 model on the CPU."""
     config = config or ScoringConfig.local_testnet()
     torch.set_num_threads(1)  # the reference (and every variant but the thread one) on one thread
     reference = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, reference.config)
     stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or {reference.config.eos_token_id})
     variants = build_variants(checkpoint, reference, sharded=sharded, seed=seed, other_checkpoint=other_checkpoint,
-                              long_threshold=long_length // 2)
+                              long_threshold=long_length // 2, device=device)
     if only:  # those variants, in the order asked
         variants = sorted((v for v in variants if v.name in only), key=lambda v: list(only).index(v.name))
     results = []

@@ -169,6 +169,8 @@ def local_program(words: list[str]) -> tuple[list[str], list[str]] | None:
         return ["entry", CONSOLE_SCRIPTS[words[0]]], words[1:]
     if words[0] == "scripts/localnet.sh":  # the shell wrapper sets up .venv, then runs k3-localnet's program
         return ["entry", CONSOLE_SCRIPTS["k3-localnet"]], words[1:]
+    if words[0] == "scripts/gpu_check.sh":  # the shell wrapper picks the interpreter, then runs the module
+        return ["-m", "benchmarks.gpu_check"], words[1:]
     if words[:2] == ["python", "-m"] and len(words) > 2 and ours(words[2]):
         return ["-m", words[2]], words[3:]
     if words[0] == "python" and len(words) > 1 and words[1].endswith(".py") and (ROOT / words[1]).exists():

@@ -68,7 +68,8 @@ def test_defaults_are_the_stage_miners_former_ones():
         "default", "default", "~/.bittensor/wallets")  # open_wallet expands it
     b = s.block
     assert (b.dtype, b.wire_dtype, b.threads, b.max_sessions, b.max_context, b.max_tokens_per_forward) == (
-        "float32", "float32", 0, 16, 4096, 512)
+        "auto", "float32", 0, 16, 4096, 512)  # auto: float32 on the CPU, as before
+    assert b.device == "cpu"
     assert (b.idle_expiry_s, b.max_snapshots, b.rewind_window) == (300.0, 16, 1024)
     assert (b.shard_ranks, b.shard_mode) == (1, "expert")
     assert (s.server.hop_timeout_s, s.server.max_body_bytes, s.server.metrics, s.log_level) == (

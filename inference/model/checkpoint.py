@@ -701,7 +701,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
     copying anything: present, with the model's shape (A_log: any shape with at least H elements, the first H
     used); no text tensor may be unknown to the model. Float tensors are cast to the model tensor's dtype;
     MXFP4 bytes stay uint8. A model tensor on the meta device (a skeleton) is replaced by the loaded one on
-    `device` (default: the CPU); others are copied into in place. Unselected tensors are left as they are.
+    `device` (default: the CPU; a GPU: each tensor goes there as read, so the host never holds more than the
+    tensor being read); others are copied into in place. Unselected tensors are left as they are.
     A tensor in `select.parts` is read as that part only (safetensors slices read only its bytes; the model
     tensor has the part's shape): a rank of a dense split never holds the whole tensor.
     `verify_tensors` checks every selected tensor, as read, against the manifest's per-tensor sha256 (a
@@ -806,8 +807,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, verify: bool =
                             start = part.start if part is not None else 0
                             t = t.reshape(-1)[start:start + target.numel()].reshape(target.shape)
                     largest = max(largest, held)
-                    if target.is_meta:
-                        _materialise(model, key, t.to(device=device or "cpu", dtype=target.dtype).contiguous())
+                    if target.is_meta:  # onto the device as stored, cast there: one tensor at a time crosses
+                        _materialise(model, key, t.to(device or "cpu").to(target.dtype).contiguous())
                     else:
                         target.copy_(t)
                     advance(stored_bytes(key))

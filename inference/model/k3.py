@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from inference.model.checkpoint import fill_random_weights
 from inference.model.config import ModelConfig
+from inference.model.device import model_device
 from inference.model.kda import KDAAttention, KDALayerCache
 from inference.model.layers import RMSNorm, attn_res
 from inference.model.mla import MLAAttention, MLALayerCache
@@ -306,6 +307,27 @@ class KimiK3Model(nn.Module):
         for layer in self.layers:
             if layer.is_moe:
                 layer.block_sparse_moe.set_dequantize_cache(enabled)
+
+    def set_fast_paths(self, enabled: bool) -> None:
+        """The GPU fast paths (fla's Triton KDA kernels, routed experts batched by expert) where they apply (True,
+        the default), or every layer on the plain kernels that are their oracles, wherever it runs (False)."""
+        for layer in self.layers:
+            if not layer.is_mla:
+                layer.self_attn.fast_kernels = enabled
+            if layer.is_moe:
+                layer.block_sparse_moe.grouped_experts = None if enabled else False
+
+    def hold_experts_stacked(self, device: torch.device | str, layers: Iterable[int] | None = None) -> None:
+        """Before loading into a skeleton: each MoE layer's (of `layers`, default all) routed experts allocated as
+        stacks on `device`, for the batched expert path (LatentMoE.hold_experts_stacked)."""
+        for i in range(self.config.num_layers) if layers is None else layers:
+            if self.layers[i].is_moe:
+                self.layers[i].block_sparse_moe.hold_experts_stacked(device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the materialised weights live (a stage's skeleton keeps the rest on meta)."""
+        return model_device(self)
 
     @property
     def routing_observer(self) -> RoutingObserver | None:

@@ -17,6 +17,11 @@ outputs; the caller casts. `kda_recurrent` is the per-token recurrence written a
 it is the reference and the decode path. `kda_chunked` is the chunkwise-parallel prefill form and is
 tested against it.
 
+On a GPU the layer runs fla-core's Triton kernels instead (`fla_kda`: `chunk_kda` for prefill, the fused
+recurrent kernel for decode) when fla is installed and the head size is one its kernels are made for; the two
+above stay their oracles (tests/test_gpu.py compares them wherever CUDA is present). `KDAAttention.fast_kernels
+= False` keeps a layer on the plain kernels everywhere.
+
 `KDAAttention` is the full layer (projections, short convolutions, gates, kernel, gated output norm)
 with an explicit per-sequence `KDALayerCache` whose size never depends on the sequence length.
 """
@@ -41,6 +46,9 @@ _SPAN_ELEMENTS = 1 << 17
 _L2_EPS = 1e-6
 # kda_chunked_autograd factors pair decays inside a chunk while they span at most this many nats.
 _FACTOR_LIMIT = 60.0
+# Head sizes fla's KDA kernels are built and tested for (K3's is 128); other sizes (the tiny model's 16) stay on
+# the plain kernels.
+FLA_HEAD_DIMS = (64, 128, 256)
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -279,6 +287,42 @@ def kda_chunked_autograd(q, k, v, g, beta, scale=None, initial_state=None, chunk
     return o.transpose(1, 2), S
 
 
+# ------------------------------------------------------------------------------ fla's Triton kernels
+_FLA = {}
+
+
+def fla_kernels():
+    """fla-core's (chunk_kda, fused_recurrent_kda), or None when fla is not installed (imported on first use:
+    only a GPU path asks, and the import takes seconds)."""
+    if "kernels" not in _FLA:
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: PLC0415 (optional, GPU only)
+            _FLA["kernels"] = (chunk_kda, fused_recurrent_kda)
+        except ImportError:
+            _FLA["kernels"] = None
+    return _FLA["kernels"]
+
+
+def fla_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `fla_kda` can take these inputs: on a CUDA device, fla installed, head sizes it is made for."""
+    return q.is_cuda and q.shape[-1] in FLA_HEAD_DIMS and v.shape[-1] in FLA_HEAD_DIMS and fla_kernels() is not None
+
+
+def fla_kda(q, k, v, g, beta, scale=None, initial_state=None, chunked: bool = True):
+    """The `kda_recurrent` contract through fla's Triton kernels: `chunk_kda` (chunked) or `fused_recurrent_kda`.
+    Inputs stay in fp32 (the layer computes them so) and the state is fp32, as fla requires; returns fp32 outputs.
+    fla applies `scale` to q itself and takes g as the log-decay, as ours do (docs/model.md section 2)."""
+    B, T, H, K, V = _check_kernel_inputs(q, k, v, g, beta, initial_state)
+    chunk_kda, fused_recurrent_kda = fla_kernels()
+    scale = K ** -0.5 if scale is None else scale
+    if initial_state is None:
+        initial_state = q.new_zeros(B, H, K, V, dtype=torch.float32)
+    kernel = chunk_kda if chunked else fused_recurrent_kda
+    args = [t.float().contiguous() for t in (q, k, v, g, beta)]
+    o, state = kernel(*args, scale=scale, initial_state=initial_state.float().contiguous(), output_final_state=True)
+    return o.float(), state
+
+
 # ------------------------------------------------------------------------------------------ layer
 REWIND_MODES = ("snapshot", "replay")
 
@@ -409,6 +453,8 @@ class KDAAttention(nn.Module):
         self.o_proj = nn.Linear(P, D, bias=False)
         # Training only: prefill through kda_chunked_autograd, which autograd can differentiate.
         self.differentiable_prefill = False
+        # On a GPU with fla installed: fla's Triton kernels (False: the plain kernels, their oracles, everywhere).
+        self.fast_kernels = True
 
     # -------------------------------------------------------------------------------- cache
     def new_cache(self) -> KDALayerCache:
@@ -478,7 +524,10 @@ class KDAAttention(nn.Module):
         v = v.view(B, T, H, d)
         g = self.log_decay(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, d))
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        if trace is None:
+        if trace is None and self.fast_kernels and not self.differentiable_prefill and fla_usable(q, v):
+            # every prefill through chunk_kda (no recurrence loop of launches), decode through the fused recurrence
+            o, state = fla_kda(q, k, v, g, beta, scale=d ** -0.5, initial_state=state, chunked=T > 1)
+        elif trace is None:
             kernel = kda_chunked if chunked else kda_recurrent
             if chunked and self.differentiable_prefill:  # training (inference.model.training) switches it on
                 kernel = kda_chunked_autograd
@@ -533,4 +582,4 @@ class KDAAttention(nn.Module):
 
 
 __all__ = ["kda_recurrent", "kda_chunked", "kda_chunked_autograd", "KDALayerCache", "KDARewindLog", "REWIND_MODES",
-           "KDAAttention", "CHUNKED_MIN_TOKENS"]
+           "KDAAttention", "CHUNKED_MIN_TOKENS", "FLA_HEAD_DIMS", "fla_kda", "fla_kernels", "fla_usable"]

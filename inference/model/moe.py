@@ -26,6 +26,12 @@ RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, 
 # Below this many multiply-adds per step, running every expert on every token in batched matmuls beats one
 # small matmul per expert hit (the tiny model's decode steps); above it, experts run only on their tokens.
 ALL_EXPERTS_MACS = 1 << 24
+# Steps with at most this many (token, expert) pairs (decode, speculative verify) run their experts batched on a
+# GPU (`LatentMoE._grouped_partial`): one dequantisation and three batched matmuls per chunk instead of a small
+# matmul per expert and a host round trip. Longer steps (prefill) run each expert on its own tokens.
+GROUPED_MAX_PAIRS = 512
+# The dense copies one chunk of the batched path holds at once (K3: about 30 experts' w1, w2, w3 in bf16).
+GROUPED_DEQUANT_BYTES = 2 << 30
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
@@ -156,6 +162,10 @@ class LatentMoE(nn.Module):
         self.routing_observer: RoutingObserver | None = None
         self._dense_cache: mxfp4.DequantizedCache | None = None
         self._stacked = None  # (key, w1 [E, F, L], w3 [E, F, L], w2 [E, L, F]) for the all-experts path
+        # Experts batched by expert for short steps: None on a GPU only, True everywhere (the tests run it on the
+        # CPU against the per-expert loop), False never (the loop is the oracle).
+        self.grouped_experts: bool | None = None
+        self._packed: dict[str, Tensor] | None = None  # w1/w2/w3 packed and scale bytes stacked [E, ...]
 
     # ------------------------------------------------------------- switches
     def set_dequantize_cache(self, enabled: bool) -> None:
@@ -198,6 +208,8 @@ class LatentMoE(nn.Module):
         if allowed is None and self._dense_cache is not None and self.config.mxfp4_experts \
                 and E * T * 3 * self.config.latent_size * self.config.expert_intermediate_size <= ALL_EXPERTS_MACS:
             return self._all_experts_partial(z, ids, weights)
+        if allowed is None and self._groups_experts(z, T):
+            return self._grouped_partial(z, ids, weights)
         y = torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -240,6 +252,79 @@ class LatentMoE(nn.Module):
         picked = out[ids.reshape(-1), tokens].float() * weights.reshape(-1, 1).float()  # [T*k, L]
         return torch.zeros(T, self.config.latent_size, dtype=torch.float32, device=z.device).index_add_(
             0, tokens, picked)
+
+    def _groups_experts(self, z: Tensor, T: int) -> bool:
+        if self.grouped_experts is False or not self.config.mxfp4_experts \
+                or T * self.config.experts_per_token > GROUPED_MAX_PAIRS:
+            return False
+        if self.grouped_experts is None and not z.is_cuda:
+            return False
+        return not any(lin.weight_packed.is_meta for ex in self.experts for lin in (ex.w1, ex.w2, ex.w3))
+
+    _PACKED_BUFFERS = (("packed", "weight_packed"), ("scale", "weight_scale"))
+
+    def packed_experts(self) -> dict[str, Tensor]:
+        """Every expert's MXFP4 bytes stacked by expert ({"w1.packed": [E, F, L/2], "w1.scale": [E, F, L/32], ...}),
+        made once (here from the experts' own buffers; before a load, `hold_experts_stacked`); each expert's buffers
+        are views of the stacks, so the bytes are held once and a later in-place load into an expert lands there."""
+        if self._packed is None:
+            self._bind_stacks({f"{name}.{part}": torch.stack([getattr(getattr(ex, name), buffer) for ex in self.experts])
+                               for name in ("w1", "w2", "w3") for part, buffer in self._PACKED_BUFFERS})
+        return self._packed
+
+    def hold_experts_stacked(self, device: torch.device | str) -> None:
+        """Before a load into a skeleton: the experts' MXFP4 bytes allocated as stacks on `device`, each expert's
+        buffers views of them, so the loader copies every expert into its place (no stacking copy later, which
+        would hold a layer's experts twice on the GPU for a moment)."""
+        if self._packed is not None or not self.config.mxfp4_experts:
+            return
+        first = self.experts[0]
+        self._bind_stacks({f"{name}.{part}": torch.empty((len(self.experts), *getattr(getattr(first, name), buffer).shape),
+                                                         dtype=torch.uint8, device=device)
+                           for name in ("w1", "w2", "w3") for part, buffer in self._PACKED_BUFFERS})
+
+    def _bind_stacks(self, stacks: dict[str, Tensor]) -> None:
+        for e, ex in enumerate(self.experts):
+            for name in ("w1", "w2", "w3"):
+                for part, buffer in self._PACKED_BUFFERS:
+                    getattr(ex, name)._buffers[buffer] = stacks[f"{name}.{part}"][e]
+        if self._dense_cache is not None:
+            self._dense_cache.clear()  # its entries hold the old buffers
+        self._packed = stacks
+
+    def _grouped_partial(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """expert_partial for a short step on a device, without a host round trip: the MXFP4 bytes of the experts
+        it needs are gathered and dequantised together (on the device, per call: what is held between calls is
+        MXFP4), then three batched matmuls. Each (token, expert) pair is one matrix-vector product, in chunks of at
+        most GROUPED_DEQUANT_BYTES of dense weights (a single stream reads exactly its k experts); when the step has
+        at least as many pairs as there are experts and all of them fit in one chunk, every expert runs on every
+        token instead and the routed pairs are picked. Equal to the per-expert loop up to rounding."""
+        T, k = ids.shape
+        E, L, F = self.config.num_experts, self.config.latent_size, self.config.expert_intermediate_size
+        flat = ids.reshape(-1)  # [T*k] the experts of the pairs, token-major
+        tokens = torch.arange(T, device=z.device).repeat_interleave(k)
+        per_chunk = max(1, GROUPED_DEQUANT_BYTES // (3 * L * F * z.element_size()))
+        if T * k >= E and E <= per_chunk:
+            picked = self._experts_on(z.unsqueeze(0).expand(E, -1, -1), None)[flat, tokens]  # [T*k, L]
+        else:
+            picked = torch.cat([self._experts_on(z[tokens[i:i + per_chunk]].unsqueeze(1), flat[i:i + per_chunk])[:, 0]
+                                for i in range(0, T * k, per_chunk)])
+        picked = picked.float() * weights.reshape(-1, 1).float()
+        return torch.zeros(T, L, dtype=torch.float32, device=z.device).index_add_(0, tokens, picked)
+
+    def _experts_on(self, x: Tensor, which: Tensor | None) -> Tensor:
+        """x [n, t, L] through the experts `which` [n] (None: all E, in order): [n, t, L] in x.dtype."""
+        packed = self.packed_experts()
+
+        def dense(name):  # [n, out, in] in x's dtype, decoded exactly
+            data, scale = packed[f"{name}.packed"], packed[f"{name}.scale"]
+            if which is not None:
+                data, scale = data.index_select(0, which), scale.index_select(0, which)
+            return mxfp4.dequantize(data, scale, x.dtype)
+
+        act = situ_glu(torch.bmm(x, dense("w1").transpose(1, 2)), torch.bmm(x, dense("w3").transpose(1, 2)),
+                       self.config.situ_beta, self.config.situ_linear_beta)
+        return torch.bmm(act.to(x.dtype), dense("w2").transpose(1, 2))
 
     def finish(self, y_latent: Tensor, x: Tensor) -> Tensor:
         """Latent RMSNorm on the weighted sum, latent -> D, plus the shared experts on the full-width x."""

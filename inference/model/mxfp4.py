@@ -75,11 +75,13 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode MXFP4 to a dense tensor [..., n]: table[code] * 2^(e - 127), NaN where e = 255."""
     n = _check_pair(packed, scale)
-    # fp64 output is decoded in fp64 so that it holds even the values past the fp32 range.
-    work = torch.float64 if dtype == torch.float64 else torch.float32
+    # fp64 output is decoded in fp64 so that it holds even the values past the fp32 range; bf16 output in bf16 (its
+    # exponent range is fp32's, and a code times a power of two has at most two significant bits: exact, and half
+    # the bytes an fp32 decode writes, which is what a GPU decoding experts per call pays for).
+    work = dtype if dtype in (torch.float64, torch.bfloat16) else torch.float32
     # One lookup per byte yields both of its elements (low nibble first): half the gathers of a per-code table.
-    pairs = _byte_table(work, packed.device)[packed.long()]  # [..., n/2, 2]
-    factors = _scale_table(work, packed.device)[scale.long()]
+    pairs = _byte_table(work, packed.device)[packed.int()]  # [..., n/2, 2]
+    factors = _scale_table(work, packed.device)[scale.int()]
     blocks = pairs.reshape(*packed.shape[:-1], n // BLOCK, BLOCK) * factors.unsqueeze(-1)
     return blocks.flatten(-2).to(dtype)
 

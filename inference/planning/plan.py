@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 
 from inference.model import ConfigError, ModelConfig
@@ -949,6 +950,7 @@ class Plan:
         dense_split: int = 1,
         dense_dtype: str = "bf16",
         layer_range: tuple[int, int] | None = None,
+        device: str = "cpu",
     ) -> "Plan":
         """A plan for `num_ranks` local processes on one host, without a cluster file.
 
@@ -962,7 +964,8 @@ class Plan:
         mode "both":     `stages` stages over contiguous rank groups, experts spread in each.
         `replicas` extra copies per MoE layer (experts 0, 1, ... get a second copy on another
         rank of their stage; needs stages of at least two ranks).
-        `memory_bytes` per process defaults to this machine's memory split evenly.
+        `memory_bytes` per process defaults to what this machine has (`local_devices`): its memory split evenly
+        (`device` "cpu"), or each GPU's free memory now (`device` "cuda": rank r on GPU r).
         """
         if num_ranks < 1:
             raise PlanError("num_ranks must be >= 1")
@@ -1009,13 +1012,12 @@ class Plan:
                     spare = [r for r in ranks if r not in taken]
                     holders[e] = taken + [spare[(j // E) % len(spare)]]
                 placement[layer] = holders
-        if memory_bytes is None:
-            import psutil  # only local plans look at this machine
-
-            memory_bytes = int(psutil.virtual_memory().total // num_ranks)
+        local = local_devices(num_ranks, device)
+        if memory_bytes is not None:
+            local = [(kind, memory_bytes) for kind, _ in local]
         policy = policy or MemoryPolicy(runtime_reserved_bytes=64 << 20, prefill_chunk_tokens=512)
-        devices = [Device(rank=r, host="localhost", kind="cpu-process", memory_bytes=memory_bytes,
-                          mem_bandwidth=10e9, flops=100e9, power_w=0.0) for r in range(num_ranks)]
+        devices = [Device(rank=r, host="localhost", kind=kind, memory_bytes=memory, mem_bandwidth=10e9, flops=100e9,
+                          power_w=0.0) for r, (kind, memory) in enumerate(local)]
         loopback = Link(bandwidth=2e9, latency=75e-6, kind="loopback gloo")
         embedding_rank, lm_head_rank = layer_home[block[0]], layer_home[block[-1]]
         memory = compute_memory(config, devices, layer_home, placement, embedding_rank, lm_head_rank,
@@ -1033,6 +1035,27 @@ class Plan:
             plan = plan.with_dense_split(config, dense_split, dense_dtype)
             plan.cluster_name = f"local-{mode}-{num_ranks}{where}-split{dense_split}-{dense_dtype}"
         return plan
+
+
+def local_devices(num_ranks: int, device: str = "cpu") -> list[tuple[str, int]]:
+    """(kind, memory bytes) of each of `num_ranks` local processes. "cpu": this machine's memory split evenly.
+    "cuda": rank r on GPU r % count (the sharded runtime's placement), each GPU's free memory as the driver reports
+    it now (torch.cuda.mem_get_info: what other processes hold is not counted), split among the ranks it hosts."""
+    if device == "cpu":
+        import psutil  # only local plans look at this machine
+
+        return [("cpu-process", int(psutil.virtual_memory().total // num_ranks))] * num_ranks
+    if device != "cuda":
+        raise PlanError(f"a local plan places ranks on the CPU or on this host's GPUs (cpu, cuda), not {device!r}")
+    if not torch.cuda.is_available():
+        raise PlanError("a local plan on GPUs needs CUDA, and torch.cuda.is_available() is false here")
+    count = torch.cuda.device_count()
+    out = []
+    for rank in range(num_ranks):
+        gpu = rank % count
+        free, _ = torch.cuda.mem_get_info(gpu)
+        out.append((f"cuda:{gpu} {torch.cuda.get_device_name(gpu)}", int(free // len(range(gpu, num_ranks, count)))))
+    return out
 
 
 class _PlanDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
@@ -1298,5 +1321,5 @@ __all__ = [
     "LayerWeights", "LayerRouting", "RoutingStats", "layer_weights", "embedding_bytes", "lm_head_bytes",
     "split_layer_bytes", "split_head_bytes",
     "attn_res_sources", "compute_memory", "buffer_bytes", "kda_reserve_per_layer", "mla_reserve_per_layer",
-    "PLAN_FORMAT", "ROUTING_FORMAT", "DENSE_DTYPES", "DENSE_DTYPE_SCALE",
+    "PLAN_FORMAT", "ROUTING_FORMAT", "DENSE_DTYPES", "DENSE_DTYPE_SCALE", "local_devices",
 ]

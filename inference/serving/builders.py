@@ -16,13 +16,14 @@ import torch
 from inference.decoding.distilled import draft_model_problems, speculation_with_table
 from inference.decoding.drafters import DRAFTER_KINDS
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SpeculationConfig
-from inference.model import KimiK3Model, fingerprint, load_checkpoint, load_tokenizer, read_config
+from inference.model import (WEIGHT_DTYPES, DeviceError, KimiK3Model, device_problem, fingerprint, load_checkpoint,
+                             load_tokenizer, read_config, resolve_device, resolve_dtype)
+from inference.model.device import DTYPE_NAMES
 from inference.serving.engine import Engine, EngineSettings
 from inference.serving.local_engine import LocalEngine
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 class EngineSpecError(ValueError):
@@ -45,7 +46,8 @@ class EngineSpec:
     remote_prefill_tokens_per_s: float = 1000.0  # first-token deadline: floor + prompt / this rate
     remote_first_token_floor_s: float = 60.0
     remote_stall_timeout_s: float = 30.0  # after the first token (the miner passes its --stall-timeout-s)
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bf16 on a GPU, fp32 on the CPU (inference.model.device.resolve_dtype)
+    device: str = "cpu"  # reference: "cpu", "cuda" or "cuda:N"; sharded: "cpu" or "cuda" (rank r on GPU r)
     speculate: str = "none"  # reference, sharded: "ngram", "suffix" or "distilled" drafts, verified by the model
     draft_tokens: int = 8  # with speculate: most tokens drafted per step (fewer when drafts are poor)
     draft_model: str | None = None  # speculate "distilled": the draft table (scripts/distill_drafter.py)
@@ -71,8 +73,9 @@ class EngineSpec:
         if self.kind == "remote" and not self.checkpoint:
             out.append("the remote engine needs a checkpoint directory with the model's config.json, manifest and "
                        "tokenizer (the weights may be absent): it gives the fingerprint and the tokenizer")
-        if self.dtype not in _DTYPES:
-            out.append(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in WEIGHT_DTYPES and self.dtype not in DTYPE_NAMES:
+            out.append(f"dtype {self.dtype!r} is not one of {list(WEIGHT_DTYPES)}")
+        out += self._device_problems()
         if self.speculate not in DRAFTER_KINDS:
             out.append(f"speculate {self.speculate!r} is not one of {DRAFTER_KINDS}")
         elif self.speculate != "none" and self.kind not in ("reference", "sharded"):
@@ -92,12 +95,40 @@ class EngineSpec:
         return out
 
 
-def load_reference_model(checkpoint: str | Path, dtype: str = "float32", verify: bool = True,
-                         progress: bool = False) -> tuple[KimiK3Model, object, str]:
-    """The reference model with its weights, its tokenizer and the checkpoint fingerprint."""
+    def _device_problems(self) -> list[str]:
+        """The device must exist here (one line saying so when CUDA is asked for and absent); the sharded runtime
+        places rank r on GPU r itself, and a remote engine's device is its server's."""
+        if self.device == "cpu":
+            return []
+        if self.kind == "remote":
+            return [f"device {self.device!r}: the remote engine computes on its server's devices; leave --device cpu"]
+        if self.kind == "sharded" and self.device != "cuda":
+            return [f"device {self.device!r}: the sharded engine puts rank r on GPU r of its host; give --device cuda"]
+        problem = device_problem(self.device)
+        return [problem] if problem else []
+
+
+def load_reference_model(checkpoint: str | Path, dtype: str = "auto", verify: bool = True,
+                         progress: bool = False, device: str | torch.device = "cpu") -> tuple[KimiK3Model, object, str]:
+    """The reference model with its weights on `device` ("cpu", "cuda", "cuda:N"), its tokenizer and the checkpoint
+    fingerprint. `dtype` "auto": bf16 on a GPU, fp32 on the CPU. The same path on every device: a skeleton on the
+    meta device, then each tensor put on `device` as it is read (on a GPU the host never holds the model)."""
+    # the skeleton builder of the shard processes and stages (imports the sharding runtime's module only here)
+    from inference.sharding.worker import model_skeleton  # noqa: PLC0415
+
     config = read_config(checkpoint)
-    model = KimiK3Model(config, dtype=_DTYPES[dtype], random_init=False).eval()
-    load_checkpoint(model, checkpoint, verify=verify, progress=progress)
+    try:
+        where = resolve_device(device)
+        weights = resolve_dtype(dtype, where)
+    except DeviceError as error:
+        raise EngineSpecError(str(error)) from None
+    model = model_skeleton(config, weights)
+    if where.type == "cuda":  # the batched expert path reads the experts stacked: load them into their places
+        model.hold_experts_stacked(where)
+    load_checkpoint(model, checkpoint, verify=verify, progress=progress, device=where)
+    left = [k for k, t in model.state_dict().items() if t.is_meta]
+    if left:  # a checkpoint's tensors are checked against the model's names; nothing may stay unloaded
+        raise EngineSpecError(f"{len(left)} tensors of the model were not in {checkpoint} (first: {left[0]})")
     dense_expert_bytes = len(config.moe_layers) * config.num_experts * 3 * config.latent_size \
         * config.expert_intermediate_size * 4
     if config.mxfp4_experts and dense_expert_bytes <= DEQUANTIZED_EXPERT_BUDGET:
@@ -116,8 +147,9 @@ def build_sharded_engine(spec: EngineSpec, timeouts=None) -> LocalEngine:
     store = spec.shard_store or os.environ.get(STORE_ENV) or None
     # like the reference engine, check every shard's hash first; with ranks elsewhere this host may hold
     # only rank 0's files, and each host's copy is checked by fingerprint when its shard joins
-    model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=spec.dtype,
-                         store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None,
+    dtype = str(resolve_dtype(spec.dtype, "cuda" if spec.device == "cuda" else "cpu")).replace("torch.", "")
+    model = ShardedModel(spec.checkpoint, spec.plan, shards=spec.shards, mode=spec.shard_mode, dtype=dtype,
+                         device=spec.device, store=store, timeouts=timeouts or ShardTimeouts(), verify=store is None,
                          link=LinkEmulation(spec.shard_link_latency_ms, spec.shard_link_gbps))
     try:
         tokenizer = load_tokenizer(spec.checkpoint, model.config)
@@ -143,7 +175,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     if problems:
         raise EngineSpecError("; ".join(problems))
     if spec.kind == "reference":
-        model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype)
+        model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype, device=spec.device)
         return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
                            speculation=_speculation(spec, fp), layout={"processes": 1})
     if spec.kind == "sharded":

@@ -428,6 +428,9 @@ class LocalEngine(Engine):
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.forward(ids, caches, all_logits=all_logits)
+            # sampling, acceptance and logprobs run on the host with each request's own CPU generator, so a seed
+            # gives the same draws whatever device computed the logits (a no-op for CPU tensors)
+            out = [o.cpu() for o in out]
         self._last_forward_s = time.perf_counter() - t0
         return out
 

@@ -153,6 +153,8 @@ class ShardedModel:
         the ranks load only the block's tensors of what the plan gives them. The plan must cover the block (a
         whole-model plan covers every block); with no plan the simple plan is made for the block alone
         (`Plan.simple(..., layer_range=layers)`), and a block plan given without `layers` serves its block."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (rank r on GPU r), got {device!r}")
         self.checkpoint = str(Path(checkpoint).resolve())
         self.config = read_config(self.checkpoint)
         if layers is not None and not 0 <= layers[0] < layers[1] <= self.config.num_layers:
@@ -170,7 +172,7 @@ class ShardedModel:
             if not shards:
                 raise ValueError("give a plan or a shard count")
             plan = Plan.simple(self.config, shards, mode, replicas, dense_split=dense_split, dense_dtype=dense_dtype,
-                               layer_range=self.layer_range)
+                               layer_range=self.layer_range, device=device)
             self.plan_source = f"simple {mode} x{shards}" + (f", {replicas} replicas per layer" if replicas else "")
             if self.layer_range:
                 self.plan_source += f", layers {self.layer_range[0]}-{self.layer_range[1] - 1}"
@@ -191,8 +193,6 @@ class ShardedModel:
         self.world_size = plan.num_ranks
         self.dtype = dtype_of(dtype)
         self._dtype_name = dtype
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.device = device
         self.timeouts = timeouts
         if link.problems():

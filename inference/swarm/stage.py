@@ -53,7 +53,7 @@ from torch import Tensor
 
 from inference.decoding.acceptance import accept_drafts
 from inference.decoding.sampling import MAX_LOGPROBS, SamplingParams, TokenSampler
-from inference.model import CheckpointError, TensorSelection, load_checkpoint, read_config
+from inference.model import CheckpointError, TensorSelection, load_checkpoint, model_device, read_config, resolve_device
 from inference.model.checkpoint import read_manifest, tensor_sha256
 from inference.model.config import ModelConfig
 from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
@@ -127,7 +127,8 @@ def stage_fingerprint(config_hash: str, layers: LayerRange, tensor_hashes: dict[
 
 
 def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dtype = torch.float32,
-                     verify: bool = False, verify_tensors: bool | None = None) -> tuple[KimiK3Model, str, int]:
+                     verify: bool = False, verify_tensors: bool | None = None,
+                     device: torch.device | str = "cpu") -> tuple[KimiK3Model, str, int]:
     """The model with only the stage's tensors materialised (the rest stay on the meta device), through the one
     checkpoint loader filtered to the stage (`TensorSelection.stage`: only the shard files holding the block are
     opened). Returns (model, stage fingerprint, bytes held).
@@ -135,7 +136,9 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
     The stage fingerprint is computed from the tensors as held (after the cast to `dtype`). Every tensor the stage
     reads is checked against the manifest's per-tensor sha256 (`verify_tensors`; None: when the manifest has
     them, so a checkpoint made before they existed still loads); `verify` re-hashes the whole checkpoint
-    against the manifest's per-file sha256 (every file, so a stage host rarely wants it)."""
+    against the manifest's per-file sha256 (every file, so a stage host rarely wants it). On a GPU `device` the
+    tensors go there one at a time as read (the host never holds the block) and are hashed one at a time from there:
+    the fingerprint names the bytes held, whatever device holds them."""
     from inference.sharding.worker import model_skeleton  # noqa: PLC0415 (meta/CPU skeleton builder)
 
     config = read_config(checkpoint)
@@ -148,11 +151,14 @@ def load_stage_model(checkpoint: str | Path, layers: LayerRange, dtype: torch.dt
             verify_tensors = bool(read_manifest(checkpoint).get("tensors"))
         except CheckpointError:  # no manifest at all: nothing to check against
             verify_tensors = False
-    load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select, verify_tensors=verify_tensors)
+    if torch.device(device).type == "cuda":  # the batched expert path reads the experts stacked: load them in place
+        model.hold_experts_stacked(device, range(layers.start, layers.stop))
+    load_checkpoint(model, checkpoint, verify=verify, progress=False, select=select, verify_tensors=verify_tensors,
+                    device=device)
     hashes, nbytes = {}, 0
     for key, t in model.state_dict().items():
         if not t.is_meta:
-            hashes[f"{key} {str(t.dtype).replace('torch.', '')}"] = tensor_sha256(t)
+            hashes[f"{key} {str(t.dtype).replace('torch.', '')}"] = tensor_sha256(t.cpu())
             nbytes += t.numel() * t.element_size()
     for i in range(layers.start, layers.stop):
         layer = model.layers[i]
@@ -289,6 +295,9 @@ class Stage:
         self.shard_detail = ""
         self.shard_restarts = 0
         self.lost_sessions = 0  # sessions dropped because the shard set holding their state failed
+        # where the block computes: its inputs go there, its outputs (a state, the head's logits) come back to the
+        # host, which the wire and the checks read; session state (KDA snapshots included) stays on the device
+        self.device = torch.device("cpu") if self.sharded else model_device(model)
 
     @property
     def numerics(self) -> str:
@@ -304,13 +313,13 @@ class Stage:
     def from_checkpoint(cls, checkpoint: str | Path, layers: str | LayerRange, dtype: torch.dtype = torch.float32,
                         limits: StageLimits = StageLimits(), shard_ranks: int = 1,
                         threads_per_rank: int | None = None, shard_mode: str = "expert",
-                        shard_timeouts=None) -> "Stage":
+                        shard_timeouts=None, device: torch.device | str = "cpu") -> "Stage":
         """The block from a checkpoint; `shard_ranks` > 1 serves it over that many local processes (the sharded
         runtime). `shard_mode` "expert": layer homes rotate over the ranks and every MoE layer's experts are
         spread over all of them; "pipeline": each rank holds a contiguous sub-block of the stage's layers (both
         `block_plan`: a plan of the block alone). The fingerprint is the same either way (computed from the
         block's tensors as loaded here once, then dropped). `shard_timeouts`: the shard set's `ShardTimeouts`
-        (None: its defaults)."""
+        (None: its defaults). `device` "cpu", "cuda" or "cuda:N" (a sharded block: "cuda", rank r on GPU r)."""
         if shard_mode not in SHARD_MODES:
             raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {shard_mode!r}")
         config = read_config(checkpoint)
@@ -319,15 +328,20 @@ class Stage:
         if shard_ranks > 1 and shard_mode == "pipeline" and shard_ranks > layers.stop - layers.start:
             raise ValueError(f"a pipeline over {shard_ranks} ranks needs at least {shard_ranks} layers; the block "
                              f"{layers} has {layers.stop - layers.start}")
-        model, fp, _ = load_stage_model(checkpoint, layers, dtype)
+        where = resolve_device(device)
+        if shard_ranks > 1 and where.type == "cuda" and str(device) != "cuda":
+            raise ValueError(f"a block sharded over {shard_ranks} ranks puts rank r on GPU r: give device cuda, "
+                             f"not {device}")
+        # a sharded block's ranks load their own parts: the fingerprint's copy is read on the host
+        model, fp, _ = load_stage_model(checkpoint, layers, dtype, device=where if shard_ranks == 1 else "cpu")
         if shard_ranks > 1:
             from inference.sharding.driver import ShardedModel, ShardTimeouts  # noqa: PLC0415 (spawns processes)
 
             del model
-            plan = block_plan(config, layers, shard_ranks, shard_mode)
+            plan = block_plan(config, layers, shard_ranks, shard_mode, device=where.type)
             model = ShardedModel(checkpoint, plan, shards=shard_ranks, dtype=str(dtype).split(".")[-1],
                                  layers=(layers.start, layers.stop), threads_per_rank=threads_per_rank,
-                                 timeouts=shard_timeouts or ShardTimeouts())
+                                 timeouts=shard_timeouts or ShardTimeouts(), device=where.type)
             model.plan_source = f"block {shard_mode} x{shard_ranks}"
         stage = cls(model, layers, fp, limits)
         stage.shard_mode = shard_mode if shard_ranks > 1 else ""
@@ -614,7 +628,8 @@ class Stage:
         sharded block runs in its shard set and returns only what leaves it (the state, or the logits)."""
         if not self.sharded:
             state = self._run(session, inputs)
-            return state, (self.model.head(state, rows) if rows else None)
+            logits = self.model.head(state, rows).cpu() if rows else None
+            return ResidualState(state.lengths, [b.cpu() for b in state.blocks], state.partial.cpu()), logits
         if not self.layers.has_embedding:
             inputs = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
                                    inputs.partial.float())
@@ -644,10 +659,11 @@ class Stage:
         if self.sharded:
             return self._compute(session, inputs, None)[0]
         if self.layers.has_embedding:
-            state = self.model.embed(inputs.to(torch.long))
+            state = self.model.embed(inputs.to(self.device, torch.long))
         else:
-            state = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
-                                  inputs.partial.float())
+            state = ResidualState((int(inputs.partial.shape[0]),), [b.to(self.device, torch.float32)
+                                                                    for b in inputs.blocks],
+                                  inputs.partial.to(self.device, torch.float32))
         state = self.model.run_layers(self.layers.start, self.layers.stop, state, [session.cache])
         session.cache.advance(int(state.partial.shape[0]))
         return state

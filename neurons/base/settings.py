@@ -148,11 +148,21 @@ def network_spec(text: str) -> str:
                      "or devnet:PATH")
 
 
+def device_spec(text: str) -> str:
+    """Where a model computes: cpu, cuda (the current GPU) or cuda:N. Whether this machine has it is the
+    settings' problems() to say (one line), not the reader's."""
+    value = text.strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise BadValue(f"{text!r} is not a device: use cpu, cuda or cuda:N")
+    return value
+
+
 # argparse prints the reader's __name__ in "invalid ... value" messages.
 for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "positive number"),
                        (non_negative_float, "number >= 0"), (non_negative_int, "integer >= 0"),
                        (port_number, "port"), (optional_int, "integer"), (optional_float, "number"),
-                       (optional_text, "text"), (expanded_path, "path"), (network_spec, "network")):
+                       (optional_text, "text"), (expanded_path, "path"), (network_spec, "network"),
+                       (device_spec, "device")):
     _reader.__name__ = _name
 
 
@@ -633,7 +643,11 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
         read=positive_float, metavar="TOKENS_PER_S"),
     remote_first_token_floor_s=Setting("remote: the first-token deadline's floor (queueing, short prompts)",
                                        read=positive_float),
-    dtype=Setting("weights dtype of the in-process model", choices=("float32", "bfloat16")),
+    dtype=Setting("weights dtype of the in-process model (auto: bfloat16 on a GPU, float32 on the CPU)",
+                  choices=("auto", "float32", "bfloat16")),
+    device=Setting("where the reference or sharded engine computes: cpu, cuda or cuda:N (sharded: cuda puts rank r "
+                   "on GPU r); one line and exit 2 when CUDA is asked for and absent", read=device_spec,
+                   metavar="DEVICE"),
     speculate=Setting("reference and sharded engines: speculative decoding with model-free drafts (ngram: prompt lookup; "
                       "suffix: a suffix index over prompt and output) or a draft table distilled from the checkpoint "
                       "(distilled: needs --draft-model); the output is exactly the model's",

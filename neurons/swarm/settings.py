@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from inference.decoding.distilled import draft_model_problems
 from inference.decoding.drafters import DRAFTER_KINDS
 from inference.decoding.speculation import MAX_DRAFT_TOKENS
+from inference.model import device_problem
 from inference.serving import EngineSpec
 from inference.swarm.stage import SHARD_MODES, StageLimits
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, BadValue, ChainSettings, Option, Section,
-                                   Setting, WalletSettings, build_settings, byte_size, network_spec, non_negative_int,
-                                   port_number, positive_float, read_options, setting, settings_options)
+                                   Setting, WalletSettings, build_settings, byte_size, device_spec, network_spec,
+                                   non_negative_int, port_number, positive_float, read_options, setting,
+                                   settings_options)
 from neurons.miner_app.settings import AccessSettings, MinerSettings, ServerSettings
 from protocol.stage import DEFAULT_MAX_BODY_BYTES, Hop
 
@@ -55,11 +57,15 @@ class BlockSettings:
                               metavar="DIR")
     serve_layers: str = setting("", "inclusive layer range A-B (0 includes the embedding, the last layer the head)",
                                 required=True, metavar="A-B")
-    dtype: str = setting("float32", "weights dtype of the block", choices=DTYPES)
+    dtype: str = setting("auto", "weights dtype of the block (auto: bfloat16 on a GPU, float32 on the CPU)",
+                         choices=("auto",) + DTYPES)
+    device: str = setting("cpu", "where the block computes: cpu, cuda or cuda:N (with --shard-ranks N: cuda puts rank "
+                          "r on GPU r); one line and exit 2 when CUDA is asked for and absent", read=device_spec,
+                          metavar="DEVICE")
     wire_dtype: str = setting("float32", "dtype of the activations this stage sends on", choices=DTYPES)
     threads: int = setting(0, "torch threads (0: leave torch's default)", read=non_negative_int)
-    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime, gloo on CPU); "
-                               "1: in this process", read=positive_int, metavar="N")
+    shard_ranks: int = setting(1, "local processes the block is sharded over (the sharded runtime: gloo on the CPU, "
+                               "NCCL on GPUs); 1: in this process", read=positive_int, metavar="N")
     shard_mode: str = setting("expert", "how --shard-ranks split the block: expert (layer homes rotate, every MoE "
                               "layer's experts spread over all ranks) or pipeline (each rank a contiguous sub-block)",
                               choices=SHARD_MODES)
@@ -130,7 +136,13 @@ class StageMinerSettings:
     def problems(self) -> list[str]:
         """Everything wrong with these settings, each with what to do about it."""
         out = []
-        s, c = self.server, self.chain
+        s, c, b = self.server, self.chain, self.block
+        problem = device_problem(b.device)
+        if problem:
+            out.append(problem)
+        elif b.shard_ranks > 1 and b.device.startswith("cuda:"):
+            out.append(f"--device {b.device} with --shard-ranks {b.shard_ranks}: the ranks take GPUs 0..N-1; give "
+                       "--device cuda")
         if c.network and c.netuid is None:
             out.append("--network needs --netuid (the subnet to announce on)")
         if c.netuid is not None and not 0 <= c.netuid <= 65535:

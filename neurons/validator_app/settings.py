@@ -211,7 +211,9 @@ MINER_TIMEOUTS = Section(group="timeouts", fields=dict(
 class ValidatorSettings:
     wallet: WalletSettings = WALLET.field(WalletSettings)
     chain: ChainSettings = CHAIN.field(ChainSettings)
-    engine: EngineSpec = engine_section("K3_REFERENCE_").field(EngineSpec)
+    # the reference is the audits' oracle: fp32 on every device unless --dtype says otherwise (the honest envelope
+    # is measured against fp32; a bf16 reference would add its own rounding to every miner's)
+    engine: EngineSpec = engine_section("K3_REFERENCE_").field(EngineSpec, dtype="float32")
     gateway: GatewaySettings = GATEWAY.field(GatewaySettings)
     reference_engine: bool = setting(False, "run the model from --checkpoint (or --engine remote/sharded) as this "
                                      "validator's own reference for tier-1 audits and tier-2 canaries; without it "

@@ -713,7 +713,8 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
                         decoys=decoys, decoy_keypair=decoy_keypair(settings) if decoys else None,
                         work_port=s.work_port, envelope=str(envelope) if envelope else None,
                         model_fingerprint=model_fp)
-    stage.loader = lambda: load_reference_model(checkpoint, verify=False)[0]
+    stage.loader = lambda: load_reference_model(checkpoint, settings.engine.dtype, verify=False,
+                                                device=settings.engine.device)[0]
     loop.stage = stage
     return stage
 
