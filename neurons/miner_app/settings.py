@@ -11,8 +11,8 @@ from typing import Any
 from inference.serving import EngineSpec
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, WalletSettings,
                                    build_settings, byte_size, engine_section, expanded_path, name_list,
-                                   non_negative_float, non_negative_int, port_number, positive_float, read_options, setting,
-                                   settings_options)
+                                   non_negative_float, non_negative_int, port_number, positive_float, read_options,
+                                   setting, settings_options)
 from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 
