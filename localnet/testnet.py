@@ -401,7 +401,7 @@ def stop_all(neurons: list[Neuron], grace_s: float = 10.0) -> None:
 
 # ------------------------------------------------------------------ dashboard
 async def snapshot(chain, netuid: int, run_dir: Path, neurons: list[Neuron]) -> dict:
-    from neurons.validator_app import status_report
+    from neurons.validator_app.status import status_report
     from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 
     block = await chain.block()
@@ -863,7 +863,7 @@ class OrganicTraffic:
 def read_validator(run_dir: Path) -> dict:
     """The validator's view from its store: `validator.py status`'s report and every stage check (empty while
     the store does not exist yet)."""
-    from neurons.validator_app import status_report  # noqa: PLC0415
+    from neurons.validator_app.status import status_report  # noqa: PLC0415
     from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415
 
     db = run_dir / "validator.sqlite"

@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script (--write-config)
     sys.path.insert(0, str(ROOT))
 
+from neurons.base.settings import options_table  # noqa: E402
 from neurons.gateway.settings import gateway_options  # noqa: E402
 from neurons.miner_app import miner_options  # noqa: E402
-from neurons.base.settings import options_table  # noqa: E402
 from neurons.swarm.settings import route_miner_options, stage_miner_options  # noqa: E402
-from neurons.validator_app import validator_options  # noqa: E402
+from neurons.validator_app.settings import validator_options  # noqa: E402
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONFIGURATION = ROOT / "docs" / "configuration.md"
