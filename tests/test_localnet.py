@@ -13,14 +13,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_localnet_sets_weights_and_the_cheater_earns_nothing(tmp_path):
+    """Run as `k3-localnet ... | tee log` would: stdout and stderr are pipes, so the log is plain lines."""
     run_dir = tmp_path / "run"
     summary = tmp_path / "summary.json"
+    metrics = free_port_block(3)
     cmd = [sys.executable, "-m", "localnet.testnet", "--miners", "2", "--sharded-miners", "0", "--cheat", "inflate",
-           "--run-dir", str(run_dir), "--summary", str(summary), "--no-dashboard",
-           "--base-port", str(free_port_block(2)), "--metrics-base-port", str(free_port_block(2)),
+           "--run-dir", str(run_dir), "--summary", str(summary),
+           "--base-port", str(free_port_block(2)), "--metrics-base-port", str(metrics),
            "--stop-after-epochs", "1", "--duration", "420"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a readable log: whole lines (no table wrapped into cells, no escape codes), one row per miner and refresh
+    for line in proc.stdout.splitlines() + proc.stderr.splitlines():
+        assert line.startswith(("[localnet] ", "  miner")) and "\x1b" not in line and "│" not in line, line
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("  miner1 ")]
+    assert rows and "(cheat: inflate, up)" in rows[-1] and "weight 0.000" in rows[-1], rows[-1:]
+    assert "[localnet] setup 1/" in proc.stderr
+    # the validator's metrics port follows the miners' (it moves with --base-port / --metrics-base-port)
+    assert f"metrics on http://127.0.0.1:{metrics + 2}/metrics" in (run_dir / "logs" / "validator.log").read_text()
     state = json.loads(summary.read_text())
     rows = {r["name"]: r for r in state["rows"]}
     honest, cheater = rows["miner0"], rows["miner1"]
