@@ -165,6 +165,7 @@ async def run(args) -> str:
             from bittensor.sp_core import ss58_encode
 
             owner = ss58_encode(bytes(32))  # nobody's key: a devnet subnet needs no real owner
+        os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)  # runs/node/devnet.sqlite: make runs/node
         chain = DevnetChain(args.db, block_interval=None if exists else args.block_interval, create=True)
         try:
             netuid = await chain.create_subnet(owner, netuid=args.netuid, **hyperparameters)

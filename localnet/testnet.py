@@ -185,6 +185,13 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
         ap.error("--setup-only sets up the embedded devnet: give --run-dir and no --network")
     if args.metrics_base_port is None:
         args.metrics_base_port = args.base_port + 1000
+    if args.chain != "devnet":  # a real node's miners are the wallets given
+        args.miners = len([w for w in args.miner_wallets.split(",") if w.strip()])
+    # the neurons run in the run directory: paths given relative to where k3-localnet started must stay right
+    if args.wallet_path is not None:
+        args.wallet_path = args.wallet_path.expanduser().resolve()
+    if args.chain.startswith("devnet:"):
+        args.chain = "devnet:" + str(Path(args.chain[len("devnet:"):]).expanduser().resolve())
     args.checkpoints = args.checkpoints.expanduser().resolve()
     if args.run_dir is not None:
         args.run_dir = args.run_dir.expanduser().resolve()

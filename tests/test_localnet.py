@@ -78,8 +78,7 @@ def test_localnet_swarm_serves_the_models_greedy_answer_through_a_route(tmp_path
     import torch
 
     from inference.serving.builders import load_reference_model
-    from chain.__main__ import main as chain_main
-from localnet.testnet import SWARM_PROMPT
+    from localnet.testnet import SWARM_PROMPT
     from protocol.stage import StageAnnouncement
 
     run_dir, summary = tmp_path / "run", tmp_path / "summary.json"
@@ -199,8 +198,7 @@ def test_swarm_cheaters_go_on_distinct_blocks_each_with_a_spare(tmp_path, capsys
     import pytest
 
     from localnet.cheats.stage import CHEATS
-    from chain.__main__ import main as chain_main
-from localnet.testnet import STAGE_CHEATS, parse_args, swarm_neurons
+    from localnet.testnet import STAGE_CHEATS, parse_args, swarm_neurons
 
     assert set(STAGE_CHEATS) == set(CHEATS)
     args = parse_args(["--swarm", "3", "--cheat-stage", "echo", "--cheat-stage", "replay", "--cheat-stage", "forwarder"])
@@ -214,8 +212,7 @@ from localnet.testnet import STAGE_CHEATS, parse_args, swarm_neurons
 
     # the forwarder is given the validator's decoy of its block among its targets; the route miner forges receipts
     # and submits them to the validator's work endpoint
-    from chain.__main__ import main as chain_main
-from localnet.testnet import DRIVER_CHEATS, GATEWAY_KEY, route_command, stage_command, swarm_validator_command
+    from localnet.testnet import DRIVER_CHEATS, GATEWAY_KEY, route_command, stage_command, swarm_validator_command
 
     args = parse_args(["--swarm", "3", "--cheat-stage", "forwarder", "--cheat-stage", "forge-receipts",
                        "--base-port", "20000"])
@@ -267,8 +264,7 @@ def test_the_trained_model_is_the_default_and_the_random_one_stays_a_flag_away(t
     asset changes; the weights cheat gets random weights of the same configuration; --model random is the seed-0
     random model as before. Nothing is written into the package's asset directory."""
     from inference.model.config import ModelConfig
-    from chain.__main__ import main as chain_main
-from localnet.testnet import TRAINED_ASSET, checkpoint_dir, ensure_checkpoints, parse_args
+    from localnet.testnet import TRAINED_ASSET, checkpoint_dir, ensure_checkpoints, parse_args
 
     asset_before = {p.name: p.stat().st_mtime_ns for p in TRAINED_ASSET.iterdir()}
     args = parse_args(["--checkpoints", str(tmp_path), "--cheat", "weights"])

@@ -212,7 +212,7 @@ def _describe_default(option: Option) -> str:
         return "required"
     if option.secret and option.default:
         return "(set)"
-    if option.default is None or option.default == "":
+    if option.default is None or option.default == "" or option.default == ():
         return "unset"
     if option.is_switch:
         return "on" if option.default else "off"
