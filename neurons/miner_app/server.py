@@ -28,9 +28,12 @@ event carries usage, timings, the model fingerprint and the hotkey's
 signature over the exact request bytes and every emitted token id.
 
 The metagraph is re-read in the background with a timeout; when the chain
-cannot be read the last snapshot is kept and /health says so. The endpoint is
-published on chain at start (a serving rate limit keeps the existing entry).
-Prometheus metrics are served on a separate port bound to 127.0.0.1.
+cannot be read the last snapshot is kept and /health says so (200 while
+validators can be served, 503 while they cannot). The endpoint is published on
+chain at start, or once the engine serves when it does not yet (a serving rate
+limit keeps the existing entry). The owner's hotkeys (--owner-hotkeys) pass the
+validator gate with a budget of their own. Prometheus metrics are served on a
+separate port (127.0.0.1 unless --metrics-host says otherwise).
 """
 from __future__ import annotations
 
