@@ -67,13 +67,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 import httpx
 from httpx_sse import EventSource, SSEError
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
+from benchmarks.other_tokenizer import OtherModelTokenizer, OtherModelTokenizerError
 from inference.model import read_config
 from inference.model.checkpoint import CheckpointError
 from inference.model.tokenizer import IM_END, load_tokenizer
@@ -799,7 +800,10 @@ def content_ids(rng: random.Random, tokenizer, need: int, instruct: bool = True)
 
 
 def chat_frame(tokenizer) -> tuple[list[int], int]:
-    """The chat template around one empty user turn, and where the turn's content goes."""
+    """The chat template around one empty user turn, and where the turn's content goes (another model's
+    tokenizer: its bos alone, no template; benchmarks/other_tokenizer.py)."""
+    if isinstance(tokenizer, OtherModelTokenizer):
+        return tokenizer.prompt_frame()
     frame = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
     return frame, frame.index(tokenizer.special_tokens[IM_END])
 
@@ -1345,12 +1349,18 @@ def open_endpoint(settings: BenchmarkSettings):
 
 
 def _served_model_tokenizer(tok_dir):
-    """A served model that is not a Kimi K3 checkpoint (a test model behind vLLM): its tokenizer.json."""
+    """A served model that is not a Kimi K3 checkpoint: its tokenizer.json, as the remote engine reads one (byte-level
+    BPE with the Kimi chat tokens, as the test model behind vLLM has), else as any Hugging Face tokenizer (prompts
+    without a chat template); None when the directory holds neither."""
     from inference.serving.remote import RemoteSetupError, served_tokenizer  # noqa: PLC0415
 
     try:
         return served_tokenizer(tok_dir)
     except RemoteSetupError:
+        pass
+    try:
+        return OtherModelTokenizer(tok_dir)
+    except OtherModelTokenizerError:
         return None
 
 
@@ -1368,8 +1378,14 @@ def frozen_heap():
         gc.unfreeze()
 
 
-async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -> dict:
-    """Run the whole benchmark and return the report (a JSON-ready dict)."""
+def progress_line(line: str) -> None:
+    """A progress line on stderr (stdout is the report)."""
+    print(f"[k3-bench] {line}", file=sys.stderr, flush=True)
+
+
+async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = (),
+                        say: Callable[[str], None] = progress_line) -> dict:
+    """Run the whole benchmark and return the report (a JSON-ready dict); `say` gets a line per step."""
     problems = settings.problems()
     if problems:
         raise BenchmarkSetupError("; ".join(problems))
@@ -1395,15 +1411,21 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
                                       f"({tokenizer.vocab_size}): give the served model's --tokenizer-checkpoint")
         cells = plan_cells(w, tokenizer, caps, settings.dataset)
         runner = Runner(endpoint, tokenizer, caps, settings.target.miner_hotkey, config)
+        say(f"{endpoint.kind} at {settings.target.miner_url or settings.target.openai_url}: model "
+            f"{caps.model_fingerprint}, context {caps.max_context}, {caps.max_concurrent_streams} streams; "
+            f"{len(cells)} workloads, {sum(len(wave) for c in cells for wave in c.waves)} requests")
 
         smallest = min(w.prompt_lengths), min(w.output_lengths)
         workloads, all_samples, per_request = [], [], []
         arrivals = random.Random(f"{w.seed}:arrivals")
         with frozen_heap():
             streams = min(streams_in_flight(cells), caps.max_concurrent_streams)  # a miner 429s beyond its own
+            if w.warmup:
+                say(f"warming up: {w.warmup} requests, then one connection per stream ({streams})")
             await runner.warm_up(build_requests(w, tokenizer, cells[0].waves[0][0].logprobs, "warmup", *smallest,
                                                 w.warmup), streams)
-            for cell in cells:
+            for number, cell in enumerate(cells, start=1):
+                cell_started = time.monotonic()
                 if cell.rate is None:
                     waves = [await runner.wave(wave) for wave in cell.waves]
                 else:
@@ -1413,7 +1435,9 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
                 workloads.append(cell_report(cell, waves, caps, settings.result))
                 if settings.result.save_result:
                     per_request += request_rows(cell, waves, settings.result.goodput)
-                log.info("workload %s done", cell.label)
+                done_here = sum(1 for wave in waves for sample in wave if sample.ok)
+                say(f"workload {number}/{len(cells)} {cell.label}: {done_here}/{sum(map(len, waves))} completed in "
+                    f"{time.monotonic() - cell_started:.1f} s")
         done = [s for s in all_samples if s.ok]
 
         quality: dict[str, Any] = {"tier0": {
@@ -1425,6 +1449,7 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
             reference, reference_fingerprint = reference_engine(
                 q.reference_checkpoint, max(w.prompt_lengths) + max(max(w.output_lengths), MAX_CANARY_TOKENS) + 1)
             await reference.start()
+            say(f"tier-1 audits of {q.audits} answers and {q.canaries} canaries on the reference checkpoint")
             quality["audits"] = await run_audits(done, q.audits, reference, tokenizer, config, w.seed)
             if q.canaries:
                 quality["canaries"] = await run_canaries(runner, reference, settings, tokenizer,
@@ -1434,7 +1459,13 @@ async def run_benchmark(settings: BenchmarkSettings, argv: Sequence[str] = ()) -
             reason = "no --reference-checkpoint" if not q.reference_checkpoint else "disabled"
             quality["audits"] = {"skipped": reason}
             quality["canaries"] = {"skipped": reason}
-        quality["probes"] = await run_probes(runner, settings, tokenizer) if q.probes else {"skipped": "disabled"}
+        if not q.probes:
+            quality["probes"] = {"skipped": "disabled"}
+        elif isinstance(tokenizer, OtherModelTokenizer):
+            quality["probes"] = {"skipped": "another model's tokenizer: the answer probes are Kimi chat turns"}
+        else:
+            say(f"{q.probes} answer probes")
+            quality["probes"] = await run_probes(runner, settings, tokenizer)
     finally:
         if reference is not None:
             await reference.stop()

@@ -10,10 +10,16 @@
     python -m chain set-hyperparameter --db PATH --netuid N NAME VALUE
     python -m chain epochs --db PATH --netuid N [--last K] [--json]
     python -m chain advance --db PATH --blocks N
+    python -m chain metagraph --network test --netuid N          # a subtensor node (also: block,
+    python -m chain register --network local --netuid N -w N -H H    hyperparameters, register)
 
 Wallet flags are btcli's: --wallet-name/-w (also --wallet, --wallet.name; env BT_WALLET),
 --wallet-hotkey/-H (--wallet.hotkey; BT_WALLET_HOTKEY), --wallet-path (--wallet.path;
 BT_WALLET_PATH). --name and --hotkey still work, with a warning.
+
+`--network` names the chain as btcli does (finney, test, local, ws://HOST:PORT, or devnet:PATH, the same as
+--db PATH); reading a subnet and registering work on a subtensor node too, the rest only on the devnet (on a
+node, stake with `btcli stake add` and change hyperparameters with `btcli hparams set`).
 
 A mistake the user can fix (a missing database or wallet, an unknown subnet, a bad value, a chain
 refusal such as an already registered hotkey) prints `error: ...` and exits with status 2.
@@ -27,6 +33,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from chain import connect
 from chain.cli import DeprecatedFlag
 from chain.devnet import DEFAULT_BLOCK_INTERVAL, HYPERPARAMETERS, DevnetChain, coerce_hyperparameter
 from chain.interface import ChainError
@@ -34,6 +41,13 @@ from chain.interface import ChainError
 
 class UserError(Exception):
     """Something the person at the terminal can fix; the message says how."""
+
+
+def network_spec(text: str) -> str:
+    """btcli's --network (finney, test, local, ws://, wss://) or devnet:PATH."""
+    if text in ("finney", "test", "local") or text.startswith(("ws://", "wss://", "devnet:")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a network: finney, test, local, ws://HOST:PORT or devnet:PATH")
 
 
 # ---------------------------------------------------------------- wallets
@@ -106,8 +120,20 @@ def _open(db: str) -> DevnetChain:
     return DevnetChain(db)
 
 
-async def _with_chain(db: str, action):
-    chain = _open(db)
+def _on_node(args) -> bool:
+    """The command addresses a subtensor node (--network finney/test/local/ws://), not the devnet."""
+    return bool(getattr(args, "network", None)) and not args.network.startswith("devnet:")
+
+
+def _chain_of(args):
+    if _on_node(args):
+        return connect(args.network)
+    db = args.network[len("devnet:"):] if getattr(args, "network", None) else args.db
+    return _open(os.path.expanduser(db))
+
+
+async def _with_chain(args, action):
+    chain = _chain_of(args)
     try:
         return await action(chain)
     finally:
@@ -139,6 +165,7 @@ async def run(args) -> str:
             from bittensor.sp_core import ss58_encode
 
             owner = ss58_encode(bytes(32))  # nobody's key: a devnet subnet needs no real owner
+        os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)  # runs/node/devnet.sqlite: make runs/node
         chain = DevnetChain(args.db, block_interval=None if exists else args.block_interval, create=True)
         try:
             netuid = await chain.create_subnet(owner, netuid=args.netuid, **hyperparameters)
@@ -148,35 +175,44 @@ async def run(args) -> str:
 
     if args.command == "register":
         wallet = _wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
-        return str(await _with_chain(args.db, lambda c: c.register(wallet, args.netuid)))
+        return str(await _with_chain(args, lambda c: c.register(wallet, args.netuid)))
+
+    if args.command in ("stake", "set-hyperparameter", "epochs", "advance") and _on_node(args):
+        how = {"stake": "btcli stake add --netuid N --amount-tao X -w WALLET -H HOTKEY --network NET",
+               "set-hyperparameter": "btcli hparams set --netuid N --name NAME --value VALUE --network NET"}
+        raise UserError(f"{args.command} drives the embedded devnet; on a subtensor node use "
+                        f"{how.get(args.command, 'btcli')}")
 
     if args.command == "stake":
         wallet = _wallet(args.wallet_path, args.wallet_name, args.wallet_hotkey)
-        total = await _with_chain(args.db, lambda c: c.add_stake(wallet, wallet, args.netuid, args.amount))
+        total = await _with_chain(args, lambda c: c.add_stake(wallet, wallet, args.netuid, args.amount))
         return f"{total:g}"
 
     if args.command == "metagraph":
-        snapshot = await _with_chain(args.db, lambda c: c.metagraph(args.netuid))
+        snapshot = await _with_chain(args, lambda c: c.metagraph(args.netuid))
         if args.json:
             return json.dumps({"netuid": snapshot.netuid, "block": snapshot.block, "tempo": snapshot.tempo,
                                "neurons": [_neuron_json(n) for n in snapshot.neurons]})
         return metagraph_table(snapshot)
 
     if args.command == "block":
-        return str(await _with_chain(args.db, lambda c: c.block()))
+        return str(await _with_chain(args, lambda c: c.block()))
 
     if args.command == "hyperparameters":
-        params = await _with_chain(args.db, lambda c: c.subnet_parameters(args.netuid))
+        if _on_node(args):
+            params = asdict(await _with_chain(args, lambda c: c.hyperparameters(args.netuid)))
+        else:
+            params = await _with_chain(args, lambda c: c.subnet_parameters(args.netuid))
         if args.json:
             return json.dumps(params)
         return "\n".join(f"{name:<22} {value}" for name, value in params.items())
 
     if args.command == "set-hyperparameter":
-        value = await _with_chain(args.db, lambda c: c.set_hyperparameter(args.netuid, args.name, args.value))
+        value = await _with_chain(args, lambda c: c.set_hyperparameter(args.netuid, args.name, args.value))
         return f"{args.name} = {value}"
 
     if args.command == "epochs":
-        history = await _with_chain(args.db, lambda c: c.epoch_history(args.netuid, limit=args.last))
+        history = await _with_chain(args, lambda c: c.epoch_history(args.netuid, limit=args.last))
         if args.json:
             return json.dumps([
                 {"block": e.block, "emission_budget": e.emission_budget,
@@ -194,7 +230,7 @@ async def run(args) -> str:
         return "\n".join(lines) or "no epoch has run yet"
 
     if args.command == "advance":
-        return str(await _with_chain(args.db, lambda c: c.advance_blocks(args.blocks)))
+        return str(await _with_chain(args, lambda c: c.advance_blocks(args.blocks)))
 
     raise UserError(f"unknown command {args.command}")
 
@@ -215,7 +251,10 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def db(sp, netuid=True):
-        sp.add_argument("--db", required=True, help="devnet SQLite file")
+        where = sp.add_mutually_exclusive_group(required=True)
+        where.add_argument("--db", help="devnet SQLite file")
+        where.add_argument("--network", "-n", type=network_spec, metavar="NETWORK",
+                           help="finney, test, local, ws://HOST:PORT (a subtensor node), or devnet:PATH")
         if netuid:
             sp.add_argument("--netuid", type=int, required=True)
 

@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -130,8 +131,10 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
                          "their last 512 tokens, serve different weights, a sampling cheat (" +
                          ", ".join(SAMPLING_CHEATS) + "), or none (all honest)")
     ap.add_argument("--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
-    ap.add_argument("--base-port", type=int, default=18091, help="miners listen on base, base+1, ...")
-    ap.add_argument("--metrics-base-port", type=int, default=19091, help="miners' local metrics ports")
+    ap.add_argument("--base-port", type=int, default=18091, help="miners listen on base, base+1, ... (the swarm: "
+                    "its stage miners, route miner and validator)")
+    ap.add_argument("--metrics-base-port", type=int, default=None,
+                    help="the miners' metrics ports, then the validator's (default: --base-port + 1000)")
     ap.add_argument("--run-dir", type=Path, default=None, help="default: ./runs/localnet-<time>")
     ap.add_argument("--model", choices=MODELS, default=default_model(),
                     help="the tiny model every honest neuron serves: trained (on real text, the default in a "
@@ -146,12 +149,15 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     ap.add_argument("--netuid", type=int, default=None, help="subnet on a real node (devnet: created)")
     ap.add_argument("--wallet-path", "--wallet.path", type=Path, default=None,
                     help="real node: where the registered wallets are")
-    ap.add_argument("--validator-wallet", default="validator", help="real node: validator wallet name")
+    ap.add_argument("--validator-wallet", "--wallet-name", "--wallet.name", "-w", dest="validator_wallet",
+                    default="validator", help="real node: the validator's wallet name (btcli's --wallet-name)")
     ap.add_argument("--miner-wallets", default="", help="real node: comma-separated miner wallet names")
     ap.add_argument("--block-interval", type=float, default=0.5, help="devnet seconds per block")
     ap.add_argument("--tempo", type=int, default=60, help="devnet blocks per epoch")
     ap.add_argument("--round-interval", type=float, default=10.0, help="validator seconds between rounds")
-    ap.add_argument("--no-dashboard", action="store_true", help="print one status line per refresh instead")
+    ap.add_argument("--no-dashboard", action="store_true",
+                    help="plain lines instead of the live dashboard (the default when stdout is not a terminal: "
+                         "piped to tee, a file, a service's journal)")
     ap.add_argument("--summary", type=Path, default=None, help="write a JSON summary here at the end")
     ap.add_argument("--setup-only", action="store_true",
                     help="devnet: create the chain, wallets, registrations and stake in --run-dir, write "
@@ -194,6 +200,15 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
         ap.error("with a real node, give --netuid, --wallet-path and --miner-wallets (wallets registered with btcli)")
     if args.setup_only and (args.chain != "devnet" or args.run_dir is None):
         ap.error("--setup-only sets up the embedded devnet: give --run-dir and no --network")
+    if args.metrics_base_port is None:
+        args.metrics_base_port = args.base_port + 1000
+    if args.chain != "devnet":  # a real node's miners are the wallets given
+        args.miners = len([w for w in args.miner_wallets.split(",") if w.strip()])
+    # the neurons run in the run directory: paths given relative to where k3-localnet started must stay right
+    if args.wallet_path is not None:
+        args.wallet_path = args.wallet_path.expanduser().resolve()
+    if args.chain.startswith("devnet:"):
+        args.chain = "devnet:" + str(Path(args.chain[len("devnet:"):]).expanduser().resolve())
     args.checkpoints = args.checkpoints.expanduser().resolve()
     if args.run_dir is not None:
         args.run_dir = args.run_dir.expanduser().resolve()
@@ -303,10 +318,21 @@ async def setup_devnet(run_dir: Path, args, neurons: list[Neuron], step=lambda w
 
 @contextlib.contextmanager
 def setup_progress(total: int):
-    """A rich progress bar over the setup steps (on stderr); yields step(what)."""
+    """A rich progress bar over the setup steps (on stderr), or one plain line per step when stderr is not a
+    terminal; yields step(what)."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        done = [0]
+
+        def step(what: str) -> None:
+            done[0] += 1
+            print(f"[localnet] setup {done[0]}/{total}: {what}", file=sys.stderr, flush=True)
+
+        yield step
+        return
     columns = (SpinnerColumn(), TextColumn("[localnet] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as progress:
+    with Progress(*columns, console=console) as progress:
         task = progress.add_task("setting up", total=total)
         yield lambda what: progress.update(task, advance=1, description=what)
 
@@ -367,7 +393,9 @@ def validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Pa
             "--checkpoint", str(checkpoint_dir(args)), "--reference-engine",
             "--db", str(run_dir / "validator.sqlite"),
             "--scoring-profile", "local_testnet", "--round-interval-s", str(args.round_interval),
-            "--weights-check-s", "2", "--canaries", "8", "--miners-at-once", "1", "--metagraph-refresh-s", "5"]
+            "--weights-check-s", "2", "--canaries", "8", "--miners-at-once", "1", "--metagraph-refresh-s", "5",
+            # after the miners' metrics ports, so that --base-port (or --metrics-base-port) moves it too
+            "--metrics-port", str(args.metrics_base_port + args.miners)]
 
 
 def start(n: Neuron, cmd: list[str], log_dir: Path) -> None:
@@ -430,7 +458,7 @@ def stop_all(neurons: list[Neuron], grace_s: float = 10.0) -> None:
 
 # ------------------------------------------------------------------ dashboard
 async def snapshot(chain, netuid: int, run_dir: Path, neurons: list[Neuron]) -> dict:
-    from neurons.validator_app import status_report
+    from neurons.validator_app.status import status_report
     from neurons.validator_app.store import ValidatorStore, ValidatorStoreError
 
     block = await chain.block()
@@ -525,27 +553,52 @@ def caught_cheater(state: dict, run_dir: Path, zeroed_block: int | None) -> tupl
             "honest_weights": {r["name"]: row[r["uid"]] for r in honest}}, zeroed_block
 
 
+PLAIN_EVERY_S = 30.0  # plain lines: the rows again at least this often, else only when something changed
+
+
+def plain_rows(state: dict) -> list[str]:
+    """The dashboard's rows as plain lines, one per miner, for a log (no terminal: no table to redraw)."""
+    def f(x, d=3):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    lines = []
+    for r in state["rows"]:
+        if r["role"] != "miner":
+            continue
+        v = r["validator"]
+        lines.append(f"  {r['name']} uid {r['uid']} ({r['kind']}, {'up' if r['alive'] else 'DOWN'}): "
+                     f"ttft/1k {f(v.get('ttft_per_1k_s'))} s, {f(v.get('decode_tps'), 1)} tok/s, burst "
+                     f"{f(v.get('burst_tps'), 1)} tok/s, long ctx {f(v.get('long_context_share'), 2)}, quality "
+                     f"{f(v.get('quality'), 2)}, fails {v.get('failures', '-')}, score {f(v.get('score'))}, weight "
+                     f"{f(v.get('weight'))}, incentive {f(r['incentive'])}"
+                     + (f"; last failure: {v['last_failure'][:100]}" if v.get("last_failure") else ""))
+    return lines
+
+
 async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron], t_launch: float) -> dict:
     chain = connect(chain_spec)
     started = time.monotonic()
     first_weights = None
     caught, zeroed_block = None, None
     console = Console()
+    printed, printed_at = [], -math.inf  # plain lines: the rows last printed, and when
     state = await snapshot(chain, netuid, run_dir, neurons)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    live = None if args.no_dashboard else Live(render(state, started), console=console, refresh_per_second=1)
+    plain = args.no_dashboard or not console.is_terminal
+    live = None if plain else Live(render(state, started), console=console, refresh_per_second=1)
     if live:
         live.start()
+    say = console.print if live else (lambda text: print(text, flush=True))  # a log's lines are never wrapped
     try:
         while not stop.is_set():
             if args.duration and time.monotonic() - started >= args.duration:
                 break
             dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
             if dead:
-                console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
+                say(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                 break
             try:
                 await asyncio.wait_for(stop.wait(), timeout=2.0)
@@ -554,32 +607,34 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
             try:
                 state = await snapshot(chain, netuid, run_dir, neurons)
             except Exception as exc:  # a locked database for a moment: keep the last view
-                console.print(f"[localnet] dashboard refresh failed: {exc}")
+                say(f"[localnet] dashboard refresh failed: {exc}")
             if state.get("weights_row") and first_weights is None:
                 first_weights = {"block": state["validator_last_update"], "elapsed_s": time.monotonic() - t_launch,
                                  "row": state["weights_row"]}
-                console.print(f"[localnet] first weights on chain at block {first_weights['block']}, "
+                say(f"[localnet] first weights on chain at block {first_weights['block']}, "
                               f"{first_weights['elapsed_s']:.0f} s after start: {first_weights['row']}")
             if first_weights is not None and isinstance(chain, DevnetChain):
                 epochs = await chain.epoch_history(netuid, limit=None, since_block=first_weights["block"])
                 state["epochs_after_weights"] = [
                     {"block": e.block, "incentive": {str(n.uid): n.incentive for n in e.neurons}} for e in epochs]
                 if args.stop_after_epochs and len(epochs) >= args.stop_after_epochs:
-                    console.print(f"[localnet] {len(epochs)} epoch(s) after the first weights: stopping")
+                    say(f"[localnet] {len(epochs)} epoch(s) after the first weights: stopping")
                     break
             if args.stop_when_caught:
                 caught, zeroed_block = caught_cheater(state, run_dir, zeroed_block)
                 if caught is not None:
-                    console.print(f"[localnet] the cheater was zeroed in round {caught['round']} after "
+                    say(f"[localnet] the cheater was zeroed in round {caught['round']} after "
                                   f"{caught['audits']} audits ({caught['reason'][:120]}); weights at block "
                                   f"{caught['weights_block']} hold it at 0 and every honest miner above 0: stopping")
                     break
             if live:
                 live.update(render(state, started))
             else:
-                line = " | ".join(f"{r['name']} w={r['validator'].get('weight')} inc={r['incentive']:.3f}"
-                                  for r in state["rows"] if r["role"] == "miner")
-                console.print(f"block {state['block']}: {line}")
+                rows = plain_rows(state)
+                if rows != printed or time.monotonic() - printed_at >= PLAIN_EVERY_S:
+                    print(f"[localnet] block {state['block']} (next epoch in {state['blocks_until_epoch']} blocks), "
+                          f"running {time.monotonic() - started:.0f} s:", *rows, sep="\n", flush=True)
+                    printed, printed_at = rows, time.monotonic()
     finally:
         if live:
             live.stop()
@@ -945,7 +1000,7 @@ class OrganicTraffic:
 def read_validator(run_dir: Path) -> dict:
     """The validator's view from its store: `validator.py status`'s report and every stage check (empty while
     the store does not exist yet)."""
-    from neurons.validator_app import status_report  # noqa: PLC0415
+    from neurons.validator_app.status import status_report  # noqa: PLC0415
     from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415
 
     db = run_dir / "validator.sqlite"
@@ -1089,9 +1144,10 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     state: dict = {"caught": False, "rows": []}
-    live = None if args.no_dashboard else Live(console=console, refresh_per_second=1)
+    live = None if args.no_dashboard or not console.is_terminal else Live(console=console, refresh_per_second=1)
     if live:
         live.start()
+    say = console.print if live else (lambda text: print(text, flush=True))  # a log's lines are never wrapped
     try:
         async with connect(chain_spec) as chain:
             while not stop.is_set():
@@ -1100,7 +1156,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 try:
                     rows = await swarm_stages(chain, netuid, stages, ready, run_dir, view)
                 except Exception as exc:  # noqa: BLE001 (a locked devnet database for a moment: keep the last view)
-                    console.print(f"[localnet] dashboard refresh failed: {exc}")
+                    say(f"[localnet] dashboard refresh failed: {exc}")
                     rows = state["rows"]
                 ok = sum(1 for o in organic if o["ok"])
                 last_route = next((o["route"] for o in reversed(organic) if o["ok"]), [])
@@ -1117,17 +1173,17 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 if live:
                     live.update(swarm_table(rows, [{"hotkey": h} for h in last_route], caption))
                 else:
-                    console.print(caption + " | " + " | ".join(
+                    say(caption + " | " + " | ".join(
                         f"{r['name']} w={r['weight']:.3f}{' BLAMED' if r['blamed'] else ''}" for r in rows))
                 dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
                 if traffic is not None and traffic.error:
-                    console.print(f"[localnet] no organic traffic: {traffic.error}")
+                    say(f"[localnet] no organic traffic: {traffic.error}")
                     break
                 if dead:
-                    console.print(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
+                    say(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                     break
                 if args.stop_when_caught and state["caught"]:
-                    console.print(f"[localnet] every cheater blamed and zeroed after {elapsed:.0f} s: stopping")
+                    say(f"[localnet] every cheater blamed and zeroed after {elapsed:.0f} s: stopping")
                     break
                 if args.duration and elapsed >= args.duration:
                     break

@@ -47,6 +47,7 @@ from inference.model.tokenizer import load_tokenizer
 from neurons.base.observability import run_neuron
 from neurons.base.settings import describe_values, open_wallet, program_name
 from neurons.miner_app import MinerServer
+from neurons.miner_app.server import owner_hotkeys
 from neurons.stage_miner import serve_until_signalled
 from neurons.swarm.route import LoggedRouteDriver, MetagraphDirectory, RouteDriver, RouteEngine, TrustedDirectory
 from neurons.swarm.settings import (RouteMinerSettings, RouteSettings, read_route_miner_settings, route_miner_options,
@@ -174,7 +175,7 @@ async def run(settings: RouteMinerSettings, report=WorkReport) -> int:
                              max_context=r.max_context, max_concurrent=r.max_concurrent,
                              prefill_chunk=r.prefill_chunk, speculation=speculation)
         server = MinerServer(miner_settings, engine=engine, tokenizer=engine.tokenizer, chain=chain, wallet=wallet,
-                             nonce_store=nonce_store)
+                             nonce_store=nonce_store, owners=owner_hotkeys(miner_settings))
         await server.start()
         reporting = asyncio.create_task(report(driver, wallet.hotkey, work_hop(r.report_work), r.report_work_s).run()) \
             if r.report_work else None

@@ -35,11 +35,16 @@ from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.swarm.stage import LayerRange, Stage
 from neurons.base.observability import MetricsServer, setup_logging
 from neurons.base.settings import WalletSettings, describe_values, open_wallet, program_name
-from neurons.swarm.settings import METRICS_HOST, StageMinerSettings, read_stage_miner_settings, stage_miner_options
+from neurons.swarm.settings import StageMinerSettings, read_stage_miner_settings, stage_miner_options
 from neurons.swarm.stage_server import StageServer, StageServerSettings
 from protocol.stage import StageAnnouncement
 
 log = logging.getLogger("k3.stage_miner")
+
+
+def _local(host: str) -> str:
+    """An address this machine reaches a listener bound to `host` at."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def load_wallet(settings: WalletSettings):
@@ -110,7 +115,7 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
     metrics = None
     try:
         if s.metrics:
-            metrics = MetricsServer(lambda: [server.metrics.registry], METRICS_HOST, s.metrics_port,
+            metrics = MetricsServer(lambda: [server.metrics.registry], s.metrics_host, s.metrics_port,
                                     component="stage-metrics")
             await metrics.start()
         if c.network:
@@ -123,7 +128,7 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
                 "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,
                 "shard_pids": sorted(stage.model.pids.values()) if stage.sharded else [],
                 "shard_layout": stage.shard_layout(),
-                "metrics_url": f"http://{METRICS_HOST}:{metrics.port}/metrics" if metrics else None}
+                "metrics_url": f"http://{_local(s.metrics_host)}:{metrics.port}/metrics" if metrics else None}
         log.info("stage %s (layers %s) serving on %s%s", server.hotkey, layers, server.url,
                  f"; metrics on {info['metrics_url']}" if metrics else "")
         await serve_until_signalled(info, s.ready_file)

@@ -8,6 +8,7 @@
     python neurons/validator.py self-check --checkpoint ckpt/tiny --dtype bfloat16 --audits 100
     python neurons/validator.py self-check --checkpoint ckpt/tiny --endpoint http://127.0.0.1:8091 \\
         --miner-hotkey 5F... --wallet-name validator --audits 60
+    python neurons/validator.py canaries --checkpoint ckpt/tiny --count 200 --out canaries.json
 
 `run` options: `python neurons/validator.py run --help` (every flag also has an environment
 variable; a flag wins). SIGINT or SIGTERM stops it after the current round's requests are cut;
@@ -17,7 +18,8 @@ answers of the checkpoint served in another precision (and with GPU-style kernel
 fp32 reference, and prints the false-positive rate (exit 1 on any hard failure or over 1% soft).
 With `--endpoint` it sends ordinary rounds to a served miner instead (signed with --wallet-*, for
 the miner's --miner-hotkey), runs tiers 0-2 on every answer against the local fp32 reference and
-prints the failures and a verdict (exit 0 pass, 1 fail, 2 cannot run).
+prints the failures and a verdict (exit 0 pass, 1 fail, 2 cannot run). `canaries` writes the canary pool a
+validator without a reference engine reads (--canary-pool), computed on any engine (--engine, as the miner's).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from neurons.base.observability import run_neuron  # noqa: E402
 from neurons.base.settings import (Option, WalletSettings, bind_defaults, describe_values, expanded_path,  # noqa: E402
                                    flag, open_wallet, optional_text, positive_float, program_name, read_options,
                                    wallet_options)
-from neurons.validator_app import (ValidatorSetupError, read_validator_settings, run_validator,  # noqa: E402
-                                   status_report, validator_options)
+from neurons.validator_app.status import age, status_report  # noqa: E402
 from neurons.validator_app.store import ValidatorStore, ValidatorStoreError  # noqa: E402
+
+# `status` only reads the database: the rounds, the gateway and the reference engine (torch) are imported by the
+# commands that need them, so that `status` answers in about a second.
 
 STATUS_OPTIONS = (
     Option("db", "--db", "K3_VALIDATOR_DB", expanded_path, "the validator's database", group="status", metavar="FILE",
@@ -67,7 +70,7 @@ SELF_CHECK_OPTIONS = (
 # the honest variants of scoring.envelope that a miner in each precision stands for
 SELF_CHECK_VARIANTS = {"bfloat16": ("bf16", "bf16-gpu-kernels"), "float16": ("fp16",),
                        "float32": ("fp32-batched", "fp32-gpu-kernels")}
-COMMANDS = ("run", "status", "self-check")
+COMMANDS = ("run", "status", "self-check", "canaries")
 
 
 def validator_program() -> str:
@@ -87,11 +90,14 @@ def format_status(report: dict) -> str:
                      _number(m["ttft_per_1k_s"]), _number(m["decode_tps"], 1), _number(m["burst_tps"], 1),
                      _number(m["long_context_share"], 2), _number(m["quality"], 2), str(m["failures"]),
                      _number(m["score"], 4), _number(m["ema"], 4), _number(m["weight"], 4),
-                     (m["last_failure"] or "")[:70], (m.get("zero_weight_reason") or "")[:70]))
+                     (f"{age(m.get('last_failure_at'))}: {m['last_failure']}" if m["last_failure"] else "")[:80],
+                     (m.get("zero_weight_reason") or "")[:70]))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    weights = "never" if report["weights_block"] is None else (
+        f"at block {report['weights_block']}, {report['weights_set_at_utc'] or '?'} ({age(report['weights_set_at'])}; "
+        f"version key {report['version_key']})")
     lines = [f"validator database {report['db']}: round {report['round']} "
-             f"(completed {report['completed_round']}); weights last set at block {report['weights_block']} "
-             f"(version key {report['version_key']})",
+             f"(completed {report['completed_round']}); weights last set {weights}",
              "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     if not rows:
@@ -150,7 +156,7 @@ def self_check_endpoint(values: dict) -> int:
 
     from neurons.base.settings import WalletNotFound  # noqa: PLC0415
     from neurons.validator_app.self_check import SelfCheckError, check_endpoint  # noqa: PLC0415 - loads torch
-    from neurons.validator_app.settings import ScoringSettings, ValidatorSettings  # noqa: PLC0415
+    from neurons.validator_app.settings import ScoringSettings, ValidatorSettings, ValidatorSetupError  # noqa: PLC0415
     from protocol.client import ClientTimeouts  # noqa: PLC0415
 
     url = values["endpoint"]
@@ -184,7 +190,35 @@ def self_check_endpoint(values: dict) -> int:
     return 0 if check.verdict()[0] else 1
 
 
+def canaries(argv: list[str]) -> int:
+    """`canaries`: write a canary pool computed on a reference deployment (neurons/validator_app/canary_pool.py)."""
+    import asyncio  # noqa: PLC0415
+
+    from inference.serving import EngineSpec  # noqa: PLC0415
+    from neurons.base.settings import build_settings  # noqa: PLC0415
+    from neurons.validator_app.canary_pool import (CANARY_OPTIONS, CanaryPoolSetupError,  # noqa: PLC0415 - torch
+                                                   scoring_config, write_canary_pool)
+    from neurons.validator_app.settings import ValidatorSetupError  # noqa: PLC0415
+
+    values = read_options(CANARY_OPTIONS, argv, prog=f"{validator_program()} canaries",
+                          description="Write the canary pool a validator without a reference engine reads "
+                                      "(--canary-pool), computed on this engine.")
+    try:
+        config = scoring_config(values["profile"], values["overrides"])
+        asyncio.run(write_canary_pool(build_settings(EngineSpec, values["engine"]), values["count"], values["out"],
+                                      config, values["seed"], say=lambda line: print(line, flush=True)))
+    except (CanaryPoolSetupError, ValidatorSetupError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(argv: list[str]) -> int:
+    from neurons.base.observability import run_neuron  # noqa: PLC0415 (see the imports above)
+    from neurons.validator_app.rounds import run_validator  # noqa: PLC0415
+    from neurons.validator_app.settings import (ValidatorSetupError, read_validator_settings,  # noqa: PLC0415
+                                                validator_options)
+
     settings = read_validator_settings(argv, prog=f"{validator_program()} run", description=__doc__)
     return run_neuron(settings, lambda: run_validator(settings), ValidatorSetupError, "k3.validator",
                       describe_values(validator_options(), dataclasses.asdict(settings)))
@@ -198,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
               else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    return {"run": run, "status": status, "self-check": self_check}[command](rest)
+    return {"run": run, "status": status, "self-check": self_check, "canaries": canaries}[command](rest)
 
 
 if __name__ == "__main__":

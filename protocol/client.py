@@ -387,16 +387,19 @@ class MinerClient:
         return await self._json_call("GET", base_url, CAPABILITIES_PATH, None, receiver_ss58, Capabilities, timeouts)
 
     async def health(self, base_url: str, timeouts: Optional[ClientTimeouts] = None) -> Health:
-        """Unauthenticated liveness."""
-        return await self._json_call("GET", base_url, HEALTH_PATH, None, None, Health, timeouts)
+        """Unauthenticated liveness. A miner that is not serving answers 503 with its Health ("down" and why),
+        returned here like a 200's."""
+        return await self._json_call("GET", base_url, HEALTH_PATH, None, None, Health, timeouts, body_on=(200, 503))
 
     async def _json_call(self, method, base_url, path, body, receiver_ss58, model: type[Model], timeouts,
-                         prompt_tokens: int = 0) -> Model:
+                         prompt_tokens: int = 0, body_on: tuple[int, ...] = (200,)) -> Model:
         clock = _CallClock(timeouts or self.timeouts, prompt_tokens)
         headers = {} if receiver_ss58 is None else self._sign(method, path, body or b"", receiver_ss58)
         response = await self._send(clock, method, _url(base_url, path), body, headers, JSON_CONTENT_TYPE)
         try:
-            await self._raise_for_status(response, clock)
+            if response.status not in body_on or (response.status != 200
+                                                  and response.content_type.lower() != JSON_CONTENT_TYPE):
+                await self._raise_for_status(response, clock)
             _expect_content_type(response, JSON_CONTENT_TYPE)
             raw = await self._read_body(response, clock, self.max_response_bytes, over_limit="error")
         finally:
@@ -404,6 +407,10 @@ class MinerClient:
         try:
             return model.model_validate_json(raw)
         except ValidationError as error:
+            if response.status != 200:  # not the model's body: an error answer (a proxy's 503, say)
+                detail = parse_error_body(raw)
+                code, message = (detail.code, detail.message) if detail else (ErrorCode.UNPARSEABLE_ERROR, "")
+                raise MinerHTTPError(response.status, code, message or f"HTTP {response.status}") from None
             raise MinerProtocolError(f"{model.__name__} answer is malformed: {describe_validation_error(error)[0]}") from None
 
     # ------------------------------------------------------------ HTTP plumbing

@@ -8,7 +8,9 @@ of file descriptors. This module adds what is missing:
   once) a connection beyond either cap; the total is also kept below the process's free file descriptors,
   so `accept()` never fails with EMFILE. A connection must deliver complete request headers within
   `header_timeout_s` of opening (or of its previous answer, on keep-alive: `idle_timeout_s`), or it is
-  closed. Refusals and closings are logged as one count per interval, never one line per event.
+  closed. Refusals and closings are logged as one count per interval, never one line per event: as a
+  warning, except a kept-alive connection that served its requests and then sat idle (every client pool
+  leaves those), which is logged at DEBUG.
 - `GuardedSite`: a `web.TCPSite` whose connections go through the guard.
 - `runner_options()`: keyword arguments for `web.AppRunner` (no automatic inflation of bodies, header
   size caps, keep-alive timeout).
@@ -81,8 +83,8 @@ def fd_budget() -> int:
 class _Tally:
     """Counts events by kind and logs them as one line per interval."""
 
-    def __init__(self, name: str, interval_s: float):
-        self.name, self.interval_s = name, interval_s
+    def __init__(self, name: str, interval_s: float, level: int = logging.WARNING):
+        self.name, self.interval_s, self.level = name, interval_s, level
         self.counts: dict[str, int] = {}
         self.totals: dict[str, int] = {}
         self._flush: asyncio.TimerHandle | None = None
@@ -101,7 +103,7 @@ class _Tally:
         self._flush = None
         if self.counts:
             parts = ", ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
-            log.warning("%s: in the last %.0f s: %s", self.name, self.interval_s, parts)
+            log.log(self.level, "%s: in the last %.0f s: %s", self.name, self.interval_s, parts)
             self.lines += 1
             self.counts = {}
 
@@ -115,6 +117,8 @@ class _GuardedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.busy = 0
+        self.answered = 0  # requests finished on this connection
+        self.partial = False  # bytes of a next request arrived (its headers not yet complete)
 
     def connection_made(self, transport) -> None:
         peer = transport.get_extra_info("peername")
@@ -138,21 +142,29 @@ class _GuardedConnection(asyncio.Protocol):
     def _expire(self) -> None:
         self.timer = None
         if self.busy == 0 and self.transport is not None:
-            self.guard.tally.add("connections closed for slow or missing headers")
+            if self.answered and not self.partial:  # an ordinary kept-alive connection nobody used again
+                self.guard.idle_tally.add("idle keep-alive connections closed")
+            else:  # nothing, or a request's headers begun and never finished: what a slowloris client does
+                self.guard.tally.add("connections closed for slow or missing headers")
             self.transport.abort()
 
     def request_started(self) -> None:
         self.busy += 1
+        self.partial = False
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
     def request_finished(self) -> None:
         self.busy = max(0, self.busy - 1)
+        self.answered += 1
+        self.partial = False
         if self.busy == 0 and self.transport is not None and not self.transport.is_closing():
             self._arm(self.guard.settings.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self.busy == 0 and data:
+            self.partial = True
         if self.inner is not None:
             self.inner.data_received(data)
 
@@ -183,6 +195,8 @@ class ConnectionGuard:
         self.settings = settings
         self.name = name
         self.tally = _Tally(f"{name} connection guard", settings.log_interval_s)
+        # kept-alive connections closed after idle_timeout_s are what every client's pool leaves: DEBUG, not WARNING
+        self.idle_tally = _Tally(f"{name} connection guard", settings.log_interval_s, logging.DEBUG)
         self._connections: dict[asyncio.BaseTransport, _GuardedConnection] = {}
         self._per_address: dict[str, int] = {}
 

@@ -19,19 +19,8 @@ weights but never sets them. One round for one miner, as the neuron drives it:
 The checks: tier0 (every answer, CPU), tier1 (teacher-forced audits and their references), auditors (miner
 auditors), canaries (tier 2), audit_sequence (their order for one answer). Persist `window.to_rows()`
 (COLUMNS), the EMA entries, the canary pool's `used` set.
+
+The package itself imports nothing: import the module that holds a name (`from scoring.tier0 import
+check_tier0`), so that a light user (the validator's `status`, which reads its database) does not load the
+model and torch with the reference-engine code.
 """
-from .audit_sequence import (AuditSequence, CheckedAnswer, Verification, audit_probability, check_answer, draw_audit,
-                             verify_item)
-from .canaries import Canary, CanaryPool, CanaryPoolError, Tier2Result, check_tier2
-from .config import ScoringConfig, ScoringConfigError
-from .failures import Failure
-from .metrics import (BURST_AGGREGATE, COLUMNS, OUTCOMES, Measurement, MeasurementWindow, classify_error,
-                      decode_tokens_per_s, measure_burst, measure_request, ttft_per_1k)
-from .rewards import EmaEntry, MinerScore, score_miners, update_ema
-from .tier0 import check_tier0, validator_prompt_ids
-from .tier1 import (AuditResult, ConsensusReference, MinerScoreReference, Reference, ReferenceDisagreement, audit_tier1,
-                    outside_top_k_bound)
-from .weights import (StageEvidence, WeightEvidence, miner_weights, submitted_weights, weights_from_ema,
-                      weights_to_submit)
-from .workloads import (KINDS, PROBE_KINDS, Expectation, WorkItem, WorkloadError, canary_item, canary_prompts,
-                        group_bursts, plan_round)

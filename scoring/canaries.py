@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from inference.serving import GenerationRequest, SamplingParams, TokenEvent
 from protocol.client import GenerateResult
 
 from .config import DEFAULT_CONFIG, ScoringConfig
@@ -150,6 +149,8 @@ class CanaryPool:
         """Canaries computed by the validator's own reference engine (local testnet): the first
         `config.canary_tokens` greedy tokens of each prompt, with top-1/top-2 margins and the
         reference's logprob of each token (what an auditor checked on the canary must report)."""
+        # the engine's types load torch; a pool read from a file (the validator's status, a CPU validator) needs none
+        from inference.serving import GenerationRequest, SamplingParams, TokenEvent  # noqa: PLC0415
 
         async def one(prompt: Sequence[int]) -> Canary:
             params = SamplingParams(max_tokens=config.canary_tokens, temperature=0.0, logprobs=2)

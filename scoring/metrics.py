@@ -16,13 +16,15 @@ import math
 import secrets
 import time
 from dataclasses import astuple, dataclass, fields
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
 from protocol.client import GenerateResult, MinerError, MinerHTTPError, MinerTimeout
 
-from .audit_sequence import Verification
 from .config import ScoringConfig
 from .workloads import KINDS, WorkItem
+
+if TYPE_CHECKING:  # a type only: the audit code loads the reference engine (torch), the metrics need none
+    from .audit_sequence import Verification
 
 BURST_AGGREGATE = "burst_aggregate"
 MEASUREMENT_KINDS = KINDS + (BURST_AGGREGATE,)

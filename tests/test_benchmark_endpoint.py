@@ -4,11 +4,15 @@ server over the reference engine, with the same checkpoint as the reference for 
 import dataclasses
 import json
 import math
+import random
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 
 from benchmarks import endpoint as bench
 from chain import connect
@@ -100,7 +104,12 @@ async def test_a_miner_benchmark_reports_speeds_tier0_and_429s_beyond_capacity(w
             "--concurrency", "1,5", "--repeats", "1", "--seed", "3", "--probes", "0", "--out-dir", str(tmp_path),
             "--between-tokens-timeout-s", "60"]  # a loaded test machine stalls streams for seconds
     settings = bench.read_benchmark_settings(argv, environ={})
-    report = await bench.run_benchmark(settings, argv)
+    lines = []
+    report = await bench.run_benchmark(settings, argv, say=lines.append)
+    assert lines[0].startswith(f"miner at {miner.url}: model ") and "4 workloads, 12 requests" in lines[0]
+    assert [line.split(":")[0] for line in lines if line.startswith("workload")] == [
+        "workload 1/4 random P=32 O=6 C=1", "workload 2/4 random P=32 O=6 C=5", "workload 3/4 random P=48 O=6 C=1",
+        "workload 4/4 random P=48 O=6 C=5"]  # a line per workload as it ends: progress on a run of minutes
     bench.write_report(report, str(tmp_path))
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(report))
@@ -178,6 +187,36 @@ async def test_audits_and_canaries_catch_a_server_that_serves_other_weights(worl
     audits, canaries = report["quality"]["audits"], report["quality"]["canaries"]
     assert audits["audited"] == 1 and audits["failed"] == 1 and audits["failures"]
     assert canaries["checked"] == 1 and canaries["failed"] == 1
+
+
+def other_models_tokenizer(directory: Path, vocab_size: int) -> Path:
+    """A tokenizer of another family than Kimi K3's: word-level (not byte-level BPE), bos <s>, no chat tokens."""
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tokenizer = Tokenizer(WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab_size,
+                                                       "eos_token_id": 2}))
+    return directory
+
+
+async def test_another_models_tokenizer_files_are_taken_as_vllm_bench_serve_takes_them(world, openai_server,
+                                                                                      tmp_path):
+    tok = other_models_tokenizer(tmp_path / "other", CONFIG.vocab_size)
+    argv = ["--openai", openai_server, "--model", MODEL_NAME, "--tokenizer-checkpoint", str(tok),
+            "--prompt-lengths", "24", "--output-lengths", "4", "--concurrency", "1", "--repeats", "2",
+            "--warmup", "0", "--save-result"]
+    settings = bench.read_benchmark_settings(argv, environ={})
+    report = await bench.run_benchmark(settings, argv)
+    assert report["totals"]["completed"] == report["totals"]["requests"] == 2
+    assert [r["prompt_tokens"] for r in report["per_request"]] == [24, 24]  # exact lengths, the bos included
+    assert report["quality"]["probes"] == {"skipped": "another model's tokenizer: the answer probes are Kimi chat turns"}
+    tokenizer = bench.OtherModelTokenizer(tok)
+    prompt = bench.exact_prompt(random.Random(0), tokenizer, 10)
+    assert len(prompt) == 10 and prompt[0] == 1 and 2 not in prompt
 
 
 async def test_requests_that_cannot_fit_are_refused_before_anything_is_sent(world, openai_server):

@@ -523,3 +523,22 @@ def test_cli_create_register_metagraph_and_user_errors(tmp_path, capsys):
         out = capsys.readouterr()
         assert message in out.err and out.err.startswith("error: ") and not out.out
     assert not (tmp_path / "x.sqlite").exists()
+
+
+def test_cli_names_the_chain_as_btcli_does(tmp_path, capsys):
+    """--network devnet:PATH is --db PATH; a subtensor node is reached through the SDK (a refused port here: the
+    error is one line), and what only the devnet can do says which btcli command does it on a node."""
+    db = str(tmp_path / "devnet.sqlite")
+    assert cli_main(["devnet", "create", "--db", db, "--tempo", "7"]) == 0
+    capsys.readouterr()
+    assert cli_main(["hyperparameters", "--network", f"devnet:{db}", "--netuid", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tempo"] == 7
+    assert cli_main(["block", "--network", "ws://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "127.0.0.1" in err[-1]
+    wallet = ["--wallet-path", str(tmp_path), "-w", "w", "-H", "h"]
+    assert cli_main(["stake", "--network", "test", "--netuid", "1", *wallet, "--amount", "1"]) == 2
+    assert "btcli stake add --netuid N --amount-tao X" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["metagraph", "--network", "mainnet", "--netuid", "1"])
+    assert "finney, test, local" in capsys.readouterr().err

@@ -183,7 +183,8 @@ async def test_a_revealed_row_the_chain_refuses_is_dropped(chain, wallets):
 
 # ---------------------------------------------------------------- the validator's weight setting
 def validator_loop(chain, wallet, netuid, tmp_path, retry_s=0.02):
-    from neurons.validator_app import ValidatorLoop, ValidatorSettings, WeightSettings
+    from neurons.validator_app.rounds import ValidatorLoop
+    from neurons.validator_app.settings import ValidatorSettings, WeightSettings
     from neurons.validator_app.store import ValidatorStore
     from scoring.rewards import EmaEntry
 

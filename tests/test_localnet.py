@@ -1,26 +1,54 @@
 """End to end: short local testnets as an operator runs them (devnet, miners, a validator; the swarm, honest
 and with cheating stages)."""
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 
+from chain.__main__ import main as chain_main
 from localnet.testnet import GATEWAY_ROUTE_UID, ROUTE_SETTLE_S, free_port_block, swarm_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_localnet_sets_weights_and_the_cheater_earns_nothing(tmp_path):
+GUIDE = ROOT / "docs" / "local-node.md"
+
+
+def guide_commands() -> list[list[str]]:
+    """The commands of the local-node guide's devnet rehearsal, in order, as a person would type them."""
+    section = GUIDE.read_text().split("## Rehearse it on the embedded devnet", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_local_node_guide_walked_on_the_devnet_sets_weights_and_the_cheater_earns_nothing(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """docs/local-node.md's devnet rehearsal as written: k3-chain creates the devnet, wallets, registrations and
+    stake, then k3-localnet runs on them (real-node mode, with --network devnet:PATH) until an epoch after the first
+    weights. Its output is piped, as `k3-localnet ... | tee log` would be: the log must be plain lines."""
+    *setup, localnet = guide_commands()
+    assert {words[0] for words in setup} == {"k3-chain"} and localnet[0] == "scripts/localnet.sh"
+    monkeypatch.chdir(tmp_path)
+    for words in setup:
+        assert chain_main(words[1:]) == 0, f"{' '.join(words)}: {capsys.readouterr().err}"
     run_dir = tmp_path / "run"
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "localnet.testnet", "--miners", "2", "--sharded-miners", "0", "--cheat", "inflate",
-           "--run-dir", str(run_dir), "--summary", str(summary), "--no-dashboard",
-           "--base-port", str(free_port_block(2)), "--metrics-base-port", str(free_port_block(2)),
-           "--stop-after-epochs", "1", "--duration", "420"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    metrics = free_port_block(3)
+    cmd = [sys.executable, "-m", "localnet.testnet", *localnet[1:], "--run-dir", str(run_dir), "--summary", str(summary),
+           "--base-port", str(free_port_block(2)), "--metrics-base-port", str(metrics)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a readable log: whole lines (no table wrapped into cells, no escape codes), one row per miner and refresh
+    for line in proc.stdout.splitlines() + proc.stderr.splitlines():
+        assert line.startswith(("[localnet] ", "  miner")) and "\x1b" not in line and "│" not in line, line
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("  miner1 ")]
+    assert rows and "(cheat: inflate, up)" in rows[-1] and "weight 0.000" in rows[-1], rows[-1:]
+    # the validator's metrics port follows the miners' (it moves with --base-port / --metrics-base-port)
+    assert f"metrics on http://127.0.0.1:{metrics + 2}/metrics" in (run_dir / "logs" / "validator.log").read_text()
     state = json.loads(summary.read_text())
     rows = {r["name"]: r for r in state["rows"]}
     honest, cheater = rows["miner0"], rows["miner1"]

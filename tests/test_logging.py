@@ -1,4 +1,5 @@
 """Logs: one line per event, as text or JSON; the access log of a real aiohttp server."""
+import asyncio
 import io
 import json
 import logging
@@ -114,3 +115,39 @@ async def test_every_answer_carries_the_request_id_streams_and_errors_included(l
     access = [json.loads(line) for line in log_stream.getvalue().splitlines() if '"k3.access"' in line]
     assert [(e["path"], e["status"], e["request_id"]) for e in access] == [
         (path, status, rid) for path, (status, rid) in zip(("/stream", "/missing", "/boom", "/stream"), answers)]
+
+
+async def test_idle_keep_alive_connections_are_not_logged_as_slow_clients(caplog):
+    """A connection that got its answer and then sat idle is closed at DEBUG; one that began a request's headers and
+    never finished them (a slowloris client) is a warning."""
+    async def ok(request):
+        return web.Response(text="ok")
+
+    guard = ConnectionGuard(GuardSettings(header_timeout_s=0.3, idle_timeout_s=0.3, log_interval_s=0.5), "test")
+    app = observed_app("test", guard)
+    app.add_routes([web.get("/", ok)])
+    runner = web.AppRunner(app, access_log=None, **runner_options(guard.settings))
+    await runner.setup()
+    await GuardedSite(runner, guard, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="k3.http"):
+            idle = []
+            for _ in range(3):  # answered, then left open: what a client's connection pool does
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await reader.readuntil(b"ok")
+                idle.append(writer)
+            reader, slow = await asyncio.open_connection("127.0.0.1", port)
+            slow.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # headers begun, never finished
+            await slow.drain()
+            assert await reader.read() == b""  # closed by the guard
+            await asyncio.sleep(1.0)  # past the idle deadline and one log interval
+            for writer in idle + [slow]:
+                writer.close()
+    finally:
+        await runner.cleanup()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "connection guard" in r.getMessage()]
+    assert any(level == logging.DEBUG and "3 idle keep-alive connections closed" in m for level, m in lines), lines
+    warnings = [m for level, m in lines if level == logging.WARNING]
+    assert len(warnings) == 1 and "1 connections closed for slow or missing headers" in warnings[0], lines

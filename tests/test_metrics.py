@@ -23,8 +23,9 @@ from inference.serving import EngineSettings, EngineSpec, LocalEngine
 from neurons.base.settings import ChainSettings, WalletSettings
 from neurons.gateway import GatewaySettings
 from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, ServerSettings
-from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings, WeightSettings,
-                                   run_validator)
+from neurons.validator_app.rounds import run_validator
+from neurons.validator_app.settings import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings,
+                                            WeightSettings)
 from protocol.auth import SQLiteNonceStore
 
 ROOT = Path(__file__).resolve().parent.parent

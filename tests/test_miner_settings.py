@@ -127,7 +127,7 @@ def test_flag_defaults_are_the_settings_dataclasses_defaults():
     """Every flag's default comes from its settings dataclass: no flags and no environment give
     exactly the dataclasses' defaults (the required --netuid aside)."""
     from benchmarks.endpoint import BenchmarkSettings, benchmark_options
-    from neurons.validator_app import ValidatorSettings, read_validator_settings, validator_options
+    from neurons.validator_app.settings import ValidatorSettings, read_validator_settings, validator_options
 
     assert read_miner_settings(REQUIRED, {})[0] == dataclasses.replace(
         MinerSettings(), chain=dataclasses.replace(MinerSettings().chain, netuid=7))

@@ -15,6 +15,7 @@ from inference.planning.cost_model import (BREAKDOWN_KEYS, CostModel, CostParams
                                            selection_count_pmf)
 from inference.planning.plan import (Link, Links, Plan, PlanError, RoutingStats, attn_res_sources, embedding_bytes,
                                      layer_weights, lm_head_bytes)
+from inference.planning.plan_cluster import main as plan_cli
 from inference.planning.planner import (Cluster, ClusterError, PlanDoesNotFit, PlannerOptions, eplb_layer,
                                         parse_quantity, plan_cluster)
 
@@ -377,6 +378,26 @@ def test_k3_does_not_fit_on_this_machine_and_says_where():
     with pytest.raises(PlanDoesNotFit, match=r"rank \d \(localhost, cpu_process\) needs .* overflows by") as exc:
         plan_cluster(K3, cluster, 1, 4096)
     assert all(o["overflow"] > 0 for o in exc.value.overflows)
+
+
+def test_the_hopper_clusters_hold_k3_from_two_h200_nodes_and_list_themselves(capsys):
+    """8 x H100 and 8 x H200 are what operators rent: K3 does not fit in one node (the CLI says by how much), in
+    two H200 nodes it does; `k3-plan --list` names every shipped cluster and model preset."""
+    assert plan_cli(["--model", "kimi_k3", "--cluster", "h200_8", "--concurrency", "1"]) == 2
+    assert "kimi-k3 does not fit on h200_8 (8 devices, 1128.0 GB)" in capsys.readouterr().err
+    assert plan_cli(["--model", "kimi_k3", "--cluster", "h100_8", "--concurrency", "1"]) == 2
+    assert "overflows by" in capsys.readouterr().err
+    assert plan_cli(["--model", "kimi_k3", "--cluster", "h200_16", "--concurrency", "1"]) == 0
+    assert "16 x h200 on 2 host(s)" in capsys.readouterr().out
+    assert plan_cli(["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "h100_8                 8 x h100 (80 GB), 1 host(s), 640 GB in all" in listing
+    assert "h200_8 " in listing and "h200_16 " in listing and "b300_8 " in listing
+    assert "kimi_k3                kimi-k3: 2,779,484,478,208 parameters, 1,560.0 GB of weights" in listing
+    assert "kimi-k3 " not in listing.split("model presets")[1].replace("kimi-k3:", "")  # one line per model
+    with pytest.raises(SystemExit):
+        plan_cli(["--model", "tiny"])
+    assert "k3-plan --list" in capsys.readouterr().err
 
 
 # =================================================================== planner: replicas

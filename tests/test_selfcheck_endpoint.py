@@ -1,5 +1,6 @@
 """`neurons/validator.py self-check --endpoint URL` against real miner processes on a devnet file: an honest
-miner passes; a cheating one (localnet/cheats/miner.py --cheat perturb-experts: experts re-quantised with
+miner passes, checked by its owner with a hotkey of its own wallet (--owner-hotkeys: no validator permit, no
+stake); a cheating one (localnet/cheats/miner.py --cheat perturb-experts: experts re-quantised with
 noise, the fingerprint claimed unchanged) fails with the reason; an unreachable endpoint and a wrong
 miner hotkey are clear CLI errors. Both miners start at once so that their start-up times overlap."""
 import asyncio
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bittensor as bt
 import pytest
 
 from benchmarks.hostile import published_url
@@ -20,13 +22,14 @@ pytestmark = pytest.mark.timeout(2400)  # three CLI runs, each importing torch a
 PROFILE = {"round_requests": 6, "chat_prompt_tokens": [16, 96], "chat_max_tokens": [16, 24],
            "long_context_sizes": [600], "long_context_max_tokens": [16, 16], "canary_tokens": 16,
            "copy_text_tokens": [4, 12], "burst_capacity_fraction": [1.0, 1.0]}
-MINERS = {"honest": ("neurons/miner.py",), "cheater": ("localnet/cheats/miner.py", "--cheat", "perturb-experts")}
+MINERS = {"honest": ("neurons/miner.py", "--owner-hotkeys", "selfcheck"), "cheater": ("localnet/cheats/miner.py", "--cheat", "perturb-experts")}
 
 
 @pytest.fixture(scope="module")
 def miners(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
     root = tmp_path_factory.mktemp("selfcheck")
     wallets = make_wallets(root / "wallets", ("owner", "validator", *MINERS))
+    bt.Wallet("honest", "selfcheck", path=str(root / "wallets")).create_new_hotkey(use_password=False, suppress=True)
     devnet = root / "devnet.sqlite"
     netuid, _ = make_subnet(devnet, wallets, ("validator", *MINERS), {"validator": 100.0})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -61,18 +64,19 @@ def miners(tmp_path_factory, make_wallets, make_subnet, tiny_checkpoint):
                 process.wait(timeout=5)
 
 
-def self_check(miners, url: str, miner_hotkey: str, *extra: str, timeout_s: float = 900.0):
+def self_check(miners, url: str, miner_hotkey: str, *extra: str, timeout_s: float = 900.0,
+               wallet=("validator", "default")):
     command = [sys.executable, "neurons/validator.py", "self-check", "--checkpoint", str(miners["checkpoint"]),
-               "--endpoint", url, "--miner-hotkey", miner_hotkey, "--wallet-name", "validator",
-               "--wallet-path", str(miners["root"] / "wallets"), "--scoring-profile", "local_testnet",
+               "--endpoint", url, "--miner-hotkey", miner_hotkey, "--wallet-name", wallet[0],
+               "--wallet-hotkey", wallet[1], "--wallet-path", str(miners["root"] / "wallets"), "--scoring-profile", "local_testnet",
                "--scoring-overrides", json.dumps(PROFILE), "--seed", "3", *extra]
     return subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=timeout_s)
 
 
-def test_an_honest_miner_passes(miners):
+def test_an_honest_miner_passes_checked_by_its_owner(miners):
     done = self_check(miners, miners["urls"]["honest"], miners["wallets"]["honest"].hotkey.ss58_address,
-                      "--audits", "6", "--canaries", "2")
+                      "--audits", "6", "--canaries", "2", wallet=("honest", "selfcheck"))
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "matches the reference checkpoint" in out and "precision float32" in out

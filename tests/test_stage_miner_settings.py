@@ -241,7 +241,7 @@ def test_each_kind_of_process_has_its_own_default_metrics_port():
     """Miner, validator, route miner and stage miner can share a host with their default metrics ports."""
     from neurons.miner_app import miner_options
     from neurons.swarm.settings import route_miner_options, stage_miner_options
-    from neurons.validator_app import validator_options
+    from neurons.validator_app.settings import validator_options
 
     def default_port(options):
         return next(o.default for o in options if o.flag == "--metrics-port")

@@ -35,9 +35,9 @@ from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_refe
 from inference.version import version_key
 from neurons.base.settings import ChainSettings, WalletSettings
 from neurons.gateway import GatewaySettings
-from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorLoop, ValidatorSettings,
-                                   ValidatorState, WeightSettings, run_validator)
-from neurons.validator_app.rounds import reference_capabilities
+from neurons.validator_app.rounds import ValidatorLoop, ValidatorState, reference_capabilities, run_validator
+from neurons.validator_app.settings import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings,
+                                            WeightSettings)
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 from protocol.schemas import GenerateRequest

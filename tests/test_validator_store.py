@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from neurons.validator_app import (ValidatorSettings, ValidatorSetupError, ValidatorState, read_validator_settings,
-                                   status_report, store as store_module)
+from neurons.validator_app import store as store_module
+from neurons.validator_app.rounds import ValidatorState
+from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError, read_validator_settings
+from neurons.validator_app.status import status_report
 from neurons.validator_app.store import MIGRATIONS, SCHEMA_VERSION, Migration, ValidatorStore, ValidatorStoreError
 from scoring.config import ScoringConfig
 from scoring.metrics import COLUMNS, Measurement

@@ -6,7 +6,8 @@ logprobs, seeded sampling, stop strings, aborts when the client leaves, teacher-
 dying and coming back mid-stream. The model-dependent parts (vocabulary, eos, tokenizer,
 fingerprint) come from the served model's files through `python -m inference manifest`.
 
-The first run installs .venv-vllm (scripts/setup_vllm.sh, cached) and starts the server (minutes).
+Opt-in: K3_TEST_VLLM=1 (scripts/test.sh then builds the vLLM venv first; CI's .ci/run sets it) or K3_VLLM_URL.
+The first run installs the vLLM venv (scripts/setup_vllm.sh, cached) and starts the server (minutes).
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ from inference.model.manifest import make_manifest
 from inference.serving.engine import EngineError, FinalEvent, GenerationRequest, TokenEvent
 from inference.serving.remote import RemoteSettings, build_remote_engine
 
-pytestmark = pytest.mark.timeout(2400)
+# Opt-in (K3_TEST_VLLM=1 scripts/test.sh, as CI runs it): the vLLM venv alone is 3.5 GB and minutes to build.
+OPTED_IN = os.environ.get("K3_TEST_VLLM") == "1" or bool(os.environ.get("K3_VLLM_URL"))
+pytestmark = [pytest.mark.timeout(2400),
+              pytest.mark.skipif(not OPTED_IN, reason="the real-vLLM contract tests are opt-in: K3_TEST_VLLM=1 "
+                                 "scripts/test.sh (builds a 3.5 GB vLLM venv once)")]
 LONG_PROMPT = 1016  # tokens: a prefill of measurable length, short of the server's context
 LEFT_TOKENS = MAX_MODEL_LEN - 192  # what a request that its client leaves asks for: it must not end by itself first
 

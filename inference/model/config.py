@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,8 +135,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
-        presets = {
+    def presets(cls) -> dict[str, Callable[[], "ModelConfig"]]:
+        """The preset names (what --model and --preset take) and their constructors."""
+        return {
             "kimi_k3": cls.kimi_k3,
             "kimi-k3": cls.kimi_k3,
             "tiny": cls.tiny,
@@ -143,6 +145,10 @@ class ModelConfig:
             "tiny_trained": cls.tiny_trained,
             "tiny_kimi_linear": cls.tiny_kimi_linear,
         }
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        presets = cls.presets()
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
         return presets[name]()

@@ -5,7 +5,7 @@
         [--dense-split 2] [--dense-dtype fp8]
 
 --model is a preset (kimi_k3, tiny, ...) or a config.json / checkpoint directory. --cluster is a YAML
-file or the name of one shipped with the package (b300_8, mi355x_8, rtx5090_80, local_cpu). Reservations
+file or the name of one shipped with the package (`k3-plan --list` shows them and the model presets). Reservations
 (KDA state, MLA cache) are sized for the largest --concurrency; the report predicts each one.
 Exit status 2 on bad input or when the model does not fit (the message names the device and
 by how much it overflows).
@@ -32,9 +32,10 @@ from inference.planning.swarm_plan import SwarmPlan, over_link, plan_swarm
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="preset name or path to config.json / checkpoint directory")
-    ap.add_argument("--cluster", required=True,
-                    help="cluster description (YAML file), or the name of a shipped one: " + ", ".join(shipped_clusters()))
+    ap.add_argument("--list", action="store_true", help="list the shipped clusters and the model presets, then exit")
+    ap.add_argument("--model", help="preset name or path to config.json / checkpoint directory (required)")
+    ap.add_argument("--cluster", help="cluster description (YAML file), or the name of a shipped one (required): "
+                    + ", ".join(shipped_clusters()))
     ap.add_argument("--concurrency", default="1,8,64", help="comma-separated stream counts to predict")
     ap.add_argument("--context", type=int, default=32768, help="tokens of context per sequence to reserve for")
     ap.add_argument("--prompt", type=int, default=8192, help="prompt length for the TTFT prediction")
@@ -48,7 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="split each layer's attention, shared experts and the LM head over N devices of its host")
     ap.add_argument("--dense-dtype", choices=DENSE_DTYPES, default="bf16",
                     help="dense (non-expert) weights: bf16 as released, or fp8 e4m3 with per-channel scales")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.list and not (args.model and args.cluster):
+        ap.error("--model and --cluster are required (k3-plan --list shows the shipped clusters and model presets)")
+    return args
 
 
 CLUSTERS = Path(__file__).resolve().parent / "clusters"
@@ -68,6 +72,32 @@ def cluster_file(spec: str) -> Path:
         return CLUSTERS / f"{spec}.yaml"
     raise ClusterError(f"no cluster file at {spec} and no shipped cluster of that name "
                        f"(shipped: {', '.join(shipped_clusters())})")
+
+
+def catalogue() -> str:
+    """`k3-plan --list`: every shipped cluster (devices, memory, hosts) and every model preset (size)."""
+    lines = ["clusters (--cluster NAME; files in inference/planning/clusters/):"]
+    for name in shipped_clusters():
+        cluster = Cluster.load(CLUSTERS / f"{name}.yaml")
+        kinds = sorted({(d.kind, d.memory_bytes) for d in cluster.devices})
+        devices = " + ".join(f"{sum(1 for d in cluster.devices if d.kind == k)} x {k} ({m / 1e9:g} GB)"
+                             for k, m in kinds)
+        total = sum(d.memory_bytes for d in cluster.devices)
+        lines.append(f"  {name:<22} {devices}, {len(cluster.hosts)} host(s), {total / 1e9:,.0f} GB in all")
+    lines.append("model presets (--model NAME; or a config.json / checkpoint directory):")
+    seen = set()
+    for name, make in ModelConfig.presets().items():
+        config = make()
+        if config.model_id in seen and "-" in name:  # kimi-k3 is kimi_k3 spelled with a dash
+            continue
+        seen.add(config.model_id)
+        lines.append(f"  {name:<22} {config.model_id}: {config.num_parameters():,} parameters, "
+                     f"{_size(config.checkpoint_bytes())} of weights, {config.num_layers} layers")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"
 
 
 def load_model(spec: str) -> tuple[ModelConfig, str | None]:
@@ -168,6 +198,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["swarm"]:
         return swarm_main(argv[1:])
     args = parse_args(argv)
+    if args.list:
+        print(catalogue())
+        return 0
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not concurrency or min(concurrency) < 1:

@@ -180,7 +180,8 @@ def build_engine(spec: EngineSpec) -> Engine:
                            speculation=_speculation(spec, fp), layout={"processes": 1})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
-    from inference.serving.remote import RemoteSettings, RemoteSetupError, build_remote_engine  # noqa: PLC0415
+    from inference.serving.remote import (RemoteSettings, RemoteSetupError, build_remote_engine,  # noqa: PLC0415
+                                          check_served_model)
 
     settings = RemoteSettings(
         base_url=spec.remote_url, model_name=spec.remote_model, api_key=spec.remote_api_key,
@@ -191,6 +192,8 @@ def build_engine(spec: EngineSpec) -> Engine:
     if settings.problems():
         raise EngineSpecError("; ".join(settings.problems()))
     try:
-        return build_remote_engine(settings, spec.checkpoint)
+        engine = build_remote_engine(settings, spec.checkpoint)
+        check_served_model(settings)  # a server that answers must serve this model with at least this context
+        return engine
     except RemoteSetupError as error:
         raise EngineSpecError(str(error)) from None

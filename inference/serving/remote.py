@@ -75,6 +75,50 @@ class RemoteSettings:
         return out
 
 
+MODELS_PATH = "/v1/models"  # vLLM and SGLang both list their models here (OpenAI's list shape)
+
+
+def served_model_problems(listing, settings: RemoteSettings) -> list[str]:
+    """What in a server's /v1/models answer contradicts the miner's settings: the model is not served, or its
+    context (`max_model_len`, which vLLM and SGLang report) is below the miner's declared --max-context."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return [f"{MODELS_PATH} is not a model list (no 'data' array)"]
+    entries = {m.get("id"): m for m in data if isinstance(m, dict)}
+    entry = entries.get(settings.model_name)
+    if entry is None:
+        return [f"the server does not serve {settings.model_name!r} (it serves {sorted(map(str, entries))}): "
+                "give --remote-model the name the server was started with (vLLM's --served-model-name)"]
+    served_context = entry.get("max_model_len")
+    if isinstance(served_context, int) and served_context < settings.max_context:
+        return [f"the server serves {settings.model_name!r} with a context of {served_context} tokens, below this "
+                f"miner's --max-context {settings.max_context}: lower --max-context, or restart the server with a "
+                "larger one (vLLM's --max-model-len, SGLang's --context-length)"]
+    return []
+
+
+def check_served_model(settings: RemoteSettings) -> str:
+    """Read the server's /v1/models once (within the connect timeout) and refuse settings it contradicts
+    (RemoteSetupError). Returns "ok", or why the server could not be asked (it may still be loading the model:
+    the engine's health says so until it answers)."""
+    url = settings.base_url.rstrip("/") + MODELS_PATH
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    try:
+        r = httpx.get(url, headers=headers, timeout=settings.connect_timeout_s)
+    except httpx.HTTPError as exc:
+        return f"cannot reach {url}: {exc!r}"
+    if r.status_code != 200:
+        return f"{url} answered HTTP {r.status_code}"
+    try:
+        listing = r.json()
+    except ValueError:
+        return f"{url} answered something other than JSON"
+    problems = served_model_problems(listing, settings)
+    if problems:
+        raise RemoteSetupError(f"{url}: " + "; ".join(problems))
+    return "ok"
+
+
 def first_token_deadline_s(prompt_tokens: int, floor_s: float, prefill_tokens_per_s: float) -> float:
     """Seconds from a request's start by which its first token is due: a floor plus the prefill."""
     return floor_s + max(0, prompt_tokens) / prefill_tokens_per_s
@@ -225,18 +269,14 @@ class RemoteEngine(Engine):
         self._health = EngineHealth("down", "stopped")
 
     async def _check_health(self) -> None:
-        url = self._root + "/v1/models"  # vLLM and SGLang both list their models here
+        url = self._root + MODELS_PATH
         try:
             r = await self._client.get(url, headers=self._headers(), timeout=self.settings.connect_timeout_s)
             if r.status_code != 200:
                 self._health = EngineHealth("down", f"{url} answered HTTP {r.status_code}")
                 return
-            names = [m.get("id") for m in r.json().get("data", [])]
-            if self.settings.model_name not in names:
-                self._health = EngineHealth("down", f"the server does not serve {self.settings.model_name!r} "
-                                                    f"(it serves {names})")
-            else:
-                self._health = EngineHealth("ok")
+            problems = served_model_problems(r.json(), self.settings)
+            self._health = EngineHealth("down", "; ".join(problems)) if problems else EngineHealth("ok")
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             self._health = EngineHealth("down", f"cannot reach {url}: {exc!r}")
 

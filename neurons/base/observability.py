@@ -84,6 +84,8 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ours is k3.access
+    # httpx logs every request at INFO: the remote engine's health poll would add a line every 5 s
+    logging.getLogger("httpx").setLevel(logging.WARNING if root.level > logging.DEBUG else logging.DEBUG)
 
 
 def run_neuron(settings: Any, main: Callable[[], Coroutine[Any, Any, int]],

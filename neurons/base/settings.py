@@ -121,6 +121,11 @@ def optional_float(text: str) -> float | None:
     return value
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names (or addresses): "a,b, c" -> ("a", "b", "c"); empty: none."""
+    return tuple(word.strip() for word in text.split(",") if word.strip())
+
+
 def optional_text(text: str) -> str | None:
     return None if text.strip() == "" else text
 
@@ -162,7 +167,7 @@ for _reader, _name in ((flag, "yes/no"), (byte_size, "size"), (positive_float, "
                        (non_negative_float, "number >= 0"), (non_negative_int, "integer >= 0"),
                        (port_number, "port"), (optional_int, "integer"), (optional_float, "number"),
                        (optional_text, "text"), (expanded_path, "path"), (network_spec, "network"),
-                       (device_spec, "device")):
+                       (device_spec, "device"), (name_list, "list")):
     _reader.__name__ = _name
 
 
@@ -216,7 +221,7 @@ def _describe_default(option: Option) -> str:
         return "required"
     if option.secret and option.default:
         return "(set)"
-    if option.default is None or option.default == "":
+    if option.default is None or option.default == "" or option.default == ():
         return "unset"
     if option.is_switch:
         return "on" if option.default else "off"
@@ -583,6 +588,19 @@ def open_wallet(settings: WalletSettings):
             f"-w {settings.name} -H {settings.hotkey} --wallet-path {settings.path}` "
             "or point --wallet-name/--wallet-hotkey/--wallet-path at an existing one")
     return wallet
+
+
+def hotkey_address(settings: WalletSettings, hotkey: str) -> str:
+    """An SS58 address as given, or the address of the hotkey named `hotkey` in the wallet `settings` name (the
+    same coldkey directory): how an operator names its own hotkeys (WalletNotFound when there is no such file)."""
+    from bittensor.sp_core import ss58_decode  # noqa: PLC0415 (the SDK takes a second to import)
+
+    try:
+        ss58_decode(hotkey)
+        return hotkey
+    except Exception:  # noqa: BLE001 (not an address: a hotkey name)
+        pass
+    return open_wallet(dataclasses.replace(settings, hotkey=hotkey)).hotkey.ss58_address
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -71,10 +72,11 @@ def public_message(error: EngineError) -> str:
 # ---------------------------------------------------------------- validator gate
 @dataclass(frozen=True)
 class CallerBudget:
-    uid: int
+    uid: int | None  # None: an owner hotkey (not necessarily registered)
     stake: float
     requests_per_window: int
     max_streams: int
+    owner: str = ""  # an owner hotkey's name as configured (--owner-hotkeys); "" for a validator
 
 
 class ValidatorAccess:
@@ -84,13 +86,23 @@ class ValidatorAccess:
     `min_validator_stake`. Its budget is its share of the stake of all such
     validators: `requests_per_window * share` requests per window and
     `capacity * min(1, share * overcommit)` streams at once, each at least its floor.
+
+    The owner's hotkeys (`owners`: SS58 -> the name it was configured by) pass without permit or stake, with a
+    budget of their own (`owner_requests`, `owner_streams`), so that an operator can benchmark and self-check its
+    own miner before it has a validator on its side (an owner hotkey that is also a permitted validator gets the
+    validator's budget).
     """
 
-    def __init__(self, snapshot: MetagraphSnapshot | None, settings: AccessSettings, capacity: int):
+    def __init__(self, snapshot: MetagraphSnapshot | None, settings: AccessSettings, capacity: int,
+                 owners: Mapping[str, str] | None = None):
         self.snapshot = snapshot
         self.settings = settings
+        self.owners = dict(owners or {})
         self._neurons = {n.hotkey: n for n in snapshot.neurons} if snapshot is not None else {}
         self._budgets: dict[str, CallerBudget] = {}
+        owner_streams = min(capacity, settings.owner_streams or capacity)
+        for hotkey, name in self.owners.items():
+            self._budgets[hotkey] = CallerBudget(None, 0.0, settings.owner_requests, max(1, owner_streams), name)
         eligible = [n for n in self._neurons.values()
                     if n.validator_permit and n.stake >= settings.min_validator_stake]
         total = sum(n.stake for n in eligible)

@@ -28,9 +28,12 @@ event carries usage, timings, the model fingerprint and the hotkey's
 signature over the exact request bytes and every emitted token id.
 
 The metagraph is re-read in the background with a timeout; when the chain
-cannot be read the last snapshot is kept and /health says so. The endpoint is
-published on chain at start (a serving rate limit keeps the existing entry).
-Prometheus metrics are served on a separate port bound to 127.0.0.1.
+cannot be read the last snapshot is kept and /health says so (200 while
+validators can be served, 503 while they cannot). The endpoint is published on
+chain at start, or once the engine serves when it does not yet (a serving rate
+limit keeps the existing entry). The owner's hotkeys (--owner-hotkeys) pass the
+validator gate with a budget of their own. Prometheus metrics are served on a
+separate port (127.0.0.1 unless --metrics-host says otherwise).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,11 +57,11 @@ from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError,
 from inference.version import __version__
 from neurons.base.engine_wire import final_message, sampling_params, scored_position_message, token_message
 from neurons.base.observability import CALLER, observed_app
-from neurons.base.settings import WalletNotFound, WalletSettings, open_wallet as open_cli_wallet
+from neurons.base.settings import WalletNotFound, WalletSettings, hotkey_address, open_wallet as open_cli_wallet
 from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
                                       public_message, wire_code)
 from neurons.miner_app.metrics import ENDPOINTS, MinerMetrics
-from neurons.miner_app.settings import METRICS_HOST, MinerSettings, MinerSetupError
+from neurons.miner_app.settings import MinerSettings, MinerSetupError
 from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hotkey_signer, verify_request
 from protocol.errors import ErrorCode
 from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
@@ -74,6 +77,9 @@ log = logging.getLogger("k3.miner")
 # 64 MiB prompt would otherwise stall every other stream for a noticeable time.
 OFF_LOOP_BYTES = 1 << 20
 MAX_MILLIS = 1e9
+# While the engine is not serving at start: look every ENGINE_POLL_S, warn every ENGINE_WAIT_WARN_S.
+ENGINE_POLL_S = 0.5
+ENGINE_WAIT_WARN_S = 5.0
 
 
 # ---------------------------------------------------------------- requests and timings
@@ -105,7 +111,7 @@ class MinerServer:
     """The HTTP API over one engine. `start()` serves; `close()` drains and stops (engine included)."""
 
     def __init__(self, settings: MinerSettings, *, engine: Engine, tokenizer, chain: Chain, wallet,
-                 nonce_store: SQLiteNonceStore):
+                 nonce_store: SQLiteNonceStore, owners: Mapping[str, str] | None = None):
         self.settings = settings
         self.engine = engine
         self.tokenizer = tokenizer
@@ -131,7 +137,8 @@ class MinerServer:
         self.metrics.streams_active.set_function(lambda: self.budgets.streams_in_flight)
         self.metrics.metagraph_age.set_function(lambda: self.metagraph.age_s or 0.0)
         self.metagraph = MetagraphWatch(chain, settings.chain.netuid, settings.chain.timeout_s)
-        self.access = ValidatorAccess(None, settings.access, self.capacity)
+        self.owners = dict(owners or {})  # the owner's hotkeys (SS58 -> name): no permit needed, own budget
+        self.access = ValidatorAccess(None, settings.access, self.capacity, self.owners)
         self.budgets = CallerBudgets(settings.access.window_s, self.capacity)
         s = settings.server
         self.guard = ConnectionGuard(s.guard(), "miner API")
@@ -146,6 +153,7 @@ class MinerServer:
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._refresher: asyncio.Task | None = None
+        self._publisher: asyncio.Task | None = None
         self._skip_grace = asyncio.Event()
         self._closed = False
 
@@ -180,15 +188,35 @@ class MinerServer:
             self._metrics_runner = web.AppRunner(metrics_app, access_log=None, shutdown_timeout=1.0,
                                                  **runner_options(self.metrics_guard.settings))
             await self._metrics_runner.setup()
-            await GuardedSite(self._metrics_runner, self.metrics_guard, METRICS_HOST, s.metrics_port,
+            await GuardedSite(self._metrics_runner, self.metrics_guard, s.metrics_host, s.metrics_port,
                               reuse_address=True).start()
             self.metrics_port = self._metrics_runner.addresses[0][1]
-        log.info("miner %s serving %s on %s:%d (capacity %d streams)%s", self.hotkey,
+        engine = self.engine.health()
+        log.info("miner %s %s %s on %s:%d (capacity %d streams)%s", self.hotkey,
+                 "serving" if engine.status != "down" else "listening (engine not serving yet) for",
                  self.engine_capabilities.model_fingerprint, s.host, self.port, self.capacity,
-                 f"; metrics on http://{METRICS_HOST}:{self.metrics_port}/metrics" if self.metrics_port else "")
+                 f"; metrics on http://{s.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "")
         if s.publish:
-            await self.publish_endpoint()
+            if engine.status == "down":
+                # validators would find nothing behind a published endpoint: publish once the engine answers
+                self._publisher = asyncio.create_task(self._publish_once_serving(), name="k3-publish")
+            else:
+                await self.publish_endpoint()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="k3-metagraph")
+
+    async def _publish_once_serving(self) -> None:
+        """Wait until the engine answers, warning every ENGINE_WAIT_WARN_S, then publish the endpoint."""
+        waited_from = time.monotonic()
+        warned_at = -math.inf
+        while (health := self.engine.health()).status == "down":
+            now = time.monotonic()
+            if now - warned_at >= ENGINE_WAIT_WARN_S:
+                log.warning("the engine is not serving (%s); /health answers 503 and the endpoint is not published "
+                            "until it does (waiting %.0f s)", health.detail or "no detail", now - waited_from)
+                warned_at = now
+            await asyncio.sleep(ENGINE_POLL_S)
+        log.info("the engine serves after %.1f s: publishing the endpoint", time.monotonic() - waited_from)
+        await self.publish_endpoint()
 
     @property
     def url(self) -> str:
@@ -214,10 +242,11 @@ class MinerServer:
         if self.budgets.streams_in_flight:
             log.info("waiting up to %.0f s for %d open streams", grace_s, self.budgets.streams_in_flight)
         await self._wait_for_streams(grace_s)
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._publisher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.budgets.streams_in_flight:
             log.warning("ending %d streams that outlived the grace period", self.budgets.streams_in_flight)
         await self.engine.stop()
@@ -238,7 +267,7 @@ class MinerServer:
     # ------------------------------------------------------------ metagraph and endpoint
     def _use_snapshot(self) -> None:
         snapshot = self.metagraph.snapshot
-        self.access = ValidatorAccess(snapshot, self.settings.access, self.capacity)
+        self.access = ValidatorAccess(snapshot, self.settings.access, self.capacity, self.owners)
         self.metrics.metagraph_block.set(snapshot.block)
 
     async def refresh_metagraph(self) -> bool:
@@ -254,9 +283,13 @@ class MinerServer:
             await asyncio.sleep(self.settings.chain.metagraph_refresh_s)
             await self.refresh_metagraph()
             s = self.settings.server
-            if (s.publish and self._needs_publication()
+            if (s.publish and self._publisher_done() and self._needs_publication()
+                    and self.engine.health().status != "down"
                     and time.monotonic() - self._last_publish_attempt >= s.publish_retry_s):
                 await self.publish_endpoint()
+
+    def _publisher_done(self) -> bool:
+        return self._publisher is None or self._publisher.done()
 
     def _needs_publication(self) -> bool:
         """Our endpoint is not (or no longer) the one on chain: never published, rate limited, changed
@@ -364,6 +397,9 @@ class MinerServer:
             raise Refusal(failure.code, failure.message, status=failure.status) from None
         request[CALLER] = hotkey
         self.budgets.take_request(hotkey, budget)
+        if budget.owner:
+            log.info("owner hotkey %s (%s) calls %s %s (no validator permit needed; %d requests per %g s)", hotkey,
+                     budget.owner, request.method, request.path, budget.requests_per_window, self.budgets.window_s)
         return Admission(hotkey, budget, body)
 
     async def _off_loop_if_large(self, size: int, function: Callable, *args):
@@ -390,21 +426,26 @@ class MinerServer:
 
     # ------------------------------------------------------------ handlers
     async def handle_health(self, request: web.Request) -> web.Response:
-        return _json(encode_model(self.health()))
+        """200 while validators can be served (status ok, or degraded: serving with a stale metagraph or an engine
+        that reported a failure); 503 when they cannot (down: no engine, no metagraph yet, shutting down), so that a
+        status-code health check (Docker, a load balancer) sees the truth."""
+        health = self.health()
+        return _json(encode_model(health), status=503 if health.status == "down" else 200)
 
     def health(self) -> Health:
         if self.draining:
             return Health(status="down", detail="shutting down")
         engine = self.engine.health()
         if engine.status == "down":
-            return Health(status="down", detail="the engine is not serving")
+            return Health(status="down", detail=f"the engine is not serving ({engine.detail or 'no detail'})")
+        watch = self.metagraph
+        if watch.snapshot is None:
+            return Health(status="down", detail="the metagraph has not been read yet: validators cannot be "
+                                                 "told apart from strangers")
         problems = []
         if engine.status != "ok":
             problems.append("the engine reported a failure")
-        watch = self.metagraph
-        if watch.snapshot is None:
-            problems.append("the metagraph has not been read yet")
-        elif watch.last_error is not None:
+        if watch.last_error is not None:
             problems.append(f"metagraph stale: using block {watch.snapshot.block} read {watch.age_s:.0f} s ago; "
                             f"the latest read failed ({watch.last_error})")
         if problems:
@@ -574,6 +615,21 @@ def open_wallet(settings: WalletSettings):
         raise MinerSetupError(str(error)) from None
 
 
+def owner_hotkeys(settings: MinerSettings) -> dict[str, str]:
+    """--owner-hotkeys as {SS58: the name given}: a name is a hotkey of this miner's own wallet."""
+    owners = {}
+    for entry in settings.access.owner_hotkeys:
+        try:
+            owners[hotkey_address(settings.wallet, entry)] = entry
+        except WalletNotFound as error:
+            raise MinerSetupError(f"--owner-hotkeys {entry}: not an SS58 address, and {error}") from None
+    if owners:
+        log.info("owner hotkeys (no validator permit needed, %d requests per %g s each): %s",
+                 settings.access.owner_requests, settings.access.window_s,
+                 ", ".join(f"{name} {ss58}" if name != ss58 else ss58 for ss58, name in owners.items()))
+    return owners
+
+
 def load_tokenizer_for(spec: EngineSpec, engine: Engine):
     """The tokenizer of text prompts: the engine's own when it has one, else the checkpoint's."""
     tokenizer = getattr(engine, "tokenizer", None)
@@ -606,7 +662,7 @@ async def serve(settings: MinerSettings, wrap_engine: Callable[[Engine], Engine]
         if wrap_engine is not None:
             engine = wrap_engine(engine)
         server = MinerServer(settings, engine=engine, tokenizer=tokenizer, chain=chain, wallet=wallet,
-                             nonce_store=nonce_store)
+                             nonce_store=nonce_store, owners=owner_hotkeys(settings))
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
 

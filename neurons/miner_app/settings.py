@@ -10,9 +10,9 @@ from typing import Any
 
 from inference.serving import EngineSpec
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, WalletSettings,
-                                   build_settings, byte_size, engine_section, expanded_path, non_negative_float,
-                                   non_negative_int, port_number, positive_float, read_options, setting,
-                                   settings_options)
+                                   build_settings, byte_size, engine_section, expanded_path, name_list,
+                                   non_negative_float, non_negative_int, port_number, positive_float, read_options,
+                                   setting, settings_options)
 from protocol.http_server import GuardSettings
 from protocol.schemas import DEFAULT_LIMITS
 
@@ -34,9 +34,10 @@ class ServerSettings:
     publish: bool = setting(True, "publish the endpoint on chain at start (ServeAxon)")
     publish_retry_s: float = setting(600.0, "when the published endpoint differs from ours (rate limited, not yet "
                                      "registered), retry publishing at most this often", read=positive_float)
-    metrics: bool = setting(True, f"serve Prometheus /metrics on {METRICS_HOST}")
-    metrics_port: int = setting(9091, f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)",
-                                read=port_number)
+    metrics: bool = setting(True, "serve Prometheus /metrics on --metrics-host:--metrics-port")
+    metrics_port: int = setting(9091, "Prometheus port (0 picks a free one)", read=port_number)
+    metrics_host: str = setting(METRICS_HOST, "address the metrics port binds; 0.0.0.0 (or a private address) lets a "
+                                "Prometheus on another host or container scrape it: firewall it from the world")
     nonce_store: str = setting("~/.k3-subnet/miner-nonces.sqlite", "SQLite file of seen request nonces (replay "
                                "protection), shared by every worker of this miner; give each miner its own",
                                read=expanded_path, metavar="FILE")
@@ -84,6 +85,15 @@ class AccessSettings:
                                 "once", flag="--budget-overcommit", read=positive_float)
     max_streams: int = setting(0, "global cap on streams at once (0: the engine's capacity, --max-concurrent); "
                                "beyond it: 429", read=non_negative_int)
+    # the operator's own hotkeys, for benchmarking and self-checking without a validator permit
+    owner_hotkeys: tuple[str, ...] = setting((), "hotkeys of this miner's owner that may call it without a validator "
+                                             "permit or stake (k3-bench --miner, k3-validator self-check): SS58 "
+                                             "addresses, or hotkey names of this miner's own wallet; limited by "
+                                             "--owner-requests and --owner-streams, every request logged",
+                                             read=name_list, metavar="HOTKEY,...")
+    owner_requests: int = setting(600, "requests per budget window each owner hotkey may send")
+    owner_streams: int = setting(0, "streams each owner hotkey may hold at once (0: the miner's capacity)",
+                                 read=non_negative_int)
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,8 @@ class MinerSettings:
             out.append("--max-output-tokens must be at least 1")
         if a.min_validator_stake < 0:
             out.append("--min-validator-stake cannot be negative")
+        if a.owner_requests < 1:
+            out.append("--owner-requests must be at least 1")
         if a.requests_per_window < 1 or a.min_requests < 1 or a.min_streams < 1:
             out.append("--budget-requests, --budget-min-requests and --budget-min-streams must be at least 1")
         if a.overcommit <= 0 or a.window_s <= 0:

@@ -109,9 +109,10 @@ class StageListenSettings:
                                 metavar="SIZE")
     ready_file: str = setting("", "once listening, write {url, hotkey, pid, layers, fingerprint, step_ms, "
                               "metrics_url} there as JSON", metavar="FILE")
-    metrics: bool = setting(False, f"serve Prometheus /metrics on {METRICS_HOST}")
-    metrics_port: int = setting(9094, f"Prometheus port, bound to {METRICS_HOST} only (0 picks a free one)",
-                                read=port_number, metavar="PORT")
+    metrics: bool = setting(False, "serve Prometheus /metrics on --metrics-host:--metrics-port")
+    metrics_port: int = setting(9094, "Prometheus port (0 picks a free one)", read=port_number, metavar="PORT")
+    metrics_host: str = setting(METRICS_HOST, "address the metrics port binds; 0.0.0.0 (or a private address) lets a "
+                                "Prometheus on another host or container scrape it: firewall it from the world")
 
 
 @dataclass(frozen=True)

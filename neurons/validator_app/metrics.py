@@ -31,7 +31,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from neurons.base.observability import MetricsServer
 from neurons.validator_app.status import status_report
 
-METRICS_HOST = "127.0.0.1"  # for the operator, never for the world
 log = logging.getLogger("k3.validator")
 
 
@@ -148,13 +147,14 @@ async def serve_validator_metrics(settings, validator, gateway=None) -> Optional
             out.append(engine_metrics.registry)
         return out
 
-    server = MetricsServer(registries, METRICS_HOST, settings.metrics_port, on_close=collector.close,
+    host = settings.metrics_host
+    server = MetricsServer(registries, host, settings.metrics_port, on_close=collector.close,
                            component="validator-metrics")
     try:
         port = await server.start()
     except OSError as error:
-        log.warning("metrics off: cannot listen on %s:%d (%s)", METRICS_HOST, settings.metrics_port, error)
+        log.warning("metrics off: cannot listen on %s:%d (%s)", host, settings.metrics_port, error)
         await server.close()
         return None
-    log.info("metrics on http://%s:%d/metrics", METRICS_HOST, port)
+    log.info("metrics on http://%s:%d/metrics", host, port)
     return server

@@ -425,11 +425,14 @@ class ValidatorLoop:
         self.last_report = report
         if not report.skipped:
             best = sorted(report.scores, key=lambda uid: -self.ema.get(uid, EmaEntry("", 0.0)).value)[:8]
-            zeroed = sum(1 for s in report.scores.values() if s.zeroed)
-            log.info("round %d: %d miners evaluated in %.1f s, %d scored (%d zeroed); best EMA: %s", report.round,
-                     len(report.miners), report.duration_s, len(report.scores), zeroed,
+            scores = report.scores.values()
+            silent = sum(1 for s in scores if not s.answered)  # unreachable, or failing every request
+            zeroed = sum(1 for s in scores if s.zeroed)
+            log.info("round %d: %d miners evaluated in %.1f s: %d answered, %d answered nothing (unreachable or "
+                     "failing every request), %d zeroed by a failed check; best EMA: %s", report.round,
+                     len(report.miners), report.duration_s, len(report.scores) - silent, silent, zeroed,
                      ", ".join(f"uid {uid} S={report.scores[uid].score:.3f} EMA={self.ema[uid].value:.3f}"
-                               for uid in best if uid in self.ema))
+                               for uid in best if uid in self.ema) or "none yet")
         return report
 
     def ingest_organic(self) -> int:

@@ -227,10 +227,12 @@ class ValidatorSettings:
     scoring: ScoringSettings = Section(group="scoring").field(ScoringSettings)
     weights: WeightSettings = Section(group="weights").field(WeightSettings)
     stages: StageSettings = Section(group="swarm stage checks").field(StageSettings)
-    metrics: bool = setting(True, "serve Prometheus /metrics on 127.0.0.1 (validator, gateway and reference engine)",
-                            group="metrics")
-    metrics_port: int = setting(9092, "Prometheus port, bound to 127.0.0.1 only (0 picks a free one)",
-                                read=port_number, group="metrics")
+    metrics: bool = setting(True, "serve Prometheus /metrics (validator, gateway and reference engine) on "
+                            "--metrics-host:--metrics-port", group="metrics")
+    metrics_port: int = setting(9092, "Prometheus port (0 picks a free one)", read=port_number, group="metrics")
+    metrics_host: str = setting("127.0.0.1", "address the metrics port binds; 0.0.0.0 (or a private address) lets a "
+                                "Prometheus on another host or container scrape it: firewall it from the world",
+                                group="metrics")
     log_level: str = LOG_LEVEL.field("INFO")
     log_format: str = LOG_FORMAT.field("text")
 

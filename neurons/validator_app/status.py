@@ -34,6 +34,23 @@ def zero_weight_reason(score, ema, weight: float, weights_set: bool) -> str | No
     return "scored since the weights were last set" if weights_set else "no weights set yet"
 
 
+def utc_time(epoch: float | None) -> str | None:
+    """A Unix time as ISO 8601 in UTC ("2026-12-07T03:12:05Z"); None stays None."""
+    return None if epoch is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def age(epoch: float | None, now: float | None = None) -> str:
+    """How long ago a Unix time was, in the largest unit that fits ("45 s", "12 min", "3.5 h", "2.0 d")."""
+    if epoch is None:
+        return "never"
+    seconds = max(0.0, (time.time() if now is None else now) - epoch)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago" if seconds < 172800 else f"{seconds / 86400:.1f} d ago"
+
+
 def status_report(store: ValidatorStore) -> dict:
     """The validator's current view per miner, from its database."""
     meta = store.meta()
@@ -67,6 +84,7 @@ def status_report(store: ValidatorStore) -> dict:
             "requests": int(score["requests"]) if score else 0,
             "failures": len(mine),
             "last_failure": f"{last_failure['check_name']}: {last_failure['reason']}" if last_failure else None,
+            "last_failure_at": last_failure["at"] if last_failure else None,
             "score": score["score"] if score else None,
             "reasons": json.loads(score["reasons"]) if score and score["reasons"] else [],
             "ema": ema[uid].value if uid in ema and ema[uid].hotkey == hotkey else None,
@@ -80,7 +98,8 @@ def status_report(store: ValidatorStore) -> dict:
     return {
         "db": str(store.path), "round": int(meta.get("round", 0)),
         "completed_round": int(meta.get("completed_round", 0)),
-        "weights_set_at": last.set_at, "weights_block": last.block, "version_key": last.version_key,
+        "weights_set_at": last.set_at, "weights_set_at_utc": utc_time(last.set_at), "weights_block": last.block,
+        "version_key": last.version_key,
         "miners": rows,
         "stage_miners": stage_miner_rows(store, last),
     }
