@@ -12,12 +12,17 @@ the sha256 of the empty string).
 The hotkey signs, with sr25519, `RESPONSE_SIGNATURE_DOMAIN + digest`. The
 domain prefix keeps a response signature from ever being valid as any other
 message the same hotkey signs (a btauth/1 payload, an extrinsic).
+
+An answer that carries a state commitment (`FinalMessage.state_commitment`)
+appends its 32-byte root to the digest (96 bytes): the root cannot be changed
+or dropped without breaking the signature.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Optional
 
 from bittensor.sp_core import CRYPTO_SR25519, verify as sp_core_verify
 
@@ -34,16 +39,20 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
         raise ValueError("token ids must be integers in 0..2**32-1") from None
 
 
-def response_digest(request_body: bytes, token_ids: Sequence[int]) -> bytes:
-    """sha256(request_body) || sha256(encode_token_ids(token_ids)), 64 bytes."""
-    return hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
+def response_digest(request_body: bytes, token_ids: Sequence[int], state_root: Optional[str] = None) -> bytes:
+    """sha256(request_body) || sha256(encode_token_ids(token_ids)), 64 bytes; || the state commitment's root
+    (32 bytes) when the answer carries one."""
+    digest = hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
+    return digest + bytes.fromhex(state_root) if state_root is not None else digest
 
 
-def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int]) -> ResponseSignature:
-    """Sign a finished generation with the miner's hotkey (an sr25519 Keypair)."""
+def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int],
+                  state_root: Optional[str] = None) -> ResponseSignature:
+    """Sign a finished generation with the miner's hotkey (an sr25519 Keypair); `state_root`: the hex root of
+    its state commitment, when it has one."""
     if getattr(hotkey_keypair, "crypto_type", CRYPTO_SR25519) != CRYPTO_SR25519:
         raise ValueError("response signatures use sr25519; this hotkey has another crypto type")
-    digest = response_digest(request_body, token_ids)
+    digest = response_digest(request_body, token_ids, state_root)
     signature = bytes(hotkey_keypair.sign(RESPONSE_SIGNATURE_DOMAIN + digest))
     return ResponseSignature(
         hotkey=hotkey_keypair.ss58_address,
@@ -58,16 +67,17 @@ def verify_response(
     request_body: bytes,
     token_ids: Sequence[int],
     expected_hotkey_ss58: str,
+    state_root: Optional[str] = None,
 ) -> bool:
     """True when `signature` is `expected_hotkey_ss58`'s signature over this exact
-    request body and these exact token ids."""
+    request body, these exact token ids and (when given) this state commitment root."""
     if signature.hotkey != expected_hotkey_ss58:
         return False
     try:
-        digest = response_digest(request_body, token_ids)
+        digest = response_digest(request_body, token_ids, state_root)
     except ValueError:
         return False
-    if digest[:32].hex() != signature.request_sha256 or digest[32:].hex() != signature.tokens_sha256:
+    if digest[:32].hex() != signature.request_sha256 or digest[32:64].hex() != signature.tokens_sha256:
         return False
     try:
         return bool(

@@ -78,9 +78,11 @@ def check_tier0(item: Optional[WorkItem], result: GenerateResult, tokenizer, cap
                 f"the first {head} of {n} tokens arrived at {arrivals[head - 1]:.3f} s of {total:.3f} s",
                 hard=True))
 
-    if not verify_response(final.signature, result.body, tokens, miner_hotkey):
-        failures.append(Failure("signature", "the response signature does not cover this request and these tokens "
-                                             "under the miner's hotkey", hard=True))
+    committed = getattr(final, "state_commitment", None)
+    if not verify_response(final.signature, result.body, tokens, miner_hotkey,
+                           committed.root if committed is not None else None):
+        failures.append(Failure("signature", "the response signature does not cover this request, these tokens "
+                                             "and the state commitment under the miner's hotkey", hard=True))
     if final.model_fingerprint != capabilities.model_fingerprint:
         failures.append(Failure("fingerprint", f"final event names model {final.model_fingerprint}, capabilities "
                                                f"say {capabilities.model_fingerprint}"))
