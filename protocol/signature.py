@@ -57,7 +57,7 @@ def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int],
     return ResponseSignature(
         hotkey=hotkey_keypair.ss58_address,
         request_sha256=digest[:32].hex(),
-        tokens_sha256=digest[32:].hex(),
+        tokens_sha256=digest[32:64].hex(),
         signature=signature.hex(),
     )
 

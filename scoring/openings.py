@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import random
 import secrets
 import time
@@ -47,7 +48,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from inference.model.k3 import ResidualState
-from inference.serving.state_commitment import (Opening, OpenedRows, OpeningError, StateAsk, StateCommitment,
+from inference.serving.state_commitment import (OpenedRows, Opening, OpeningError, StateAsk, StateCommitment,
                                                 block_starts_below, state_entering, verify_opening)
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerTimeout, MinerUnreachable
 from protocol.schemas import BoundaryPositions, StateOpening, StateOpeningRequest
@@ -60,6 +61,7 @@ from .stage_rewards import active_params_per_layer
 log = logging.getLogger("k3.scoring.openings")
 
 HEAD_ROWS = 16  # answer tokens whose logprob is checked from the opened final states
+POSITION_RATE_FLOOR = 1e-4  # the least per-position far-off rate assumed of honest numerics (fp32 shows none)
 NUMERICS_OF_PRECISION = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                          "fp16": "float16", "float16": "float16"}
 
@@ -114,11 +116,12 @@ def commitment_problem(config, commitment: StateCommitment, needed: int) -> Opti
 
 
 def plan_opening(config, commitment: StateCommitment, prompt_tokens: int, completion_tokens: int,
-                 rng: random.Random, head_rows: int = HEAD_ROWS) -> OpeningPlan:
-    """A block drawn uniformly among the committed ones, and what to open for it (module doc, 1)."""
+                 rng: random.Random, head_rows: int = HEAD_ROWS, block: Optional[int] = None) -> OpeningPlan:
+    """A block drawn uniformly among the committed ones (`block`: the index of the one to open instead: a
+    benchmark opens each in turn), and what to open for it (module doc, 1)."""
     n = prompt_tokens + completion_tokens - 1
     bounds = [0] + list(commitment.boundaries)
-    k = rng.randrange(len(bounds) - 1)
+    k = rng.randrange(len(bounds) - 1) if block is None else block
     start, stop = bounds[k], bounds[k + 1]
     heads = sorted(rng.sample(range(prompt_tokens - 1, n), min(head_rows, n - prompt_tokens + 1)))
     wanted: dict[int, set[int]] = {}
@@ -255,7 +258,7 @@ class StateOpenings:
         return self.reference
 
     async def open(self, prompt_ids: Sequence[int], result: GenerateResult, precision: Optional[str], *, url: str,
-                   hotkey: str) -> OpeningRecord:
+                   hotkey: str, block: Optional[int] = None) -> OpeningRecord:
         """Open one committed answer and judge it (module doc, 1-5)."""
         final = result.final
         commitment = state_commitment_of(final.state_commitment)
@@ -269,7 +272,7 @@ class StateOpenings:
             return self._judged(hotkey, OpeningRecord(OpeningVerdict("state_opening_forged", f"the commitment "
                                                                      f"cannot be the model's: {problem}", True),
                                                       numerics=numerics))
-        plan = plan_opening(config, commitment, len(prompt_ids), len(completion), self.rng)
+        plan = plan_opening(config, commitment, len(prompt_ids), len(completion), self.rng, block=block)
         started = time.monotonic()
         wire, received = await self._ask(url, hotkey, result.request.request_id, commitment, plan)
         if isinstance(wire, str):
@@ -318,25 +321,63 @@ class StateOpenings:
         return OpeningRecord(verdict_, plan.block, plan.positions, cost, numerics=numerics)
 
     def _judged(self, hotkey: str, record: OpeningRecord) -> OpeningRecord:
-        """The miner's window of openings after this one: blamed by the binomial test, the opening fails hard."""
+        """The miner's window of openings after this one (`judge_window`): blamed, the opening fails hard."""
         v = record.verdict
         if v.hard:
             log.warning("miner %s: %s: %s", hotkey, v.check, v.reason)
             return record
         now = time.time()
         window = self.history.setdefault(hotkey, deque())
-        window.append((now, v.outside))
+        stats = v.state
+        window.append((now, v.outside, stats.bad if stats else 0, stats.tokens if stats else 0))
         while window and window[0][0] < now - self.window_s:
             window.popleft()
         env = self.envelopes.get((record.numerics, "state")) if self.envelopes else None
-        if env is not None and v.outside:
-            judged = verdict([why for _, why in window], env, self.alpha)
-            if judged.blame:
-                v.check, v.hard = "state_openings", True
-                v.reason = f"{judged.reason} (openings of its committed states)"
-                log.warning("miner %s blamed by its openings: %s", hotkey, v.reason)
+        why = judge_window(list(window), env, self.alpha) if env is not None else None
+        if why:
+            v.check, v.hard, v.reason = "state_openings", True, f"{why} (openings of its committed states)"
+            log.warning("miner %s blamed by its openings: %s", hotkey, v.reason)
         return record
 
 
-__all__ = ["HEAD_ROWS", "OpeningPlan", "OpeningRecord", "OpeningVerdict", "StateOpenings", "check_opening",
-           "commitment_problem", "opening_of", "plan_opening", "state_commitment_of"]
+def judge_window(window: Sequence[tuple], env: NumericsEnvelope, alpha: float = 1e-7) -> Optional[str]:
+    """Why a miner's window of openings ((time, why outside or None, far-off positions, positions) each) shows it
+    lies, or None. Two tests, each with a false-positive chance under `alpha` for an honest miner of the
+    declared numerics: the stage judge's over whole openings (k of n outside the envelope, `verdict`), and one
+    over positions: far-off positions in all openings together against the most an honest check of the numerics
+    has (`max_bad_fraction`, at least POSITION_RATE_FLOOR), which catches a lie at a single position of every
+    answer once a few openings hit its block."""
+    outcomes = [why for _, why, _, _ in window]
+    if any(outcomes):
+        judged = verdict(outcomes, env, alpha)
+        if judged.blame:
+            return judged.reason
+    bad, tokens = sum(b for _, _, b, _ in window), sum(n for _, _, _, n in window)
+    rate = max(env.max_bad_fraction, POSITION_RATE_FLOOR)
+    if bad and rate < 1.0:
+        chance = binomial_upper_tail(tokens, bad, rate)
+        if chance < alpha:
+            return (f"{bad} of the {tokens} positions of its last {len(window)} openings are far off; honest "
+                    f"{env.numerics} states are far off at most {rate:.2%} of the time (chance {chance:.1e})")
+    return None
+
+
+def binomial_upper_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (any n)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    total = 0.0
+    for i in range(k, n + 1):
+        term = math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p
+                        + (n - i) * log_q)
+        total += term
+        if i > n * p and term < total * 1e-16:
+            break
+    return min(1.0, total)
+
+
+__all__ = ["HEAD_ROWS", "OpeningPlan", "OpeningRecord", "OpeningVerdict", "StateOpenings", "binomial_upper_tail",
+           "check_opening", "commitment_problem", "judge_window", "opening_of", "plan_opening", "state_commitment_of"]

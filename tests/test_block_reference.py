@@ -133,3 +133,17 @@ def test_load_checkpoint_and_the_lazy_model_hold_the_same_tensors(tiny_checkpoin
     mine = {k: v for k, v in lazy.state_dict().items() if not v.is_meta}
     theirs = whole.state_dict()
     assert mine and all(torch.equal(v, theirs[k]) for k, v in mine.items())
+
+
+def test_what_a_site_holds_follows_from_the_checkpoint_layout_alone(tiny_checkpoint):
+    """inference.model.lazy.site_bytes (what the planner's validator costs use for Kimi K3) is what the lazy model
+    holds and reads, site by site."""
+    from inference.model.lazy import site_bytes
+
+    lazy = LazyK3Model(tiny_checkpoint, 1 << 30)
+    stored, held = site_bytes(lazy.config)
+    assert held == lazy._site_bytes
+    before = lazy.traffic.bytes_read
+    lazy.run_layers(0, 3, lazy.embed(torch.arange(300) % 256), [lazy.new_cache()])
+    read = sum(b for s, b in stored.items() if s[0] == "embedding" or (s[0] in ("layer", "expert") and s[1] < 3))
+    assert lazy.traffic.bytes_read - before == read

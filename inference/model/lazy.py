@@ -33,9 +33,10 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from inference.model.checkpoint import (_SAFETENSORS_DTYPES, PREFIX, CheckpointError, _materialise, read_config,
-                                        read_manifest, read_weight_map, tensor_sha256, tensor_site)
-from inference.model.k3 import KimiK3Model, ResidualState, SequenceCache
+from inference.model.checkpoint import (_SAFETENSORS_DTYPES, PREFIX, CheckpointError, _materialise, expected_tensors,
+                                        model_key, read_config, read_manifest, read_weight_map, tensor_sha256,
+                                        tensor_site)
+from inference.model.k3 import FP32_TENSOR_SUFFIXES, KimiK3Model, ResidualState, SequenceCache
 
 Site = tuple  # ("embedding",) | ("head",) | ("layer", i) | ("expert", i, e)
 
@@ -281,6 +282,27 @@ class LazyK3Model(KimiK3Model):
         self._files = {}
 
 
+def site_bytes(config, dtype: torch.dtype = torch.float32) -> tuple[dict[Site, int], dict[Site, int]]:
+    """(bytes each site takes on disk, bytes it takes held by a model of `dtype`), from the checkpoint layout
+    alone (`expected_tensors`): what a check of any block reads and holds, for a model too large to build (the
+    planner's validator costs, inference.planning.validator_cost). Held: floating tensors in `dtype` but those
+    the format keeps in fp32, MXFP4 bytes as stored, A_log one value per head."""
+    stored: dict[Site, int] = {}
+    held: dict[Site, int] = {}
+    for name, spec in expected_tensors(config).items():
+        key = model_key(name)
+        site = _site_of(key)
+        stored[site] = stored.get(site, 0) + spec.nbytes
+        if not spec.dtype.is_floating_point:
+            size = spec.nbytes
+        elif key.endswith(".A_log"):
+            size = config.kda_heads * 4
+        else:
+            size = spec.numel * (4 if key.endswith(FP32_TENSOR_SUFFIXES) else dtype.itemsize)
+        held[site] = held.get(site, 0) + size
+    return stored, held
+
+
 def _site_of(key: str) -> Site:
     site = tensor_site(key)
     if site.kind in ("embedding", "head"):
@@ -294,4 +316,4 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-__all__ = ["CheckpointFile", "LazyK3Model", "WeightTraffic", "DECODED_EXPERTS_MAX_PARAMETERS"]
+__all__ = ["CheckpointFile", "LazyK3Model", "WeightTraffic", "DECODED_EXPERTS_MAX_PARAMETERS", "site_bytes"]

@@ -55,7 +55,8 @@ class CheckCost:
                 "peak_rss": self.peak_rss_bytes}
 
 
-def _rss_peak() -> Optional[int]:
+def rss_peak() -> Optional[int]:
+    """This process's peak resident memory since it started or was last reset (VmHWM; None off Linux)."""
     try:
         for line in _PROC_STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -65,7 +66,7 @@ def _rss_peak() -> Optional[int]:
     return None
 
 
-def _reset_rss_peak() -> bool:
+def reset_rss_peak() -> bool:
     """Reset the kernel's record of this process's peak resident memory to what it holds now (Linux)."""
     try:
         _PROC_CLEAR_REFS.write_text("5")
@@ -82,6 +83,7 @@ class _References:
     def __init__(self):
         self._stages: dict[tuple[int, int], Stage] = {}
         self._check = threading.Lock()
+        self.rss_high_water = 0  # the process's peak resident memory before the latest check reset it
 
     def __getitem__(self, block: tuple[int, int]) -> Stage:
         start, stop = (int(x) for x in block)
@@ -124,7 +126,8 @@ class _References:
             before = self._traffic().copy()
             traffic = self._traffic()
             traffic.peak_resident_bytes = traffic.resident_bytes
-            reset = _reset_rss_peak()
+            self.rss_high_water = max(self.rss_high_water, rss_peak() or 0)  # what the reset forgets
+            reset = reset_rss_peak()
             cpu, wall = time.process_time(), time.perf_counter()
             try:
                 yield cost
@@ -137,7 +140,7 @@ class _References:
                 cost.sites_loaded = after.sites_loaded - before.sites_loaded
                 cost.sites_evicted = after.sites_evicted - before.sites_evicted
                 cost.peak_resident_bytes = after.peak_resident_bytes
-                cost.peak_rss_bytes = _rss_peak() if reset else None
+                cost.peak_rss_bytes = rss_peak() if reset else None
 
 
 class BlockReference(_References):
@@ -169,4 +172,5 @@ def references_for(source) -> _References:
     return source if isinstance(source, _References) else ModelReferences(source)
 
 
-__all__ = ["BlockReference", "CheckCost", "ModelReferences", "REFERENCE_FINGERPRINT", "references_for"]
+__all__ = ["BlockReference", "CheckCost", "ModelReferences", "REFERENCE_FINGERPRINT", "references_for", "reset_rss_peak",
+           "rss_peak"]

@@ -81,6 +81,15 @@ def opening_message(request_id: str, opening: Opening, hidden_size: int) -> Stat
                 for o in opening.opened])
 
 
+def unsigned_final_message(event: FinalEvent, *, timings: Timings, model_fingerprint: str,
+                           finish_reason: Optional[str] = None) -> FinalMessage:
+    """A final event for a stream nobody signs (an OpenAI-compatible server under the benchmark): built without
+    validation around an empty signature, so that tier 0 reports the signature check as not applicable."""
+    empty = ResponseSignature.model_construct(hotkey="", request_sha256="", tokens_sha256="", signature="")
+    return FinalMessage.model_construct(type="final", **_final_fields(event, finish_reason, timings, model_fingerprint),
+                                        signature=empty)
+
+
 def scored_position_message(scored: ScoredPosition) -> ScoredPositionMessage:
     """One teacher-forced position (/v1/score) as the wire carries it."""
     return ScoredPositionMessage(position=int(scored.position), token_id=int(scored.token_id),

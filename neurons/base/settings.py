@@ -652,6 +652,9 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
         cache_memory_budget_bytes=Setting("memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits "
                                           "or is refused", flag="--cache-memory", read=byte_size, metavar="SIZE"),
         max_waiting=Setting("requests that may wait for cache memory before new ones are refused"),
+        forward_stall_s=Setting("the engine's watchdog: one model step running longer than this is a stall (the "
+                                "scheduler restarts); raise it for a large model on slow hardware",
+                                read=positive_float),
         commit_retain_s=Setting("how long the states an answer committed to are kept for validators to open",
                                 read=positive_float),
         commit_max_bytes=Setting("most memory the committed states of recent answers may hold, e.g. 4GiB (the "

@@ -51,8 +51,8 @@ from chain.interface import Chain, ChainError, NotRegistered, RateLimited
 from chain.watch import MetagraphWatch
 from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError, FinalEvent as EngineFinalEvent,
                                GenerationRequest, TokenEvent as EngineTokenEvent, build_engine)
-from inference.version import __version__
 from inference.serving.state_commitment import OpeningError
+from inference.version import __version__
 from neurons.base.engine_wire import (final_message, opening_asks, opening_message, sampling_params,
                                       scored_position_message, token_message)
 from neurons.base.observability import CALLER, observed_app

@@ -54,12 +54,12 @@ from inference.swarm.block_reference import references_for
 from inference.swarm.stage import LayerRange, Stage
 from neurons.base.settings import open_wallet
 from neurons.swarm.codec import encode_ids
-from neurons.swarm.route import (LoggedRouteDriver, RouteEngine, StageDirectory, StageInfo, StaticDirectory,
-                                 StepRecord, TrustedDirectory)
+from neurons.swarm.route import (LoggedRouteDriver, RouteEngine, StageDirectory, StageInfo, StaticDirectory, StepRecord,
+                                 TrustedDirectory)
 from neurons.swarm.stage_server import StageServer, StageServerSettings
+from neurons.validator_app.references import shared_reference
 from neurons.validator_app.route_work import RouteWorkServer
 from neurons.validator_app.session_audits import SessionAuditor, StageCheck, describe
-from neurons.validator_app.references import shared_reference
 from neurons.validator_app.settings import ValidatorSetupError
 from protocol.stage import state_sha256
 from scoring.corpus import code_snippet, paragraph

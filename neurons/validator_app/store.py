@@ -378,6 +378,14 @@ class ValidatorStore:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         return self._conn.execute(f"SELECT * FROM measurements {where} ORDER BY id", args).fetchall()
 
+    def committed_share(self, uid: int, hotkey: str, since: float) -> Optional[float]:
+        """The share of a miner's completed answers since `since` that carried a state commitment (None: none
+        measured)."""
+        row = self._conn.execute("SELECT AVG(committed) FROM measurements WHERE uid = ? AND hotkey = ? AND "
+                                 "outcome = 'completed' AND committed IS NOT NULL AND at >= ?",
+                                 (uid, hotkey, since)).fetchone()
+        return None if row[0] is None else float(row[0])
+
     def prune(self, before: float) -> int:
         """Forget measurements, failures and audits older than `before` (unix time)."""
         with self._transaction() as conn:
