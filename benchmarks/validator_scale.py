@@ -131,8 +131,10 @@ async def whole_model_phase(args, reference: BlockReference, rows: list[dict]) -
                 record = await openings.open(ids, result, "bfloat16", url=url, hotkey=miner_hotkey, block=block)
                 c, v = record.cost, record.verdict
                 a, b = record.block
+                stats = v.state
                 rows.append(dict(check=f"opening layers {a}-{b - 1}", tokens=record.positions, passed=v.passed,
-                                 reason=v.reason, cpu_s=c.cpu_s if c else None, wall_s=record.wall_s,
+                                 reason=v.reason or (f"median rel L2 {stats.median:.3g}, {stats.bad} far off; head "
+                                                     f"median {v.head.median:.3g} nats" if stats and v.head else ""), cpu_s=c.cpu_s if c else None, wall_s=record.wall_s,
                                  bytes_read=c.bytes_read if c else None,
                                  peak_resident=c.peak_resident_bytes if c else None,
                                  peak_rss=c.peak_rss_bytes if c else None, received=record.bytes_received,
@@ -206,21 +208,27 @@ def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
 
 
+def _comparison(reason: str) -> str:
+    """The check's statistics, from its reason (a stage check's: after "matched the reference")."""
+    text = reason or ""
+    return text.split("matched the reference ", 1)[1] if "matched the reference " in text else text[:120]
+
+
 def _num(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def table(rows: list[dict], budget_gib: float, peak_rss: int | None) -> str:
     head = ("| check | tokens | passed | validator CPU s | wall s | weights read GB | peak held GB | peak RSS GB | "
-            "miner CPU s (same tokens) | CPU share | FLOP share |")
-    out = [head, "|" + "---|" * 11]
+            "miner CPU s (same tokens) | CPU share | FLOP share | comparison |")
+    out = [head, "|" + "---|" * 12]
     for r in rows:
         share = (r["cpu_s"] / r["miner_cpu_s"]) if r["cpu_s"] and r["miner_cpu_s"] else None
         flops = (r["check_flops"] / r["checked_flops"]) if r["check_flops"] and r["checked_flops"] else None
         out.append(f"| {r['check']} | {r['tokens']} | {'yes' if r['passed'] else 'NO'} | "
                    f"{r['cpu_s'] or 0:.1f} | {r['wall_s'] or 0:.1f} | {_gb(r['bytes_read'])} | "
                    f"{_gb(r['peak_resident'])} | {_gb(r['peak_rss'])} | {_num(r['miner_cpu_s'], '.1f')} | "
-                   f"{_num(share, '.1%')} | {_num(flops, '.1%')} |")
+                   f"{_num(share, '.1%')} | {_num(flops, '.1%')} | {_comparison(r['reason'])} |")
     limit = (budget_gib + 1) * GIB
     out.append("")
     out.append(f"validator process peak RSS over the run: {_gb(peak_rss)} GB (budget {budget_gib:g} GiB + 1 GiB = "

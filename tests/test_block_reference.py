@@ -147,3 +147,29 @@ def test_what_a_site_holds_follows_from_the_checkpoint_layout_alone(tiny_checkpo
     lazy.run_layers(0, 3, lazy.embed(torch.arange(300) % 256), [lazy.new_cache()])
     read = sum(b for s, b in stored.items() if s[0] == "embedding" or (s[0] in ("layer", "expert") and s[1] < 3))
     assert lazy.traffic.bytes_read - before == read
+
+
+def test_the_validator_runs_block_checks_only_when_told_and_within_its_budget(tiny_checkpoint, tmp_path):
+    """--reference-memory GB (or --reference-engine, with 8 GB) turns the block reference on; nothing else does, and
+    the whole model is loaded only by --reference-engine."""
+    from neurons.validator_app.references import SharedReference, shared_reference
+    from neurons.validator_app.settings import read_validator_settings
+
+    base = ["--checkpoint", str(tiny_checkpoint), "--canary-pool", str(tmp_path / "pool.json")]
+    off = read_validator_settings(base, environ={})
+    assert not off.block_checks and off.reference_memory == 0.0
+    on = read_validator_settings(base + ["--reference-memory", "3"], environ={})
+    assert on.block_checks and not on.reference_engine and on.reference_memory_bytes == 3 * 2**30
+    engine = read_validator_settings(base + ["--reference-engine"], environ={})
+    assert engine.block_checks and engine.reference_memory_bytes == 8 * 2**30
+    assert read_validator_settings(base + ["--opening-rate", "1.5"], environ={}).problems()
+
+    class Loop:
+        pass
+
+    loop = Loop()
+    shared = shared_reference(loop, on)
+    assert isinstance(shared, SharedReference) and shared_reference(loop, on) is shared and not shared.made
+    ref = shared.get()
+    assert shared.made and ref.memory_bytes == 3 * 2**30 and ref.model.traffic.bytes_read == 0  # nothing read yet
+    shared.close()

@@ -21,6 +21,7 @@ gives the in-memory fp32 model's outputs bit for bit.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -42,6 +43,7 @@ Site = tuple  # ("embedding",) | ("head",) | ("layer", i) | ("expert", i, e)
 
 # Small models keep a decoded (fp32) copy of their experts, as the in-memory loaders do; its bytes count too.
 DECODED_EXPERTS_MAX_PARAMETERS = 1 << 28
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 class CheckpointFile:
@@ -124,6 +126,7 @@ class LazyK3Model(KimiK3Model):
             if verify_tensors and not self._hashes:
                 raise CheckpointError(f"the manifest of {checkpoint} has no per-tensor sha256 to verify against")
         self._verified: set[str] = set()
+        return_freed_memory()
         self._sites: dict[Site, list[str]] = {}
         for key in self.state_dict(keep_vars=True):
             self._sites.setdefault(_site_of(key), []).append(key)
@@ -303,6 +306,18 @@ def site_bytes(config, dtype: torch.dtype = torch.float32) -> tuple[dict[Site, i
     return stored, held
 
 
+def return_freed_memory() -> bool:
+    """Make freed tensor buffers go back to the system at once (glibc; False elsewhere). glibc's malloc raises its
+    mmap threshold to the largest block freed so far, so once an expert is evicted, later experts come from its
+    heap and what is evicted stays in the process: measured, a reference holding 1 GB of weights grew to 2.4 GB of
+    resident memory over six layers, and stays at 1.7 GB with a fixed threshold of 64 KiB."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 16))
+
+
 def _site_of(key: str) -> Site:
     site = tensor_site(key)
     if site.kind in ("embedding", "head"):
@@ -316,4 +331,5 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-__all__ = ["CheckpointFile", "LazyK3Model", "WeightTraffic", "DECODED_EXPERTS_MAX_PARAMETERS", "site_bytes"]
+__all__ = ["CheckpointFile", "LazyK3Model", "WeightTraffic", "DECODED_EXPERTS_MAX_PARAMETERS", "return_freed_memory",
+           "site_bytes"]
