@@ -82,13 +82,14 @@ def _number(value, digits: int = 3) -> str:
 
 
 def format_status(report: dict) -> str:
-    header = ("uid", "hotkey", "ttft_s/1k", "tok/s", "burst_tok/s", "long_ctx", "quality", "fails", "score", "ema",
-              "weight", "last failure", "why weight 0")
+    header = ("uid", "hotkey", "ttft_s/1k", "tok/s", "burst_tok/s", "long_ctx", "quality", "fails", "committed",
+              "opened/failed", "score", "ema", "weight", "last failure", "why weight 0")
     rows = []
     for m in report["miners"]:
         rows.append((str(m["uid"]), m["hotkey"][:12] + "…" if len(m["hotkey"] or "") > 12 else m["hotkey"] or "",
                      _number(m["ttft_per_1k_s"]), _number(m["decode_tps"], 1), _number(m["burst_tps"], 1),
                      _number(m["long_context_share"], 2), _number(m["quality"], 2), str(m["failures"]),
+                     _number(m.get("committed"), 2), f"{m.get('openings', 0)}/{m.get('openings_failed', 0)}",
                      _number(m["score"], 4), _number(m["ema"], 4), _number(m["weight"], 4),
                      (f"{age(m.get('last_failure_at'))}: {m['last_failure']}" if m["last_failure"] else "")[:80],
                      (m.get("zero_weight_reason") or "")[:70]))

@@ -35,8 +35,9 @@ from pydantic import BaseModel, ValidationError
 from .auth import hotkey_signer, sign_request
 from .errors import ErrorCode
 from .schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, SCORE_PATH,
-                      Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ScoreRequest, ScoreResponse,
-                      TokenMessage, decode_event, describe_validation_error, encode_model, parse_error_body)
+                      STATES_PATH, Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ScoreRequest,
+                      ScoreResponse, StateOpening, StateOpeningRequest, TokenMessage, decode_event,
+                      describe_validation_error, encode_model, parse_error_body)
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Error bodies are small; past this the body is not read further.
@@ -379,6 +380,23 @@ class MinerClient:
                 raise MinerProtocolError(
                     f"score answer at position {scored.position} has {len(scored.top)} alternatives, asked {request.top_k}"
                 )
+        return answer
+
+    async def open_states(
+        self,
+        base_url: str,
+        receiver_ss58: str,
+        request: StateOpeningRequest,
+        timeouts: Optional[ClientTimeouts] = None,
+    ) -> StateOpening:
+        """The committed states an answer opens (POST /v1/states); checks it answers this answer's commitment
+        and the boundaries and positions asked (whether they chain to the root is the caller's check)."""
+        answer = await self._json_call("POST", base_url, STATES_PATH, encode_model(request), receiver_ss58,
+                                       StateOpening, timeouts)
+        if answer.request_id != request.request_id or answer.root != request.root:
+            raise MinerProtocolError("state opening answers another answer's commitment")
+        if [(o.boundary, o.positions) for o in answer.opened] != [(a.boundary, a.positions) for a in request.open]:
+            raise MinerProtocolError("state opening does not hold exactly the boundaries and positions asked, in order")
         return answer
 
     async def capabilities(

@@ -33,6 +33,7 @@ PROTOCOL_VERSION = 1
 
 GENERATE_PATH = "/v1/generate"
 SCORE_PATH = "/v1/score"
+STATES_PATH = "/v1/states"  # open an answer's committed residual states (StateOpeningRequest -> StateOpening)
 CAPABILITIES_PATH = "/v1/capabilities"
 HEALTH_PATH = "/health"
 
@@ -417,11 +418,27 @@ class Timings(_WireModel):
     decode_tokens_per_s: Optional[Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]] = None
 
 
+MAX_COMMITTED_BOUNDARIES = 1024
+MAX_OPENED_POSITIONS = 1 << 17
+
+
+class StateCommitmentMessage(_WireModel):
+    """The miner's commitment to the residual states of every position at every committed layer boundary of the
+    answer (docs/verification.md, "State commitments"): `root` is covered by the response signature."""
+
+    scheme: Literal["k3-states/1"] = "k3-states/1"
+    root: str = Field(pattern=_HEX64)
+    positions: int = Field(ge=1, le=2**31 - 1)  # positions the model ran (prompt and fed completion tokens)
+    boundaries: Annotated[list[Annotated[int, Field(ge=1, le=1_000_000)]],
+                          Field(min_length=1, max_length=MAX_COMMITTED_BOUNDARIES)]
+
+
 class FinalMessage(_WireModel):
     """Last event of a successful stream. finish_reason: "eos" (end-of-sequence
     token), "stop" (a stop string), "length" (max_tokens reached). `seed`: the seed
     the sampler ran with (the request's, or one the miner drew), covered by the
-    signature; with the miner's declared sampler it replays the answer."""
+    signature; with the miner's declared sampler it replays the answer. `state_commitment`: present when the
+    engine commits to its layer states (the project's engine; None for engines that cannot)."""
 
     type: Literal["final"] = "final"
     finish_reason: Literal["stop", "length", "eos"]
@@ -430,6 +447,53 @@ class FinalMessage(_WireModel):
     model_fingerprint: str = Field(min_length=1, max_length=128, pattern=_ID_PATTERN)
     signature: ResponseSignature
     seed: Optional[int] = Field(None, ge=0, le=U64_MAX)
+    state_commitment: Optional[StateCommitmentMessage] = None
+
+
+class BoundaryPositions(_WireModel):
+    boundary: int = Field(ge=1, le=1_000_000)
+    positions: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                         Field(min_length=1, max_length=MAX_OPENED_POSITIONS)]
+
+    @model_validator(mode="after")
+    def _sorted(self) -> "BoundaryPositions":
+        if any(b <= a for a, b in zip(self.positions, self.positions[1:])):
+            raise PydanticCustomError("unsorted", "positions must be strictly increasing")
+        return self
+
+
+class StateOpeningRequest(_WireModel):
+    """POST /v1/states: open some positions at some boundaries of an answer's committed states (the answer's
+    request id and commitment root)."""
+
+    protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    request_id: RequestId
+    root: str = Field(pattern=_HEX64)
+    open: Annotated[list[BoundaryPositions], Field(min_length=1, max_length=MAX_COMMITTED_BOUNDARIES)]
+
+
+class OpenedBoundary(_WireModel):
+    """The rows at `positions` of one boundary (base64 of fp32 little-endian [len(positions), hidden]) and the
+    multiproof that rebuilds the boundary's root from them."""
+
+    boundary: int = Field(ge=1, le=1_000_000)
+    positions: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                         Field(min_length=1, max_length=MAX_OPENED_POSITIONS)]
+    rows: str = Field(max_length=1 << 30)
+    proof: Annotated[list[Annotated[str, Field(pattern=_HEX64)]], Field(max_length=MAX_OPENED_POSITIONS * 32)]
+
+
+class StateOpening(_WireModel):
+    protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    request_id: RequestId
+    root: str = Field(pattern=_HEX64)
+    positions: int = Field(ge=1, le=2**31 - 1)
+    hidden_size: int = Field(ge=1, le=1 << 20)
+    boundary_roots: Annotated[list[Annotated[str, Field(pattern=_HEX64)]],
+                              Field(min_length=1, max_length=MAX_COMMITTED_BOUNDARIES)]  # in boundary order
+    boundaries: Annotated[list[Annotated[int, Field(ge=1, le=1_000_000)]],
+                          Field(min_length=1, max_length=MAX_COMMITTED_BOUNDARIES)]
+    opened: Annotated[list[OpenedBoundary], Field(max_length=MAX_COMMITTED_BOUNDARIES)]
 
 
 class ErrorDetail(_WireModel):
@@ -556,6 +620,11 @@ def _parse(model: type[BaseModel], raw: bytes, limits: Limits) -> Any:
 def parse_generate(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Bytes of a /v1/generate body -> GenerateRequest, or ProtocolError (400/413)."""
     return _parse(GenerateRequest, raw, limits)
+
+
+def parse_state_opening(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> StateOpeningRequest:
+    """Bytes of a /v1/states body -> StateOpeningRequest, or ProtocolError (400/413)."""
+    return _parse(StateOpeningRequest, raw, limits)
 
 
 def parse_score(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> ScoreRequest:

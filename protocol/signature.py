@@ -16,12 +16,17 @@ so a validator can replay it and the miner cannot disown it. The two forms diffe
 in length, so neither can pass for the other. The domain prefix keeps a response
 signature from ever being valid as any other message the same hotkey signs (a
 btauth/1 payload, an extrinsic).
+
+An answer that carries a state commitment (`FinalMessage.state_commitment`)
+appends its 32-byte root to the digest (96 bytes, before the seed): the root
+cannot be changed or dropped without breaking the signature.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Optional
 
 from bittensor.sp_core import CRYPTO_SR25519, verify as sp_core_verify
 
@@ -38,9 +43,11 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
         raise ValueError("token ids must be integers in 0..2**32-1") from None
 
 
-def response_digest(request_body: bytes, token_ids: Sequence[int]) -> bytes:
-    """sha256(request_body) || sha256(encode_token_ids(token_ids)), 64 bytes."""
-    return hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
+def response_digest(request_body: bytes, token_ids: Sequence[int], state_root: Optional[str] = None) -> bytes:
+    """sha256(request_body) || sha256(encode_token_ids(token_ids)), 64 bytes; || the state commitment's root
+    (32 bytes) when the answer carries one."""
+    digest = hashlib.sha256(request_body).digest() + hashlib.sha256(encode_token_ids(token_ids)).digest()
+    return digest + bytes.fromhex(state_root) if state_root is not None else digest
 
 
 def signed_message(digest: bytes, seed: int | None) -> bytes:
@@ -53,17 +60,17 @@ def signed_message(digest: bytes, seed: int | None) -> bytes:
 
 
 def sign_response(hotkey_keypair, request_body: bytes, token_ids: Sequence[int],
-                  seed: int | None = None) -> ResponseSignature:
+                  seed: int | None = None, state_root: Optional[str] = None) -> ResponseSignature:
     """Sign a finished generation with the miner's hotkey (an sr25519 Keypair); `seed`: the seed the sampler
-    ran with, as the final event reports it."""
+    ran with, as the final event reports it; `state_root`: the hex root of its state commitment, when it has one."""
     if getattr(hotkey_keypair, "crypto_type", CRYPTO_SR25519) != CRYPTO_SR25519:
         raise ValueError("response signatures use sr25519; this hotkey has another crypto type")
-    digest = response_digest(request_body, token_ids)
+    digest = response_digest(request_body, token_ids, state_root)
     signature = bytes(hotkey_keypair.sign(signed_message(digest, seed)))
     return ResponseSignature(
         hotkey=hotkey_keypair.ss58_address,
         request_sha256=digest[:32].hex(),
-        tokens_sha256=digest[32:].hex(),
+        tokens_sha256=digest[32:64].hex(),
         signature=signature.hex(),
     )
 
@@ -74,16 +81,18 @@ def verify_response(
     token_ids: Sequence[int],
     expected_hotkey_ss58: str,
     seed: int | None = None,
+    state_root: Optional[str] = None,
 ) -> bool:
     """True when `signature` is `expected_hotkey_ss58`'s signature over this exact
-    request body, these exact token ids and this reported seed (None: none reported)."""
+    request body, these exact token ids, this reported seed (None: none reported)
+    and (when given) this state commitment root."""
     if signature.hotkey != expected_hotkey_ss58:
         return False
     try:
-        digest = response_digest(request_body, token_ids)
+        digest = response_digest(request_body, token_ids, state_root)
     except ValueError:
         return False
-    if digest[:32].hex() != signature.request_sha256 or digest[32:].hex() != signature.tokens_sha256:
+    if digest[:32].hex() != signature.request_sha256 or digest[32:64].hex() != signature.tokens_sha256:
         return False
     try:
         message = signed_message(digest, seed)

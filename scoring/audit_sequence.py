@@ -10,7 +10,9 @@ For an answer that reached its final event, `AuditSequence.check` runs:
    (scoring.auditors), each of which scores a canary of its own; a wrong one voids the audit; the
    validator's own engine also replays a sampled answer of a miner declaring k3-gumbel/1 (scoring.replay);
 4. escalation: when the auditors disagree, or miner auditors saw what would be hard evidence, the audited
-   miner gets a greedy canary shaped like any other request.
+   miner gets a greedy canary shaped like any other request;
+5. an answer that carries a state commitment may be opened (scoring.openings, drawn at its own rate, with its own
+   random stream): one block of it re-run on the validator's block reference.
 
 The validator only sends and stores:
 
@@ -40,6 +42,7 @@ from .auditors import AuditorCandidate, check_auditor, choose_auditors, consensu
 from .canaries import Canary, CanaryPool, Tier2Result, check_tier2
 from .config import DEFAULT_CONFIG, ScoringConfig
 from .failures import Failure
+from .openings import OpeningRecord, OpeningVerdict, StateOpenings
 from .replay import replays
 from .tier0 import check_tier0
 from .tier1 import AuditResult, Reference, audit_tier1
@@ -67,6 +70,7 @@ class Verification:
     audit: Optional[AuditResult] = None
     tier2: Optional[Tier2Result] = None
     answer: list[Failure] = field(default_factory=list)
+    opening: Optional[OpeningVerdict] = None  # an opening of the answer's committed states
 
     @property
     def tier0_ok(self) -> bool:
@@ -79,6 +83,8 @@ class Verification:
             out += self.audit.failures
         if self.tier2 is not None:
             out += self.tier2.failures
+        if self.opening is not None:
+            out += self.opening.failures
         return out + list(self.answer)
 
     @property
@@ -195,6 +201,7 @@ class CheckedAnswer:
     against_auditors: list[AuditorFinding] = field(default_factory=list)
     canaries_used: list[str] = field(default_factory=list)
     escalation: Optional[WorkItem] = None  # a canary to send the audited miner after its round's work
+    openings: list[OpeningRecord] = field(default_factory=list)
 
     @property
     def tier1(self) -> Optional[AuditRecord]:
@@ -208,7 +215,8 @@ class AuditSequence:
 
     def __init__(self, config: ScoringConfig, rng: random.Random, tokenizer, *, reference: Optional[Reference] = None,
                  canaries: Optional[CanaryPool] = None, client: Optional[MinerClient] = None,
-                 timeouts: Optional[ClientTimeouts] = None, audit_timeout_s: float = 90.0):
+                 timeouts: Optional[ClientTimeouts] = None, audit_timeout_s: float = 90.0,
+                 openings: Optional[StateOpenings] = None):
         self.config = config
         self.rng = rng
         self.tokenizer = tokenizer
@@ -217,14 +225,16 @@ class AuditSequence:
         self.client = client
         self.timeouts = timeouts
         self.audit_timeout_s = audit_timeout_s
+        self.openings = openings  # openings of committed answers (scoring.openings); None: the validator opens none
         # escalation canary request id -> [(auditor, its verdict)]: settled when the canary is judged
         self.pending: dict[str, list[tuple[AuditorCandidate, bool]]] = {}
 
     async def check(self, item: WorkItem, result: GenerateResult, capabilities: Capabilities, *, uid: int,
                     hotkey: str, coldkey: str, new_or_suspect: bool,
-                    candidates: Callable[[], Iterable[AuditorCandidate]] = tuple) -> CheckedAnswer:
+                    candidates: Callable[[], Iterable[AuditorCandidate]] = tuple, url: str = "") -> CheckedAnswer:
         """Every check one finished answer gets, in order. `candidates` lists the serving miners that could
-        audit (asked only when the answer is audited and the validator has no engine of its own)."""
+        audit (asked only when the answer is audited and the validator has no engine of its own); `url`: where
+        the miner answers openings of its committed states."""
         started = time.thread_time()
         verification = cpu_checks(item, result, tokenizer=self.tokenizer, capabilities=capabilities,
                                   miner_hotkey=hotkey, config=self.config)
@@ -234,7 +244,18 @@ class AuditSequence:
             checked.against_auditors += self._settle(item, uid, hotkey, verification.tier2.passed)
         if draw_audit(self.rng, item, verification.tier0, self.config, new_or_suspect=new_or_suspect):
             await self._audit(item, result, capabilities, uid, coldkey, candidates, checked)
+        if self._opens(result, verification, url, new_or_suspect):
+            record = await self.openings.open(item.prompt_ids, result, capabilities.precision, url=url, hotkey=hotkey)
+            verification.opening = record.verdict
+            checked.openings.append(record)
         return checked
+
+    def _opens(self, result: GenerateResult, verification: Verification, url: str, new_or_suspect: bool) -> bool:
+        """Whether to open this answer: it carries a commitment, tier 0 found nothing hard, and the draw says so."""
+        final = result.final
+        return (self.openings is not None and bool(url) and final is not None
+                and getattr(final, "state_commitment", None) is not None and bool(result.token_ids)
+                and not any(f.hard for f in verification.tier0) and self.openings.draw(new_or_suspect))
 
     async def _audit(self, item: WorkItem, result: GenerateResult, capabilities: Capabilities, uid: int,
                      coldkey: str, candidates: Callable[[], Iterable[AuditorCandidate]],

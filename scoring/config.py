@@ -261,6 +261,11 @@ class ScoringConfig:
     """EMA of S per uid, per round."""
     weight_exponent: float = 2.0
     """Weights are proportional to EMA(S) to this power."""
+    uncommitted_weight_factor: float = 0.5
+    """(not in the spec) A whole-model miner's weight is multiplied by c + (1 - c) x this, c being the share of its
+    answers in the window that carried a state commitment (scoring.weights): a miner in front of an engine that
+    cannot commit to its layer states (vLLM, SGLang) is verified by less (docs/verification.md, "Engines that
+    cannot commit") and is paid at this discount until it commits. 1: no discount."""
 
     # ------------------------------------------------------------ presets
     @classmethod
@@ -398,6 +403,8 @@ class ScoringConfig:
                 out.append(f"{name} must be positive")
         if self.weight_exponent <= 0:
             out.append("weight_exponent must be positive")
+        if not 0 <= self.uncommitted_weight_factor <= 1:
+            out.append("uncommitted_weight_factor must lie in [0, 1]")
         if self.long_context_budget_base_s < 0 or self.long_context_budget_s_per_1k_tokens < 0:
             out.append("long-context budget settings must be non-negative")
         if self.logprob_gap_envelope is not None:

@@ -59,6 +59,7 @@ class Measurement:
     burst_tokens: Optional[int] = None  # aggregate rows: verified tokens of all streams
     burst_wall_s: Optional[float] = None  # aggregate rows: first send to last final
     probe_answer: Optional[bool] = None  # a scored answer probe (ScoringConfig.probes_scored): answered right
+    committed: Optional[bool] = None  # a completed answer: whether it carried a state commitment (scoring.openings)
 
     def __post_init__(self):
         if self.kind not in MEASUREMENT_KINDS:
@@ -78,7 +79,7 @@ class Measurement:
 
 
 COLUMNS = tuple(f.name for f in fields(Measurement))
-_BOOL_COLUMNS = ("tier0_ok", "long_context_success", "hard_failure", "probe_answer")
+_BOOL_COLUMNS = ("tier0_ok", "long_context_success", "hard_failure", "probe_answer", "committed")
 
 
 # ------------------------------------------------------------------ per request
@@ -125,6 +126,9 @@ def _audit_counts(item: WorkItem, verification: Verification, config: ScoringCon
     if verification.tier2 is not None:
         audits += 1
         failures += not verification.tier2.passed
+    if verification.opening is not None:
+        audits += 1
+        failures += not verification.opening.passed
     return audits, failures, quality
 
 
@@ -183,7 +187,8 @@ def measure_request(uid: int, hotkey: str, item: WorkItem, outcome: Outcome, ver
         ttft_per_1k_s=ttft_per_1k(ttft, item.prompt_tokens), long_context_success=long_success,
         audits=audits, audit_failures=audit_failures, quality=quality,
         hard_failure=any(f.hard for f in failures), failures=_failure_text(failures),
-        probe_answer=probe_answer(item, verification, config), **base)
+        probe_answer=probe_answer(item, verification, config),
+        committed=getattr(result.final, "state_commitment", None) is not None, **base)
 
 
 def measure_burst(uid: int, hotkey: str, streams: Sequence[tuple[WorkItem, Outcome, Optional[Verification]]],

@@ -53,23 +53,25 @@ def block_share(layer_costs: Sequence[float], start: int, stop: int) -> float:
     return float(sum(layer_costs[start:stop])) / total
 
 
-def active_params_per_layer(model) -> list[float]:
-    """Per-token active parameters of each layer of a KimiK3Model: all its parameters but the routed experts,
-    plus the routed experts times experts_per_token / num_experts; the embedding is added to layer 0 as a
-    lookup (D values) and the head (final norm, lm_head) to the last layer."""
-    cfg = model.config
+def active_params_per_layer(config) -> list[float]:
+    """Per-token active parameters of each layer of a model of `config` (a ModelConfig, or a model: its config),
+    computed from the config alone: all its parameters but the routed experts, plus the routed experts times
+    experts_per_token / num_experts (MXFP4 experts count their weights, two per packed byte); the embedding is
+    added to layer 0 as a lookup (D values) and the head (final norm, lm_head) to the last layer. The router's
+    selection bias steers the choice and is not counted."""
+    cfg = getattr(config, "config", config)
+    D = cfg.hidden_size
+    kda_bf16, kda_fp32 = cfg._kda_params()
+    kda = kda_bf16 + kda_fp32 - cfg.a_log_size + cfg.kda_heads  # the model holds one A_log value per head
+    moe_bf16, _ = cfg._moe_dense_params()
+    routed = cfg.experts_per_token * cfg._expert_params()
     costs = []
-    for layer in model.layers:
-        dense, routed = 0, 0
-        for name, p in layer.named_parameters():
-            n = p.numel() * (2 if p.dtype.itemsize == 1 and not p.is_floating_point() else 1)  # MXFP4: 2 per byte
-            if ".experts." in f".{name}":
-                routed += n
-            else:
-                dense += n
-        costs.append(dense + routed * cfg.experts_per_token / max(1, cfg.num_experts))
-    costs[0] += cfg.hidden_size
-    costs[-1] += cfg.hidden_size * cfg.vocab_size
+    for i in range(cfg.num_layers):
+        attention = cfg._mla_params() if cfg.is_mla(i) else kda
+        mlp = moe_bf16 + routed if cfg.is_moe(i) else 3 * D * cfg.dense_intermediate_size
+        costs.append(float(cfg._layer_common_params() + attention + mlp))
+    costs[0] += D
+    costs[-1] += D * cfg.vocab_size
     return costs
 
 

@@ -80,9 +80,12 @@ def check_tier0(item: Optional[WorkItem], result: GenerateResult, tokenizer, cap
                 f"the first {head} of {n} tokens arrived at {arrivals[head - 1]:.3f} s of {total:.3f} s",
                 hard=True))
 
-    if not verify_response(final.signature, result.body, tokens, miner_hotkey, final.seed):
-        failures.append(Failure("signature", "the response signature does not cover this request, these tokens and "
-                                             "this seed under the miner's hotkey", hard=True))
+    committed = getattr(final, "state_commitment", None)
+    if not verify_response(final.signature, result.body, tokens, miner_hotkey, final.seed,
+                           state_root=committed.root if committed is not None else None):
+        failures.append(Failure("signature", "the response signature does not cover this request, these tokens, "
+                                             "this seed and the state commitment under the miner's hotkey",
+                                hard=True))
     if request.seed is not None and final.seed is not None and final.seed != request.seed:
         failures.append(Failure("seed", f"the final event reports seed {final.seed}, the request asked for "
                                         f"{request.seed}", hard=True))

@@ -7,7 +7,11 @@ The validator gathers its evidence and submits what comes out; nothing else turn
     submitted = weights_to_submit(evidence, config)     # positive, finite, summing to 1 ({}: nothing to submit)
 
 1. Whole-model miners share in proportion to EMA^exponent (`weights_from_ema`; the EMA of S comes from
-   scoring.rewards, gates and verification included).
+   scoring.rewards, gates and verification included), each times its commitment factor
+   (`commitment_discount`): c + (1 - c) x `uncommitted_weight_factor`, c the share of its answers in the window
+   that carried a state commitment. An engine that cannot commit (vLLM, SGLang) is verified by less (no opening
+   can re-run a block of its answers) and is paid at that discount until it commits; the discount is stated in
+   the validator's status, never applied silently.
 2. A validator that checks stage miners pays both kinds from one vector: a whole-model miner blamed as a
    route driver (receipts the stages never signed) gets 0, and `one_vector` shares the total between the
    kinds by their market scores (scoring.stage_rewards: verified model-tokens x relative speed x
@@ -43,6 +47,9 @@ class WeightEvidence:
     ema: Mapping[int, Union[tuple[str, float], float]]  # whole-model uid -> EMA of S (an EmaEntry or a value)
     whole_work: Mapping[int, MinerWork] = field(default_factory=dict)  # whole-model uid -> its verified work
     stages: Optional[StageEvidence] = None  # None: the validator checks no stage miners
+    # whole-model uid -> share of its completed answers in the window that carried a state commitment (a uid not
+    # here: nothing measured, no discount)
+    committed: Mapping[int, float] = field(default_factory=dict)
 
 
 def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponent: float = 2.0) -> dict[int, float]:
@@ -56,6 +63,25 @@ def weights_from_ema(ema: Mapping[int, Union[tuple[str, float], float]], exponen
     if total <= 0:
         return {uid: 0.0 for uid in values}
     return {uid: p / total for uid, p in powered.items()}
+
+
+def commitment_discount(weights: Mapping[int, float], committed: Mapping[int, float],
+                        factor: float) -> dict[int, float]:
+    """Whole-model weights times c + (1 - c) x factor (c: the uid's committed share), normalised again to their
+    total: an uncommitted miner's share goes to the others, the total stays."""
+    total = sum(weights.values())
+    scaled = {uid: w * _commitment_factor(committed.get(uid), factor) for uid, w in weights.items()}
+    new_total = sum(scaled.values())
+    if total <= 0 or new_total <= 0:
+        return dict(scaled) if total > 0 else dict(weights)
+    return {uid: w * total / new_total for uid, w in scaled.items()}
+
+
+def _commitment_factor(share: Optional[float], factor: float) -> float:
+    if share is None:
+        return 1.0
+    share = min(1.0, max(0.0, float(share)))
+    return share + (1.0 - share) * factor
 
 
 def one_vector(whole_weights: Mapping[int, float], whole_work: Mapping[int, MinerWork],
@@ -101,7 +127,8 @@ def with_stage_miners(whole_weights: Mapping[int, float], whole_work: Mapping[in
 
 def miner_weights(evidence: WeightEvidence, config: ScoringConfig) -> dict[int, float]:
     """uid -> weight from the validator's evidence (the module doc's rules 1 and 2); zeros kept."""
-    weights = weights_from_ema(evidence.ema, config.weight_exponent)
+    weights = commitment_discount(weights_from_ema(evidence.ema, config.weight_exponent), evidence.committed,
+                                  config.uncommitted_weight_factor)
     if evidence.stages is None:
         return weights
     return with_stage_miners(weights, evidence.whole_work, evidence.stages)
@@ -120,6 +147,6 @@ def weights_to_submit(evidence: WeightEvidence, config: ScoringConfig) -> dict[i
 
 
 __all__ = [
-    "StageEvidence", "WeightEvidence", "weights_from_ema", "one_vector", "with_stage_miners", "miner_weights",
+    "StageEvidence", "WeightEvidence", "weights_from_ema", "commitment_discount", "one_vector", "with_stage_miners", "miner_weights",
     "submitted_weights", "weights_to_submit",
 ]

@@ -76,3 +76,53 @@ def test_the_submitted_vector_comes_from_the_evidence(costs):
     assert set(submitted) == {1, *stages} and sum(submitted.values()) == pytest.approx(1.0)
     unloaded = WeightEvidence(ema, whole_work, StageEvidence(stages, {"w2": "receipts not signed"}, None))
     assert miner_weights(unloaded, CONFIG) == {1: pytest.approx(0.8), 2: 0.0, 3: 0.0}
+
+
+def test_miners_whose_answers_carry_no_state_commitment_are_paid_at_the_stated_discount():
+    """An engine that cannot commit to its layer states (vLLM, SGLang behind inference/serving/remote.py) is verified
+    by less: its miner's weight is multiplied by c + (1 - c) x uncommitted_weight_factor (c: its committed share),
+    the others share what it loses, and a miner with nothing measured is not discounted."""
+    ema = {1: ("committing", 0.5), 2: ("vllm", 0.5), 3: ("half", 0.5), 4: ("unmeasured", 0.5)}
+    committed = {1: 1.0, 2: 0.0, 3: 0.5}
+    weights = miner_weights(WeightEvidence(ema, committed=committed), CONFIG)
+    assert CONFIG.uncommitted_weight_factor == 0.5
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert weights[2] / weights[1] == pytest.approx(0.5) and weights[3] / weights[1] == pytest.approx(0.75)
+    assert weights[4] == pytest.approx(weights[1])
+    # no discount asked: exactly the EMA^2 shares; everyone committing: the same
+    assert miner_weights(WeightEvidence(ema, committed=committed), CONFIG.replace(uncommitted_weight_factor=1.0)) \
+        == pytest.approx(weights_from_ema(ema))
+    assert miner_weights(WeightEvidence(ema, committed={u: 1.0 for u in ema}), CONFIG) == \
+        pytest.approx(weights_from_ema(ema))
+    # a gated miner stays at 0; an uncommitted one alone keeps the whole weight (the discount is relative)
+    assert miner_weights(WeightEvidence({1: ("a", 0.0), 2: ("b", 0.4)}, committed={2: 0.0}), CONFIG) == \
+        {1: 0.0, 2: pytest.approx(1.0)}
+    with pytest.raises(Exception, match="uncommitted_weight_factor"):
+        CONFIG.replace(uncommitted_weight_factor=1.5)
+
+
+def test_layer_costs_come_from_the_config_alone_and_count_every_parameter(costs):
+    """scoring.stage_rewards.active_params_per_layer from a config equals counting a model's own tensors (the routed
+    experts, MXFP4 buffers included, times k / E; the embedding a lookup, the head on the last layer)."""
+    import torch
+
+    for config in (ModelConfig.tiny(), ModelConfig.tiny_kimi_linear(), ModelConfig.tiny(mxfp4_experts=False)):
+        with torch.device("meta"):
+            model = KimiK3Model(config, random_init=False)
+        counted = []
+        for layer in model.layers:
+            dense = routed = 0
+            tensors = list(layer.named_parameters()) + [(n, b) for n, b in layer.named_buffers() if ".experts." in n]
+            for name, t in tensors:
+                if name.endswith("weight_scale"):
+                    continue
+                n = t.numel() * (2 if t.dtype == torch.uint8 else 1)
+                if ".experts." in f".{name}":
+                    routed += n
+                else:
+                    dense += n
+            counted.append(dense + routed * config.experts_per_token / config.num_experts)
+        counted[0] += config.hidden_size
+        counted[-1] += config.hidden_size * config.vocab_size
+        assert active_params_per_layer(config) == pytest.approx(counted)
+    assert active_params_per_layer(KimiK3Model(ModelConfig.tiny())) == costs

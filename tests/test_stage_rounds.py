@@ -233,7 +233,7 @@ def test_a_validator_round_zeroes_cheaters_with_the_reason(swarm, tmp_path):
         store = ValidatorStore(db)
         loop = ValidatorLoop(settings, chain=chain, wallet=w, store=store, tokenizer=swarm["tokenizer"])
         stage = attach_stage_rounds(loop, settings)
-        stage.model = swarm["model"]  # the same weights the loader would read; loaded once for the module
+        stage.reference = swarm["model"]  # the same weights the block reference would read; loaded once here
         try:
             t0 = time.monotonic()
             for _ in range(2):

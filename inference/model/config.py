@@ -135,11 +135,27 @@ class ModelConfig:
         )
 
     @classmethod
+    def kimi_k3_scaled(cls) -> "ModelConfig":
+        """Kimi K3's shape scaled down to a ~12.7 GB checkpoint (benchmarks of what a validator holds): every
+        structural feature and K3's ratios where they matter to memory and disk (MLA every 4th layer and the
+        last, a dense first layer, Attention Residuals blocks of 12, a latent of half the width, MXFP4 routed
+        experts that are ~95% of the bytes, 2 shared experts); fewer layers, a narrower trunk, 416 experts
+        (top 8) and a 32k vocabulary."""
+        return cls(
+            model_id="kimi-k3-scaled", vocab_size=32768, bos_token_id=32000, eos_token_id=32001, pad_token_id=32767,
+            max_position_embeddings=65536, hidden_size=1024, num_layers=24,
+            mla_layers=_one_based_to_zero(_k3_full_attn_layers(24)), first_k_dense=1, dense_intermediate_size=4096,
+            attn_res_block_size=12, num_experts=416, experts_per_token=8, num_shared_experts=2,
+            expert_intermediate_size=1536, latent_size=512, mla_heads=8, q_lora_rank=256, kv_lora_rank=128,
+            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kda_heads=8, kda_head_dim=64, a_log_size=16)
+
+    @classmethod
     def presets(cls) -> dict[str, Callable[[], "ModelConfig"]]:
         """The preset names (what --model and --preset take) and their constructors."""
         return {
             "kimi_k3": cls.kimi_k3,
             "kimi-k3": cls.kimi_k3,
+            "kimi_k3_scaled": cls.kimi_k3_scaled,
             "tiny": cls.tiny,
             "tiny_grouped": cls.tiny_grouped,
             "tiny_trained": cls.tiny_trained,

@@ -108,6 +108,9 @@ class SequenceCache:
         self.layers = layers
         self.length = length
         self.marked_at: int | None = None  # see mark() / rewind()
+        # what records the residual state at layer boundaries for a state commitment (None: nothing is kept;
+        # inference.serving.state_commitment.StateLog): `boundaries`, and record(boundary, first position, rows)
+        self.state_log = None
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -388,10 +391,13 @@ class KimiK3Model(nn.Module):
         [T_i, V] (all_logits) or [V] (last new token). Updates the caches in place."""
         self._check_batch(token_ids, caches)
         lengths = [int(t.shape[0]) for t in token_ids]
-        device = self.lm_head.weight.device
+        device = self.input_device()
         ids = torch.cat([t.to(device=device, dtype=torch.long) for t in token_ids])
         state = self.embed(ids, lengths)
-        state = self.run_layers(0, self.config.num_layers, state, caches)
+        if any(c.state_log is not None for c in caches):
+            state = self._run_recording(state, caches)
+        else:
+            state = self.run_layers(0, self.config.num_layers, state, caches)
         if all_logits:
             logits = self.head(state)
             out = list(torch.split(logits, lengths))
@@ -400,6 +406,26 @@ class KimiK3Model(nn.Module):
         for cache, n in zip(caches, lengths):
             cache.advance(n)
         return out
+
+    def input_device(self) -> torch.device:
+        """Where token ids go in (the embedding's device)."""
+        return self.lm_head.weight.device
+
+    def _run_recording(self, state: ResidualState, caches: list[SequenceCache]) -> ResidualState:
+        """Every layer, stopping at the layer boundaries the sequences' state logs ask for: there each log records
+        the running partial sum of its own rows (the part of the residual state that is new since the previous
+        boundary; the completed block sums were partial sums at earlier boundaries) at its positions."""
+        boundaries = sorted({b for c in caches if c.state_log is not None for b in c.state_log.boundaries})
+        start = 0
+        for boundary in boundaries:
+            state = self.run_layers(start, boundary, state, caches)
+            row = 0
+            for cache, n in zip(caches, state.lengths):
+                if cache.state_log is not None and boundary in cache.state_log.boundaries:
+                    cache.state_log.record(boundary, cache.length, state.partial[row:row + n])
+                row += n
+            start = boundary
+        return self.run_layers(start, self.config.num_layers, state, caches)
 
     def _check_batch(self, token_ids: list[Tensor], caches: list[SequenceCache]) -> None:
         for b, cache in check_forward_batch(self.config, token_ids, caches):

@@ -457,8 +457,8 @@ class KDAAttention(nn.Module):
         self.fast_kernels = True
 
     # -------------------------------------------------------------------------------- cache
-    def new_cache(self) -> KDALayerCache:
-        device = self.A_log.device
+    def new_cache(self, device=None) -> KDALayerCache:
+        device = self.A_log.device if device is None else device
         H, d, P = self.num_heads, self.head_dim, self.proj_size
         return KDALayerCache(
             conv=torch.zeros(3, P, self.kernel_size - 1, dtype=torch.float32, device=device),

@@ -30,7 +30,7 @@ COMMANDS = ("make", "download", "convert", "verify")
 
 def make_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", choices=["tiny", "tiny_grouped", "tiny_kimi_linear", "kimi_k3"])
+    source.add_argument("--preset", choices=["tiny", "tiny_grouped", "tiny_kimi_linear", "kimi_k3", "kimi_k3_scaled"])
     source.add_argument("--config", type=Path, help="an HF-style config.json (or a directory holding one)")
     parser.add_argument("--out", type=Path, required=True, help="directory to create")
     parser.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ from inference.model.config import ModelConfig
 from inference.model.layers import RMSNorm
 
 RoutingObserver = Callable[[int, Tensor], None]  # (layer index, expert ids [T, k])
+ExpertLoader = Callable[[int, Iterable[int]], None]  # (layer index, the experts about to run)
 
 
 # Below this many multiply-adds per step, running every expert on every token in batched matmuls beats one
@@ -160,6 +161,9 @@ class LatentMoE(nn.Module):
             self.shared_experts = DenseMLP(D, config.shared_expert_intermediate_size, config)
         self.experts = nn.ModuleList(Expert(config, random_init) for _ in range(config.num_experts))
         self.routing_observer: RoutingObserver | None = None
+        # (layer index, experts about to run) -> None: a model that keeps experts on disk until used
+        # (inference.model.lazy) loads them here; None: every expert is held
+        self.expert_loader: ExpertLoader | None = None
         self._dense_cache: mxfp4.DequantizedCache | None = None
         self._stacked = None  # (key, w1 [E, F, L], w3 [E, F, L], w2 [E, L, F]) for the all-experts path
         # Experts batched by expert for short steps: None on a GPU only, True everywhere (the tests run it on the
@@ -207,6 +211,7 @@ class LatentMoE(nn.Module):
                 raise ValueError(f"expert ids {sorted(bad)} are outside 0..{E - 1}")
         if allowed is None and self._dense_cache is not None and self.config.mxfp4_experts \
                 and E * T * 3 * self.config.latent_size * self.config.expert_intermediate_size <= ALL_EXPERTS_MACS:
+            self._load_experts(range(E))
             return self._all_experts_partial(z, ids, weights)
         if allowed is None and self._groups_experts(z, T):
             return self._grouped_partial(z, ids, weights)
@@ -222,11 +227,16 @@ class LatentMoE(nn.Module):
                 continue
             end = start + count
             if allowed is None or e in allowed:
+                self._load_experts((e,))
                 rows = token_of[start:end]
                 out = self.experts[e](z[rows])
                 y.index_add_(0, rows, out.float() * w_sorted[start:end, None])
             start = end
         return y
+
+    def _load_experts(self, experts: Iterable[int]) -> None:
+        if self.expert_loader is not None:
+            self.expert_loader(self.layer_idx, experts)
 
     def _stacked_experts(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """All experts' dense w1, w3 [E, F, L] and w2 [E, L, F], from the dequantised cache (rebuilt when any
@@ -341,4 +351,4 @@ class LatentMoE(nn.Module):
         return self.finish(self.expert_partial(self.down(x), ids, weights), x)
 
 
-__all__ = ["situ_glu", "DenseMLP", "Router", "MXFP4Linear", "Expert", "LatentMoE", "RoutingObserver"]
+__all__ = ["situ_glu", "DenseMLP", "Router", "MXFP4Linear", "Expert", "LatentMoE", "RoutingObserver", "ExpertLoader"]

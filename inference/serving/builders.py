@@ -8,7 +8,7 @@ One setting picks what runs underneath the same `Engine` interface:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,8 +21,10 @@ from inference.model import (WEIGHT_DTYPES, DeviceError, KimiK3Model, device_pro
 from inference.model.device import DTYPE_NAMES
 from inference.serving.engine import Engine, EngineSettings
 from inference.serving.local_engine import LocalEngine
+from inference.serving.state_commitment import check_commit_layers, default_commit_layers
 
 ENGINE_KINDS = ("reference", "sharded", "remote")
+AUTO_COMMIT = -1  # EngineSpec.commit_layers: the reference engine's default commitment, others none
 DEQUANTIZED_EXPERT_BUDGET = 1 << 30  # keep a dequantised fp32 copy of the experts when it fits in this
 
 
@@ -54,6 +56,9 @@ class EngineSpec:
     # sharded on one host: make every inter-shard message cross an emulated link (benchmarks; 0 = off)
     shard_link_latency_ms: float = 0.0
     shard_link_gbps: float = 0.0
+    # state commitments (inference.serving.state_commitment): layers per committed block; AUTO_COMMIT: the
+    # reference engine commits every `default_commit_layers(config)` layers, the others commit nothing; 0: never
+    commit_layers: int = -1
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     def problems(self) -> list[str]:
@@ -90,6 +95,12 @@ class EngineSpec:
             out.append(f"micro-batches {self.settings.micro_batches} keeps several steps in flight over pipeline "
                        f"stages: only the sharded engine can (the {self.kind} engine runs one step at a time); "
                        "use --micro-batches 1")
+        if self.commit_layers > 0 and self.kind != "reference":
+            out.append(f"state commitments (--commit-layers {self.commit_layers}) need the reference engine, which "
+                       f"stops at layer boundaries; the {self.kind} engine cannot: use --commit-layers 0")
+        if self.commit_layers < -1:
+            out.append(f"--commit-layers must be -1 (auto), 0 (none) or a divisor of the model's Attention "
+                       f"Residuals block size, got {self.commit_layers}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             out.append(f"draft tokens {self.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}")
         return out
@@ -176,8 +187,14 @@ def build_engine(spec: EngineSpec) -> Engine:
         raise EngineSpecError("; ".join(problems))
     if spec.kind == "reference":
         model, tokenizer, fp = load_reference_model(spec.checkpoint, spec.dtype, device=spec.device)
-        return LocalEngine(model, tokenizer, spec.settings, model_fingerprint=fp, engine_kind="reference",
-                           speculation=_speculation(spec, fp), layout={"processes": 1})
+        layers = default_commit_layers(model.config) if spec.commit_layers == AUTO_COMMIT else spec.commit_layers
+        try:
+            check_commit_layers(model.config, layers) if layers else None
+        except ValueError as exc:
+            raise EngineSpecError(f"--commit-layers: {exc}") from None
+        return LocalEngine(model, tokenizer, replace(spec.settings, commit_layers=layers), model_fingerprint=fp,
+                           engine_kind="reference", speculation=_speculation(spec, fp),
+                           layout={"processes": 1, "commit_layers": layers})
     if spec.kind == "sharded":
         return build_sharded_engine(spec)
     from inference.serving.remote import (RemoteSettings, RemoteSetupError, build_remote_engine,  # noqa: PLC0415

@@ -19,6 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from inference.decoding.sampling import SAMPLER, ReplayedToken, ReplayKey, SamplingParams
+from inference.serving.state_commitment import Opening, StateAsk, StateCommitment
 
 
 # ------------------------------------------------------------------- types
@@ -49,6 +50,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
     request_id: str = ""
+    owner: str = ""  # who asked (a validator's hotkey): only it may open the answer's committed states
 
     def check(self) -> None:
         """Refuse (EngineError invalid_request) a request no engine can serve: bad sampling or an empty prompt."""
@@ -81,6 +83,7 @@ class FinalEvent:
     draft_accepted: int = 0
     verify_steps: int = 0
     seed: int | None = None  # the seed the sampler ran with (the request's or one drawn): replays the answer
+    state_commitment: StateCommitment | None = None  # the answer's committed states (engines that commit)
 
 
 @dataclass
@@ -175,6 +178,12 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         return None
 
+    def open_states(self, request_id: str, root: str, asks: list[StateAsk], caller: str = "") -> Opening:
+        """The committed states of an answer this engine gave (inference.serving.state_commitment): EngineError
+        from an engine that commits to none; OpeningError for an answer it does not (or no longer) keep."""
+        raise EngineError("invalid_request", "this engine keeps no state commitments (it cannot read the model's "
+                                             "layer states: docs/verification.md)")
+
     async def __aenter__(self):
         await self.start()
         return self
@@ -208,6 +217,9 @@ class WrappedEngine(Engine):
     async def stop(self) -> None:
         await self.inner.stop()
 
+    def open_states(self, request_id: str, root: str, asks: list[StateAsk], caller: str = "") -> Opening:
+        return self.inner.open_states(request_id, root, asks, caller)
+
 
 # ------------------------------------------------------------ settings
 @dataclass(frozen=True)
@@ -232,3 +244,9 @@ class EngineSettings:
     # per group in flight, so pipeline stages work on different groups at once. 1 = one step at a time.
     # > 1 needs a model that keeps steps in flight (`submit` / `collect`: the sharded runtime).
     micro_batches: int = 1
+    # State commitments (inference.serving.state_commitment): commit every answer's residual states every this many
+    # layers (a divisor of the AttnRes block size; 0: commit nothing, the forward runs without stops), kept for
+    # openings this long and within this many bytes.
+    commit_layers: int = 0
+    commit_retain_s: float = 900.0
+    commit_max_bytes: int = 1 << 30

@@ -20,11 +20,13 @@ import torch
 from inference.decoding.sampling import (MAX_LOGPROBS, ReplayKey, SampledToken, SamplingParams, TokenSampler, find_stop,
                                          replay_token)
 from inference.decoding.speculation import SequenceSpeculation, SpeculationConfig
-from inference.model import ModelConfig
+from inference.model import KimiK3Model, ModelConfig
 from inference.serving.engine import (Engine, EngineCapabilities, EngineError, EngineHealth, EngineSettings,
                                       EventStream, FinalEvent, GenerationRequest, ScoredPosition, TokenEvent)
 from inference.serving.metrics import EngineMetrics
 from inference.serving.scheduler import ScheduledSequence, StepPlan, StepScheduler
+from inference.serving.state_commitment import (CommittedAnswer, CommittedStates, Opening, StateAsk, StateLog, commit,
+                                                commit_boundaries)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class _Sequence(ScheduledSequence):
         "request_id", "kind", "sampling", "sampler", "cache", "text", "queue", "submitted_at", "admitted_at",
         "prefill_done_at", "first_token_at", "last_token_at", "positions", "top_k", "scores", "future", "decoder",
         "replay",
+        "owner",
     )
 
     def __init__(self, kind, token_ids, sampling: SamplingParams | None = None, request_id=""):
@@ -72,6 +75,7 @@ class _Sequence(ScheduledSequence):
         self.future: asyncio.Future | None = None
         self.decoder = None  # the tokenizer's incremental decoder, set for generate requests
         self.replay: ReplayKey | None = None  # a score sequence that also replays an answer's sampled tokens
+        self.owner = ""  # who asked (only it may open the committed states)
 
 
 class LocalEngine(Engine):
@@ -118,6 +122,15 @@ class LocalEngine(Engine):
                 problems.append(f"speculative decoding needs caches that rewind; {type(probe).__name__} cannot")
             if problems:
                 raise ValueError("; ".join(problems))
+        # state commitments: the boundaries every answer's states are committed at (None: no commitments)
+        self.commit_boundaries: tuple[int, ...] | None = None
+        self.committed: CommittedStates | None = None
+        if settings.commit_layers:
+            if not isinstance(model, KimiK3Model):
+                raise ValueError(f"state commitments need the in-process model (it stops at layer boundaries); "
+                                 f"{type(model).__name__} cannot: set commit_layers 0")
+            self.commit_boundaries = commit_boundaries(self.config, settings.commit_layers)
+            self.committed = CommittedStates(settings.commit_retain_s, settings.commit_max_bytes)
         fixed_bytes, bytes_per_token = cache_cost(self.config, settings.cache_dtype_bytes)
         self.scheduler = StepScheduler(settings, max_context=self.max_context, fixed_bytes=fixed_bytes,
                                        bytes_per_token=bytes_per_token)
@@ -222,6 +235,7 @@ class LocalEngine(Engine):
         p = request.sampling
         self._check_tokens(request.prompt_token_ids)
         seq = _Sequence("generate", request.prompt_token_ids, p, request.request_id)
+        seq.owner = request.owner
         seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
         if self.speculation is not None:
             seq.speculation = SequenceSpeculation.for_request(self.speculation, p, request.prompt_token_ids)
@@ -266,6 +280,8 @@ class LocalEngine(Engine):
         """Admit what fits now; each admitted sequence gets its cache."""
         for seq in self.scheduler.admit():
             seq.cache = self.model.new_cache()
+            if self.commit_boundaries is not None and seq.kind == "generate":
+                seq.cache.state_log = StateLog(self.commit_boundaries)
             seq.admitted_at = time.perf_counter()
         self.metrics.queue_length.set(self.scheduler.waiting_count)
 
@@ -688,6 +704,7 @@ class LocalEngine(Engine):
             self.metrics.record_finished(reason, seq.prompt_len, len(seq.generated), seq.submitted_at,
                                          seq.admitted_at, seq.first_token_at, end, seq.prefill_done_at)
         if seq.queue is not None and not seq.finished:
+            commitment = self._commit(seq) if reason != "cancelled" else None
             ms = lambda a, b: None if a is None or b is None else (b - a) * 1000.0  # noqa: E731
             seq.queue.put_nowait(FinalEvent(
                 finish_reason=reason,
@@ -699,10 +716,30 @@ class LocalEngine(Engine):
                 prefill_ms=ms(seq.admitted_at, seq.prefill_done_at),
                 seed=seq.sampler.seed,
                 **(seq.speculation.final_counts() if seq.speculation is not None else {}),
+                state_commitment=commitment,
             ))
         if seq.future is not None and not seq.future.done():
             seq.future.set_exception(EngineError("cancelled", "the request was cancelled"))
         self._release(seq)
+
+    def _commit(self, seq: _Sequence):
+        """The commitment to a finished answer's states (every position the model ran), kept for openings."""
+        log = seq.cache.state_log if seq.cache is not None else None
+        if log is None or self.committed is None or seq.cache.length < 1:
+            return None
+        commitment, rows, levels = commit(log, seq.cache.length)
+        self.committed.keep(self._answer_key(seq.owner, seq.request_id),
+                            CommittedAnswer(commitment, rows, levels, owner=seq.owner))
+        return commitment
+
+    @staticmethod
+    def _answer_key(owner: str, request_id: str) -> str:
+        return f"{owner}/{request_id}"
+
+    def open_states(self, request_id: str, root: str, asks: list[StateAsk], caller: str = "") -> Opening:
+        if self.committed is None:
+            return super().open_states(request_id, root, asks, caller)
+        return self.committed.open(self._answer_key(caller, request_id), root, asks, caller)
 
     def _fail(self, seq: _Sequence, err: EngineError) -> None:
         if seq.finished:

@@ -3,18 +3,22 @@ messages, wire sampling to the engine's SamplingParams. The miner, the stage ser
 all convert through here, so a generation reads the same on the wire whoever sent it.
 
     token_message(TokenEvent) -> TokenMessage                  final_message(FinalEvent, ...) -> FinalMessage
+    opening_asks(StateOpeningRequest) -> [StateAsk]             opening_message(request_id, Opening, hidden) -> StateOpening
     scored_position_message(ScoredPosition) -> ScoredPositionMessage
     sampling_params(GenerateRequest) -> SamplingParams
     stage_sampling_params(WireSampling) -> SamplingParams       wire_sampling(SamplingParams) -> WireSampling
 """
 from __future__ import annotations
 
+import base64
 import math
 from typing import Optional
 
 from inference.serving import EngineError, FinalEvent, SamplingParams, ScoredPosition, TokenEvent
-from protocol.schemas import (LOGPROB_FLOOR, MAX_TOKEN_TEXT, FinalMessage, GenerateRequest, ResponseSignature,
-                              ScoredPositionMessage, Timings, TokenMessage, TopLogprob, Usage)
+from inference.serving.state_commitment import Opening, StateAsk, StateCommitment, leaf_bytes
+from protocol.schemas import (LOGPROB_FLOOR, MAX_TOKEN_TEXT, FinalMessage, GenerateRequest, OpenedBoundary,
+                              ResponseSignature, ScoredPositionMessage, StateCommitmentMessage, StateOpening,
+                              StateOpeningRequest, Timings, TokenMessage, TopLogprob, Usage)
 from protocol.stage import WireSampling
 
 
@@ -48,10 +52,34 @@ def _final_fields(event: FinalEvent, finish_reason: Optional[str], timings: Timi
 def final_message(event: FinalEvent, *, timings: Timings, model_fingerprint: str, signature: ResponseSignature,
                   finish_reason: Optional[str] = None) -> FinalMessage:
     """The engine's final event as the wire's, with the sender's timings (its own clock), the model it declares,
-    the seed the engine sampled with, and its signature over the request, the tokens and that seed
-    (protocol.signature.sign_response(..., event.seed)); `finish_reason` overrides the engine's."""
+    the seed the engine sampled with, its state commitment (engines that commit) and its signature over the
+    request, the tokens, the commitment's root and that seed (protocol.signature.sign_response(..., event.seed,
+    state_root=...)); `finish_reason` overrides the engine's."""
     return FinalMessage(**_final_fields(event, finish_reason, timings, model_fingerprint), signature=signature,
-                        seed=event.seed)
+                        seed=event.seed, state_commitment=state_commitment_message(event.state_commitment))
+
+
+def state_commitment_message(commitment: Optional[StateCommitment]) -> Optional[StateCommitmentMessage]:
+    """An engine's state commitment as the final event carries it (None: the engine commits to nothing)."""
+    if commitment is None:
+        return None
+    return StateCommitmentMessage(scheme=commitment.scheme, root=commitment.root, positions=commitment.positions,
+                                  boundaries=list(commitment.boundaries))
+
+
+def opening_asks(request: StateOpeningRequest) -> list[StateAsk]:
+    return [StateAsk(b.boundary, tuple(b.positions)) for b in request.open]
+
+
+def opening_message(request_id: str, opening: Opening, hidden_size: int) -> StateOpening:
+    """An engine's opening of committed states as the wire carries it (rows as base64 of fp32 little-endian)."""
+    order = sorted(opening.boundary_roots)
+    return StateOpening(
+        request_id=request_id, root=opening.root, positions=opening.positions, hidden_size=hidden_size,
+        boundaries=order, boundary_roots=[opening.boundary_roots[b].hex() for b in order],
+        opened=[OpenedBoundary(boundary=o.boundary, positions=list(o.positions),
+                               rows=base64.b64encode(leaf_bytes(o.rows)).decode(), proof=[h.hex() for h in o.proof])
+                for o in opening.opened])
 
 
 def unsigned_final_message(event: FinalEvent, *, timings: Timings, model_fingerprint: str,
@@ -90,4 +118,5 @@ def wire_sampling(params: SamplingParams) -> WireSampling:
 
 
 __all__ = ["wire_logprob", "token_message", "final_message", "unsigned_final_message", "scored_position_message",
-           "sampling_params", "stage_sampling_params", "wire_sampling"]
+           "sampling_params", "stage_sampling_params", "wire_sampling", "state_commitment_message",
+           "opening_asks", "opening_message"]

@@ -673,6 +673,10 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
     draft_model=Setting("with --speculate distilled: the draft table scripts/distill_drafter.py made for the "
                         "checkpoint", metavar="FILE"),
     draft_tokens=Setting("with --speculate: most tokens drafted per step (fewer when drafts are poor)"),
+    commit_layers=Setting("reference engine: commit every answer's residual states every N layers (a divisor of the "
+                          "model's Attention Residuals block size), so validators can open and re-run any block of "
+                          "it (docs/verification.md); -1: the model's default (4 for Kimi K3); 0: commit nothing",
+                          metavar="N"),
     settings=Section(fields=dict(
         max_context=Setting("largest prompt plus output, in tokens"),
         max_concurrent_sequences=Setting("sequences served at once (the miner's declared capacity)",
@@ -680,6 +684,13 @@ ENGINE_FIELDS: dict[str, Setting | Section] = dict(
         cache_memory_budget_bytes=Setting("memory for KV/state caches, e.g. 2GiB; a request that cannot fit waits "
                                           "or is refused", flag="--cache-memory", read=byte_size, metavar="SIZE"),
         max_waiting=Setting("requests that may wait for cache memory before new ones are refused"),
+        forward_stall_s=Setting("the engine's watchdog: one model step running longer than this is a stall (the "
+                                "scheduler restarts); raise it for a large model on slow hardware",
+                                read=positive_float),
+        commit_retain_s=Setting("how long the states an answer committed to are kept for validators to open",
+                                read=positive_float),
+        commit_max_bytes=Setting("most memory the committed states of recent answers may hold, e.g. 4GiB (the "
+                                 "oldest answers go first)", flag="--commit-memory", read=byte_size, metavar="SIZE"),
         micro_batches=Setting("sharded engine: split the running sequences into up to N groups and keep one step "
                               "per group in flight, so pipeline stages work on different groups at once "
                               "(1: one step at a time; more than the number of stages gains nothing)",

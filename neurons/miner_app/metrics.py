@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from inference.serving.metrics import REQUEST_BUCKETS
-from protocol.schemas import CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH
+from protocol.schemas import CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH, STATES_PATH
 
 
 class MinerMetrics:
@@ -41,4 +41,4 @@ class MinerMetrics:
 
 
 ENDPOINTS = {GENERATE_PATH: "generate", SCORE_PATH: "score", CAPABILITIES_PATH: "capabilities",
-              HEALTH_PATH: "health"}
+              HEALTH_PATH: "health", STATES_PATH: "states"}

@@ -54,8 +54,10 @@ from chain.interface import Chain, ChainError, NotRegistered, RateLimited
 from chain.watch import MetagraphWatch
 from inference.serving import (Engine, EngineError, EngineSpec, EngineSpecError, FinalEvent as EngineFinalEvent,
                                GenerationRequest, TokenEvent as EngineTokenEvent, build_engine)
+from inference.serving.state_commitment import OpeningError
 from inference.version import __version__
-from neurons.base.engine_wire import final_message, sampling_params, scored_position_message, token_message
+from neurons.base.engine_wire import (final_message, opening_asks, opening_message, sampling_params,
+                                      scored_position_message, token_message)
 from neurons.base.observability import CALLER, observed_app
 from neurons.base.settings import WalletNotFound, WalletSettings, hotkey_address, open_wallet as open_cli_wallet
 from neurons.miner_app.access import (CallerBudget, CallerBudgets, Refusal, ValidatorAccess, engine_refusal,
@@ -66,9 +68,9 @@ from protocol.auth import AuthFailure, SQLiteNonceStore, check_auth_headers, hot
 from protocol.errors import ErrorCode
 from protocol.http_server import ConnectionGuard, GuardedSite, defer_continue, read_body, runner_options
 from protocol.schemas import (CAPABILITIES_PATH, DEFAULT_LIMITS, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE,
-                              NDJSON_CONTENT_TYPE, SCORE_PATH, Capabilities, ErrorEvent, FinalMessage, GenerateRequest,
-                              Health, Limits, ProtocolError, ScoreRequest, ScoreResponse, Timings, encode_event,
-                              encode_model, parse_generate, parse_score)
+                              NDJSON_CONTENT_TYPE, SCORE_PATH, STATES_PATH, Capabilities, ErrorEvent, FinalMessage,
+                              GenerateRequest, Health, Limits, ProtocolError, ScoreRequest, ScoreResponse, Timings,
+                              encode_event, encode_model, parse_generate, parse_score, parse_state_opening)
 from protocol.signature import sign_response
 
 log = logging.getLogger("k3.miner")
@@ -164,6 +166,7 @@ class MinerServer:
         app.add_routes([
             web.post(GENERATE_PATH, self.handle_generate, expect_handler=defer_continue),
             web.post(SCORE_PATH, self.handle_score, expect_handler=defer_continue),
+            web.post(STATES_PATH, self.handle_states, expect_handler=defer_continue),
             web.get(CAPABILITIES_PATH, self.handle_capabilities),
             web.get(HEALTH_PATH, self.handle_health),
         ])
@@ -504,13 +507,31 @@ class MinerServer:
             scores=[scored_position_message(p) for p in scored],
         ))
 
+    async def handle_states(self, request: web.Request) -> web.Response:
+        """Open an answer's committed states for the validator that asked for the answer (docs/verification.md,
+        "State commitments"): 404 when the engine does not (or no longer) keep it, 400 from an engine that commits
+        to nothing."""
+        admission = await self._admit(request)
+        parsed = parse_state_opening(admission.body, self.limits)
+        try:
+            opening = await asyncio.to_thread(self.engine.open_states, parsed.request_id, parsed.root,
+                                              opening_asks(parsed), admission.hotkey)
+        except OpeningError as error:
+            raise Refusal(ErrorCode.NOT_FOUND, str(error), status=404) from None
+        except EngineError as error:
+            raise engine_refusal(error) from None
+        hidden = int(opening.opened[0].rows.shape[1])
+        return _json(await asyncio.to_thread(lambda: encode_model(opening_message(parsed.request_id, opening,
+                                                                                  hidden))))
+
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
         admission = await self._admit(request, streams=True)
         with self.budgets.stream_slot(admission.hotkey, admission.budget):
             parsed, prompt_ids = await self._off_loop_if_large(len(admission.body), self._parse_generate,
                                                                admission.body)
-            engine_request = GenerationRequest(prompt_ids, sampling_params(parsed), parsed.request_id)
+            engine_request = GenerationRequest(prompt_ids, sampling_params(parsed), parsed.request_id,
+                                               owner=admission.hotkey)
             try:
                 stream = self.engine.generate(engine_request)
             except EngineError as error:
@@ -598,7 +619,9 @@ class MinerServer:
                             total_ms=_millis(total_ms, 0.0), prefill_tokens_per_s=prefill_rate,
                             decode_tokens_per_s=decode_rate),
             model_fingerprint=self.engine_capabilities.model_fingerprint,
-            signature=sign_response(self.keypair, body, token_ids, final.seed),
+            signature=sign_response(self.keypair, body, token_ids, final.seed,
+                                    state_root=final.state_commitment.root if final.state_commitment is not None
+                                    else None),
         )
 
 

@@ -39,7 +39,7 @@ import signal
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +53,7 @@ from neurons.gateway.server import GatewayServer
 from neurons.gateway.settings import GatewaySetupError
 from neurons.validator_app.gateway_route import RouteAndMiners, start_gateway_route
 from neurons.validator_app.metrics import serve_validator_metrics
+from neurons.validator_app.references import shared_reference
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
 from neurons.validator_app.stage_rounds import attach_stage_rounds, whole_model_work
 from neurons.validator_app.store import ValidatorStore
@@ -64,8 +65,10 @@ from scoring.canaries import CanaryPool, CanaryPoolError
 from scoring.config import ScoringConfig
 from scoring.failures import Failure
 from scoring.metrics import Measurement, measure_auditor_failure, measure_burst, measure_request
+from scoring.openings import OpeningRecord, StateOpenings
 from scoring.replay import replays
 from scoring.rewards import EmaEntry, MinerScore, score_miners, update_ema
+from scoring.stage_judge import load_stage_envelopes
 from scoring.tier0 import check_tier0, validator_prompt_ids
 from scoring.weights import WeightEvidence, miner_weights, weights_from_ema, weights_to_submit
 from scoring.workloads import WorkItem, WorkloadError, canary_prompts, group_bursts, plan_round, with_resends
@@ -244,6 +247,23 @@ def _audit_row(neuron: NeuronInfo, item: WorkItem, record: AuditRecord) -> dict:
                 failures="; ".join(map(str, result.failures)), wall_s=record.wall_s)
 
 
+def _opening_row(neuron: NeuronInfo, item: WorkItem, record: OpeningRecord, number: int) -> dict:
+    """The store's row for one opening of a whole-model miner's committed states (kind `state_opening`), with
+    what it cost the validator beside the compute the miner spent on the same tokens."""
+    v, stats = record.verdict, record.verdict.state
+    cost = record.cost.as_row() if record.cost is not None else {}
+    return dict(round=number, uid=neuron.uid, hotkey=neuron.hotkey, kind="state_opening",
+                layers=f"{record.block[0]}-{record.block[1] - 1}" if record.block else None,
+                passed=int(v.passed), blame=int(v.hard), reason=v.reason or "matched the recomputed block",
+                tokens=stats.tokens if stats else record.positions, steps=1,
+                median_rel_l2=stats.median if stats else None, bad=stats.bad if stats else None,
+                bad_fraction=stats.bad_fraction if stats else None, q90_rel_l2=stats.q90 if stats else None,
+                worst_rel_l2=stats.worst if stats else None, numerics=record.numerics, outside=v.outside,
+                cpu_s=record.cost.cpu_s if record.cost is not None else None, wall_s=record.wall_s,
+                request_id=item.request.request_id, origin="validator", bytes_read=record.bytes_received,
+                check_flops=record.check_flops or None, checked_flops=record.checked_flops or None, **cost)
+
+
 def _answer_counts(item: WorkItem, config: ScoringConfig) -> bool:
     """Whether a wrong answer (copy, planted fact) counts against the miner under this config; on the
     tiny random model nothing answers correctly, and such failures would only be noise."""
@@ -277,9 +297,11 @@ class ValidatorLoop:
         seed = settings.rounds.seed
         self.rng = rng or random.Random(seed if seed is not None else secrets.randbits(64))
         # the order of checks per answer (and the auditors an escalation canary will settle) is scoring's
+        self.block_reference = None  # neurons.validator_app.references.SharedReference, made on first need
         self.audits = AuditSequence(self.config, self.rng, tokenizer, reference=reference, canaries=canaries,
                                     client=self.client, timeouts=settings.timeouts,
-                                    audit_timeout_s=settings.audits.timeout_s)
+                                    audit_timeout_s=settings.audits.timeout_s,
+                                    openings=self._openings(settings, seed))
         self.state = ValidatorState(store, tokenizer, self.config)
         self.window, self._last_row = store.load_window(self.config.window_s, self.config.hard_failure_s)
         self.ema: dict[int, EmaEntry] = store.load_ema()
@@ -307,6 +329,21 @@ class ValidatorLoop:
             log.info("resuming at round %d: %d measurements, EMA of %d uids, weights last set at block %s",
                      store.round, len(self.window), len(self.ema), last.block)
 
+    def _openings(self, settings: ValidatorSettings, seed: Optional[int]) -> Optional[StateOpenings]:
+        """Openings of whole-model miners' state commitments, on the validator's block reference (with
+        --reference-memory or --reference-engine); their draws have a random stream of their own."""
+        if not settings.block_checks or not settings.engine.checkpoint:
+            return None
+        envelope = self.config.logprob_gap_envelope
+        envelopes = load_stage_envelopes(str(envelope)) if envelope else None
+        if envelopes is None:
+            log.warning("no measured stage envelope for this model: openings of committed states are held to the "
+                        "exact checks only (refusal, forgery, malformed states)")
+        return StateOpenings(shared_reference(self, settings).get, self.client, rate=settings.audits.opening_rate,
+                             rate_new=settings.audits.opening_rate_new, envelopes=envelopes,
+                             timeouts=settings.timeouts,
+                             rng=random.Random(secrets.randbits(64) if seed is None else seed + 0x0BE11))
+
     @property
     def reference(self):
         """The validator's own reference engine (None: its audits go to miner auditors)."""
@@ -327,6 +364,8 @@ class ValidatorLoop:
     async def close(self) -> None:
         if self.stage is not None:
             await self.stage.close()
+        if self.block_reference is not None:
+            self.block_reference.close()
         if self._owns_client:
             await self.client.close()
 
@@ -646,7 +685,9 @@ class ValidatorLoop:
         new_or_suspect = self.window.is_new_or_suspect(neuron.uid, neuron.hotkey, time.time(), self.config)
         checked = await self.audits.check(item, result, caps, uid=neuron.uid, hotkey=neuron.hotkey,
                                           coldkey=neuron.coldkey, new_or_suspect=new_or_suspect,
-                                          candidates=self._auditor_candidates)
+                                          candidates=self._auditor_candidates, url=neuron.endpoint.url)
+        for record in checked.openings:
+            self.store.add_stage_check(_opening_row(neuron, item, record, number))
         self._count_cpu(checked)
         report.audits += len(checked.audits)
         for record in checked.audits:
@@ -734,10 +775,21 @@ class ValidatorLoop:
         return scores
 
     def weight_evidence(self) -> WeightEvidence:
-        """What this validator's weights depend on: the EMA, and with stage rounds the work of both kinds."""
+        """What this validator's weights depend on: the EMA, the share of each miner's answers that carried a state
+        commitment, and with stage rounds the work of both kinds."""
+        committed = self.committed_shares()
         if self.stage is None:
-            return WeightEvidence(self.ema)
-        return WeightEvidence(self.ema, whole_model_work(self), self.stage.evidence())
+            return WeightEvidence(self.ema, committed=committed)
+        return WeightEvidence(self.ema, whole_model_work(self), self.stage.evidence(), committed=committed)
+
+    def committed_shares(self) -> dict[int, float]:
+        """uid -> the share of its completed answers in the window that carried a state commitment."""
+        out = {}
+        for uid in self.window.uids():
+            seen = [m.committed for m in self.window.rows(uid) if m.outcome == "completed" and m.committed is not None]
+            if seen:
+                out[uid] = sum(seen) / len(seen)
+        return out
 
     def current_weights(self) -> dict[int, float]:
         """uid -> weight as scoring.weights decides it (zeros kept)."""
@@ -926,7 +978,8 @@ async def build_validator(settings: ValidatorSettings, *, chain: Optional[Chain]
     try:
         if settings.reference_engine:
             try:
-                engine = await asyncio.to_thread(build_engine, settings.engine)
+                # the validator's own engine answers nobody's openings: it commits to nothing
+                engine = await asyncio.to_thread(build_engine, replace(settings.engine, commit_layers=0))
             except EngineSpecError as error:
                 raise ValidatorSetupError(str(error)) from None
             await engine.start()

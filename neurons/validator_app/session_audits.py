@@ -32,6 +32,7 @@ from typing import Mapping, Optional, Sequence
 
 import aiohttp
 
+from inference.swarm.block_reference import CheckCost
 from inference.swarm.stage import HeadOutput
 from neurons.swarm.codec import decode_wire
 from neurons.swarm.ledger import LedgerUnavailable, read_ledger
@@ -63,6 +64,7 @@ class StageCheck:
     unavailable: Optional[str] = None  # a fault: not checked this time
     cpu_s: float = 0.0
     steps: int = 0
+    cost: Optional[CheckCost] = None  # what the recheck read and held (a reference that accounts it)
 
     @property
     def checked(self) -> bool:
@@ -199,7 +201,7 @@ class SessionAuditor:
     async def _recheck(self, check: StageCheck, steps: list[OpenedStep]) -> None:
         reference = self.references[check.layers]
         t0 = time.process_time()
-        comparison = await asyncio.to_thread(recheck_opened, steps, reference, secrets.randbits(62), self.thresholds)
+        comparison, check.cost = await asyncio.to_thread(self._run_recheck, steps, reference, secrets.randbits(62))
         check.cpu_s = time.process_time() - t0
         check.steps = len(steps)
         check.stats = CheckStats.of(comparison)
@@ -213,6 +215,16 @@ class SessionAuditor:
         env = self.envelopes.get((check.numerics, check.kind)) if self.envelopes else None
         if env is not None:
             check.outside = env.outside(check.stats)
+
+    def _run_recheck(self, steps: list[OpenedStep], reference, seed: int):
+        """recheck_opened, measured by the references when they account their checks (a BlockReference's
+        `track`: one check at a time, its bytes read and memory held)."""
+        track = getattr(self.references, "track", None)
+        if track is None:
+            return recheck_opened(steps, reference, seed, self.thresholds), None
+        with track() as cost:
+            comparison = recheck_opened(steps, reference, seed, self.thresholds)
+        return comparison, cost
 
     def _replayed(self, hotkey: str, steps: Sequence[OpenedStep]) -> Optional[str]:
         """Honest compute never gives the same output bits for two different inputs."""

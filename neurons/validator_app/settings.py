@@ -22,6 +22,7 @@ from scoring.config import ScoringConfig, ScoringConfigError
 from scoring.model_envelope import ModelEnvelopeError, load_envelope, shipped_envelope
 
 SCORING_PROFILES = ("production", "local_testnet")
+DEFAULT_REFERENCE_MEMORY_GB = 8.0  # the block reference's budget when only --reference-engine is given
 ENV_PREFIX = "K3_VALIDATOR_"
 
 
@@ -56,8 +57,8 @@ class RoundSettings:
     uids: Optional[str] = setting(None, "comma-separated uids to evaluate, e.g. 3,5 (to debug a miner); the others "
                                   "keep their window scores (default: every serving miner)", metavar="UIDS")
     stage_sessions: int = setting(2, "sessions this validator drives through the swarm's stage miners per round, "
-                                  "each checked after it ran against its own copy of the weights (with "
-                                  "--reference-engine); 0: stage miners are not checked", read=non_negative_int)
+                                  "each checked after it ran against its block reference (with --reference-memory "
+                                  "or --reference-engine); 0: stage miners are not checked", read=non_negative_int)
 
     def only_uids(self) -> Optional[set[int]]:
         if not self.uids:
@@ -81,6 +82,11 @@ class AuditSettings:
                             "reference)", read=non_negative_int)
     timeout_s: float = setting(120.0, "one tier-1 audit on the reference (past it the audit reaches no verdict)",
                                flag="--audit-timeout-s", read=positive_float, group="timeouts")
+    opening_rate: float = setting(0.1, "share of answers carrying a state commitment that are opened: one block of "
+                                  "the answer re-run on the block reference (with --reference-memory or "
+                                  "--reference-engine; docs/verification.md)", flag="--opening-rate", metavar="X")
+    opening_rate_new: float = setting(0.25, "the same for new or suspect miners", flag="--opening-rate-new",
+                                      metavar="X")
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,8 @@ def layer_block(text: str, what: str = "a layer block") -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class StageSettings:
-    """Swarm stage checks (neurons/validator_app/stage_rounds.py); on with --reference-engine and
-    --stage-sessions > 0."""
+    """Swarm stage checks (neurons/validator_app/stage_rounds.py); on with a block reference (--reference-memory
+    or --reference-engine) and --stage-sessions > 0."""
 
     max_tokens: int = setting(48, "longest completion of a session the validator drives (lengths are drawn "
                               "uniformly from 4 up to it)", flag="--stage-max-tokens", read=non_negative_int)
@@ -215,9 +221,14 @@ class ValidatorSettings:
     # is measured against fp32; a bf16 reference would add its own rounding to every miner's)
     engine: EngineSpec = engine_section("K3_REFERENCE_").field(EngineSpec, dtype="float32")
     gateway: GatewaySettings = GATEWAY.field(GatewaySettings)
-    reference_engine: bool = setting(False, "run the model from --checkpoint (or --engine remote/sharded) as this "
-                                     "validator's own reference for tier-1 audits and tier-2 canaries; without it "
-                                     "audits go to two other miners on different coldkeys", group="engine")
+    reference_engine: bool = setting(False, "run the whole model from --checkpoint (or --engine remote/sharded) as "
+                                     "this validator's own reference for tier-1 audits and tier-2 canaries; without "
+                                     "it audits go to two other miners on different coldkeys", group="engine")
+    reference_memory: float = setting(0.0, "GB of weights this validator's block reference may hold: it re-runs one "
+                                      "block of layers at a time, read from --checkpoint on disk as checks need it "
+                                      "(stage checks, openings of whole-model miners' state commitments), never the "
+                                      "whole model; 0: 8 GB with --reference-engine, else no block checks",
+                                      read=non_negative_float, metavar="GB", group="engine")
     db: str = setting("~/.k3-subnet/validator.sqlite", "SQLite file of everything the validator learns "
                       "(measurements, audits, failures, EMA, weights); a restart resumes from it", read=expanded_path,
                       group="store", metavar="FILE")
@@ -235,6 +246,17 @@ class ValidatorSettings:
                                 group="metrics")
     log_level: str = LOG_LEVEL.field("INFO")
     log_format: str = LOG_FORMAT.field("text")
+
+    @property
+    def block_checks(self) -> bool:
+        """Whether this validator re-runs blocks itself (stage checks, state openings): --reference-memory or
+        --reference-engine."""
+        return self.reference_memory > 0 or self.reference_engine
+
+    @property
+    def reference_memory_bytes(self) -> int:
+        gb = self.reference_memory or DEFAULT_REFERENCE_MEMORY_GB
+        return int(gb * 2**30)
 
     def scoring_config(self) -> ScoringConfig:
         """The profile, then --scoring-overrides, then the explicit round and audit flags."""
@@ -322,10 +344,11 @@ class ValidatorSettings:
                        "who could frame honest miners or shield a partner with nothing to settle it, and tier-2 "
                        "canaries could not run; run the model as this validator's reference (--reference-engine, "
                        "--engine remote for a GPU server) or give it a canary pool from a reference deployment")
-        if self.gateway.enabled and self.gateway.route != "off" and not (self.reference_engine
+        if self.gateway.enabled and self.gateway.route != "off" and not (self.block_checks
                                                                           and self.rounds.stage_sessions):
-            out.append("--gateway-route needs the validator's stage checks (--reference-engine and "
-                       "--stage-sessions > 0): the route's work is checked before it is credited")
+            out.append("--gateway-route needs the validator's stage checks (--reference-memory GB or "
+                       "--reference-engine, and --stage-sessions > 0): the route's work is checked before it is "
+                       "credited")
         r, w = self.rounds, self.weights
         try:
             r.only_uids()
@@ -335,7 +358,9 @@ class ValidatorSettings:
             out.append("--concurrency and --miner-concurrency must be at least 1")
         if r.requests_per_miner is not None and r.requests_per_miner < 1:
             out.append("--requests-per-miner must be at least 1")
-        for name, value in (("--audit-rate", self.audits.rate), ("--audit-rate-new", self.audits.rate_new)):
+        for name, value in (("--audit-rate", self.audits.rate), ("--audit-rate-new", self.audits.rate_new),
+                            ("--opening-rate", self.audits.opening_rate),
+                            ("--opening-rate-new", self.audits.opening_rate_new)):
             if value is not None and not 0 <= value <= 1:
                 out.append(f"{name} must lie in [0, 1], got {value}")
         if self.audits.canary_pool and not Path(self.audits.canary_pool).exists():

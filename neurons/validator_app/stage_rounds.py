@@ -50,18 +50,20 @@ import aiohttp
 
 from inference.decoding.sampling import SamplingParams
 from inference.serving.engine import GenerationRequest
+from inference.swarm.block_reference import references_for
 from inference.swarm.stage import LayerRange, Stage
 from neurons.base.settings import open_wallet
 from neurons.swarm.codec import encode_ids
-from neurons.swarm.route import (LoggedRouteDriver, RouteEngine, StageDirectory, StageInfo, StaticDirectory,
-                                 StepRecord, TrustedDirectory)
+from neurons.swarm.route import (LoggedRouteDriver, RouteEngine, StageDirectory, StageInfo, StaticDirectory, StepRecord,
+                                 TrustedDirectory)
 from neurons.swarm.stage_server import StageServer, StageServerSettings
+from neurons.validator_app.references import shared_reference
 from neurons.validator_app.route_work import RouteWorkServer
 from neurons.validator_app.session_audits import SessionAuditor, StageCheck, describe
 from neurons.validator_app.settings import ValidatorSetupError
 from protocol.stage import state_sha256
 from scoring.corpus import code_snippet, paragraph
-from scoring.stage_checks import audit_receipts, reference_stage
+from scoring.stage_checks import audit_receipts
 from scoring.stage_judge import load_stage_envelopes
 from scoring.stage_rewards import MinerWork, active_params_per_layer
 from scoring.weights import StageEvidence
@@ -101,18 +103,6 @@ class StageRoundReport:
     blamed: list[str] = field(default_factory=list)  # hotkeys blamed this round
 
 
-class _References(dict):
-    """The validator's own computation of any block, made on first use."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def __missing__(self, key):
-        self[key] = reference_stage(self.model, *key)
-        return self[key]
-
-
 class DecoyServer(StageServer):
     """A block served by the validator itself under a decoy hotkey; tells `watch` who opens sessions on it."""
 
@@ -127,18 +117,21 @@ class DecoyServer(StageServer):
 
 
 class StageRounds:
-    def __init__(self, store, keypair, model, tokenizer, directory: StageDirectory, config, *, sessions: int = 2,
+    def __init__(self, store, keypair, reference, tokenizer, directory: StageDirectory, config, *, sessions: int = 2,
                  max_tokens: int = 48, max_prompt_tokens: int = 160, organic_audit_rate: float = 0.1,
                  work_audit_rate: float = 0.25, seed: Optional[int] = None, host: str = "127.0.0.1", port: int = 0,
                  public_url: str = "", timeout_s: float = 15.0, blame_s: float = 24 * 3600.0,
                  window_s: float = 24 * 3600.0, decoy_keypair=None, decoys: Mapping[tuple[int, int], int] = {},
                  work_port: Optional[int] = None, envelope: Optional[str] = None, model_fingerprint: str = ""):
-        """`directory`: where the validator's route driver finds the stage miners (the metagraph's); the stages
-        blamed in `store` are left out. `config`: the model's (the driver needs no weights). `envelope`: the model envelope file whose `stages` section holds the
-        honest bounds of each numerics (None: the model has none, and only exact checks apply)."""
+        """`reference`: the validator's reference of any block, `reference[(start, stop)] -> Stage`
+        (inference.swarm.block_reference: a BlockReference reading the checkpoint as checks need it, or a model held
+        in memory); None: `loader` makes one on first need. `directory`: where the validator's route driver finds
+        the stage miners (the metagraph's); the stages blamed in `store` are left out. `config`: the model's (the
+        driver and the layers' costs need no weights). `envelope`: the model envelope file whose `stages` section
+        holds the honest bounds of each numerics (None: the model has none, and only exact checks apply)."""
         self.store = store
         self.keypair = keypair
-        self.model = model  # the validator's copy of the weights (CPU); None: load on first need (loader)
+        self.reference = reference  # the validator's reference of any block; None: made on first need (loader)
         self.tokenizer = tokenizer
         self.directory = directory
         self.config = config
@@ -164,7 +157,8 @@ class StageRounds:
         self.driver: Optional[LoggedRouteDriver] = None
         self.engine: Optional[RouteEngine] = None
         self.auditor: Optional[SessionAuditor] = None
-        self._refs: Optional[_References] = None
+        self._refs = None  # the reference as a mapping block -> Stage, once made
+        self.layer_costs = active_params_per_layer(config)  # per-layer compute: the blocks' shares of the work
         self._http: Optional[aiohttp.ClientSession] = None
         self._decoy_servers: list[DecoyServer] = []
         # request ids of the validator's own sessions not settled yet, and of those the ones whose generation ended
@@ -181,7 +175,7 @@ class StageRounds:
         self.number = 0
         self.last_report = StageRoundReport()
         self._credited = _SeenReceipts()  # receipt signatures credited (the validator's driver and outside drivers)
-        self.loader = None  # () -> model, called in a thread when model is None
+        self.loader = None  # () -> the reference (a BlockReference), called in a thread when reference is None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -199,18 +193,17 @@ class StageRounds:
             await self.work_server.start()
 
     async def _ensure_model(self) -> None:
-        if self.model is None and self.loader is not None:
-            self.model = await asyncio.to_thread(self.loader)
-        if self.model is None:
-            raise RuntimeError("stage checks need the validator's copy of the model weights")
+        if self.reference is None and self.loader is not None:
+            self.reference = await asyncio.to_thread(self.loader)
+        if self.reference is None:
+            raise RuntimeError("stage checks need the validator's reference of the model's blocks")
         if self._refs is None:
-            self._refs = _References(self.model)
-            self.layer_costs = active_params_per_layer(self.model)
+            self._refs = references_for(self.reference)
             envelopes = load_stage_envelopes(self.envelope) if self.envelope else None
             if envelopes is None:
                 log.warning("no measured stage envelope for this model: stage outputs are held to the exact checks "
                             "only (no statistical verdicts)")
-            cfg = self.model.config
+            cfg = self.config
             self.auditor = SessionAuditor(self.keypair, self._refs, num_layers=cfg.num_layers,
                                           hidden_size=cfg.hidden_size, envelopes=envelopes, timeout_s=self.timeout_s)
 
@@ -374,7 +367,7 @@ class StageRounds:
             if info is None:
                 continue
             m = self._stage_miner(info)
-            self._store_check(m, c, recs[0], origin, read, wall)
+            self._store_check(m, c, recs[0], origin, read, wall, sum(int(r.input_specs[0].shape[0]) for r in recs))
             if c.checked:
                 out["checked"] += 1
                 out["outside"] += bool(c.outside)
@@ -383,15 +376,21 @@ class StageRounds:
                 out["blamed"].append(m.hotkey)
 
     def _store_check(self, m: StageMiner, c: StageCheck, rec: StepRecord, origin: str, read: int,
-                     wall: float) -> None:
+                     wall: float, tokens: int) -> None:
+        """One check's row, with what it cost: the validator re-ran the stage's block over every token the stage
+        ran, so its compute equals the checked work (`check_flops` = `checked_flops`, 2 x the block's active
+        parameters x tokens)."""
         s = c.stats
         kind = "session_lie" if c.lie else ("unchecked" if c.unavailable else "session_check")
+        flops = 2.0 * sum(self.layer_costs[c.layers[0]:c.layers[1]]) * tokens if c.checked else None
+        cost = c.cost.as_row() if c.cost is not None else {}
         self._row(m, kind, passed=int(c.checked and not c.lie and not c.outside), blame=int(bool(c.lie)),
                   reason=f"session {rec.session} ({origin}): {describe(c)}", tokens=s.tokens if s else 0,
                   steps=c.steps, median_rel_l2=s.median if s else None, bad_fraction=s.bad_fraction if s else None,
                   bad=s.bad if s else None, q90_rel_l2=s.q90 if s else None, worst_rel_l2=s.worst if s else None,
-                  numerics=c.numerics, outside=c.outside, cpu_s=c.cpu_s, wall_s=wall, session=rec.session,
-                  route_id=rec.route_id, origin=origin, bytes_read=read)
+                  numerics=c.numerics, outside=c.outside, cpu_s=c.cpu_s, wall_s=c.cost.wall_s if c.cost else wall,
+                  session=rec.session, route_id=rec.route_id, origin=origin, bytes_read=read, check_flops=flops,
+                  checked_flops=flops, **cost)
         if c.lie:
             log.warning("stage %s (%s) lied in session %s: %s", m.hotkey, m.label, rec.session, c.lie)
 
@@ -421,7 +420,7 @@ class StageRounds:
         if self._decoy_servers or not self.decoys:
             return
         for (a, b), port in self.decoys.items():
-            stage = Stage(self.model, LayerRange(a, b, self.num_layers), fingerprint="decoy")
+            stage = Stage(self._refs.model, LayerRange(a, b, self.num_layers), fingerprint="decoy")
             server = DecoyServer(stage, self.decoy_keypair, StageServerSettings(host=self.host, port=port),
                                  self._decoy_saw)
             await server.start()
@@ -448,7 +447,7 @@ class StageRounds:
         with the layer-tokens credited, the steps held (their request is not measured yet: credited once it is,
         within `hold_s`) and the steps not credited (no request of this validator's, or more tokens than it
         measured for the request)."""
-        if self.model is None or not self.miners:
+        if self._refs is None or not self.miners:
             return 503, {"code": "not_ready", "message": "the validator has not found the stage miners yet; submit "
                                                          "again after its next round"}
         if driver not in self.serving:
@@ -609,9 +608,8 @@ class StageRounds:
 
     def evidence(self) -> StageEvidence:
         """What the weights need of the stage rounds (scoring.weights): the stage miners' work, the blamed route
-        drivers, and the layers' costs once the validator's copy of the model is loaded."""
-        return StageEvidence(self.stage_work(), self.blamed_drivers(),
-                             self.layer_costs if self._refs is not None else None)
+        drivers, and the layers' costs (from the model's config)."""
+        return StageEvidence(self.stage_work(), self.blamed_drivers(), self.layer_costs)
 
 
 MAX_OWN = 10_000
@@ -684,14 +682,15 @@ def decoy_keypair(settings):
 
 
 def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
-    """Stage checks for a validator with its own copy of the weights (--reference-engine) and --stage-sessions > 0,
-    configured by settings.stages (--stage-*: session lengths, audit rates, timeouts, blame and work windows,
-    decoys, the driver's result endpoint); the weights are loaded on first need (the first stage miner found)."""
+    """Stage checks for a validator with a block reference (--reference-memory GB, or --reference-engine) and
+    --stage-sessions > 0, configured by settings.stages (--stage-*: session lengths, audit rates, timeouts, blame
+    and work windows, decoys, the driver's result endpoint); the reference is the loop's one block reference
+    (neurons.validator_app.references), made on first need (the first stage miner found): it reads the blocks from
+    --checkpoint on disk as checks need them, never the whole model."""
     sessions = getattr(settings.rounds, "stage_sessions", 0)
-    if not settings.reference_engine or not sessions:
+    if not settings.block_checks or not sessions:
         return None
     from inference.model.checkpoint import CheckpointError, fingerprint, read_config  # noqa: PLC0415 (torch)
-    from inference.serving.builders import load_reference_model  # noqa: PLC0415 (torch)
     from neurons.swarm.route import MetagraphDirectory  # noqa: PLC0415
 
     s = settings.stages
@@ -713,8 +712,7 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
                         decoys=decoys, decoy_keypair=decoy_keypair(settings) if decoys else None,
                         work_port=s.work_port, envelope=str(envelope) if envelope else None,
                         model_fingerprint=model_fp)
-    stage.loader = lambda: load_reference_model(checkpoint, settings.engine.dtype, verify=False,
-                                                device=settings.engine.device)[0]
+    stage.loader = shared_reference(loop, settings).get
     loop.stage = stage
     return stage
 

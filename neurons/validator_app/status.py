@@ -65,6 +65,7 @@ def status_report(store: ValidatorStore) -> dict:
     # whole-model miners blamed as route drivers (receipts the stages never signed): zeroed, and why
     drivers = {c["hotkey"]: f"{c['kind']}: {c['reason']}" for c in store.stage_checks(since=time.time() - 24 * 3600.0)
                if c["blame"] and c["kind"] == "route_receipts"}
+    openings = [c for c in store.stage_checks(since=time.time() - 24 * 3600.0) if c["kind"] == "state_opening"]
     rows = []
     for uid in uids:
         score = latest.get(uid)
@@ -92,6 +93,12 @@ def status_report(store: ValidatorStore) -> dict:
         })
         rows[-1]["zero_weight_reason"] = zero_weight_reason(score, rows[-1]["ema"], rows[-1]["weight"],
                                                             last.block is not None)
+        # state commitments: the share of its answers that carried one (the rest are paid at the stated discount,
+        # scoring.weights), and the openings of them this validator made
+        rows[-1]["committed"] = store.committed_share(uid, hotkey, time.time() - 24 * 3600.0)
+        opened = [c for c in openings if c["hotkey"] == hotkey]
+        rows[-1]["openings"] = len(opened)
+        rows[-1]["openings_failed"] = sum(1 for c in opened if not c["passed"])
         rows[-1]["driver_blame"] = drivers.get(hotkey)
         if rows[-1]["driver_blame"] and rows[-1]["weight"] == 0:
             rows[-1]["zero_weight_reason"] = rows[-1]["driver_blame"]

@@ -13,7 +13,9 @@ Tables (schema version `SCHEMA_VERSION`, kept in `meta` and mirrored in SQLite's
 - `canaries`: the canary pool the validator computed itself, and which canaries were used;
 - `stage_miners`, `stage_checks`: swarm stage miners seen, and every stage challenge, route audit, bisection
   verdict, decoy sighting and credited route work, with its reason (`blame = 1`: the stage is zeroed;
-  neurons/validator_app/stage_rounds.py);
+  neurons/validator_app/stage_rounds.py), and every opening of a whole-model miner's state commitment (kind
+  `state_opening`, scoring.openings); each check with what it cost the validator (CPU and wall seconds, weight
+  bytes read from disk, peak resident weights and process memory, its compute and the checked miner's);
 - `meta`: schema version, round counters, when weights were last set;
 - `schema_migrations`: each migration applied to this file, when, and by which release.
 
@@ -52,9 +54,9 @@ _MEASUREMENT_TYPES = {
     "completion_tokens": "INTEGER", "ttft_s": "REAL", "total_s": "REAL", "decode_tps": "REAL",
     "ttft_per_1k_s": "REAL", "long_context_success": "INTEGER", "audits": "INTEGER", "audit_failures": "INTEGER",
     "quality": "REAL", "hard_failure": "INTEGER", "failures": "TEXT", "burst_id": "TEXT", "burst_tokens": "INTEGER",
-    "burst_wall_s": "REAL", "probe_answer": "INTEGER",
+    "burst_wall_s": "REAL", "probe_answer": "INTEGER", "committed": "INTEGER",
 }
-_SCHEMA_V1_COLUMNS = tuple(c for c in COLUMNS if c != "probe_answer")  # added by migration 4
+_SCHEMA_V1_COLUMNS = tuple(c for c in COLUMNS if c not in ("probe_answer", "committed"))  # added by migrations 4, 6
 if set(_MEASUREMENT_TYPES) != set(COLUMNS):  # scoring.metrics changed its columns: the schema must follow
     raise ImportError(f"validator_store knows measurement columns {sorted(_MEASUREMENT_TYPES)}, "
                       f"scoring.metrics has {sorted(COLUMNS)}")
@@ -146,6 +148,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             "session TEXT", "request_id TEXT", "origin TEXT", "bytes_read INTEGER")),
         "CREATE INDEX stage_checks_request ON stage_checks (request_id)",
         "CREATE INDEX measurements_request ON measurements (request_id)",
+    )),
+    Migration(6, "validator cost per check (weight bytes read from disk, peak resident weights and process memory, "
+                 "the check's compute and the checked miner's for the same tokens); whether an answer carried a "
+                 "state commitment", (
+        *(f"ALTER TABLE stage_checks ADD COLUMN {c}" for c in (
+            "weights_read INTEGER", "peak_resident INTEGER", "peak_rss INTEGER", "check_flops REAL",
+            "checked_flops REAL")),
+        "ALTER TABLE measurements ADD COLUMN committed INTEGER",
     )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version if MIGRATIONS else 1
@@ -368,6 +378,14 @@ class ValidatorStore:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         return self._conn.execute(f"SELECT * FROM measurements {where} ORDER BY id", args).fetchall()
 
+    def committed_share(self, uid: int, hotkey: str, since: float) -> Optional[float]:
+        """The share of a miner's completed answers since `since` that carried a state commitment (None: none
+        measured)."""
+        row = self._conn.execute("SELECT AVG(committed) FROM measurements WHERE uid = ? AND hotkey = ? AND "
+                                 "outcome = 'completed' AND committed IS NOT NULL AND at >= ?",
+                                 (uid, hotkey, since)).fetchone()
+        return None if row[0] is None else float(row[0])
+
     def prune(self, before: float) -> int:
         """Forget measurements, failures and audits older than `before` (unix time)."""
         with self._transaction() as conn:
@@ -544,7 +562,8 @@ class ValidatorStore:
     _STAGE_CHECK_FIELDS = ("at", "round", "uid", "hotkey", "layers", "kind", "passed", "blame", "reason", "tokens",
                            "steps", "median_rel_l2", "bad_fraction", "step_ms", "cpu_s", "wall_s", "commitment",
                            "seed", "nonce", "numerics", "bad", "q90_rel_l2", "worst_rel_l2", "outside", "route_id",
-                           "session", "request_id", "origin", "bytes_read")
+                           "session", "request_id", "origin", "bytes_read", "weights_read", "peak_resident",
+                           "peak_rss", "check_flops", "checked_flops")
 
     def add_stage_check(self, row: Mapping) -> None:
         values = [row.get(f) for f in self._STAGE_CHECK_FIELDS]
