@@ -25,7 +25,6 @@ or the whole model).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 
