@@ -64,6 +64,8 @@ REQUEST_FAULTS = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_JSON, E
 SUSPECT_FAULTS = frozenset({ErrorCode.ENGINE_FAILURE, ErrorCode.ENGINE_STALLED})
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
+# the request id the serving miner was sent (the validator's records of the request carry it)
+REQUEST_ID_HEADER = "x-k3-request-id"
 MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
 
 
@@ -474,7 +476,7 @@ class OrganicGateway:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             return None
         return web.json_response(_whole_answer(plan, result, self.tokenizer, self.settings.model_name, caps),
-                                 headers={MINER_UID_HEADER: str(target.uid)})
+                                 headers={MINER_UID_HEADER: str(target.uid), REQUEST_ID_HEADER: wire.request_id})
 
     async def _attempt_stream(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
                               writer: "_SseWriter") -> Optional[web.StreamResponse]:
@@ -486,7 +488,7 @@ class OrganicGateway:
                 async for timed in events:
                     event = timed.event
                     if isinstance(event, TokenMessage):
-                        await writer.tokens(event, target, caps)
+                        await writer.tokens(event, target, caps, wire.request_id)
                     elif isinstance(event, FinalMessage):
                         result.final = event
                     elif isinstance(event, ErrorEvent):
@@ -511,7 +513,7 @@ class OrganicGateway:
             await writer.fail("the miner's answer failed verification: "
                               + "; ".join(f.check for f in failures))
             return writer.response
-        await writer.finish(result, target, caps)
+        await writer.finish(result, target, caps, wire.request_id)
         return writer.response
 
     # ------------------------------------------------------------ the validator's hook
@@ -635,20 +637,21 @@ class _SseWriter:
                    "system_fingerprint": self.fingerprint, "choices": choices, **extra}
         return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
-    async def _open(self, target: MinerTarget, caps: Capabilities) -> None:
+    async def _open(self, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         self.fingerprint = caps.model_fingerprint
         self.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=self.plan.body.skip_special_tokens)
         self.trimmer = StopTrimmer(self.plan.body.stop_strings)
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid)})
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid),
+                                                           REQUEST_ID_HEADER: request_id})
         await response.prepare(self.request)
         self.response = response
         if self.plan.kind == "chat":
             await response.write(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
 
-    async def tokens(self, event: TokenMessage, target: MinerTarget, caps: Capabilities) -> None:
+    async def tokens(self, event: TokenMessage, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         if self.response is None:
-            await self._open(target, caps)
+            await self._open(target, caps, request_id)
         text = self.trimmer.push(self.decoder.push_many(event.token_ids))
         await self._piece(text, [event])
 
@@ -671,9 +674,9 @@ class _SseWriter:
         self.offset += len(text)
         await self.response.write(self._chunk([choice]))
 
-    async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities) -> None:
+    async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         if self.response is None:  # a generation without tokens (e.g. max_tokens reached at once)
-            await self._open(target, caps)
+            await self._open(target, caps, request_id)
         # The text still held (a stop string's look-ahead, an unfinished UTF-8 character) belongs to
         # tokens already sent: it goes with the finish reason, in the last chunk, without logprobs.
         tail = self.trimmer.push(self.decoder.flush()) + self.trimmer.flush()
@@ -756,5 +759,5 @@ class GatewayServer:
 
 __all__ = [
     "MinerTarget", "MinerDirectory", "Outcome", "StopTrimmer", "OrganicGateway", "build_gateway_app", "GatewayServer",
-    "GATEWAY_KEY",
+    "GATEWAY_KEY", "MINER_UID_HEADER", "REQUEST_ID_HEADER",
 ]
