@@ -79,7 +79,7 @@ FAULT_KINDS: dict[str, tuple[float, tuple[float, float]]] = {
     "chain-stall": (1.0, (5.0, 15.0)),
     "stage-leave": (0.5, (0.0, 0.0)),
     "stage-join": (0.0, (0.0, 0.0)),  # drawn after every stage-leave
-    "clock-skew": (1.0, (15.0, 40.0)),
+    "clock-skew": (1.0, (10.0, 20.0)),
     "disk-full": (1.0, (5.0, 20.0)),
 }
 SWARM_ONLY = ("link-delay", "link-rate", "link-cut", "stage-leave", "stage-join")

@@ -22,7 +22,7 @@ SOAK_S = 300
 def soak(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("soak") / "run"
     cmd = [sys.executable, "-m", "localnet.testnet", "--swarm", "3", "--miners", "2", "--sharded-miners", "1",
-           "--cheat", "none", "--soak", str(SOAK_S), "--soak-seed", str(SEED), "--tempo", "20", "--no-dashboard",
+           "--cheat", "none", "--soak", str(SOAK_S), "--soak-seed", str(SEED), "--no-dashboard",
            "--run-dir", str(run_dir), "--base-port", str(free_port_block(swarm_ports(3) + 2)),
            "--metrics-base-port", str(free_port_block(2))]
     # setup and the validator's first scores take 1-4 minutes on the loaded 2-core machine, the soak 5, the check 1

@@ -450,8 +450,11 @@ class OrganicGateway:
             self._last_fault.pop(target.hotkey, None)
         log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
         self._last_error[target.hotkey] = str(error)[:300]
+        # unreachable, or silent past a deadline (stopped, or a route still recovering): the next users go to the
+        # others first for a while, rather than each waiting out the same deadline
         unreachable = isinstance(error, MinerUnreachable) or (isinstance(error, MinerTimeout)
-                                                              and error.kind == "connect")
+                                                              and error.kind in ("connect", "first_byte",
+                                                                                 "between_events"))
         if unreachable and self.settings.miner_cooldown_s > 0:
             self._cooldown_until[target.hotkey] = time.monotonic() + self.settings.miner_cooldown_s
 
