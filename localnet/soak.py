@@ -63,6 +63,7 @@ GATEWAY_WAIT_S = 180.0  # how long a user keeps retrying a refused connection (t
 ATTEMPT_TIMEOUT_S = 90.0
 KEEPALIVE_S = 10.0
 READY_TIMEOUT_S = 240.0  # a restarted process that does not serve by then is reported as not recovering
+TARGET_SETTLE_S = 10.0  # a process is hit again only once it served this long since it came back: one fault at a time
 CLOCK_SKEW_MAX_S = 1.5  # within btauth's tolerance (2 s ahead, 10 s behind): an honest clock that drifted
 
 # kind -> (weight in the draw, duration range in seconds); the duration of a kill is the time the process stays down
@@ -194,6 +195,7 @@ class Party:
     incarnation: int = 0
     left: bool = False  # gone for good (a stage that left): not restarted
     busy: bool = False  # a fault is acting on it: the supervisor keeps its hands off
+    ready_at: float = 0.0  # time.monotonic() when it last came to serve
 
 
 class Supervisor:
@@ -213,7 +215,7 @@ class Supervisor:
     def adopt(self, party: Party, process) -> None:
         """A party the local testnet started itself (incarnation 1)."""
         with self.lock:
-            party.process, party.incarnation = process, 1
+            party.process, party.incarnation, party.ready_at = process, 1, time.monotonic()
             self.parties[party.name] = party
         self.event(party, "start", why="initial")
 
@@ -232,7 +234,8 @@ class Supervisor:
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.alive(party) and await asyncio.to_thread(party.ready):
-                seconds = time.monotonic() - started
+                party.ready_at = time.monotonic()
+                seconds = party.ready_at - started
                 self.event(party, "ready", after_s=round(seconds, 2))
                 return seconds
             await asyncio.sleep(0.25)
@@ -362,10 +365,16 @@ class FaultInjector:
                                                 "seconds": round(end - start, 3), **details})
 
     async def _target_up(self, name: str, stop: asyncio.Event) -> Party:
-        """The party, once no other fault acts on it and it serves (waited for at most READY_TIMEOUT_S)."""
+        """The party, once no other fault acts on it and it has served TARGET_SETTLE_S since it came back (waited
+        for at most READY_TIMEOUT_S)."""
         party = self.party(name)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while (party.busy or not self.supervisor.alive(party)) and time.monotonic() < deadline and not stop.is_set():
+
+        def settled() -> bool:
+            return not party.busy and self.supervisor.alive(party) and \
+                time.monotonic() - party.ready_at >= TARGET_SETTLE_S
+
+        while not settled() and time.monotonic() < deadline and not stop.is_set():
             await asyncio.sleep(0.5)
         return party
 
@@ -431,15 +440,14 @@ class FaultInjector:
         party = await self._target_up(fault.target, stop)
         party.busy = True
         try:
-            shards = [c for c in psutil.Process(party.process.pid).children(recursive=True)
-                      if "shard" in " ".join(c.cmdline()) or "multiprocessing" in " ".join(c.cmdline())]
+            shards = shard_processes(party.process.pid)
             if not shards:
                 self.record(fault, now(), now(), error="no shard process found")
                 return
-            victim = random.Random(fault.id).choice(shards)
+            victim, cmdline = random.Random(fault.id).choice(shards)
             start = now()
             victim.kill()
-            self.record(fault, start, now(), pid=victim.pid, cmdline=" ".join(victim.cmdline()[:4]))
+            self.record(fault, start, now(), pid=victim.pid, cmdline=cmdline)
         finally:
             party.busy = False
 
@@ -521,6 +529,19 @@ class FaultInjector:
         await asyncio.sleep(fault.duration_s)
         path.unlink(missing_ok=True)
         self.record(fault, start, now())
+
+
+def shard_processes(pid: int) -> list[tuple[psutil.Process, str]]:
+    """The live shard processes under a sharded miner (with their command lines); zombies are no target."""
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(child.cmdline())
+            if "shard" in cmdline or "multiprocessing" in cmdline:
+                out.append((child, cmdline[:200]))
+    return out
 
 
 def write_json(path: Path, value) -> None:

@@ -202,3 +202,26 @@ def test_the_checker_attributes_requests_to_fault_windows_and_measures_restorati
     assert (rows["no fault"]["sent"], rows["kill"]["sent"], rows["pause"]["sent"]) == (2, 3, 3)
     assert rows["pause"]["failed"] == 1 and rows["pause"]["why"] == {"HTTP 502 miners_failed": 1}
     assert rows["pause"]["failed_twice"] == 1 and rows["kill"]["retried"] == 1
+
+
+# ------------------------------------------------------------------ a route through chain errors
+async def test_a_route_keeps_the_stages_it_knows_when_the_chain_cannot_be_read():
+    from inference.model.config import ModelConfig
+    from inference.serving.engine import EngineError
+    from neurons.swarm.route import RouteDriver, StageDirectory
+
+    class Flaky(StageDirectory):
+        def __init__(self):
+            self.answers = [ChainConnectionError("no chain"), ["stage-a", "stage-b"], ChainConnectionError("no chain")]
+
+        async def stages(self, http):
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    driver = RouteDriver(Flaky(), Keypair.create_from_uri("//driver"), ModelConfig.tiny())
+    with pytest.raises(EngineError, match="could not be read from the chain"):  # nothing known yet: unavailable
+        await driver.stages(refresh=True)
+    assert await driver.stages(refresh=True) == ["stage-a", "stage-b"]
+    assert await driver.stages(refresh=True) == ["stage-a", "stage-b"]  # the chain failed: the known ones stay
