@@ -144,8 +144,8 @@ def honest_routes(ckpt: Path, blocks: list[tuple[int, int]], num_layers: int, on
 
 
 def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, seed: int,
-            max_prompt: int, max_decode: int) -> list[tuple[str, str, str, CheckStats]]:
-    """(variant, numerics, kind "state"|"head", statistics) of every stage check."""
+            max_prompt: int, max_decode: int) -> list[tuple[str, str, str, CheckStats, int]]:
+    """(variant, numerics, kind "state"|"head", statistics, block index) of every stage check."""
     config = read_config(ckpt)
     tokenizer = load_tokenizer(ckpt, config)
     model, _, _ = load_reference_model(ckpt, verify=False)
@@ -163,10 +163,13 @@ def measure(ckpt: Path, sessions: int, *, variants: Sequence[str], stages: int, 
                 s_seed = rng.getrandbits(62)
                 recorded = drive_session(route, prompt, plan, temperature=temperature, seed=s_seed,
                                          session=f"{name}-{k}")
-                for (a, b), ref, steps in zip(blocks, references, recorded):
+                for i, ((a, b), ref, steps) in enumerate(zip(blocks, references, recorded)):
                     c = recheck_opened(steps, ref, seed=rng.getrandbits(62))
                     kind = "head" if b == config.num_layers else "state"
-                    rows.append((name, NUMERICS[name], kind, CheckStats.of(c)))
+                    rows.append((name, NUMERICS[name], kind, CheckStats.of(c), i))
+            if (k + 1) % 10 == 0:
+                print(f"[stage_envelope] {k + 1}/{sessions} sessions, {len(rows)} checks", file=sys.stderr,
+                      flush=True)
     finally:
         for route in routes.values():
             for r in route:
@@ -227,11 +230,32 @@ def cheat_table(runs: dict[str, list[dict]], limit: int) -> str:
     return "\n".join(out)
 
 
+def false_positives(rows, envelopes: dict) -> str:
+    """The honest checks judged as a validator judges them: per variant and block, every check's outcome against
+    the envelope of its numerics, and the verdict over all of them as one window (a stage blamed is a false
+    positive)."""
+    out = ["| variant | numerics | block | checks | outside | verdict |", "|---|---|---|---|---|---|"]
+    per_stage: dict[tuple[str, str, str, int], list] = {}
+    for name, numerics, kind, st, block in rows:
+        per_stage.setdefault((name, numerics, kind, block), []).append(st)
+    total = blamed = 0
+    for (name, numerics, kind, block), stats in per_stage.items():
+        env = envelopes[(numerics, kind)]
+        outcomes = [env.outside(st) for st in stats]
+        v = verdict(outcomes, env)
+        total += len(stats)
+        blamed += v.blame
+        out.append(f"| {name} | {numerics} | {block} ({kind}) | {len(stats)} | {sum(map(bool, outcomes))} | "
+                   f"{'BLAMED' if v.blame else 'not blamed'} (chance {v.chance:.2g}) |")
+    out.append(f"\n{total} honest stage checks, {blamed} stages blamed")
+    return "\n".join(out)
+
+
 def table(rows, envelopes: dict[tuple[str, str], NumericsEnvelope]) -> str:
     out = ["| variant | numerics | kind | checks | tokens | median of medians | worst median | bad tokens | "
            "worst bad fraction | outside the envelope |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str, str], list[CheckStats]] = {}
-    for name, numerics, kind, st in rows:
+    for name, numerics, kind, st, _ in rows:
         groups.setdefault((name, numerics, kind), []).append(st)
     for (name, numerics, kind), stats in groups.items():
         env = envelopes[(numerics, kind)]
@@ -257,8 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cheats", default="", help=f"comma-separated, of {list(IN_PROCESS_CHEATS)}")
     ap.add_argument("--repeats", type=int, default=5, help="--cheats: runs per cheat")
     ap.add_argument("--limit", type=int, default=30, help="--cheats: give up on a cheat after this many sessions")
-    ap.add_argument("--envelope", metavar="FILE", help="--cheats: judge by this envelope file (default: the shipped "
-                                                       "one of the model, or the one just measured)")
+    ap.add_argument("--envelope", metavar="FILE", help="--cheats, --validate: judge by this envelope file (default: "
+                                                       "the shipped one of the model, or the one just measured)")
+    ap.add_argument("--validate", action="store_true", help="judge the honest checks by the envelope (--envelope or "
+                                                            "the shipped one) instead of deriving one: the false "
+                                                            "positive table")
+    ap.add_argument("--rows", metavar="FILE", help="write every check's statistics here as JSON")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     cheats = [c for c in args.cheats.split(",") if c]
@@ -273,8 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.sessions:
             rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
                            max_prompt=args.max_prompt, max_decode=args.max_decode)
-            envelopes = {(n, k): derive_envelope(n, k, [s for _, n2, k2, s in rows if (n2, k2) == (n, k)])
-                         for n, k in {(n, k) for _, n, k, _ in rows}}
+            if args.rows:
+                Path(args.rows).write_text(json.dumps([[v, n, k, b, st.__dict__] for v, n, k, st, b in rows]))
+            if args.validate:
+                print(false_positives(rows, judged_by(ckpt, args.envelope)))
+                print(f"\n{len(rows)} stage checks in {time.time() - started:.0f} s")
+                return 0
+            envelopes = {(n, k): derive_envelope(n, k, [s for _, n2, k2, s, _ in rows if (n2, k2) == (n, k)])
+                         for n, k in {(n, k) for _, n, k, _, _ in rows}}
             print(table(rows, envelopes))
             print()
             for (numerics, kind), env in sorted(envelopes.items()):

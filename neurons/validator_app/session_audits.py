@@ -123,7 +123,7 @@ class SessionAuditor:
         driver_receipts = {(r.stage, rec.step): r for rec in records for r in rec.receipts}
         ledgers = await asyncio.gather(*(self._ledger(http, stages.get(h), records[0]) for h in route))
         lies: dict[str, str] = {}
-        meta: dict[int, LedgerStep] = {}
+        meta: dict[tuple[str, int], LedgerStep] = {}
         for hotkey, got in zip(route, ledgers):
             if isinstance(got, str):
                 continue
@@ -174,7 +174,7 @@ class SessionAuditor:
             pool.add(step.inputs, raw_in)
             pool.add(step.outputs, raw_out)
             pool.bytes_read += len(raw_in) + len(raw_out)
-            meta.setdefault(step.step, step)
+            meta[(hotkey, step.step)] = step
         return None
 
     def _assemble(self, hotkey: str, records: Sequence[StepRecord], driver_receipts, pool: _Pool,
@@ -185,13 +185,15 @@ class SessionAuditor:
             got_in, got_out = pool.items.get(r.input_sha256), pool.items.get(r.output_sha256)
             if got_in is None or got_out is None:
                 return [], f"step {rec.step}: its {'input' if got_in is None else 'output'} was given by no one"
-            m = meta.get(rec.step)
+            # where the step starts and what it rewound: the driver's record; the head's mode and targets: the
+            # stage's own ledger, else any stage's (they all carried the same forward header)
+            m = meta.get((hotkey, rec.step)) or next((v for (_, s), v in meta.items() if s == rec.step), None)
             if m is None:
                 return [], f"step {rec.step}: no stage gave its forward's header fields"
             inputs = decode_wire(*got_in, r.layers[0] == 0, self.hidden_size)
             output = decode_wire(*got_out, False, self.hidden_size)
-            steps.append(OpenedStep(rec.step, m.position, m.mode, tuple(m.targets) if m.targets else None, m.top_k,
-                                    m.rewind, inputs, output))
+            steps.append(OpenedStep(rec.step, rec.position, m.mode, tuple(m.targets) if m.targets else None, m.top_k,
+                                    rec.rewind, inputs, output))
         return steps, None
 
     async def _recheck(self, check: StageCheck, steps: list[OpenedStep]) -> None:

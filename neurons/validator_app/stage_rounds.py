@@ -279,9 +279,11 @@ class StageRounds:
         completion, greedy or sampled); 1 when it completed, 0 when no route could serve it (a fault)."""
         request_id = OWN_REQUEST_PREFIX + secrets.token_hex(8)
         n = int(2 ** self.rng.uniform(4, math.log2(max(16, self.max_prompt_tokens))))  # log-uniform, 16 up
+        # what a user's request asks for: no logprobs, a common temperature and nucleus, stopping at the end of
+        # text (the head stage sees these; nothing about them may tell a check from a user)
         params = SamplingParams(max_tokens=self.rng.randint(4, max(4, self.max_tokens)),
-                                temperature=self.rng.choice((0.0, 0.7, 1.0)), seed=self.rng.getrandbits(62),
-                                logprobs=2, ignore_eos=True)
+                                temperature=self.rng.choice((0.0, 0.6, 0.7, 1.0)),
+                                top_p=self.rng.choice((1.0, 1.0, 0.95, 0.9)), seed=self.rng.getrandbits(62))
         self._own.add(request_id)
         try:
             stream = self.engine.generate(GenerationRequest(self._prompt(n), params, request_id))
