@@ -6,8 +6,9 @@ afterwards:
 - `organic.jsonl`: one line per organic request sent through the validator's gateway (steady Poisson arrivals,
   bursts of concurrent requests, long prompts): when, every attempt with its status or error, which miner served
   it (`x-k3-miner-uid`) and the request id the validator recorded it under (`x-k3-request-id`). The users behave
-  like the `openai` client: a request whose connection was refused (the gateway's process is down) is sent again
-  once it accepts connections; one that failed in flight is sent again at most `MAX_ATTEMPTS - 1` times.
+  like the `openai` client: a request whose connection was refused (the gateway's process is down) or that was
+  told to come back (429, with Retry-After) is sent again, for up to GATEWAY_WAIT_S; one that failed in flight is
+  sent again at most `MAX_ATTEMPTS - 1` times.
 - `faults.jsonl`: one line per fault as it was injected: id, kind, target, pid, start and end (unix time),
   duration and details. The schedule (`draw_schedule`) comes from `--soak-seed`; `schedule.json` holds it.
 - `events.jsonl`: every start, exit, readiness and stop of a process the soak looks after (`Supervisor`: a process
@@ -63,7 +64,9 @@ GATEWAY_WAIT_S = 180.0  # how long a user keeps retrying a refused connection (t
 ATTEMPT_TIMEOUT_S = 90.0
 KEEPALIVE_S = 10.0
 READY_TIMEOUT_S = 240.0  # a restarted process that does not serve by then is reported as not recovering
-TARGET_SETTLE_S = 10.0  # a process is hit again only once it served this long since it came back: one fault at a time
+# a process is hit again only once it served this long since it came back (longer than a long prompt takes on the
+# loaded 2-core machine): one fault at a time for the requests it serves
+TARGET_SETTLE_S = 45.0
 CLOCK_SKEW_MAX_S = 1.5  # within btauth's tolerance (2 s ahead, 10 s behind): an honest clock that drifted
 
 # kind -> (weight in the draw, duration range in seconds); the duration of a kill is the time the process stays down
@@ -544,6 +547,11 @@ def shard_processes(pid: int) -> list[tuple[psutil.Process, str]]:
     return out
 
 
+def in_flight_failure(attempt: dict) -> bool:
+    """An attempt that reached the gateway and failed (not one refused before, nor told to come back later)."""
+    return not attempt["ok"] and not attempt.get("refused") and attempt.get("status") != 429
+
+
 def write_json(path: Path, value) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value))
@@ -617,7 +625,7 @@ class SoakTraffic:
 
     async def _request(self, http: aiohttp.ClientSession, rid: str, kind: str, body: dict) -> None:
         record = {"id": rid, "kind": kind, "sent_at": now(), "ok": False, "attempts": [], "waited_for_gateway_s": 0.0}
-        while len(record["attempts"]) < MAX_ATTEMPTS:
+        while sum(1 for a in record["attempts"] if in_flight_failure(a)) < MAX_ATTEMPTS:
             attempt = await self._attempt(http, body)
             if attempt.get("refused"):  # nothing reached the gateway: wait for it, as a client with retries does
                 record["waited_for_gateway_s"] = round(now() - record["sent_at"], 3)
@@ -627,6 +635,9 @@ class SoakTraffic:
                 await asyncio.sleep(1.0)
                 continue
             record["attempts"].append(attempt)
+            if attempt.get("status") == 429 and now() - record["sent_at"] < GATEWAY_WAIT_S:
+                await asyncio.sleep(attempt.get("retry_after_s") or 1.0)  # back-pressure: come back, as told
+                continue
             if attempt["ok"]:
                 record.update(ok=True, miner_uid=attempt["miner_uid"], request_id=attempt["request_id"],
                               prompt_tokens=attempt["prompt_tokens"], completion_tokens=attempt["completion_tokens"])
@@ -656,7 +667,7 @@ class SoakTraffic:
                     attempt.update(status=resp.status, error=f"HTTP {resp.status} {error.get('code', '')}: "
                                                              f"{str(error.get('message', answer))[:200]}")
                     with contextlib.suppress(TypeError, ValueError):
-                        attempt["retry_after_s"] = min(10.0, float(resp.headers["Retry-After"]))
+                        attempt["retry_after_s"] = min(10.0, float(resp.headers.get("Retry-After")))
         except aiohttp.ClientConnectorError as error:
             attempt.update(refused=True, error=f"refused: {error}"[:200])
         except Exception as error:  # noqa: BLE001 (any failure of an attempt is what we record)
@@ -812,5 +823,5 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     return True
 
 
-__all__ = ["FAULT_KINDS", "Fault", "FaultInjector", "Party", "ResourceSampler", "Soak", "SoakTraffic", "StageLinks",
+__all__ = ["FAULT_KINDS", "Fault", "in_flight_failure", "FaultInjector", "Party", "ResourceSampler", "Soak", "SoakTraffic", "StageLinks",
            "Supervisor", "Targets", "draw_schedule", "fault_env", "http_ok", "wait_warm", "write_meta"]

@@ -8,7 +8,8 @@ judges the soak's criteria (docs/localnet.md):
 - organic requests: sent, served, failed (and why), p50/p99 latency, per kind of fault window (a request belongs
   to the window of the last fault that began before it was sent; "no fault" before the first);
 - a request is *served* when one of its attempts was answered; it *failed twice* when two attempts failed in
-  flight (a refused connection while the gateway's process was down is waited out, not an attempt);
+  flight (a refused connection while the gateway's process was down, and a 429 telling the user to come back, are
+  waited out, not failures);
 - service restored: per fault, from its start to the answer of the first request sent after the last failed attempt
   or slow answer in its window (slow: over SLOW_FACTOR x the median of its kind of request away from faults, and
   over SLOW_FLOOR_S); 0 when nothing in the window failed or was slow. A fault is active from its start until it
@@ -40,7 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from localnet.soak import EVENTS_LOG, FAULTS_LOG, ORGANIC_LOG, RESOURCES_LOG, SOAK_META
+from localnet.soak import EVENTS_LOG, FAULTS_LOG, ORGANIC_LOG, RESOURCES_LOG, SOAK_META, in_flight_failure
 
 REPORT_FILE = "soak-report.json"
 SLOW_FACTOR = 3.0
@@ -114,8 +115,11 @@ def in_fault(faults: list[dict], at: float) -> bool:
 # ------------------------------------------------------------------ organic traffic
 def classify_failure(request: dict) -> str:
     """Why a request was not served, in a few words (its last attempt's error)."""
-    error = (request["attempts"][-1].get("error") if request["attempts"] else "") or "unknown"
+    last = request["attempts"][-1] if request["attempts"] else {}
+    error = last.get("error") or "unknown"
     m = re.match(r"HTTP (\d+) (\w*)", error)
+    if m is None and last.get("status"):
+        return f"HTTP {last['status']}"
     if m:
         return f"HTTP {m.group(1)} {m.group(2)}".strip()
     if error.startswith("refused"):
@@ -136,6 +140,10 @@ def slow_bounds(requests: list[dict], faults: list[dict]) -> dict[str, float]:
 
 def good(request: dict, bounds: dict[str, float]) -> bool:
     return request["ok"] and len(request["attempts"]) == 1 and request["seconds"] <= bounds[request["kind"]]
+
+
+def failed_in_flight(request: dict) -> int:
+    return sum(1 for a in request["attempts"] if in_flight_failure(a))
 
 
 def bad_events(requests: list[dict], bounds: dict[str, float]) -> list[float]:
@@ -183,7 +191,7 @@ def traffic_rows(faults: list[dict], requests: list[dict]) -> list[dict]:
         rows.append({"window": kind, "faults": len(mine), "sent": len(rs), "served": len(served),
                      "failed": len(rs) - len(served), "why": dict(why),
                      "retried": sum(1 for r in served if len(r["attempts"]) > 1),
-                     "failed_twice": sum(1 for r in rs if sum(1 for a in r["attempts"] if not a["ok"]) >= 2),
+                     "failed_twice": sum(1 for r in rs if failed_in_flight(r) >= 2),
                      "p50_s": percentile(times, 0.5), "p99_s": percentile(times, 0.99),
                      "worst_restore_s": max((x for x in restores if x is not None), default=None) if mine else None,
                      "not_restored": sum(1 for x in restores if x is None) if mine else 0})
@@ -356,7 +364,7 @@ def check(run_dir: Path) -> dict:
     epochs = weight_epochs(run_dir, meta, events, start, end)
     processes, stores = resource_rows(read_lines(run_dir / RESOURCES_LOG))
     served = sum(1 for r in requests if r["ok"])
-    failed_twice = sum(1 for r in requests if sum(1 for a in r["attempts"] if not a["ok"]) >= 2)
+    failed_twice = sum(1 for r in requests if failed_in_flight(r) >= 2)
     restores = [f.get("restore_s") for f in faults if "restore_s" in f]
     crashes = [e for e in events if e["event"] == "exit" and e.get("why") == "crash"]
     criteria = {

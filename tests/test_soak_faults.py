@@ -225,3 +225,23 @@ async def test_a_route_keeps_the_stages_it_knows_when_the_chain_cannot_be_read()
         await driver.stages(refresh=True)
     assert await driver.stages(refresh=True) == ["stage-a", "stage-b"]
     assert await driver.stages(refresh=True) == ["stage-a", "stage-b"]  # the chain failed: the known ones stay
+
+
+# ------------------------------------------------------------------ the soak's wiring
+def test_the_soak_gives_every_block_a_spare_and_its_validator_a_valid_lighter_scoring(tmp_path, capsys):
+    from localnet.testnet import SOAK_VALIDATOR_FLAGS, parse_args, swarm_neurons, swarm_ports
+    from scoring.config import ScoringConfig
+
+    args = parse_args(["--swarm", "3", "--soak", "300", "--base-port", "20000"])
+    assert args.duration == 300
+    stages = [n for n in swarm_neurons(args, tmp_path / "wallets") if n.role == "stage"]
+    assert sorted(n.layers for n in stages if n.name.startswith("spare")) == ["0-2", "3-8", "9-12"]
+    assert max(n.port for n in stages) < 20000 + swarm_ports(3)
+    overrides = json.loads(SOAK_VALIDATOR_FLAGS[SOAK_VALIDATOR_FLAGS.index("--scoring-overrides") + 1])
+    config = ScoringConfig.local_testnet(**{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
+    assert config.problems() == []
+    for argv in (["--soak", "60", "--setup-only", "--run-dir", str(tmp_path)], ["--soak", "60", "--network", "local",
+                                                                              "--netuid", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--soak runs on the embedded devnet" in capsys.readouterr().err

@@ -62,6 +62,7 @@ REQUEST_FAULTS = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_JSON, E
                             ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_MEDIA_TYPE, ErrorCode.INVALID_BODY})
 # Codes of an engine that failed on this very request: the request may be the cause, so no failover.
 SUSPECT_FAULTS = frozenset({ErrorCode.ENGINE_FAILURE, ErrorCode.ENGINE_STALLED})
+BUSY_RETRY_AFTER_S = 2.0  # every miner tried was busy (429): the user is told to come back this soon
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
 # the request id the serving miner was sent (the validator's records of the request carry it)
@@ -392,7 +393,7 @@ class OrganicGateway:
         targets = await self._ranked()
         if not targets:
             raise ApiError(ErrorCode.NO_MINER_AVAILABLE, "no miner is available right now; retry later")
-        attempts, too_small, errors = 0, 0, []
+        attempts, too_small, busy, errors = 0, 0, 0, []
         for target in targets:
             if attempts >= self.settings.max_attempts:
                 break
@@ -400,6 +401,7 @@ class OrganicGateway:
                 caps = await self._capabilities_of(target)
             except MinerError as error:
                 attempts += 1
+                busy += getattr(error, "status", None) == 429
                 self._note_failure(target, error)
                 errors.append(f"uid {target.uid}: {error}")
                 self.metrics.failovers.inc()
@@ -415,7 +417,8 @@ class OrganicGateway:
                 response = await self._attempt_whole(target, caps, wire, plan)
             if response is not None:
                 return response
-            self._stop_if_the_request_is_at_fault(target)
+            fault = self._stop_if_the_request_is_at_fault(target)
+            busy += getattr(fault, "status", None) == 429
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
             self.metrics.failovers.inc()
         if attempts == 0 and too_small:
@@ -424,17 +427,20 @@ class OrganicGateway:
                            "context of any available miner; shorten the prompt or lower max_tokens",
                            param="messages" if plan.kind == "chat" else "prompt")
         log.warning("organic request failed on %d miners: %s", attempts, "; ".join(errors))
+        if attempts and busy == attempts:  # back-pressure, not a failure: the user retries after Retry-After
+            raise ApiError(ErrorCode.OVER_CAPACITY, f"the {attempts} miners tried are all busy; retry in "
+                                                    f"{BUSY_RETRY_AFTER_S:g} s", retry_after_s=BUSY_RETRY_AFTER_S)
         raise ApiError(ErrorCode.MINERS_FAILED,
                        f"{attempts} miners were tried and none gave a verified answer; retry later")
 
-    def _stop_if_the_request_is_at_fault(self, target: MinerTarget) -> None:
+    def _stop_if_the_request_is_at_fault(self, target: MinerTarget) -> Optional[MinerError]:
         """No failover for a failure the request may have caused: a refusal of the request itself is the
         user's 400; an engine that failed or stalled on it may have been felled by it (a poison request),
         so it is not handed to the next miner (502). Anything else (unreachable, busy, unavailable, a
-        tier-0 failure) is the miner's problem and the next miner is tried."""
+        tier-0 failure) is the miner's problem and the next miner is tried; returns that failure."""
         error = self._last_fault.pop(target.hotkey, None)
         if error is None:
-            return
+            return None
         code = error.error_code
         status = getattr(error, "status", None)
         if code in REQUEST_FAULTS or (code is None and status in (400, 413)):
@@ -442,6 +448,7 @@ class OrganicGateway:
         if code in SUSPECT_FAULTS:
             raise ApiError(ErrorCode.MINER_FAILED, "the miner failed on this request; it is not retried elsewhere "
                                                    "because the request itself may be the cause")
+        return error
 
     def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
         if isinstance(error, MinerError) and hasattr(error, "error_code"):
