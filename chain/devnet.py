@@ -44,6 +44,13 @@ Deliberate differences, for a local trust domain:
   subnet at a time; older ones are skipped with a warning). The weights rate limit counts from the
   registration block, as subtensor's LastUpdate starts there.
 
+Injected faults (test-only, for the local testnet's soak, docs/localnet.md): when the environment variable
+`K3_DEVNET_FAULT_FILE` names a file, every call first looks at it (only when its modification time changed). A
+JSON object `{"id", "mode": "error" | "stall", "calls": N, "stall_s": S, "until": UNIX_TIME}` makes the next N
+calls of each process fail, until `until`, as a node's RPC would: `error` raises ChainConnectionError (a refused
+or dropped connection), `stall` waits S seconds without an answer and then raises it (the caller's own timeout
+usually fires first). A new `id` starts a new fault. Without the variable nothing is read.
+
 Concurrency: WAL mode, a busy timeout, and every write inside `BEGIN IMMEDIATE`, so several processes
 (miners publishing, validators setting weights, a dashboard reading) can share the file. A failed
 operation rolls back to a savepoint taken after the due epochs ran: the state is unchanged, the epochs
@@ -54,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import math
 import numbers
@@ -70,8 +78,7 @@ import numpy as np
 from chain.interface import (COMMITMENT_MAX_SPACE, AlreadyRegistered, Chain, ChainConnectionError, ChainError,
                              Commitment, Endpoint, Hyperparameters, InvalidWeights, MetagraphSnapshot, NeuronInfo,
                              NotEnoughStake, NotRegistered, NoValidatorPermit, RateLimited, RegistrationFailed,
-                             SetWeightsOutcome, SubnetNotFound, commitment_data, commitment_fields,
-                             commitment_space)
+                             SetWeightsOutcome, SubnetNotFound, commitment_data, commitment_fields, commitment_space)
 from chain.weights import WeightsError, conform, exceeds_max_weight, too_few_weights, validated_pairs
 from chain.yuma import (NO_COMMIT, YUMA_VERSIONS, EpochInputs, YumaParams, prune_candidate, run_epoch, stake_weights,
                         top_k_permits, with_owner_permit)
@@ -82,6 +89,8 @@ SCHEMA_VERSION = 2
 U16_MAX = 65535
 DEFAULT_BLOCK_INTERVAL = 1.0
 MAX_UNREVEALED_COMMITS = 10  # subtensor's TooManyUnrevealedCommits bound, per hotkey
+FAULT_FILE_ENV = "K3_DEVNET_FAULT_FILE"  # test-only: a control file of injected RPC faults (module doc)
+FAULT_MODES = ("error", "stall")
 
 
 # ---------------------------------------------------------------- hyperparameters
@@ -409,6 +418,39 @@ def _weight_pairs(weights) -> list[tuple[int, float]]:
 
 
 # ---------------------------------------------------------------- the chain
+class InjectedFaults:
+    """The test-only fault control file of one process (module doc): `next_fault()` is None for a call that goes
+    through, else the fault's (mode, id, stall seconds). Read again only when the file's mtime changes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mtime: float | None = None
+        self._fault: dict = {}
+        self._seen_ids: set[str] = set()
+        self._left = 0
+
+    def next_fault(self) -> tuple[str, str, float] | None:
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            return None
+        if mtime != self._mtime:
+            self._mtime = mtime
+            try:
+                with open(self.path) as f:
+                    fault = json.load(f)
+            except (OSError, ValueError):
+                return None  # being written: read it at the next call
+            fid = str(fault.get("id", ""))
+            if fault.get("mode") in FAULT_MODES and fid not in self._seen_ids:
+                self._seen_ids.add(fid)
+                self._fault, self._left = fault, int(fault.get("calls", 0))
+        if self._left <= 0 or time.time() >= float(self._fault.get("until", 0.0)):
+            return None
+        self._left -= 1
+        return self._fault["mode"], str(self._fault.get("id", "")), float(self._fault.get("stall_s", 0.0))
+
+
 class DevnetChain(Chain):
     """`Chain` over one SQLite file. See the module docstring for what it models and what it skips.
 
@@ -447,6 +489,8 @@ class DevnetChain(Chain):
             raise ChainConnectionError(f"cannot open devnet database {self.path}: {e}") from e
         self._lock = threading.Lock()
         self._epochs_ran = 0  # epochs run at the start of the current write transaction
+        fault_file = os.environ.get(FAULT_FILE_ENV, "")
+        self._faults = InjectedFaults(fault_file) if fault_file else None
         try:
             self._conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL is durable across process crashes in WAL mode; only a power cut may lose the last commit.
@@ -586,10 +630,23 @@ class DevnetChain(Chain):
             raise
 
     async def _write(self, operation: Callable[[int], Any]) -> Any:
+        await self._injected_fault()
         return await asyncio.to_thread(self._write_sync, operation)
 
     async def _read(self, query: Callable[[int], Any]) -> Any:
+        await self._injected_fault()
         return await asyncio.to_thread(self._read_sync, query)
+
+    async def _injected_fault(self) -> None:
+        """Fail this call as the test-only fault file says (module doc); nothing without K3_DEVNET_FAULT_FILE."""
+        fault = self._faults.next_fault() if self._faults is not None else None
+        if fault is None:
+            return
+        mode, fid, stall_s = fault
+        if mode == "stall":
+            await asyncio.sleep(stall_s)
+            raise ChainConnectionError(f"devnet {self.path}: no answer within {stall_s:g} s (injected fault {fid})")
+        raise ChainConnectionError(f"devnet {self.path}: connection refused (injected fault {fid})")
 
     # ------------------------------------------------------------ subnet state
     def _params(self, netuid: int) -> dict[str, Any]:

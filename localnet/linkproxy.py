@@ -4,7 +4,9 @@
 the target, delaying each direction by the one-way delay and serialising it at `rate_bps` (bits per second;
 None for no limit): a chunk of b bytes leaves the link at max(arrival, link free) + 8b / rate and arrives one
 delay later, in order. A request-response over the link costs one RTT = 2 x delay plus serialisation.
-Delay and rate may be changed while it runs (they apply to chunks read afterwards).
+Delay and rate may be changed while it runs (they apply to chunks read afterwards). `cut()` drops every
+connection over the link and refuses new ones (closed at once, as a broken link's peer sees it) until
+`restore()`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ class DelayLink:
         self.listen_port = listen_port
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self.bytes_relayed = 0
+        self.is_cut = False
 
     @property
     def url(self) -> str:
@@ -38,12 +42,26 @@ class DelayLink:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def cut(self) -> None:
+        """Drop every connection over the link and refuse new ones until `restore()`."""
+        self.is_cut = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    def restore(self) -> None:
+        self.is_cut = False
+
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self.is_cut:
+            client_w.transport.abort()
+            return
         try:
             target_r, target_w = await asyncio.wait_for(asyncio.open_connection(*self.target), 5.0)
         except (OSError, asyncio.TimeoutError):
             client_w.close()
             return
+        self._writers.update((client_w, target_w))
         for src, dst in ((client_r, target_w), (target_r, client_w)):
             task = asyncio.ensure_future(self._direction(src, dst))
             self._tasks.add(task)
@@ -54,17 +72,20 @@ class DelayLink:
         free_at = 0.0
 
         async def deliver() -> None:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                at, data = item
-                wait = at - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                dst.write(data)
-                await dst.drain()
-            dst.close()
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is None:
+                        break
+                    at, data = item
+                    wait = at - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    dst.write(data)
+                    await dst.drain()
+            finally:
+                dst.close()
+                self._writers.discard(dst)
 
         sender = asyncio.ensure_future(deliver())
         try:

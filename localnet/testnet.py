@@ -43,6 +43,12 @@ with the reason, and the route driver's credited work and blame. `--stop-when-ca
 cheater is blamed and zeroed on chain, every honest stage is checked and paid, and the gateway's organic traffic
 goes through the spares.
 
+`--soak SECONDS` (devnet; with or without --swarm) runs the subnet under organic traffic through the validator's
+gateway while faults drawn from --soak-seed hit it, restarting what was killed, and then prints the checker's table
+(localnet/soak.py, localnet/soak_check.py; `k3-localnet check RUN_DIR` prints it again). With --swarm, every block
+gets a spare, each stage miner is announced behind a link the soak can slow or cut, and --miners whole-model miners
+run beside the stages.
+
 `--setup-only` (devnet) makes the checkpoint, the devnet, the wallets, registrations and stake in --run-dir,
 writes RUN_DIR/localnet.json (chain, netuid, each neuron's wallet and hotkey) and exits: compose.yaml's
 setup service, after which the miners and the validator run as containers of their own. Run again on a
@@ -65,7 +71,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import bittensor as bt
@@ -79,6 +85,9 @@ from chain.cli import DeprecatedFlag
 from chain.devnet import DevnetChain
 from inference.model.checkpoint import make_random_checkpoint
 from inference.model.config import ModelConfig
+from localnet import soak_check
+from localnet.soak import (FaultInjector, Party, Soak, SoakTraffic, StageLinks, Supervisor, Targets, draw_schedule,
+                           fault_env, http_ok, wait_warm, write_meta)
 
 # how the last miner cheats (localnet.cheats.miner.CHEATS but "weights", which serves another checkpoint; named here
 # so --help needs no torch)
@@ -116,6 +125,8 @@ class Neuron:
     gateway_port: int = 0  # the swarm's validator: its organic gateway (OpenAI-compatible, through its own route)
     process: subprocess.Popen | None = None
     log: Path | None = None
+    cmd: list[str] = field(default_factory=list)  # how it was started (a soak restarts it so)
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with beyond this process's environment
 
 
 def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
@@ -179,7 +190,19 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
                          "every honest stage is checked and paid, and an organic request went through the spares; "
                          "whole-model miners: stop once the validator zeroed the cheating miner and set weights with "
                          "it at 0 and every honest miner above 0 (exit 1 if --duration ends first)")
+    ap.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                    help="devnet: run this long under organic traffic through the validator's gateway while faults "
+                         "drawn from --soak-seed hit the subnet (kills and restarts, pauses, stage links, chain RPC "
+                         "errors, a stage leaving and one joining, clock skew, the validator's disk full), then print "
+                         "the checker's table (exit 1 when a criterion is not met; docs/localnet.md)")
+    ap.add_argument("--soak-seed", type=int, default=0, help="--soak: the seed of the fault schedule and the traffic")
+    ap.add_argument("--soak-rate", type=float, default=0.5,
+                    help="--soak: organic requests per second (steady; bursts and long prompts come on top)")
     args = ap.parse_args(argv)
+    if args.soak and (args.chain != "devnet" or args.setup_only or args.stop_when_caught or args.stop_after_epochs):
+        ap.error("--soak runs on the embedded devnet, without --setup-only, --stop-when-caught or --stop-after-epochs")
+    if args.soak:
+        args.duration = args.soak
     if args.cheat_stage and not args.swarm:
         ap.error("--cheat-stage goes with --swarm N")
     if args.stop_when_caught and not args.swarm and (args.cheat == "none" or args.chain != "devnet"):
@@ -398,12 +421,13 @@ def validator_command(n: Neuron, args, chain_spec: str, netuid: int, run_dir: Pa
             "--metrics-port", str(args.metrics_base_port + args.miners)]
 
 
-def start(n: Neuron, cmd: list[str], log_dir: Path) -> None:
-    n.log = log_dir / f"{n.name}.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def start(n: Neuron, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None, append: bool = False) -> None:
+    """Start `n` (a session of its own), its output to log_dir/NAME.log (appended to with `append`: a restart)."""
+    n.log, n.cmd, n.env = log_dir / f"{n.name}.log", list(cmd), dict(env or {})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **n.env)
     if (PACKAGE_ROOT / "pyproject.toml").exists():  # a checkout: `python -m neurons...` imports it from any directory
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-    with open(n.log, "w") as log:
+    with open(n.log, "a" if append else "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         # a session of its own: stopping the group also stops its shard processes
@@ -575,7 +599,10 @@ def plain_rows(state: dict) -> list[str]:
     return lines
 
 
-async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron], t_launch: float) -> dict:
+async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron], t_launch: float,
+                supervised: bool = False) -> dict:
+    """The live dashboard until --duration, Ctrl-C, --stop-after-epochs or (unless a soak restarts them) a process
+    dying."""
     chain = connect(chain_spec)
     started = time.monotonic()
     first_weights = None
@@ -597,7 +624,7 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
             if args.duration and time.monotonic() - started >= args.duration:
                 break
             dead = [n.name for n in neurons if n.process and n.process.poll() is not None]
-            if dead:
+            if dead and not supervised:
                 say(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                 break
             try:
@@ -650,7 +677,22 @@ def exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def miner_neurons(args, wallet_dir: Path, names: list[str], first_port: int, devnet: bool = True) -> list[Neuron]:
+    """The whole-model miners: honest ones as `honest_kind` lays them out, the last one cheating (--cheat, unless
+    none)."""
+    miners = []
+    for i, name in enumerate(names):
+        cheat = i == len(names) - 1 and args.cheat != "none"
+        kind = f"cheat: {args.cheat}" if cheat else honest_kind(i, args)
+        wallet = make_wallet(wallet_dir, name) if devnet else bt.Wallet(name, "default", path=str(wallet_dir))
+        miners.append(Neuron(name, "miner", wallet, port=first_port + i, kind=kind))
+    return miners
+
+
 def main(argv=None, prog: str = "k3-localnet") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check"]:  # the soak's checker on a run directory
+        return soak_check.main(argv[1:])
     args = parse_args(argv, prog)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     t_launch = time.monotonic()
@@ -674,11 +716,7 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
         wallet_dir = args.wallet_path
         neurons.append(Neuron("validator", "validator", bt.Wallet(args.validator_wallet, "default", path=str(wallet_dir))))
         names = [w.strip() for w in args.miner_wallets.split(",") if w.strip()]
-    for i, name in enumerate(names):
-        cheat = i == len(names) - 1 and args.cheat != "none"
-        kind = f"cheat: {args.cheat}" if cheat else honest_kind(i, args)
-        wallet = make_wallet(wallet_dir, name) if args.chain == "devnet" else bt.Wallet(name, "default", path=str(wallet_dir))
-        neurons.append(Neuron(name, "miner", wallet, port=args.base_port + i, kind=kind))
+    neurons += miner_neurons(args, wallet_dir, names, args.base_port, devnet=args.chain == "devnet")
 
     if args.chain == "devnet":
         with setup_progress(len(neurons) + 2) as step:
@@ -692,18 +730,26 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
         return 0
 
     state = {}
-    miners = []
+    soak = None
     try:
         miners = [n for n in neurons if n.role == "miner"]
         for i, n in enumerate(miners):
-            start(n, miner_command(n, i, args, chain_spec, netuid, run_dir), log_dir)
+            start(n, miner_command(n, i, args, chain_spec, netuid, run_dir), log_dir, soak_env(args, run_dir, n))
             print(f"[localnet] {n.name} ({n.kind}) on 127.0.0.1:{n.port}, log {n.log}")
         wait_until_serving(miners)
         validator = neurons[0]
-        start(validator, validator_command(validator, args, chain_spec, netuid, run_dir), log_dir)
+        command = validator_command(validator, args, chain_spec, netuid, run_dir)
+        if args.soak:  # users reach the subnet through the validator's gateway
+            validator.gateway_port = args.base_port + len(miners)
+            command += gateway_flags(validator, run_dir) + SOAK_VALIDATOR_FLAGS
+        start(validator, command, log_dir, soak_env(args, run_dir, validator))
         print(f"[localnet] validator started, log {validator.log}")
-        state = asyncio.run(watch(args, chain_spec, netuid, run_dir, neurons, t_launch))
+        if args.soak:
+            soak = start_soak(args, run_dir, neurons, chain_spec, netuid)
+        state = asyncio.run(watch(args, chain_spec, netuid, run_dir, neurons, t_launch, supervised=soak is not None))
     finally:
+        if soak is not None:
+            soak.stop()
         print("[localnet] stopping every process it started")
         stop_all(neurons)
     if args.summary:
@@ -712,7 +758,98 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
     if args.stop_when_caught and not state.get("caught"):
         print("[localnet] --duration ended before the cheater was caught")
         return 1
-    return 0
+    return soak_report(run_dir) if soak is not None else 0
+
+
+# ------------------------------------------------------------------ the soak (localnet/soak.py)
+# The soak's validator: rounds sized so that it scores the miners within a minute or two on two loaded cores (the
+# soak is about what users see and who is blamed while faults hit, not about measuring speed), and a first-token
+# deadline for the tiny model (its prefills take under 3 s here; 60 s is for full-size prompts on real hardware), so
+# that a miner or route that stopped answering is given up for the next one within seconds.
+SOAK_VALIDATOR_FLAGS = ["--scoring-overrides", json.dumps({"round_requests": 6, "chat_max_tokens": [24, 48],
+                                                           "canary_tokens": 24, "copy_text_tokens": [8, 16],
+                                                           "long_context_sizes": [512, 1024],
+                                                           "long_context_max_tokens": [8, 16]}),
+                        "--gateway-first-token-timeout-s", "15"]
+SOAK_WARMUP_S = 900.0  # at most this long for the validator's first scores before the soak begins
+
+
+def soak_env(args, run_dir: Path, n: Neuron) -> dict[str, str]:
+    """The test-only fault control files a soak's process reads; nothing without --soak."""
+    return fault_env(run_dir, n.name, n.role) if args.soak else {}
+
+
+def gateway_flags(validator: Neuron, run_dir: Path) -> list[str]:
+    """The validator's organic gateway on its gateway_port, for the API key GATEWAY_KEY."""
+    keys = run_dir / "gateway-keys.txt"
+    keys.write_text(GATEWAY_KEY + "\n")
+    return ["--gateway", "--gateway-port", str(validator.gateway_port), "--gateway-api-keys", str(keys),
+            "--gateway-rate-limit", "100000"]
+
+
+def soak_party(n: Neuron, run_dir: Path) -> Party:
+    """A neuron as the soak looks after it: restarted with its own command (its log appended to), serving when
+    its health answers (a stage or the route miner: once it wrote its ready file again)."""
+    role = "route" if n.name == "route" else n.role
+    ready_file = run_dir / f"{n.name}.ready"
+
+    def launch(append: bool):
+        ready_file.unlink(missing_ok=True)
+        start(n, n.cmd, run_dir / "logs", n.env, append=append)
+        return n.process
+
+    def ready() -> bool:
+        if role == "validator":
+            return http_ok(f"http://127.0.0.1:{n.gateway_port}/health")
+        if role == "miner":
+            return http_ok(f"http://127.0.0.1:{n.port}/health")
+        if not ready_file.exists():
+            return False
+        url = json.loads(ready_file.read_text())["url"].rstrip("/")
+        return http_ok(url + ("/stage/health" if role == "stage" else "/health"))
+
+    honest = not n.cheat and not n.kind.startswith("cheat")
+    return Party(n.name, role, n.wallet.hotkey.ss58_address, honest, launch, ready, log=n.log)
+
+
+def start_soak(args, run_dir: Path, neurons: list[Neuron], chain_spec: str, netuid: int,
+               links: StageLinks | None = None, join_stage=None) -> Soak:
+    """Once the validator's gateway serves: the soak's supervisor, traffic, faults and sampler (localnet/soak.py)."""
+    validator = next(n for n in neurons if n.role == "validator")
+    asyncio.run(wait_gateway(f"http://127.0.0.1:{validator.gateway_port}", validator))
+    warm = wait_warm(run_dir / "validator.sqlite", SOAK_WARMUP_S)
+    print(f"[localnet] the validator scored its first miners after {warm:.0f} s more: the soak begins" if warm is not None
+          else f"[localnet] the validator scored no miner within {SOAK_WARMUP_S:.0f} s: the soak begins anyway")
+    parties = [soak_party(n, run_dir) for n in neurons]
+    supervisor = Supervisor(run_dir, [])
+    for n, p in zip(neurons, parties):
+        supervisor.adopt(p, n.process)
+    whole = [n for n in neurons if n.role == "miner" and n.name != "route" and not n.kind.startswith("cheat")]
+    targets = Targets(miners=tuple(n.name for n in whole),
+                      sharded=tuple(n.name for n in whole if n.kind.startswith("sharded")),
+                      stages=tuple((n.name, n.layers) for n in neurons if n.role == "stage" and not n.cheat
+                                   and links is not None and n.name in links.links),
+                      route=tuple(n.name for n in neurons if n.name == "route" and not n.cheat),
+                      validator=validator.name)
+    schedule = draw_schedule(args.soak_seed, args.soak, targets)
+    started = time.time()
+    write_meta(run_dir, parties, args.soak_seed, started, args.soak, netuid=netuid, chain=chain_spec)
+    traffic = SoakTraffic(f"http://127.0.0.1:{validator.gateway_port}", GATEWAY_KEY, run_dir, args.soak_seed,
+                          rate=args.soak_rate)
+    injector = FaultInjector(run_dir, supervisor, links, started, join_stage,
+                             tempo_s=(args.tempo + 1) * args.block_interval)
+    soak = Soak(run_dir, args.soak_seed, args.soak, supervisor, traffic, injector, schedule)
+    soak.start()
+    print(f"[localnet] soak of {args.soak:.0f} s: {len(schedule)} faults drawn from seed {args.soak_seed} "
+          f"({run_dir / 'schedule.json'}), organic traffic at {args.soak_rate:g} requests/s")
+    return soak
+
+
+def soak_report(run_dir: Path) -> int:
+    """The checker's table for the soak just ended (exit status 1 when a criterion is not met)."""
+    report = soak_check.check(run_dir)
+    print(soak_check.render(report))
+    return 0 if all(c["met"] for c in report["criteria"].values()) else 1
 
 
 # ------------------------------------------------------------------ the swarm
@@ -722,7 +859,8 @@ SWARM_PROMPT = [(11 * j + 5) % 256 for j in range(21)]
 def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
     """The validator, stage0..stage{N-1} (one per block), the spares, and the route miner.
 
-    Without --cheat-stage: one spare, for the middle block, every stage honest in fp32. With --cheat-stage K1
+    Without --cheat-stage: one spare, for the middle block (with --soak, one for every block), every stage honest
+    in fp32. With --cheat-stage K1
     [--cheat-stage K2 ...]: cheater i serves block (N // 2 + i) mod N in place of its honest stage, each cheated
     block has an honest spare ("spare", "spare1", ...) that takes over once the cheater is blamed, and one honest
     stage serves its block in bf16 with a bf16 wire (the last honest stage0..N-1, else the last spare)."""
@@ -744,7 +882,8 @@ def swarm_neurons(args, wallet_dir: Path) -> list[Neuron]:
                               kind=f"layers {block}" + (f" cheat: {cheat}" if cheat else ""), layers=block,
                               cheat=cheat))
     spares = []
-    for j, i in enumerate(sorted(cheated) or [mid]):
+    # a soak kills and cuts stages at random: every block gets a spare so that a route stays open meanwhile
+    for j, i in enumerate(sorted(cheated) or (list(range(len(blocks))) if args.soak else [mid])):
         name = "spare" if j == 0 else f"spare{j}"
         spares.append(Neuron(name, "stage", make_wallet(wallet_dir, name), port=next(port),
                              kind=f"layers {layers[i]} (spare)", layers=layers[i]))
@@ -1133,10 +1272,11 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
-                      ready: dict[str, dict], traffic: OrganicTraffic | None = None) -> dict:
-    """The live swarm dashboard until --duration, Ctrl-C, a process dying or (--stop-when-caught) every
-    cheater caught; with --cheat-stage, organic requests go through the validator's gateway all along."""
-    stages = [n for n in neurons if n.role == "stage"]
+                      ready: dict[str, dict], traffic: OrganicTraffic | None = None, supervised: bool = False) -> dict:
+    """The live swarm dashboard until --duration, Ctrl-C, a process dying (unless a soak restarts them) or
+    (--stop-when-caught) every cheater caught; with --cheat-stage, organic requests go through the validator's
+    gateway all along."""
+    stages = [n for n in neurons if n.role == "stage" and n.name in ready]
     route = next(n for n in neurons if n.name == "route")
     console, started = Console(), time.monotonic()
     stop, organic = asyncio.Event(), traffic.sent if traffic else []
@@ -1179,7 +1319,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 if traffic is not None and traffic.error:
                     say(f"[localnet] no organic traffic: {traffic.error}")
                     break
-                if dead:
+                if dead and not supervised:
                     say(f"[localnet] stopped unexpectedly: {', '.join(dead)} (see {run_dir}/logs)")
                     break
                 if args.stop_when_caught and state["caught"]:
@@ -1219,6 +1359,11 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     log_dir = run_dir / "logs"
     ensure_checkpoints(args)
     neurons = swarm_neurons(args, run_dir / "wallets")
+    miners = []
+    if args.soak:  # whole-model miners beside the stages (one market), after the swarm's ports
+        miners = miner_neurons(args, run_dir / "wallets", [f"miner{i}" for i in range(args.miners)],
+                               args.base_port + swarm_ports(args.swarm))
+        neurons[-1:-1] = miners
     with setup_progress(len(neurons) + 2) as step:
         chain_spec, netuid = asyncio.run(setup_devnet(run_dir, args, neurons, step))
     print(f"[localnet] chain {chain_spec}, netuid {netuid}")
@@ -1226,17 +1371,27 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     route, validator = neurons[-1], neurons[0]
     summary: dict = {"chain": chain_spec, "netuid": netuid, "run_dir": str(run_dir),
                      "cheat_stages": list(args.cheat_stage or [])}
-    status, traffic = 0, None
+    status, traffic, soak = 0, None, None
+    links = StageLinks() if args.soak else None  # each honest stage announced behind a link the soak can slow or cut
     try:
         for n in stages:
-            start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons, stage_flags.get(n.name, ())),
-                  log_dir)
+            flags = list(stage_flags.get(n.name, ()))
+            if links is not None and not n.cheat:
+                flags += ["--external-port", str(links.add(n.name, n.port))]
+            start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons, flags), log_dir,
+                  soak_env(args, run_dir, n))
+        for i, n in enumerate(miners):
+            start(n, miner_command(n, i, args, chain_spec, netuid, run_dir), log_dir, soak_env(args, run_dir, n))
         ready = wait_ready(stages, run_dir)
+        wait_until_serving(miners)
         print(f"[localnet] {len(stages)} stage miners serving and announced on chain: "
-              + ", ".join(f"{n.name} ({n.kind})" for n in stages))
-        start(route, route_command(route, args, chain_spec, netuid, run_dir, validator), log_dir)
+              + ", ".join(f"{n.name} ({n.kind})" for n in stages)
+              + (f"; whole-model miners {', '.join(n.name for n in miners)}" if miners else ""))
+        start(route, route_command(route, args, chain_spec, netuid, run_dir, validator), log_dir,
+              soak_env(args, run_dir, route))
         ready.update(wait_ready([route], run_dir))
-        start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir, neurons), log_dir)
+        start(validator, swarm_validator_command(validator, args, chain_spec, netuid, run_dir, neurons)
+              + (SOAK_VALIDATOR_FLAGS if args.soak else []), log_dir, soak_env(args, run_dir, validator))
         print(f"[localnet] route miner on {ready['route']['url']}, validator started (logs in {log_dir})")
         if args.cheat_stage and (args.duration or args.stop_when_caught):  # users from the moment its gateway serves
             traffic = OrganicTraffic(f"http://127.0.0.1:{validator.gateway_port}", validator, run_dir)
@@ -1250,8 +1405,12 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         if not args.cheat_stage:  # with cheaters (and a bf16 stage) on the route the answer may differ
             status = 0 if done["match"] else 1
         summary["completion"] = done
+        if args.soak:
+            soak = start_soak(args, run_dir, neurons, chain_spec, netuid, links,
+                              soak_joiner(args, run_dir, neurons, chain_spec, netuid))
         if args.duration or args.stop_when_caught:
-            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready, traffic))
+            watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready, traffic,
+                                              supervised=soak is not None))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
                            routes=watched["routes"], gateway_routes=watched["gateway_routes"],
                            driver=watched["driver"],
@@ -1270,11 +1429,36 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
     finally:
         if traffic is not None:
             traffic.stop()
+        if soak is not None:
+            soak.stop()
+        if links is not None:
+            links.stop()
         print("[localnet] stopping every process it started")
         stop_all(neurons)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2, default=str))
-    return status
+    return soak_report(run_dir) if soak is not None else status
+
+
+def soak_joiner(args, run_dir: Path, neurons: list[Neuron], chain_spec: str, netuid: int):
+    """The soak's stage-join: a new stage miner for the block of one that left, registered on the devnet, started
+    (it announces itself) and added to `neurons` (stopped with them)."""
+    def join_stage(name: str, left: str) -> Party:
+        old = next(n for n in neurons if n.name == left)
+        n = Neuron(name, "stage", make_wallet(run_dir / "wallets", name), port=free_port_block(1),
+                   kind=f"layers {old.layers} (joined)", layers=old.layers)
+
+        async def register():
+            async with connect(chain_spec) as chain:
+                await chain.register(n.wallet, netuid)
+
+        asyncio.run(register())
+        start(n, stage_command(n, args, chain_spec, netuid, run_dir, neurons), run_dir / "logs",
+              soak_env(args, run_dir, n))
+        neurons.append(n)
+        return soak_party(n, run_dir)
+
+    return join_stage
 
 
 if __name__ == "__main__":

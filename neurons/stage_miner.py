@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from chain import connect
-from chain.interface import ChainError, RateLimited
+from chain.interface import ChainConnectionError, ChainError, RateLimited
 from inference.model import resolve_device, resolve_dtype
 from inference.model.checkpoint import CheckpointError, fingerprint, read_config
 from inference.swarm.stage import LayerRange, Stage
@@ -87,6 +87,27 @@ async def announce(chain, wallet, netuid: int, ip: str, port: int, announcement:
             log.warning("announcement not re-published (%s); the chain keeps %r", e, current and current.data)
 
 
+ANNOUNCE_RETRY_S = 60.0  # how long a stage miner retries announcing through a chain that does not answer
+
+
+async def announce_until_done(network: str, wallet, netuid: int, ip: str, port: int,
+                              announcement: StageAnnouncement, retry_s: float = ANNOUNCE_RETRY_S) -> None:
+    """`announce`, retried with backoff while the chain cannot be reached (a node restarting, RPC errors), for up to
+    retry_s; other chain errors (not registered, refused) end the stage miner at once."""
+    deadline, wait = time.monotonic() + retry_s, 1.0
+    while True:
+        try:
+            async with connect(network) as chain:
+                await announce(chain, wallet, netuid, ip, port, announcement)
+            return
+        except ChainConnectionError as e:
+            if time.monotonic() + wait > deadline:
+                raise
+            log.warning("the chain did not answer (%s); announcing again in %.0f s", e, wait)
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 10.0)
+
+
 async def run(settings: StageMinerSettings) -> None:
     b = settings.block
     config = read_config(b.checkpoint)
@@ -120,9 +141,8 @@ async def serve_stage(settings: StageMinerSettings, stage: Stage) -> None:
             await metrics.start()
         if c.network:
             port = s.external_port or server.port
-            async with connect(c.network) as chain:
-                await announce(chain, wallet, c.netuid, s.external_ip or s.host, port,
-                               announcement_for(b.checkpoint, stage))
+            await announce_until_done(c.network, wallet, c.netuid, s.external_ip or s.host, port,
+                                      announcement_for(b.checkpoint, stage))
             await readers.start()
         info = {"url": server.url, "hotkey": server.hotkey, "pid": os.getpid(), "layers": str(layers),
                 "fingerprint": stage.fingerprint, "step_ms": stage.decode_ms,

@@ -7,6 +7,13 @@ again, for a fresh nonce. Server: `verify_request(...)` on the raw body before
 parsing it; it returns the caller's hotkey or raises `AuthFailure` with the
 HTTP status to answer with. Verification does not look at the chain:
 metagraph membership, validator permit and stake are the caller's checks.
+
+Both sides read the clock through `auth_clock_ns()`. Test-only: when the
+environment variable `K3_TEST_CLOCK_SKEW_FILE` names a file holding a number
+of seconds, that many seconds are added to this process's clock for signing
+and for freshness checks (re-read when the file changes; a missing or empty
+file is no skew). The local testnet's soak skews a miner's clock with it
+(docs/localnet.md); nothing else sets it.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from .schemas import error_body
 AUTH_MAX_AGE_S = http_auth.DEFAULT_MAX_AGE  # 10 s freshness window
 AUTH_ALLOWED_SKEW_S = http_auth.DEFAULT_ALLOWED_SKEW  # 2 s of forward clock drift
 DEFAULT_NONCE_RETENTION_S = 60.0
+CLOCK_SKEW_FILE_ENV = "K3_TEST_CLOCK_SKEW_FILE"  # test-only (module doc)
 
 _REQUIRED_HEADERS = (
     http_auth.HEADER_VERSION,
@@ -62,6 +70,39 @@ class AuthFailure(Exception):
         return f"AuthFailure({self.status}, {self.code!r}, {self.message!r})"
 
 
+class _ClockSkew:
+    """The test-only clock skew of this process (module doc), read again when its file changes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mtime: Optional[float] = None
+        self.seconds = 0.0
+
+    def offset_ns(self) -> int:
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            self._mtime, self.seconds = None, 0.0
+            return 0
+        if mtime != self._mtime:
+            self._mtime = mtime
+            try:
+                text = Path(self.path).read_text().strip()
+                self.seconds = float(text) if text else 0.0
+            except (OSError, ValueError):
+                self._mtime = None  # being written: read it again at the next call
+        return int(self.seconds * 1e9)
+
+
+_skew = _ClockSkew(os.environ[CLOCK_SKEW_FILE_ENV]) if os.environ.get(CLOCK_SKEW_FILE_ENV) else None
+
+
+def auth_clock_ns() -> int:
+    """Now, in nanoseconds, as this process signs and checks freshness (the wall clock, plus the test-only skew)."""
+    now = time.time_ns()
+    return now if _skew is None else now + _skew.offset_ns()
+
+
 def hotkey_signer(key):
     """The hotkey Keypair to sign with: a Keypair passes through; a wallet gives
     its `.hotkey` once (a Wallet handed to http_auth re-reads its key file on
@@ -84,7 +125,8 @@ def sign_request(
     """btauth/1 headers for sending exactly `body` to `path` (with its query
     string, as sent) on the server whose hotkey is `receiver_ss58`."""
     return http_auth.sign(
-        hotkey_keypair, method=method, path=path, body=body, receiver_ss58=receiver_ss58, nonce_ns=nonce_ns
+        hotkey_keypair, method=method, path=path, body=body, receiver_ss58=receiver_ss58,
+        nonce_ns=auth_clock_ns() if nonce_ns is None else nonce_ns,
     )
 
 
@@ -133,7 +175,7 @@ def check_auth_headers(
         raise AuthFailure(ErrorCode.MALFORMED_AUTH, f"{http_auth.HEADER_SIGNATURE} is not 64 bytes of hex")
     if values[http_auth.HEADER_RECEIVER] != own_hotkey_ss58:
         raise AuthFailure(ErrorCode.WRONG_RECEIVER, "request was signed for a different receiving hotkey")
-    now = time.time_ns() if now_ns is None else now_ns
+    now = auth_clock_ns() if now_ns is None else now_ns
     nonce = int(nonce_text)
     if now - nonce > max_age_s * 1e9:
         raise AuthFailure(ErrorCode.STALE_REQUEST, f"nonce is older than the {max_age_s:g}s freshness window")

@@ -32,7 +32,7 @@ from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from .auth import hotkey_signer, sign_request
+from .auth import auth_clock_ns, hotkey_signer, sign_request
 from .errors import ErrorCode
 from .schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, JSON_CONTENT_TYPE, NDJSON_CONTENT_TYPE, SCORE_PATH,
                       STATES_PATH, Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ScoreRequest,
@@ -259,7 +259,7 @@ class MinerClient:
     def _sign(self, method: str, path: str, body: bytes, receiver_ss58: str) -> dict[str, str]:
         # Strictly increasing nonces, so two requests signed in the same
         # nanosecond by this client never look like a replay to the miner.
-        nonce = max(time.time_ns(), self._last_nonce + 1)
+        nonce = max(auth_clock_ns(), self._last_nonce + 1)
         self._last_nonce = nonce
         return sign_request(self.signer, method, path, body, receiver_ss58, nonce_ns=nonce)
 

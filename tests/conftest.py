@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 # Files whose tests take longest (seconds on the 2-core CI machine), run first so that the two workers
 # finish together (xdist hands out whole files in this order: --dist loadfile --no-loadscope-reorder).
 SLOW_FILES_FIRST = (
-    "test_validator_e2e.py", "test_localnet.py", "test_vllm_real.py", "test_stage_rounds.py",
+    "test_soak.py", "test_validator_e2e.py", "test_localnet.py", "test_vllm_real.py", "test_stage_rounds.py",
     "test_envelope_bf16_cheats.py", "test_gateway_route.py", "test_speculative_route.py",
     "test_benchmark_endpoint.py", "test_sharded.py", "test_selfcheck_endpoint.py", "test_swarm.py",
     "test_scoring_verify.py", "test_scoring_envelope.py", "test_lm_eval.py", "test_metrics.py",

@@ -62,8 +62,11 @@ REQUEST_FAULTS = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_JSON, E
                             ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_MEDIA_TYPE, ErrorCode.INVALID_BODY})
 # Codes of an engine that failed on this very request: the request may be the cause, so no failover.
 SUSPECT_FAULTS = frozenset({ErrorCode.ENGINE_FAILURE, ErrorCode.ENGINE_STALLED})
+BUSY_RETRY_AFTER_S = 2.0  # every miner tried was busy (429): the user is told to come back this soon
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MINER_UID_HEADER = "x-k3-miner-uid"
+# the request id the serving miner was sent (the validator's records of the request carry it)
+REQUEST_ID_HEADER = "x-k3-request-id"
 MODEL_CREATED = 1_767_225_600  # a fixed "created" for /v1/models (2026-01-01)
 
 
@@ -390,7 +393,7 @@ class OrganicGateway:
         targets = await self._ranked()
         if not targets:
             raise ApiError(ErrorCode.NO_MINER_AVAILABLE, "no miner is available right now; retry later")
-        attempts, too_small, errors = 0, 0, []
+        attempts, too_small, busy, errors = 0, 0, 0, []
         for target in targets:
             if attempts >= self.settings.max_attempts:
                 break
@@ -398,6 +401,7 @@ class OrganicGateway:
                 caps = await self._capabilities_of(target)
             except MinerError as error:
                 attempts += 1
+                busy += getattr(error, "status", None) == 429
                 self._note_failure(target, error)
                 errors.append(f"uid {target.uid}: {error}")
                 self.metrics.failovers.inc()
@@ -413,7 +417,8 @@ class OrganicGateway:
                 response = await self._attempt_whole(target, caps, wire, plan)
             if response is not None:
                 return response
-            self._stop_if_the_request_is_at_fault(target)
+            fault = self._stop_if_the_request_is_at_fault(target)
+            busy += getattr(fault, "status", None) == 429
             errors.append(f"uid {target.uid}: {self._last_error.get(target.hotkey, 'failed')}")
             self.metrics.failovers.inc()
         if attempts == 0 and too_small:
@@ -422,17 +427,20 @@ class OrganicGateway:
                            "context of any available miner; shorten the prompt or lower max_tokens",
                            param="messages" if plan.kind == "chat" else "prompt")
         log.warning("organic request failed on %d miners: %s", attempts, "; ".join(errors))
+        if attempts and busy == attempts:  # back-pressure, not a failure: the user retries after Retry-After
+            raise ApiError(ErrorCode.OVER_CAPACITY, f"the {attempts} miners tried are all busy; retry in "
+                                                    f"{BUSY_RETRY_AFTER_S:g} s", retry_after_s=BUSY_RETRY_AFTER_S)
         raise ApiError(ErrorCode.MINERS_FAILED,
                        f"{attempts} miners were tried and none gave a verified answer; retry later")
 
-    def _stop_if_the_request_is_at_fault(self, target: MinerTarget) -> None:
+    def _stop_if_the_request_is_at_fault(self, target: MinerTarget) -> Optional[MinerError]:
         """No failover for a failure the request may have caused: a refusal of the request itself is the
         user's 400; an engine that failed or stalled on it may have been felled by it (a poison request),
         so it is not handed to the next miner (502). Anything else (unreachable, busy, unavailable, a
-        tier-0 failure) is the miner's problem and the next miner is tried."""
+        tier-0 failure) is the miner's problem and the next miner is tried; returns that failure."""
         error = self._last_fault.pop(target.hotkey, None)
         if error is None:
-            return
+            return None
         code = error.error_code
         status = getattr(error, "status", None)
         if code in REQUEST_FAULTS or (code is None and status in (400, 413)):
@@ -440,6 +448,7 @@ class OrganicGateway:
         if code in SUSPECT_FAULTS:
             raise ApiError(ErrorCode.MINER_FAILED, "the miner failed on this request; it is not retried elsewhere "
                                                    "because the request itself may be the cause")
+        return error
 
     def _note_failure(self, target: MinerTarget, error: Union[MinerError, str]) -> None:
         if isinstance(error, MinerError) and hasattr(error, "error_code"):
@@ -448,8 +457,11 @@ class OrganicGateway:
             self._last_fault.pop(target.hotkey, None)
         log.info("uid %d failed an organic request: %s", target.uid, str(error)[:300])
         self._last_error[target.hotkey] = str(error)[:300]
+        # unreachable, or silent past a deadline (stopped, or a route still recovering): the next users go to the
+        # others first for a while, rather than each waiting out the same deadline
         unreachable = isinstance(error, MinerUnreachable) or (isinstance(error, MinerTimeout)
-                                                              and error.kind == "connect")
+                                                              and error.kind in ("connect", "first_byte",
+                                                                                 "between_events"))
         if unreachable and self.settings.miner_cooldown_s > 0:
             self._cooldown_until[target.hotkey] = time.monotonic() + self.settings.miner_cooldown_s
 
@@ -474,7 +486,7 @@ class OrganicGateway:
             self._note_failure(target, "tier 0: " + "; ".join(map(str, failures)))
             return None
         return web.json_response(_whole_answer(plan, result, self.tokenizer, self.settings.model_name, caps),
-                                 headers={MINER_UID_HEADER: str(target.uid)})
+                                 headers={MINER_UID_HEADER: str(target.uid), REQUEST_ID_HEADER: wire.request_id})
 
     async def _attempt_stream(self, target: MinerTarget, caps: Capabilities, wire: GenerateRequest,
                               writer: "_SseWriter") -> Optional[web.StreamResponse]:
@@ -486,7 +498,7 @@ class OrganicGateway:
                 async for timed in events:
                     event = timed.event
                     if isinstance(event, TokenMessage):
-                        await writer.tokens(event, target, caps)
+                        await writer.tokens(event, target, caps, wire.request_id)
                     elif isinstance(event, FinalMessage):
                         result.final = event
                     elif isinstance(event, ErrorEvent):
@@ -511,7 +523,7 @@ class OrganicGateway:
             await writer.fail("the miner's answer failed verification: "
                               + "; ".join(f.check for f in failures))
             return writer.response
-        await writer.finish(result, target, caps)
+        await writer.finish(result, target, caps, wire.request_id)
         return writer.response
 
     # ------------------------------------------------------------ the validator's hook
@@ -635,20 +647,21 @@ class _SseWriter:
                    "system_fingerprint": self.fingerprint, "choices": choices, **extra}
         return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
-    async def _open(self, target: MinerTarget, caps: Capabilities) -> None:
+    async def _open(self, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         self.fingerprint = caps.model_fingerprint
         self.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=self.plan.body.skip_special_tokens)
         self.trimmer = StopTrimmer(self.plan.body.stop_strings)
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid)})
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, MINER_UID_HEADER: str(target.uid),
+                                                           REQUEST_ID_HEADER: request_id})
         await response.prepare(self.request)
         self.response = response
         if self.plan.kind == "chat":
             await response.write(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
 
-    async def tokens(self, event: TokenMessage, target: MinerTarget, caps: Capabilities) -> None:
+    async def tokens(self, event: TokenMessage, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         if self.response is None:
-            await self._open(target, caps)
+            await self._open(target, caps, request_id)
         text = self.trimmer.push(self.decoder.push_many(event.token_ids))
         await self._piece(text, [event])
 
@@ -671,9 +684,9 @@ class _SseWriter:
         self.offset += len(text)
         await self.response.write(self._chunk([choice]))
 
-    async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities) -> None:
+    async def finish(self, result: GenerateResult, target: MinerTarget, caps: Capabilities, request_id: str) -> None:
         if self.response is None:  # a generation without tokens (e.g. max_tokens reached at once)
-            await self._open(target, caps)
+            await self._open(target, caps, request_id)
         # The text still held (a stop string's look-ahead, an unfinished UTF-8 character) belongs to
         # tokens already sent: it goes with the finish reason, in the last chunk, without logprobs.
         tail = self.trimmer.push(self.decoder.flush()) + self.trimmer.flush()
@@ -756,5 +769,5 @@ class GatewayServer:
 
 __all__ = [
     "MinerTarget", "MinerDirectory", "Outcome", "StopTrimmer", "OrganicGateway", "build_gateway_app", "GatewayServer",
-    "GATEWAY_KEY",
+    "GATEWAY_KEY", "MINER_UID_HEADER", "REQUEST_ID_HEADER",
 ]

@@ -104,7 +104,8 @@ class GatewaySettings:
     route_log: Optional[str] = setting(None, "append one JSON line {at, route: [stage hotkeys]} per route the "
                                        "gateway's route plans", flag="--gateway-route-log", metavar="FILE")
     capabilities_ttl_s: float = 300.0
-    miner_cooldown_s: float = setting(30.0, "a miner that could not be reached is tried last for this long",
+    miner_cooldown_s: float = setting(30.0, "a miner that could not be reached, or sent nothing within a deadline, is "
+                                      "tried last for this long",
                                       flag="--gateway-miner-cooldown-s", read=non_negative_float)
 
     def problems(self, need_key_file: bool = True) -> list[str]:

@@ -52,7 +52,7 @@ import aiohttp
 from aiohttp import web
 from bittensor.http_auth import InMemoryNonceStore
 
-from chain.interface import NeuronInfo
+from chain.interface import ChainError, NeuronInfo
 from inference.decoding.sampling import MAX_LOGPROBS, ReplayKey, SamplingParams, draw_seed, find_stop
 from inference.decoding.speculation import MAX_DRAFT_TOKENS, SequenceSpeculation, SpeculationConfig
 from inference.model.config import ModelConfig
@@ -385,8 +385,17 @@ class RouteDriver:
 
     # ------------------------------------------------------------ routes
     async def stages(self, refresh: bool = False) -> list[StageInfo]:
+        """The stages of the directory, re-read every refresh_s (or now); a chain that cannot be read keeps the
+        stages known (a request is not dropped for a chain error), and with none known the route is unavailable."""
         if refresh or not self._stages or time.monotonic() - self._stages_at > self.refresh_s:
-            self._stages = await self.directory.stages(self._http)
+            try:
+                self._stages = await self.directory.stages(self._http)
+            except (ChainError, asyncio.TimeoutError) as e:
+                if not self._stages:
+                    raise EngineError("engine_unavailable", f"the stages could not be read from the chain: "
+                                                            f"{e or type(e).__name__}") from None
+                log.warning("could not re-read the stages (%s); keeping the %d known", e or type(e).__name__,
+                            len(self._stages))
             self._stages_at = time.monotonic()
         return self._stages
 

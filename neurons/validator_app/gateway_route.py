@@ -15,6 +15,7 @@ route it plans (the local testnet tells from it which stages served each organic
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from pathlib import Path
@@ -28,6 +29,7 @@ from protocol.auth import SQLiteNonceStore
 log = logging.getLogger("k3.gateway.route")
 
 ROUTE_UID = -1  # the route's MinerTarget uid (no neuron has it); the gateway's x-k3-miner-uid header says -1
+SETTLE_ON_CLOSE_S = 8.0  # at shutdown, how long the route may take to credit what it served (inside a 10 s grace)
 ROUTE_PLACES = ("off", "first", "last")
 
 
@@ -66,8 +68,14 @@ class GatewayRoute:
                  self.driver.url)
 
     async def close(self) -> None:
+        """Stop serving; what the route served and has not settled yet is credited first (users were answered: the
+        stages' work is on record), for at most SETTLE_ON_CLOSE_S."""
         if self.server is not None:
             await self.server.close(grace_s=0.0)
+        try:
+            await asyncio.wait_for(self.settle(), SETTLE_ON_CLOSE_S)
+        except Exception as error:  # noqa: BLE001 (shutting down: what could not be settled is logged, not raised)
+            log.warning("route sessions not settled at shutdown: %s", error or type(error).__name__)
         self.nonce_store.close()
 
     def target(self, score: float = 1.0) -> MinerTarget:

@@ -36,6 +36,7 @@ import logging
 import random
 import secrets
 import signal
+import sqlite3
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -413,8 +414,9 @@ class ValidatorLoop:
             return False
         try:
             round_task.result()
-        except (ValueError, OSError, RuntimeError, KeyError, TypeError, AttributeError) as error:
-            # A validator-side fault in one round must not end the validator; the next round retries.
+        except (ValueError, OSError, RuntimeError, KeyError, TypeError, AttributeError, sqlite3.Error) as error:
+            # A validator-side fault in one round (a full disk included) must not end the validator; the next round
+            # retries.
             log.exception("round failed: %s", error)
             return False
         return True
@@ -869,10 +871,11 @@ class ValidatorLoop:
                 self._weights_hold_until = time.monotonic() + w.retry_max_s
                 return False
             hotkeys = {uid: e.hotkey for uid, e in self.ema.items()}
-            self.store.save_weights(submitted, hotkeys, outcome.block, version_key())
+            # on chain now, whether or not the store can record it (a full disk): said and remembered first
             self.last_weights_block = outcome.block
             log.info("weights set at block %d for %d uids (version key %d)", outcome.block, len(submitted),
                      version_key())
+            self.store.save_weights(submitted, hotkeys, outcome.block, version_key())
             return True
         return False
 

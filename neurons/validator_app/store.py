@@ -28,6 +28,14 @@ release is refused (no downgrades). To change the schema, append a `Migration` (
 
 WAL mode, so the status command and the organic gateway can read (and the gateway write organic
 measurements) while the validator runs. Each write is its own short transaction.
+
+A full disk: a write transaction that fails with SQLite's "database or disk is full" rolls back. Rows that are
+only ever appended (measurements, failures, audits, stage checks) are then kept in memory, in order, and written
+with the next append once the disk has room (`deferred_rows`); up to MAX_DEFERRED_ROWS, beyond which the error
+goes to the caller. Other writes (a round's scores, weights, miners) raise it and are made again later.
+Test-only: while the file named by the environment variable `K3_TEST_STORE_FULL_FILE` exists, every transaction
+that changed something fails at COMMIT exactly so (the local testnet's soak fills the validator's disk this way,
+docs/localnet.md).
 """
 from __future__ import annotations
 
@@ -46,6 +54,9 @@ from scoring.rewards import EmaEntry, MinerScore
 
 log = logging.getLogger("k3.validator.store")
 SOURCES = ("validator", "organic")
+STORE_FULL_FILE_ENV = "K3_TEST_STORE_FULL_FILE"  # test-only (module doc)
+DISK_FULL = "database or disk is full"  # SQLite's message for SQLITE_FULL
+MAX_DEFERRED_ROWS = 100_000  # appended rows kept in memory while the disk is full
 
 # Measurement columns as SQLite types (the dataclass holds only scalars).
 _MEASUREMENT_TYPES = {
@@ -194,6 +205,8 @@ class ValidatorStore:
     def __init__(self, path: str | os.PathLike, readonly: bool = False, busy_timeout_s: float = 10.0):
         self.path = Path(path).expanduser()
         self.readonly = readonly
+        self._full_file = os.environ.get(STORE_FULL_FILE_ENV, "")
+        self._deferred: list[tuple[str, list[tuple]]] = []  # appends not yet written (disk full), oldest first
         if readonly and not self.path.exists():
             raise ValidatorStoreError(f"no validator database at {self.path}: run the validator first "
                                       f"(python neurons/validator.py run --db {self.path} ...)")
@@ -289,19 +302,54 @@ class ValidatorStore:
         self.close()
 
     class _Transaction:
-        def __init__(self, conn: sqlite3.Connection):
+        def __init__(self, conn: sqlite3.Connection, full_file: str = ""):
             self.conn = conn
+            self.full_file = full_file
+            self.changes = 0
 
         def __enter__(self):
             self.conn.execute("BEGIN IMMEDIATE")
+            self.changes = self.conn.total_changes
             return self.conn
 
         def __exit__(self, exc_type, exc, tb):
+            if exc_type is None and self.full_file and os.path.exists(self.full_file) \
+                    and self.conn.total_changes != self.changes:
+                self.conn.execute("ROLLBACK")
+                raise sqlite3.OperationalError(DISK_FULL)
             self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
             return False
 
     def _transaction(self) -> "_Transaction":
-        return self._Transaction(self._conn)
+        return self._Transaction(self._conn, self._full_file)
+
+    def _append(self, sql: str, rows: list[tuple]) -> None:
+        """Insert rows of an append-only table, after any kept back by a full disk (module doc)."""
+        if not rows:
+            return
+        self._deferred.append((sql, rows))
+        try:
+            with self._transaction() as conn:
+                for statement, values in self._deferred:
+                    conn.executemany(statement, values)
+        except sqlite3.OperationalError as error:
+            kept = sum(len(values) for _, values in self._deferred)
+            if DISK_FULL not in str(error) or kept > MAX_DEFERRED_ROWS:
+                self._deferred.pop()
+                raise
+            if len(self._deferred) == 1:
+                log.warning("validator database %s: the disk is full; keeping new rows in memory until it has room",
+                            self.path)
+            return
+        if len(self._deferred) > 1:
+            log.info("validator database %s: wrote %d rows kept back while the disk was full", self.path,
+                     sum(len(values) for _, values in self._deferred[:-1]))
+        self._deferred.clear()
+
+    @property
+    def deferred_rows(self) -> int:
+        """Appended rows kept in memory because the disk was full (written with the next append)."""
+        return sum(len(values) for _, values in self._deferred)
 
     # ------------------------------------------------------------ meta
     def _meta(self, key: str) -> Optional[str]:
@@ -337,10 +385,8 @@ class ValidatorStore:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         columns = ", ".join(f'"{c}"' for c in COLUMNS)
         marks = ", ".join("?" for _ in COLUMNS)
-        with self._transaction() as conn:
-            conn.executemany(
-                f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) VALUES (?, ?, ?, {marks})",
-                [(round_number, source, cpu_s, *_measurement_values(m)) for m, cpu_s in rows])
+        self._append(f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) VALUES (?, ?, ?, {marks})",
+                     [(round_number, source, cpu_s, *_measurement_values(m)) for m, cpu_s in rows])
 
     def load_window(self, window_s: float, keep_s: Optional[float] = None,
                     now: Optional[float] = None) -> tuple[MeasurementWindow, int]:
@@ -401,11 +447,8 @@ class ValidatorStore:
         now = time.time()
         values = [(r.get("at", now), round_number, r["uid"], r["hotkey"], r.get("request_id"), r.get("kind"),
                    r["check"], str(r["reason"])[:2000], int(bool(r.get("hard", False))), source) for r in rows]
-        if not values:
-            return
-        with self._transaction() as conn:
-            conn.executemany("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, "
-                             "hard, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        self._append("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, hard, "
+                     "source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
 
     def failures(self, uid: Optional[int] = None, since: Optional[float] = None) -> list[sqlite3.Row]:
         clauses, args = [], []
@@ -424,9 +467,8 @@ class ValidatorStore:
                   "failures", "cpu_s", "wall_s")
         values = [row.get(f) for f in fields]
         values[0] = values[0] or time.time()
-        with self._transaction() as conn:
-            conn.execute(f"INSERT INTO audits (round, {', '.join(fields)}) VALUES (?, {', '.join('?' for _ in fields)})",
-                         (round_number, *values))
+        self._append(f"INSERT INTO audits (round, {', '.join(fields)}) VALUES (?, {', '.join('?' for _ in fields)})",
+                     [(round_number, *values)])
 
     def audits(self, uid: Optional[int] = None) -> list[sqlite3.Row]:
         if uid is None:
@@ -569,9 +611,8 @@ class ValidatorStore:
         values = [row.get(f) for f in self._STAGE_CHECK_FIELDS]
         values[0] = values[0] or time.time()
         values[1] = values[1] or 0
-        with self._transaction() as conn:
-            conn.execute(f"INSERT INTO stage_checks ({', '.join(self._STAGE_CHECK_FIELDS)}) VALUES "
-                         f"({', '.join('?' for _ in self._STAGE_CHECK_FIELDS)})", values)
+        self._append(f"INSERT INTO stage_checks ({', '.join(self._STAGE_CHECK_FIELDS)}) VALUES "
+                     f"({', '.join('?' for _ in self._STAGE_CHECK_FIELDS)})", [tuple(values)])
 
     def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None) -> list[sqlite3.Row]:
         return self._conn.execute("SELECT * FROM stage_checks WHERE at >= ? AND (? IS NULL OR hotkey = ?) ORDER BY id",
