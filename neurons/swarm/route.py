@@ -481,17 +481,19 @@ class RouteDriver:
     async def open(self, sampling: SamplingParams, seed: int, request_id: str = "",
                    prompt_tokens: int = 0) -> RouteSession:
         """Sessions on every stage of a planned route; the head samples with `seed` and counts generated tokens
-        from `prompt_tokens` (k3-gumbel/1's index)."""
+        from `prompt_tokens` (k3-gumbel/1's index). The stages before the head are told none of these: a check and a
+        user's request look alike to them whatever the sampling."""
         route = await self.plan()
         rs = RouteSession(route, route_id=secrets.token_hex(8), session=secrets.token_hex(12), request_id=request_id)
         me = Hop(url=self.url, hotkey=self.hotkey)
         wire = wire_sampling(sampling)
 
         async def open_one(i: int, s: StageInfo) -> None:
+            head = i + 1 == len(route)  # only the head samples: the other stages learn nothing of how
             req = OpenRequest(route_id=rs.route_id, session=rs.session,
                               upstream=self.hotkey if i == 0 else route[i - 1].hotkey,
-                              downstream=route[i + 1].hop if i + 1 < len(route) else None,
-                              reply_to=me, sampling=wire, seed=seed, prompt_tokens=prompt_tokens)
+                              downstream=None if head else route[i + 1].hop, reply_to=me,
+                              **(dict(sampling=wire, seed=seed, prompt_tokens=prompt_tokens) if head else {}))
             await self._control(s, OPEN_PATH, req.model_dump_json().encode())
 
         results = await asyncio.gather(*(open_one(i, s) for i, s in enumerate(route)), return_exceptions=True)
