@@ -15,6 +15,8 @@ many tokens of lying each took.
 
     python -m benchmarks.stage_envelope --sessions 150 --write scoring/envelopes/tiny_trained.json
     python -m benchmarks.stage_envelope --sessions 0 --cheats echo,fewer-experts,sparse-liar --repeats 5
+    python -m benchmarks.stage_envelope --sessions 140 --seed 23 --rows checks.json     # fresh honest checks
+    python -m benchmarks.stage_envelope --from-rows checks.json --validate                 # judged: false positives
     python -m benchmarks.stage_envelope --sessions 150 --device cuda --write FILE   # with honest GPU stages
 """
 from __future__ import annotations
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             "the shipped one) instead of deriving one: the false "
                                                             "positive table")
     ap.add_argument("--rows", metavar="FILE", help="write every check's statistics here as JSON")
+    ap.add_argument("--from-rows", metavar="FILE", help="take the checks from a --rows file of an earlier run "
+                                                        "instead of measuring (with --validate: judge them by an "
+                                                        "envelope measured since)")
     args = ap.parse_args(argv)
     known = list(NUMERICS) + (list(GPU_NUMERICS) if args.device != "cpu" else [])
     variants = [v for v in args.variants.split(",") if v] or known
@@ -310,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = resolve_checkpoint(args.checkpoint, Path(tmp))
         envelopes = {}
-        if args.sessions:
-            rows = measure(ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
-                           max_prompt=args.max_prompt, max_decode=args.max_decode, device=args.device)
+        if args.sessions or args.from_rows:
+            rows = read_rows(Path(args.from_rows)) if args.from_rows else measure(
+                ckpt, args.sessions, variants=variants, stages=args.stages, seed=args.seed,
+                max_prompt=args.max_prompt, max_decode=args.max_decode, device=args.device)
             if args.rows:
                 Path(args.rows).write_text(json.dumps([[v, n, k, b, st.__dict__] for v, n, k, st, b in rows]))
             if args.validate:
@@ -337,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
                     for kind in cheats}
             print(cheat_table(runs, args.limit))
     return 0
+
+
+def read_rows(path: Path) -> list[tuple[str, str, str, CheckStats, int]]:
+    """The checks a --rows file holds, as `measure` returns them."""
+    try:
+        return [(v, n, k, CheckStats(**st), b) for v, n, k, b, st in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError) as exc:
+        raise SystemExit(f"--from-rows {path}: not a --rows file of this benchmark ({exc})") from None
 
 
 def judged_by(ckpt: Path, path: str | None) -> dict:
