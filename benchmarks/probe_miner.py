@@ -24,7 +24,7 @@ import aiohttp
 
 from protocol.auth import hotkey_signer, sign_request
 from protocol.schemas import CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, FinalMessage, decode_event
-from protocol.signature import verify_response
+from protocol.signature import verify_final
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Probe:
         final = events[-1] if events else None
         ok = isinstance(final, FinalMessage)
         token_ids = [t for e in events[:-1] for t in e.token_ids]
-        ok = ok and verify_response(final.signature, body, token_ids, self.miner_hotkey, final.seed)
+        ok = ok and verify_final(final, body, token_ids, self.miner_hotkey)
         return self.note(f"legitimate request after {phase}", ok, f"200 in {took:.2f} s, signature "
                                                                   f"{'verified' if ok else 'NOT verified'}")
 

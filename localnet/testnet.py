@@ -204,7 +204,7 @@ def parse_args(argv=None, prog: str = "k3-localnet") -> argparse.Namespace:
     if args.soak:
         args.duration = args.soak
     if args.cheat_stage and not args.swarm:
-        ap.error("--cheat-stage goes with --swarm N")
+        ap.error("--cheat-stage KIND needs a swarm: go with --swarm N")
     if args.stop_when_caught and not args.swarm and (args.cheat == "none" or args.chain != "devnet"):
         ap.error("--stop-when-caught on whole-model miners needs a --cheat other than none, on the devnet")
     if args.sharded_miners + args.bf16_miners > args.miners - (args.cheat != "none"):

@@ -109,3 +109,12 @@ def verify_response(
         )
     except ValueError:  # undecodable address or signature bytes
         return False
+
+
+def verify_final(final, request_body: bytes, token_ids: Sequence[int], expected_hotkey_ss58: str) -> bool:
+    """`verify_response` for a final event (schemas.FinalMessage) as it came: its signature over this request and
+    these tokens with the seed and the state commitment root it reports."""
+    committed = final.state_commitment
+    return final.signature is not None and verify_response(
+        final.signature, request_body, token_ids, expected_hotkey_ss58, final.seed,
+        state_root=committed.root if committed is not None else None)

@@ -155,7 +155,7 @@ def test_the_validator_runs_block_checks_only_when_told_and_within_its_budget(ti
     from neurons.validator_app.references import SharedReference, shared_reference
     from neurons.validator_app.settings import read_validator_settings
 
-    base = ["--checkpoint", str(tiny_checkpoint), "--canary-pool", str(tmp_path / "pool.json")]
+    base = ["--netuid", "1", "--checkpoint", str(tiny_checkpoint), "--canary-pool", str(tmp_path / "pool.json")]
     off = read_validator_settings(base, environ={})
     assert not off.block_checks and off.reference_memory == 0.0
     on = read_validator_settings(base + ["--reference-memory", "3"], environ={})

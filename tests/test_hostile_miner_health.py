@@ -8,7 +8,7 @@ from test_miner import body_of, local_engine, signed_call, start_miner, world  #
 
 from protocol.client import MinerClient
 from protocol.schemas import GenerateRequest
-from protocol.signature import verify_response
+from protocol.signature import verify_final
 
 
 async def health_of(miner) -> str:
@@ -32,7 +32,7 @@ async def test_health_reports_a_dead_scheduler_and_its_recovery(world, start_min
     async with MinerClient(world.key("validator")) as client:
         result = await client.generate(miner.url, miner.hotkey, GenerateRequest(
             request_id="after-restart", prompt_token_ids=[1, 2, 3], max_tokens=2, temperature=0.0))
-    assert verify_response(result.final.signature, result.body, result.token_ids, miner.hotkey, result.final.seed)
+    assert verify_final(result.final, result.body, result.token_ids, miner.hotkey)
 
 
 def stored_nonces(miner) -> int:

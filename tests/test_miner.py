@@ -30,7 +30,7 @@ from protocol.auth import SQLiteNonceStore, sign_request
 from protocol.client import MinerClient, MinerHTTPError
 from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, SCORE_PATH, ErrorBody, ErrorEvent,
                               FinalMessage, GenerateRequest, ScoreRequest, TokenMessage, decode_event)
-from protocol.signature import verify_response
+from protocol.signature import verify_final, verify_response
 
 CONFIG = ModelConfig.tiny()
 MAX_CONTEXT = 1024
@@ -240,16 +240,15 @@ async def test_permitted_validator_gets_a_signed_stream_equal_to_a_direct_engine
     assert final.usage.prompt_tokens == len(PROMPT) and final.usage.completion_tokens == 8
     assert final.finish_reason == "length" and final.model_fingerprint == world.fingerprint
     assert final.timings.ttft_ms <= final.timings.total_ms
-    assert verify_response(final.signature, result.body, result.token_ids, miner.hotkey, final.seed)
-    assert not verify_response(final.signature, result.body, result.token_ids[:-1], miner.hotkey, final.seed)
+    assert verify_final(final, result.body, result.token_ids, miner.hotkey)
+    assert not verify_final(final, result.body, result.token_ids[:-1], miner.hotkey)
 
     text_ids = world.tokenizer.encode("The quick brown fox", add_bos=True)
     direct_text = await direct_run(engine.inner, text_ids,
                                    SamplingParams(max_tokens=6, temperature=0.9, seed=7))
     assert text_result.token_ids == [event.token_id for event in direct_text]
     assert text_result.final.usage.prompt_tokens == len(text_ids)
-    assert verify_response(text_result.final.signature, text_result.body, text_result.token_ids, miner.hotkey,
-                            text_result.final.seed)
+    assert verify_final(text_result.final, text_result.body, text_result.token_ids, miner.hotkey)
     # the seed is reported and signed: the request's (7), or one the engine drew, with which the answer replays
     assert text_result.final.seed == 7 and final.seed is not None
     assert not verify_response(text_result.final.signature, text_result.body, text_result.token_ids, miner.hotkey, 8)
@@ -458,7 +457,7 @@ async def test_a_flood_beyond_capacity_gets_prompt_429s_and_admitted_streams_com
         events = events_of(raw)
         ids = [t for e in events if isinstance(e, TokenMessage) for t in e.token_ids]
         assert ids == [e.token_id for e in direct]
-        assert verify_response(events[-1].signature, body, ids, miner.hotkey, events[-1].seed)
+        assert verify_final(events[-1], body, ids, miner.hotkey)
     assert miner.engine.inner.active_sequences == 0 and miner.budgets.streams_in_flight == 0
 
 
@@ -612,8 +611,7 @@ async def test_the_remote_engine_chosen_by_settings_streams_through_the_miner_an
             direct = await direct_run(backend, PROMPT, SamplingParams(max_tokens=6, logprobs=2))
             assert result.token_ids == [e.token_id for e in direct]
             assert result.logprobs == pytest.approx([e.logprob for e in direct], abs=1e-5)
-            assert verify_response(result.final.signature, result.body, result.token_ids, miner.hotkey,
-                                  result.final.seed)
+            assert verify_final(result.final, result.body, result.token_ids, miner.hotkey)
             assert (await client.capabilities(miner.url, miner.hotkey)).engine == "remote"
             await runner.cleanup()  # the backend goes away: the refusal comes at the first event
             runner = None

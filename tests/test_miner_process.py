@@ -15,7 +15,7 @@ import pytest
 from benchmarks.hostile import published_url
 from protocol.client import MinerClient
 from protocol.schemas import FinalMessage, GenerateRequest, TokenMessage
-from protocol.signature import verify_response
+from protocol.signature import verify_final
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0  # two cold Python processes importing torch on a busy 2-core machine
@@ -77,7 +77,7 @@ async def test_the_miner_process_publishes_serves_and_drains_on_sigterm(setup):
         assert (await client.health(url)).status == "ok"
         result = await client.generate(url, miner_hotkey, GenerateRequest(
             request_id="p-1", prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0))
-        assert verify_response(result.final.signature, result.body, result.token_ids, miner_hotkey, result.final.seed)
+        assert verify_final(result.final, result.body, result.token_ids, miner_hotkey)
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{setup['metrics']['miner']}/metrics") as response:
                 assert 'k3_miner_requests_total{endpoint="generate",status="200"} 1.0' in await response.text()
@@ -110,7 +110,7 @@ async def test_the_cheating_miner_script_serves_its_cheat(setup):
         result = await client.generate(url, hotkey, GenerateRequest(
             request_id="c-1", prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0))
     assert len(result.token_ids) == 4 and result.final.usage.completion_tokens > 4  # inflated
-    assert verify_response(result.final.signature, result.body, result.token_ids, hotkey, result.final.seed)
+    assert verify_final(result.final, result.body, result.token_ids, hotkey)
     code, log = await asyncio.to_thread(stop_and_collect, setup["processes"]["cheater"])
     assert code == 0, log
     assert "CHEATING MINER: cheat=inflate" in log

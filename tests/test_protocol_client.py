@@ -21,7 +21,7 @@ from protocol.schemas import (CAPABILITIES_PATH, GENERATE_PATH, HEALTH_PATH, NDJ
                               Capabilities, ErrorEvent, FinalMessage, GenerateRequest, Health, ProtocolError,
                               ScoredPositionMessage, ScoreRequest, ScoreResponse, Timings, TokenMessage, TopLogprob,
                               Usage, encode_event, encode_model, error_body, parse_generate, parse_score)
-from protocol.signature import encode_token_ids, response_digest, sign_response, verify_response
+from protocol.signature import encode_token_ids, response_digest, sign_response, verify_final, verify_response
 
 FAST = ClientTimeouts(connect=1.0, first_byte=2.0, between_events=2.0, total=10.0)
 # A timeout must fire no earlier than its bound and no later than this after it (2 busy cores).
@@ -227,8 +227,7 @@ async def test_generate_streams_typed_events_with_arrival_times(keys, miner, cli
     gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
     assert all(gap >= STEP_S * 0.8 for gap in gaps), gaps  # streamed, not buffered
     assert result.total_s >= arrivals[-1]
-    assert verify_response(result.final.signature, result.body, result.token_ids, keys["miner"].ss58_address,
-                           result.final.seed)
+    assert verify_final(result.final, result.body, result.token_ids, keys["miner"].ss58_address)
 
 
 async def test_stream_generate_yields_events_as_they_arrive(keys, miner, client):

@@ -181,7 +181,9 @@ async def test_sglang_generation_matches_the_reference_engine(model, mode, sampl
     assert final.completion_tokens == len(tokens) and final.prompt_tokens == len(PROMPT)
     body = server.bodies[-1]  # what the adapter sent passed SGLang's own request schema
     assert api.GenerateRequest.from_json_value(body).input_ids == PROMPT
-    assert body["sampling_params"].get("sampling_seed") == sampling.seed
+    # every request carries a seed (the request's, or one the adapter drew and the final event reports)
+    assert body["sampling_params"].get("sampling_seed") == (sampling.seed if sampling.seed is not None else final.seed)
+    assert final.seed is not None
 
 
 async def test_sglang_finish_reasons(served):

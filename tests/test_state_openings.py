@@ -24,7 +24,7 @@ from neurons.miner_app import AccessSettings, MinerServer, MinerSettings, Server
 from protocol.auth import SQLiteNonceStore
 from protocol.client import MinerClient
 from protocol.schemas import GenerateRequest
-from protocol.signature import verify_response
+from protocol.signature import verify_final, verify_response
 from scoring.openings import StateOpenings, judge_window
 from scoring.stage_judge import load_stage_envelopes
 
@@ -159,6 +159,7 @@ async def test_honest_miners_commit_and_every_block_opens_and_passes(world, mine
         c = final.state_commitment
         assert c is not None and c.boundaries == [3, 6, 9, 12, 13]
         assert c.positions == len(PROMPT) + len(result.token_ids) - 1
+        assert verify_final(final, result.body, result.token_ids, server.hotkey)
         assert verify_response(final.signature, result.body, result.token_ids, server.hotkey, final.seed, state_root=c.root)
         assert not verify_response(final.signature, result.body, result.token_ids, server.hotkey, final.seed)  # root covered
         precision = server.capabilities_document().decode()

@@ -329,7 +329,7 @@ def test_miner_protocol_serves_a_route_unchanged(swarm):
     from protocol.auth import SQLiteNonceStore
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest, ScoreRequest
-    from protocol.signature import verify_response
+    from protocol.signature import verify_final
 
     root = swarm["root"]
     people = {}
@@ -367,7 +367,7 @@ def test_miner_protocol_serves_a_route_unchanged(swarm):
                     request_id="swarm-1", prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0))
                 scored = await client.score(miner.url, hotkey, ScoreRequest(
                     request_id="swarm-2", token_ids=PROMPT[:8]))
-            ok = verify_response(result.final.signature, result.body, result.token_ids, hotkey, result.final.seed)
+            ok = verify_final(result.final, result.body, result.token_ids, hotkey)
             return caps, result.token_ids, ok, scored
         finally:
             await miner.close(grace_s=0.0)

@@ -26,8 +26,9 @@ import pytest
 from chain.devnet import DevnetChain
 from inference.serving import EngineSettings, EngineSpec, LocalEngine, load_reference_model
 from neurons.base.settings import ChainSettings, WalletSettings
-from neurons.validator_app import (AuditSettings, RoundSettings, ScoringSettings, ValidatorLoop, ValidatorSettings,
-                                   WeightSettings)
+from neurons.validator_app.rounds import ValidatorLoop
+from neurons.validator_app.settings import (AuditSettings, RoundSettings, ScoringSettings, ValidatorSettings,
+                                            WeightSettings)
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, MinerClient
 

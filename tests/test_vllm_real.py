@@ -320,7 +320,7 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
     from benchmarks.hostile import published_url
     from protocol.client import MinerClient
     from protocol.schemas import GenerateRequest
-    from protocol.signature import verify_response
+    from protocol.signature import verify_final
     from scoring.tier0 import check_tier0, validator_prompt_ids
     from scoring.tier1 import audit_tier1
 
@@ -353,8 +353,7 @@ async def test_a_miner_in_front_of_vllm_passes_the_validators_checks_and_audit(v
                                               seed=11, logprobs=5)
                     result = await client.generate(url, hotkey, request)
                     assert result.final is not None and len(result.token_ids) == result.final.usage.completion_tokens
-                    assert verify_response(result.final.signature, result.body, result.token_ids, hotkey,
-                                           result.final.seed)
+                    assert verify_final(result.final, result.body, result.token_ids, hotkey)
                     failures = check_tier0(None, result, tokenizer, caps, hotkey)
                     assert failures == [], failures
                     prompt_ids = validator_prompt_ids(request, tokenizer)

@@ -724,7 +724,7 @@ class LocalEngine(Engine):
 
     def _commit(self, seq: _Sequence):
         """The commitment to a finished answer's states (every position the model ran), kept for openings."""
-        log = seq.cache.state_log if seq.cache is not None else None
+        log = getattr(seq.cache, "state_log", None)  # caches of other engines (sharded) keep none
         if log is None or self.committed is None or seq.cache.length < 1:
             return None
         commitment, rows, levels = commit(log, seq.cache.length)
