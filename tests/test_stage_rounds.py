@@ -424,3 +424,24 @@ def test_the_decoy_hotkey_must_not_be_the_validators(tmp_path, make_wallets, tra
             decoy_keypair(settings)
 
 
+
+
+def test_outside_route_work_pays_a_blocks_checked_stages_by_their_own_work_not_by_the_drivers_choice():
+    """A route miner that keeps one route sends all its (genuine, requested) work to the stages it favours; pooled
+    per block and split by the work the validator's own driver spread by load, identical stages are paid alike,
+    while a blamed stage keeps only what it did and takes no share."""
+    from neurons.validator_app.stage_rounds import pooled_route_work
+    from scoring.stage_rewards import MinerWork
+
+    work = {1: MinerWork("a", 0, 10.0, layers=(0, 3)), 2: MinerWork("b", 0, 10.0, layers=(3, 9)),
+            3: MinerWork("c", 0, 10.0, layers=(3, 9)), 4: MinerWork("d", 0, 10.0, layers=(3, 9), failed_checks=["x"]),
+            5: MinerWork("e", 0, 10.0, layers=(9, 13))}
+    own = {1: 100, 2: 100, 3: 110, 4: 90, 5: 0}
+    outside = {1: 5000, 2: 5000, 3: 0, 4: 700, 5: 300}
+    tokens = pooled_route_work(work, own, outside)
+    assert tokens[1] == 5100  # alone in its block: all of it
+    assert tokens[2] == 100 + round(5000 * 100 / 210) and tokens[3] == 110 + round(5000 * 110 / 210)
+    assert 1 / 1.5 < tokens[2] / tokens[3] < 1.5  # the favoured stage and its identical rival: paid alike
+    assert tokens[4] == 790  # blamed (zeroed anyway): its own, no share of the others'
+    assert tokens[5] == 300  # no work of the validator's own in the block: left where it fell
+    assert sum(tokens[u] for u in (2, 3)) == 100 + 110 + 5000

@@ -72,6 +72,7 @@ log = logging.getLogger("k3.validator.stages")
 
 OWN_REQUEST_PREFIX = "stage-session-"  # request ids of the validator's own sessions (never sent to a stage)
 WORK_KINDS = ("validator_work", "gateway_work", "route_work")  # credited layer-tokens
+OWN_WORK_KINDS = ("validator_work", "gateway_work")  # of sessions the validator's own driver spread by load
 MAX_HELD_STEPS = 4096  # per driver: claimed steps waiting for the validator to measure their request
 # a request's route work is credited up to this many times its measured prompt and completion tokens (a verify step
 # of speculative decoding runs its drafts through every stage, and a recovery re-prefills)
@@ -114,6 +115,30 @@ class DecoyServer(StageServer):
         response = await super().handle_open(caller, body)
         self.watch(caller, (self.stage.layers.start, self.stage.layers.stop))
         return response
+
+
+def pooled_route_work(work: Mapping[int, MinerWork], own: Mapping[int, int],
+                      outside: Mapping[int, int]) -> dict[int, int]:
+    """Each stage's credited layer-tokens: its own (the validator's and its gateway's sessions, which the
+    validator's driver spreads over a block's stages by load for weight) plus a share of its block's route work of
+    outside drivers, in proportion to its own. An outside driver picks its routes, so the stages it favours would
+    otherwise take all the pay of the work it brings, and identical stages of a block end far apart; pooled per
+    block, the demand outside drivers bring pays the block's checked capacity, whichever stage they sent it to.
+    A block none of whose unblamed stages has work of the validator's own keeps its route work where it fell."""
+    blocks: dict[tuple, list[int]] = {}
+    for uid, w in work.items():
+        blocks.setdefault(w.layers, []).append(uid)
+    out = {}
+    for uids in blocks.values():
+        fair = [u for u in uids if not work[u].failed_checks]
+        pool = sum(outside[u] for u in fair)
+        base = sum(own[u] for u in fair)
+        for u in uids:
+            if work[u].failed_checks or base == 0:
+                out[u] = own[u] + outside[u]
+            else:
+                out[u] = own[u] + round(pool * own[u] / base)
+    return out
 
 
 class StageRounds:
@@ -588,16 +613,19 @@ class StageRounds:
         and the blame reasons within `blame_s`."""
         now = time.time() if now is None else now
         rows = self.store.stage_checks(since=now - max(self.window_s, self.blame_s))
-        out = {}
+        out, own, outside = {}, {}, {}
         for uid, sm in self.store.stage_miners().items():
             mine = [r for r in rows if r["hotkey"] == sm["hotkey"]]
             recent = [r for r in mine if r["at"] >= now - self.window_s]
-            tokens = sum(int(r["tokens"] or 0) for r in recent if r["kind"] in WORK_KINDS)
+            own[uid] = sum(int(r["tokens"] or 0) for r in recent if r["kind"] in OWN_WORK_KINDS)
+            outside[uid] = sum(int(r["tokens"] or 0) for r in recent if r["kind"] == "route_work")
             sampled = [r for r in recent if r["kind"] in ("session_check", "unchecked", "session_lie")]
             available = sum(r["kind"] != "unchecked" for r in sampled) / len(sampled) if sampled else 1.0
             blames = [f"{r['kind']}: {r['reason']}" for r in mine if r["blame"] and r["at"] >= now - self.blame_s]
             a, b = (int(x) for x in sm["layers"].split("-"))
-            out[uid] = MinerWork(sm["hotkey"], tokens, self._step_ms(sm), available, (a, b + 1), blames[-1:])
+            out[uid] = MinerWork(sm["hotkey"], 0, self._step_ms(sm), available, (a, b + 1), blames[-1:])
+        for uid, tokens in pooled_route_work(out, own, outside).items():
+            out[uid].verified_tokens = tokens
         return out
 
     def _step_ms(self, sm) -> float:
@@ -718,4 +746,4 @@ def attach_stage_rounds(loop, settings) -> Optional[StageRounds]:
 
 
 __all__ = ["DecoyServer", "OWN_REQUEST_PREFIX", "StageMiner", "StageRoundReport", "StageRounds", "attach_stage_rounds",
-           "decoy_keypair", "whole_model_work"]
+           "decoy_keypair", "pooled_route_work", "whole_model_work"]
