@@ -185,6 +185,32 @@ def test_each_cheater_is_blamed_within_its_limit(world, kind, limit):
     assert (not c.ok) or verdict(outcomes, env).blame, f"{kind} not blamed in {limit} sessions: {outcomes}"
 
 
+def test_two_adjacent_stages_covering_for_each_other_keep_the_answers_right_and_the_idle_one_is_blamed(world):
+    """pair-cover: the first stage of an operator's pair computes nothing (echo), the next runs both blocks. The
+    route's head sees what an honest route gives it, so the user's answers are right; the idle stage's own
+    recorded outputs do not follow from its recorded inputs, which its check finds."""
+    echo = CHEATS["pair-cover-echo"].from_checkpoint(ASSET, LayerRange(*BLOCKS[0], 13))
+    cover = CHEATS["pair-cover"].from_checkpoint(ASSET, LayerRange(*BLOCKS[1], 13), cover=BLOCKS[0][0])
+    last = Stage.from_checkpoint(ASSET, LayerRange(*BLOCKS[2], 13))
+    paired, honest = [RouteStage(echo), RouteStage(cover), RouteStage(last)], route_of(
+        Stage.from_checkpoint(ASSET, LayerRange(*BLOCKS[1], 13)))
+    rng = random.Random(4)
+    prompt = prompt_ids(rng, world["tokenizer"], 40)
+    plan = session_plan(rng, len(prompt), 6)
+    got = drive_session(paired, prompt, plan, temperature=0.0, seed=1, session="pair")
+    want = drive_session(honest, prompt, plan, temperature=0.0, seed=1, session="honest")
+    tokens = [[int(r.output.token_id) for r in run[2] if r.mode == "sample"] for run in (got, want)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) > 1  # the head's answers: the same tokens
+    env = world["envelopes"][("float32", "state")]
+    outcomes = []
+    for recorded in sessions(world, paired, 6, seed=9):
+        c = recheck_opened(recorded[0], world["references"][0], seed=3)
+        outcomes.append(env.outside(CheckStats.of(c)) if c.ok else f"exact: {c.reason}")
+        if not c.ok or verdict(outcomes, env).blame:
+            break
+    assert (not c.ok) or verdict(outcomes, env).blame, outcomes
+
+
 # ------------------------------------------------------------------ receipts
 KEYS = [Keypair.create_from_uri(f"//stage-check-{i}") for i in range(3)]
 DRIVER = Keypair.create_from_uri("//stage-check-driver")

@@ -48,6 +48,7 @@ class _Cheat(Stage):
     @classmethod
     def from_checkpoint(cls, checkpoint, layers, dtype=torch.float32, limits: StageLimits = StageLimits(), **kw):
         stage = super().from_checkpoint(checkpoint, layers, dtype, limits)
+        stage.source = checkpoint
         for k, v in kw.items():
             setattr(stage, k, v)
         stage.setup()
@@ -349,12 +350,11 @@ class PairCoverStage(_Cheat):
     first layer)."""
 
     cover = 0
-    checkpoint = ""
 
     def setup(self) -> None:
         whole = LayerRange(self.cover, self.layers.stop, self.config.num_layers)
         dtype = next(t.dtype for t in self.model.parameters() if t.is_floating_point())
-        self.model, _, _ = load_stage_model(self.checkpoint, whole, dtype)  # the fingerprint stays its own block's
+        self.model, _, _ = load_stage_model(self.source, whole, dtype)  # the fingerprint stays its own block's
 
     def _run(self, session, inputs):
         partner_blocks = blocks_before(self.cover, self.config.attn_res_block_size)
@@ -499,7 +499,7 @@ def _stage(args, spec: str, keypair):
         kw = {"session-liar": {"one_in": args.one_in}, "long-position-liar": {"from_position": args.from_position},
               "forwarder": {"forward_to": tuple(args.forward_to), "keypair": keypair},
               "driver-aware": {"watched": tuple(args.watched)},
-              "pair-cover": {"cover": args.cover, "checkpoint": args.checkpoint},
+              "pair-cover": {"cover": args.cover},
               "late-switch": {"honest_forwards": args.honest_forwards}}.get(kind, {})
         if len(parts) <= 3 and kind in CHEAT_DEFAULT_DTYPES:
             dtype = wire = CHEAT_DEFAULT_DTYPES[kind]
