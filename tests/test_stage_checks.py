@@ -36,8 +36,8 @@ ASSET = ROOT / "inference" / "model" / "assets" / "tiny_trained"
 ENVELOPE = ROOT / "scoring" / "envelopes" / "tiny_trained.json"
 BLOCKS = [(0, 3), (3, 9), (9, 13)]
 # cheat: most checked sessions (in the middle block) until blamed with the shipped envelope
-CHEATERS = {"echo": 4, "skip-layer": 4, "other-weights": 4, "sparse-liar": 4, "fewer-experts": 8, "quantized": 8,
-            "misdeclared": 4, "watch-aware": 4, "replay": 6}
+CHEATERS = {"echo": 5, "skip-layer": 5, "other-weights": 5, "sparse-liar": 5, "fewer-experts": 8, "quantized": 8,
+            "misdeclared": 5, "watch-aware": 5, "replay": 6}
 HONEST_SESSIONS = 6
 
 

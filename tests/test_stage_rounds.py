@@ -50,9 +50,9 @@ HONEST = {"h0": "0-2", "h1": "3-8", "h2": "9-12"}
 SPARES = {"s1": "3-8"}  # fp32, identical to h1
 BF16 = {"b1": "3-8"}
 # name: (kind, layers, most checked sessions until blamed; docs/verification.md, stage checks)
-CHEATERS = {"echo": ("echo", "3-8", 4), "fewer": ("fewer-experts", "3-8", 6), "sparse": ("sparse-liar", "3-8", 4),
-            "watch": ("watch-aware", "3-8", 4), "ledger": ("ledger-liar", "3-8", 1), "hide": ("refuse-ledger", "3-8", 4),
-            "skip": ("skip-layer", "9-12", 4)}
+CHEATERS = {"echo": ("echo", "3-8", 5), "fewer": ("fewer-experts", "3-8", 6), "sparse": ("sparse-liar", "3-8", 5),
+            "watch": ("watch-aware", "3-8", 5), "ledger": ("ledger-liar", "3-8", 1), "hide": ("refuse-ledger", "3-8", 5),
+            "skip": ("skip-layer", "9-12", 6)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -356,6 +356,57 @@ def test_route_work_is_credited_only_for_requests_the_validator_sent(swarm, tmp_
     assert out["weights"].get(8, 0.0) == 0.0 and out["weights"].get(7, 0.0) > 0.0
     store.close()
 
+
+
+def test_route_work_through_a_stage_the_round_did_not_find_waits_for_it_and_blames_nobody(swarm, tmp_path):
+    """A stage that was restarting when the validator's round looked for stage miners (or joined since) is not in
+    its list, yet an honest route driver's receipts name it: the claim is held, neither credited nor blamed, and
+    credited once a round has found the stage. Receipts naming a hotkey that is no serving neuron at all still
+    blame the driver."""
+    from neurons.route_miner import WorkReport
+    from protocol.stage import Hop
+
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    driver_key = swarm["wallets"]["driver"].hotkey
+    h1 = swarm["info"]["h1"]["hotkey"]
+
+    class Driver:
+        def __init__(self, records):
+            self.records = collections.deque(records)
+
+    async def scenario():
+        sr = await stage_rounds(swarm, store, list(HONEST), work_port=0)
+        sr.serving = {driver_key.ss58_address, *(swarm["info"][n]["hotkey"] for n in HONEST)}
+        found = dict(sr.miners)
+        del sr.miners[h1]  # the round did not reach it
+        hop = Hop(url=sr.work_server.url, hotkey=swarm["wallets"]["validator"].hotkey.ss58_address)
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            measured(store, "req-held", driver_key.ss58_address, prompt=20, completion=6)
+            out["held"] = await WorkReport(Driver(await driven_records(swarm, driver_key, "req-held")), driver_key,
+                                           hop).submit(http)
+            out["rows_while_held"] = [dict(r) for r in store.stage_checks()
+                                      if r["kind"] in ("route_work", "route_receipts")]
+            sr.miners = found  # the next round finds it
+            out["credited"] = sr.credit_held()
+            sr.serving.discard(h1)
+            del sr.miners[h1]  # gone from the chain: naming it is a forgery
+            measured(store, "req-gone", driver_key.ss58_address, prompt=20, completion=6)
+            out["gone"] = await WorkReport(Driver(await driven_records(swarm, driver_key, "req-gone")), driver_key,
+                                           hop).submit(http)
+        await sr.close()
+        return out
+
+    out = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert out["held"] == 200 and out["rows_while_held"] == []
+    work = [r for r in store.stage_checks() if r["kind"] == "route_work"]
+    assert out["credited"] > 0 and {r["request_id"] for r in work} == {"req-held"}
+    assert {r["hotkey"] for r in work} == {swarm["info"][n]["hotkey"] for n in HONEST}
+    assert out["gone"] == 422
+    blamed = [r for r in store.stage_checks() if r["blame"]]
+    assert [r["hotkey"] for r in blamed] == [driver_key.ss58_address] and "not a registered stage miner" in \
+        blamed[0]["reason"]
+    store.close()
 
 # ---------------------------------------------------------------- the stage-round settings (no stage processes)
 def stage_flags(ckpt, wallets_root, *more):

@@ -486,16 +486,28 @@ class StageRounds:
         now = time.time() if now is None else now
         credited = 0
         for driver, held in list(self._held.items()):
-            ready = [s for at, s in held if self.store.request_measurement(s.request_id, driver) is not None]
+            ready = [s for at, s in held if self.store.request_measurement(s.request_id, driver) is not None
+                     and not self._undiscovered(s)]
             self._held[driver] = [(at, s) for at, s in held if now - at < self.hold_s and s not in ready]
             if ready:
                 status, answer = self._credit_steps(ready, driver, hold=False)
                 credited += answer.get("credited_tokens", 0) if status == 200 else 0
         return credited
 
+    def _undiscovered(self, step) -> bool:
+        """Whether a claimed step names a serving neuron that the last round did not find as a stage miner (one that
+        joined since, or was restarting when the round looked): its receipts cannot be audited yet, which is no
+        sign of a lie. Such steps wait for a round that finds it (within `hold_s`), neither credited nor blamed."""
+        return any(r.stage not in self.miners and r.stage in self.serving for r in step.receipts)
+
     def _credit_steps(self, steps, driver: str, hold: bool) -> tuple[int, dict]:
         stages = {m.hotkey: m.info for m in self.miners.values()}
-        records, uncredited, held = self._asked_for(steps, driver, hold)
+        waiting = [s for s in steps if self._undiscovered(s)]
+        found = [s for s in steps if not self._undiscovered(s)]
+        room = max(0, MAX_HELD_STEPS - len(self._held.get(driver, ()))) if hold else 0
+        self._held.setdefault(driver, []).extend((time.time(), s) for s in waiting[:room])
+        records, uncredited, held = self._asked_for(found, driver, hold)
+        uncredited, held = uncredited + len(waiting[room:]), held + len(waiting[:room])
         registered = {h: (s.start, s.stop) for h, s in stages.items()}
         seen = _NewReceipts(self._credited)
         for rec in records:
