@@ -199,6 +199,7 @@ class Party:
     left: bool = False  # gone for good (a stage that left): not restarted
     busy: bool = False  # a fault is acting on it: the supervisor keeps its hands off
     ready_at: float = 0.0  # time.monotonic() when it last came to serve
+    bounded_mb: Optional[Callable[[], Optional[float]]] = None  # MiB it holds in a cache bounded by design (a stage's ledger)
 
 
 class Supervisor:
@@ -687,13 +688,16 @@ class ResourceSampler:
 
     def sample(self) -> None:
         at = now()
-        rows = [("harness", "harness", os.getpid(), 0)]
-        rows += [(p.name, p.role, p.process.pid, p.incarnation) for p in self.supervisor.parties.values()
+        rows = [("harness", "harness", os.getpid(), 0, None)]
+        rows += [(p.name, p.role, p.process.pid, p.incarnation, p.bounded_mb) for p in self.supervisor.parties.values()
                  if self.supervisor.alive(p) and not p.busy]
         with open(self.run_dir / RESOURCES_LOG, "a") as f:
-            for name, role, pid, incarnation in rows:
+            for name, role, pid, incarnation, bounded_mb in rows:
                 # the harness's children are the parties themselves: it counts alone
                 usage = process_usage(pid, children=name != "harness")
+                bounded = bounded_mb() if bounded_mb is not None else None
+                if usage is not None and bounded is not None:
+                    usage["bounded_mb"] = round(bounded, 1)
                 if usage is not None:
                     f.write(json.dumps({"at": at, "name": name, "role": role, "pid": pid, "incarnation": incarnation,
                                         **usage}) + "\n")

@@ -808,8 +808,19 @@ def soak_party(n: Neuron, run_dir: Path) -> Party:
         url = json.loads(ready_file.read_text())["url"].rstrip("/")
         return http_ok(url + ("/stage/health" if role == "stage" else "/health"))
 
+    def ledger_mb() -> float | None:
+        """The stage's ledger (bounded by --ledger-bytes and --ledger-retain-s), from its health; None when it does
+        not answer."""
+        try:
+            url = json.loads(ready_file.read_text())["url"].rstrip("/")
+            with urllib.request.urlopen(url + "/stage/health", timeout=2) as r:
+                return json.loads(r.read())["ledger_bytes"] / 2**20
+        except (OSError, ValueError, KeyError):
+            return None
+
     honest = not n.cheat and not n.kind.startswith("cheat")
-    return Party(n.name, role, n.wallet.hotkey.ss58_address, honest, launch, ready, log=n.log)
+    return Party(n.name, role, n.wallet.hotkey.ss58_address, honest, launch, ready, log=n.log,
+                 bounded_mb=ledger_mb if role == "stage" else None)
 
 
 def start_soak(args, run_dir: Path, neurons: list[Neuron], chain_spec: str, netuid: int,

@@ -204,6 +204,23 @@ def test_the_checker_attributes_requests_to_fault_windows_and_measures_restorati
     assert rows["pause"]["failed_twice"] == 1 and rows["kill"]["retried"] == 1
 
 
+
+def test_a_stage_is_judged_on_its_memory_less_its_bounded_ledger():
+    """RSS growth within the bound of a stage's ledger (its health reports the ledger's bytes) is the ledger filling
+    up, not a leak; growth beyond it, or of a process without such a cache, is."""
+    def samples(name, rss, ledger=None):
+        return [{"at": float(t), "name": name, "incarnation": 1, "rss_mb": rss(t), "fds": 20,
+                 **({"bounded_mb": ledger(t)} if ledger else {})} for t in range(0, 301, 5)]
+
+    filling = samples("stage1", lambda t: 300 + 0.4 * t, lambda t: 0.4 * t)
+    leaking = samples("stage2", lambda t: 300 + 0.6 * t, lambda t: 0.2 * t)
+    plain = samples("miner0", lambda t: 300 + 0.4 * t)
+    rows, _ = soak_check.resource_rows(filling + leaking + plain)
+    grew = {r["process"]: r["grew"] for r in rows}
+    assert grew == {"stage1": [], "stage2": ["RSS"], "miner0": ["RSS"]}
+    stage1 = next(r for r in rows if r["process"] == "stage1")
+    assert stage1["bounded_end_mb"] > stage1["bounded_warm_mb"] and stage1["rss_less_bounded_end_mb"] == 300
+
 # ------------------------------------------------------------------ a route through chain errors
 async def test_a_route_keeps_the_stages_it_knows_when_the_chain_cannot_be_read():
     from inference.model.config import ModelConfig

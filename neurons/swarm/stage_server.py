@@ -255,7 +255,8 @@ class StageServer:
         body = {"status": state, "layers": [st.layers.start, st.layers.stop], "hotkey": self.hotkey,
                 "sessions": len(st.sessions), "forwards": st.forwards, "tokens": st.tokens,
                 "step_ms": st.decode_ms, "evicted": st.evicted, "expired": st.expired,
-                "refused": self.refused, "rewinds": dict(self.rewinds)}
+                "refused": self.refused, "rewinds": dict(self.rewinds), "ledger_bytes": self.ledger.nbytes,
+                "ledger_max_bytes": self.ledger.max_bytes}
         if st.sharded:
             body["shards"] = {**st.shard_layout(), "restarts": st.shard_restarts, "lost_sessions": st.lost_sessions,
                               "pids": sorted(st.model.pids.values())}

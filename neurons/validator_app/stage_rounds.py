@@ -61,7 +61,7 @@ from neurons.validator_app.references import shared_reference
 from neurons.validator_app.route_work import RouteWorkServer
 from neurons.validator_app.session_audits import SessionAuditor, StageCheck, describe
 from neurons.validator_app.settings import ValidatorSetupError
-from protocol.stage import state_sha256
+from protocol.stage import state_sha256, verify_receipt
 from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import audit_receipts
 from scoring.stage_judge import load_stage_envelopes
@@ -495,10 +495,11 @@ class StageRounds:
         return credited
 
     def _undiscovered(self, step) -> bool:
-        """Whether a claimed step names a serving neuron that the last round did not find as a stage miner (one that
-        joined since, or was restarting when the round looked): its receipts cannot be audited yet, which is no
-        sign of a lie. Such steps wait for a round that finds it (within `hold_s`), neither credited nor blamed."""
-        return any(r.stage not in self.miners and r.stage in self.serving for r in step.receipts)
+        """Whether a claimed step holds a receipt its stage really signed, of a stage the last round did not find
+        (one that registered since, or was restarting when the round looked): its layers are not known yet, and
+        that is no sign of a lie. Such steps wait for a round that finds the stage (within `hold_s`), neither
+        credited nor blamed. A receipt not signed by the hotkey it names is a forgery whoever that is."""
+        return any(r.stage not in self.miners and verify_receipt(r) for r in step.receipts)
 
     def _credit_steps(self, steps, driver: str, hold: bool) -> tuple[int, dict]:
         stages = {m.hotkey: m.info for m in self.miners.values()}
