@@ -45,6 +45,7 @@ from inference.serving.builders import load_reference_model
 from inference.swarm.stage import HeadOutput, LayerRange, Stage
 from localnet.cheats.stage import CHEAT_DEFAULT_DTYPES, CHEATS
 from neurons.swarm.codec import decode_inputs, encode_state
+from neurons.swarm.route import NUMERICS_ORDER
 from scoring.corpus import code_snippet, paragraph
 from scoring.model_envelope import shipped_envelope
 from scoring.stage_checks import OpenedStep, recheck_opened, reference_stage
@@ -199,7 +200,8 @@ def checks_to_blame(ckpt: Path, kind: str, envelopes: dict, *, repeats: int, lim
     model, _, _ = load_reference_model(ckpt, verify=False)
     blocks = stage_blocks(config.num_layers, config.attn_res_block_size, 3)
     references = [reference_stage(model, a, b) for a, b in blocks]
-    dtype = DTYPES[CHEAT_DEFAULT_DTYPES.get(kind, "float32")]
+    dtype_name, wire = CHEAT_DEFAULT_DTYPES.get(kind, ("float32", "float32"))
+    dtype = DTYPES[dtype_name]
     runs = []
     for r in range(repeats):
         rng = random.Random(seed * 1000 + r)
@@ -207,9 +209,9 @@ def checks_to_blame(ckpt: Path, kind: str, envelopes: dict, *, repeats: int, lim
         extra = {"late-switch": {"honest_forwards": 40}}.get(kind, {})
         cheat = CHEATS[kind].from_checkpoint(ckpt, LayerRange(a, b, config.num_layers), dtype, **extra)
         route = [RouteStage(Stage.from_checkpoint(ckpt, LayerRange(*blocks[0], config.num_layers))),
-                 RouteStage(cheat, "bfloat16" if dtype == torch.bfloat16 else "float32"),
+                 RouteStage(cheat, wire),
                  RouteStage(Stage.from_checkpoint(ckpt, LayerRange(*blocks[2], config.num_layers)))]
-        env = envelopes[(cheat.numerics, "state")]
+        env = envelopes[(max(cheat.numerics, wire, key=NUMERICS_ORDER.index), "state")]  # as the validator judges
         outcomes, lying_tokens, blamed_at = [], 0, None
         for k in range(1, limit + 1):
             prompt = prompt_ids(rng, tokenizer, rng.randint(8, max_prompt))

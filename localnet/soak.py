@@ -199,7 +199,8 @@ class Party:
     left: bool = False  # gone for good (a stage that left): not restarted
     busy: bool = False  # a fault is acting on it: the supervisor keeps its hands off
     ready_at: float = 0.0  # time.monotonic() when it last came to serve
-    bounded_mb: Optional[Callable[[], Optional[float]]] = None  # MiB it holds in a cache bounded by design (a stage's ledger)
+    # MiB it holds in a cache bounded by design (a stage's ledger), or None
+    bounded_mb: Optional[Callable[[], Optional[float]]] = None
 
 
 class Supervisor:

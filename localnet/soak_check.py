@@ -338,14 +338,15 @@ def resource_rows(samples: list[dict]) -> tuple[list[dict], dict]:
                "rss_warm_mb": median_of(warm, "rss_mb"), "rss_end_mb": median_of(last, "rss_mb"),
                "fds_warm": median_of(warm, "fds"), "fds_end": median_of(last, "fds")}
         rss_key = "rss_mb"
-        if any("bounded_mb" in r for r in rows):  # a stage: its ledger fills up to its bound by design, the rest must not
+        if any("bounded_mb" in r for r in rows):  # a stage: its ledger fills to its bound by design, the rest must not
             for r in rows:
                 if "bounded_mb" in r:
                     r["rss_less_bounded_mb"] = r["rss_mb"] - r["bounded_mb"]
             warm, last = ([r for r in part if "bounded_mb" in r] for part in (warm, last))
             rss_key = "rss_less_bounded_mb"
             row.update(bounded_warm_mb=median_of(warm, "bounded_mb"), bounded_end_mb=median_of(last, "bounded_mb"),
-                       rss_less_bounded_warm_mb=median_of(warm, rss_key), rss_less_bounded_end_mb=median_of(last, rss_key))
+                       rss_less_bounded_warm_mb=median_of(warm, rss_key),
+                       rss_less_bounded_end_mb=median_of(last, rss_key))
         if warm and last and end - begin >= 3 * WARMUP_S:  # a minute after warm-up and a last one that do not overlap
             row["grew"] = [what for what, warm_value, end_value, slack in (
                 ("RSS", median_of(warm, rss_key), median_of(last, rss_key), GROWTH_SLACK_MB),

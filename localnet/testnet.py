@@ -1260,7 +1260,8 @@ ROUTE_SETTLE_S = 2 * ROUTE_REFRESH_S + 1.0  # after a blame, every route the rou
 
 def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: dict | None = None) -> bool:
     """Every cheating stage (and a cheating route driver) blamed and at weight 0 in weights set after its blame, no
-    honest stage (nor an honest driver) blamed, every honest stage checked and paid in those weights,
+    honest stage (nor an honest driver) blamed, every honest stage checked and paid in those weights (and an honest
+    route driver paid: answers it served through a stage since blamed are excused),
     at least MIN_ORGANIC organic requests served by the gateway, one of them sent ROUTE_SETTLE_S after the last blame
     and served through the gateway's own route of unblamed stages."""
     parties = rows + ([driver] if driver else [])
@@ -1272,6 +1273,8 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
     if not all(r["blame"]["blamed"] and r["weight"] == 0.0 and set_at > r["blame"]["at"] for r in cheaters):
         return False
     if not all(r["checked"] >= 1 and r["verified_tokens"] > 0 and r["weight"] > 0 for r in rows if not r["cheat"]):
+        return False
+    if driver and not driver["cheat"] and driver.get("weight", 0.0) <= 0:
         return False
     last = max(r["blame"]["at"] for r in cheaters)
     blamed = {r["hotkey"] for r in rows if r["cheat"]}

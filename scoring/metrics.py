@@ -255,6 +255,11 @@ class MeasurementWindow:
         for m in measurements:
             self.add(m)
 
+    def replace(self, old: Measurement, new: Measurement) -> None:
+        """Put `new` where `old` was (an answer whose failure turned out not to be its miner's)."""
+        rows = self._by_uid.get(old.uid, [])
+        rows[rows.index(old)] = new
+
     def rows(self, uid: Optional[int] = None, hotkey: Optional[str] = None,
              since: Optional[float] = None) -> list[Measurement]:
         pool = self._by_uid.get(uid, []) if uid is not None else [m for ms in self._by_uid.values() for m in ms]

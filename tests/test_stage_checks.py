@@ -25,6 +25,7 @@ from inference.serving.builders import load_reference_model
 from inference.swarm.stage import HeadOutput, LayerRange, Stage
 from localnet.cheats.stage import CHEAT_DEFAULT_DTYPES, CHEATS
 from neurons.swarm.codec import encode_ids
+from neurons.swarm.route import NUMERICS_ORDER
 from protocol.stage import sign_receipt, state_sha256
 from scoring.stage_checks import (OpenedStep, audit_receipts, compare_heads, compare_states, recheck_opened,
                                   reference_stage)
@@ -172,10 +173,10 @@ def test_honest_stages_stay_inside_their_envelope(world, dtype, wire):
 
 @pytest.mark.parametrize("kind, limit", CHEATERS.items())
 def test_each_cheater_is_blamed_within_its_limit(world, kind, limit):
-    dtype = {"bfloat16": torch.bfloat16}.get(CHEAT_DEFAULT_DTYPES.get(kind, ""), torch.float32)
-    cheat = CHEATS[kind].from_checkpoint(ASSET, LayerRange(*BLOCKS[1], 13), dtype)
-    route = route_of(cheat, "bfloat16" if dtype == torch.bfloat16 else "float32")
-    env = world["envelopes"][(cheat.numerics, "state")]
+    dtype_name, wire = CHEAT_DEFAULT_DTYPES.get(kind, ("float32", "float32"))
+    cheat = CHEATS[kind].from_checkpoint(ASSET, LayerRange(*BLOCKS[1], 13), getattr(torch, dtype_name))
+    route = route_of(cheat, wire)
+    env = world["envelopes"][(max(cheat.numerics, wire, key=NUMERICS_ORDER.index), "state")]  # the validator's
     outcomes = []
     for recorded in sessions(world, route, limit, seed=len(kind)):
         c = recheck_opened(recorded[1], world["references"][1], seed=3)

@@ -51,8 +51,8 @@ SPARES = {"s1": "3-8"}  # fp32, identical to h1
 BF16 = {"b1": "3-8"}
 # name: (kind, layers, most checked sessions until blamed; docs/verification.md, stage checks)
 CHEATERS = {"echo": ("echo", "3-8", 5), "fewer": ("fewer-experts", "3-8", 6), "sparse": ("sparse-liar", "3-8", 5),
-            "watch": ("watch-aware", "3-8", 5), "ledger": ("ledger-liar", "3-8", 1), "hide": ("refuse-ledger", "3-8", 5),
-            "skip": ("skip-layer", "9-12", 6)}
+            "watch": ("watch-aware", "3-8", 5), "ledger": ("ledger-liar", "3-8", 1),
+            "hide": ("refuse-ledger", "3-8", 5), "skip": ("skip-layer", "9-12", 6)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -407,6 +407,46 @@ def test_route_work_through_a_stage_the_round_did_not_find_waits_for_it_and_blam
     blamed = [r for r in store.stage_checks() if r["blame"]]
     assert [r["hotkey"] for r in blamed] == [driver_key.ss58_address] and "not a registered stage miner" in \
         blamed[0]["reason"]
+    store.close()
+
+
+def test_a_route_drivers_failed_answer_through_a_stage_since_blamed_is_excused(tmp_path):
+    """The route miner served an answer through a stage that lied (not yet blamed: the driver could not know) and
+    failed its audit: once the stage is blamed, the answer is excused (neither verified nor a failure), in the
+    validator's window and its store. A failure on a route of honest stages, and a whole-model miner's, stand."""
+    from neurons.validator_app.stage_rounds import excuse_route_failures
+    from scoring.metrics import MeasurementWindow
+
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    now = time.time()
+
+    def answer(request_id, hotkey, uid, hard):
+        return Measurement(uid=uid, hotkey=hotkey, at=now - 30, kind="chat", request_id=request_id,
+                           outcome="completed", prompt_tokens=20, completion_tokens=6, audits=1,
+                           audit_failures=int(hard), quality=0.0 if hard else 1.0, hard_failure=hard,
+                           failures="replay_mismatch (hard)" if hard else "")
+
+    rows = [answer("r-liar", "driver", 5, True), answer("r-fine", "driver", 5, False),
+            answer("r-honest-route", "driver", 5, True), answer("r-miner", "miner", 6, True)]
+    store.add_measurements([(m, None) for m in rows], 1)
+    window = MeasurementWindow()
+    window.extend(rows)
+    for request_id, route in (("r-liar", ("s0", "liar", "s2")), ("r-fine", ("s0", "spare", "s2")),
+                              ("r-honest-route", ("s0", "spare", "s2"))):
+        for hotkey in route:
+            store.add_stage_check(dict(hotkey=hotkey, kind="route_work", passed=1, blame=0, tokens=26,
+                                       request_id=request_id, origin="driver"))
+    assert excuse_route_failures(store, window, now - 3600) == 0  # nobody blamed yet
+    store.add_stage_check(dict(hotkey="liar", kind="session_check", passed=0, blame=1,
+                               reason="verdict: 5 of its last 5 checks lie outside the honest float32 envelope"))
+    assert excuse_route_failures(store, window, now - 3600) == 1
+    got = {m.request_id: m for m in window.rows()}
+    assert got["r-liar"].outcome == "excused" and not got["r-liar"].hard_failure and not got["r-liar"].audit_failures
+    assert "stage liar" in got["r-liar"].failures and "replay_mismatch" in got["r-liar"].failures
+    assert got["r-honest-route"].hard_failure and got["r-miner"].hard_failure and got["r-fine"].outcome == "completed"
+    stored = store.request_measurement("r-liar", "driver")
+    assert stored["outcome"] == "excused" and not stored["hard_failure"]
+    assert excuse_route_failures(store, window, now - 3600) == 0  # once
     store.close()
 
 # ---------------------------------------------------------------- the stage-round settings (no stage processes)

@@ -410,7 +410,8 @@ class LyingLedgerServer(StageServer):
         return out
 
 
-CHEAT_DEFAULT_DTYPES = {"misdeclared": "bfloat16"}  # a cheat that only exists in a dtype other than float32
+# a cheat that only exists in numerics other than float32: (the dtype it computes in, its wire dtype)
+CHEAT_DEFAULT_DTYPES = {"misdeclared": ("bfloat16", "float32")}  # bf16 compute behind float32 declared end to end
 
 
 CHEATS = {"other-weights": OtherWeightsStage, "skip-layer": SkipLayerStage, "echo": EchoStage,
@@ -502,7 +503,7 @@ def _stage(args, spec: str, keypair):
               "pair-cover": {"cover": args.cover},
               "late-switch": {"honest_forwards": args.honest_forwards}}.get(kind, {})
         if len(parts) <= 3 and kind in CHEAT_DEFAULT_DTYPES:
-            dtype = wire = CHEAT_DEFAULT_DTYPES[kind]
+            dtype, wire = CHEAT_DEFAULT_DTYPES[kind]
         stage = CHEATS[kind].from_checkpoint(args.checkpoint, rng, _DTYPES[dtype], limits, **kw)
     return name, kind, stage, wire
 

@@ -56,7 +56,7 @@ from neurons.validator_app.gateway_route import RouteAndMiners, start_gateway_ro
 from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.references import shared_reference
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
-from neurons.validator_app.stage_rounds import attach_stage_rounds, whole_model_work
+from neurons.validator_app.stage_rounds import attach_stage_rounds, excuse_route_failures, whole_model_work
 from neurons.validator_app.store import ValidatorStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalMessage
@@ -768,6 +768,8 @@ class ValidatorLoop:
         """Score every serving miner over the window, update the EMA, save both (one transaction)."""
         now = time.time()
         self.window.prune(now)
+        if self.stage is not None:  # a route driver's failures on a route through a stage since blamed
+            excuse_route_failures(self.store, self.window, now - self.window.keep_s)
         hotkeys = {n.uid: n.hotkey for n in serving}
         coldkeys = {n.uid: n.coldkey for n in serving}
         scores = score_miners(self.window, self.config, now, hotkeys, coldkeys)

@@ -629,6 +629,23 @@ class ValidatorStore:
                                  "kind = 'route_work'", (request_id,)).fetchone()
         return int(row[0])
 
+    def blamed_stages(self, since: float) -> dict[str, str]:
+        """Stage miners blamed since `since` (not route drivers: their blame is for receipts): hotkey -> reason."""
+        return {r[0]: r[1] for r in self._conn.execute("SELECT hotkey, reason FROM stage_checks WHERE blame = 1 AND "
+                                                       "at >= ? AND kind != 'route_receipts' ORDER BY id", (since,))}
+
+    def route_stages(self, request_id: str, driver: str) -> set[str]:
+        """The stages credited with route work of `driver` for the request `request_id` (its route)."""
+        return {r[0] for r in self._conn.execute("SELECT DISTINCT hotkey FROM stage_checks WHERE request_id = ? AND "
+                                                 "origin = ? AND kind = 'route_work'", (request_id, driver))}
+
+    def excuse_measurement(self, request_id: str, hotkey: str, why: str) -> None:
+        """The answer to `request_id` of `hotkey` counts neither as verified nor as a failure: `why`."""
+        with self._transaction() as conn:
+            conn.execute("UPDATE measurements SET outcome = 'excused', audits = 0, audit_failures = 0, "
+                         "hard_failure = 0, quality = NULL, failures = ? WHERE request_id = ? AND hotkey = ?",
+                         (why, request_id, hotkey))
+
     def stage_blame(self, hotkey: str, since: float, kind: Optional[str] = None) -> list[sqlite3.Row]:
         """The checks that blamed `hotkey` since `since` (of one kind, when given)."""
         return [r for r in self.stage_checks(since, hotkey) if r["blame"] and (kind is None or r["kind"] == kind)]
