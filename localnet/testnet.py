@@ -1232,7 +1232,7 @@ def swarm_driver(route: Neuron, view: dict) -> dict:
     return {"name": route.name, "hotkey": hotkey, "cheat": route.cheat, "uid": miner.get("uid"),
             "weight": miner.get("weight", 0.0), "blamed": blame["blamed"], "reason": blame.get("reason"),
             "blame": blame, "credited_tokens": sum(int(c["tokens"] or 0) for c in checks if c["kind"] == "route_work"
-                                                   and (c["reason"] or "").endswith(hotkey))}
+                                                   and f"driver {hotkey} " in (c["reason"] or ""))}
 
 
 def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:
