@@ -805,15 +805,16 @@ def soak_party(n: Neuron, run_dir: Path) -> Party:
             return http_ok(f"http://127.0.0.1:{n.port}/health")
         if not ready_file.exists():
             return False
-        url = json.loads(ready_file.read_text())["url"].rstrip("/")
-        return http_ok(url + ("/stage/health" if role == "stage" else "/health"))
+        return http_ok(served_url() + ("/stage/health" if role == "stage" else "/health"))
+
+    def served_url() -> str:
+        return json.loads(ready_file.read_text())["url"].rstrip("/")
 
     def ledger_mb() -> float | None:
         """The stage's ledger (bounded by --ledger-bytes and --ledger-retain-s), from its health; None when it does
         not answer."""
         try:
-            url = json.loads(ready_file.read_text())["url"].rstrip("/")
-            with urllib.request.urlopen(url + "/stage/health", timeout=2) as r:
+            with urllib.request.urlopen(served_url() + "/stage/health", timeout=2) as r:
                 return json.loads(r.read())["ledger_bytes"] / 2**20
         except (OSError, ValueError, KeyError):
             return None

@@ -414,6 +414,8 @@ def test_a_route_drivers_failed_answer_through_a_stage_since_blamed_is_excused(t
     """The route miner served an answer through a stage that lied (not yet blamed: the driver could not know) and
     failed its audit: once the stage is blamed, the answer is excused (neither verified nor a failure), in the
     validator's window and its store. A failure on a route of honest stages, and a whole-model miner's, stand."""
+    from dataclasses import replace
+
     from neurons.validator_app.stage_rounds import excuse_route_failures
     from scoring.metrics import MeasurementWindow
 
@@ -447,6 +449,13 @@ def test_a_route_drivers_failed_answer_through_a_stage_since_blamed_is_excused(t
     stored = store.request_measurement("r-liar", "driver")
     assert stored["outcome"] == "excused" and not stored["hard_failure"]
     assert excuse_route_failures(store, window, now - 3600) == 0  # once
+    late = answer("r-after", "driver", 5, True)  # served through the stage after its blame: it could have avoided it
+    late = replace(late, at=time.time() + 1)
+    store.add_measurements([(late, None)], 2)
+    window.add(late)
+    store.add_stage_check(dict(hotkey="liar", kind="route_work", passed=1, blame=0, tokens=26, request_id="r-after",
+                               origin="driver"))
+    assert excuse_route_failures(store, window, now - 3600) == 0
     store.close()
 
 # ---------------------------------------------------------------- the stage-round settings (no stage processes)

@@ -142,18 +142,20 @@ def pooled_route_work(work: Mapping[int, MinerWork], own: Mapping[int, int],
 
 
 def excuse_route_failures(store, window, since: float) -> int:
-    """A route driver's answer that failed its audits on a route through a stage since blamed was the stage's
-    lie, not the driver's: the driver could not know before the validator did. Each such measurement in the
-    validator's `window` (and in `store`) is excused: neither verified work nor a failure. How many."""
+    """A route driver's answer that failed its audits on a route through a stage blamed after it was the stage's
+    lie, not the driver's: the driver could not know before the validator did (a failure after the blame could
+    have avoided the stage, and stands). Each such measurement in the validator's `window` (and in `store`) is
+    excused: neither verified work nor a failure. How many."""
     failed = [m for m in window.rows(since=since)
               if (m.hard_failure or m.audit_failures) and m.request_id and m.outcome != "excused"]
     blamed = store.blamed_stages(since) if failed else {}
     excused = 0
     for m in failed if blamed else []:
-        liar = next((h for h in sorted(store.route_stages(m.request_id, m.hotkey)) if h in blamed), None)
+        liar = next((h for h in sorted(store.route_stages(m.request_id, m.hotkey))
+                     if h in blamed and m.at < blamed[h][0]), None)
         if liar is None:
             continue
-        why = f"excused: served through stage {liar}, since blamed ({blamed[liar][:160]}); was: {m.failures}"
+        why = f"excused: served through stage {liar}, since blamed ({blamed[liar][1][:160]}); was: {m.failures}"
         window.replace(m, replace(m, outcome="excused", audits=0, audit_failures=0, quality=None,
                                   hard_failure=False, failures=why[:1000]))
         store.excuse_measurement(m.request_id, m.hotkey, why[:1000])

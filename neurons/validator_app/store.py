@@ -629,10 +629,14 @@ class ValidatorStore:
                                  "kind = 'route_work'", (request_id,)).fetchone()
         return int(row[0])
 
-    def blamed_stages(self, since: float) -> dict[str, str]:
-        """Stage miners blamed since `since` (not route drivers: their blame is for receipts): hotkey -> reason."""
-        return {r[0]: r[1] for r in self._conn.execute("SELECT hotkey, reason FROM stage_checks WHERE blame = 1 AND "
-                                                       "at >= ? AND kind != 'route_receipts' ORDER BY id", (since,))}
+    def blamed_stages(self, since: float) -> dict[str, tuple[float, str]]:
+        """Stage miners blamed since `since` (not route drivers: their blame is for receipts): hotkey -> (when it
+        was first blamed, why)."""
+        out: dict[str, tuple[float, str]] = {}
+        for hotkey, at, reason in self._conn.execute("SELECT hotkey, at, reason FROM stage_checks WHERE blame = 1 "
+                                                     "AND at >= ? AND kind != 'route_receipts' ORDER BY id", (since,)):
+            out.setdefault(hotkey, (at, reason))
+        return out
 
     def route_stages(self, request_id: str, driver: str) -> set[str]:
         """The stages credited with route work of `driver` for the request `request_id` (its route)."""
