@@ -9,7 +9,7 @@ validator, whose permit is on a devnet), the validator's SQLite store and its St
 weights and the model's measured stage envelope.
 
 1. Through the honest route: every answer is served; every stage is credited the layer-tokens it served
-   (`gateway_work`) and every session (audit rate 1) is checked clean; the work is in the stage weights and in
+   (`gateway_work`), before the gateway ends the user's answer, and every session (audit rate 1) is checked clean; the work is in the stage weights and in
    `validator.py status`; the same records presented again credit nothing.
 2. Through a route with the cheater: the users are still answered; each of its sessions is checked after the fact
    and lies outside the honest envelope; after a few the cheater is blamed (a `verdict` row), and no honest stage.
@@ -89,6 +89,24 @@ def world(tmp_path_factory, make_wallets, make_subnet, trained_checkpoint):
         stop_hosts(procs)
 
 
+class CreditedBeforeAnswered(RouteAndMiners):
+    """The gateway's directory, noting how many `gateway_work` rows the store holds for a route attempt's request
+    when the gateway's hook returns, before the gateway writes the answer's end to the user."""
+
+    def __init__(self, store, *args):
+        super().__init__(*args)
+        self.store = store
+        self.rows_at_answer: list[int] = []
+
+    def record_organic(self, *, uid, hotkey, outcome, **kw):
+        done = super().record_organic(uid=uid, hotkey=hotkey, outcome=outcome, **kw)
+        if uid == ROUTE_UID:
+            rid = outcome.request.request_id
+            self.rows_at_answer.append(sum(1 for r in self.store.stage_checks()
+                                           if r["kind"] == "gateway_work" and r["request_id"] == rid))
+        return done
+
+
 async def complete(http, url: str, prompt: str, stream: bool) -> tuple[int, str, str]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stream": stream}
     async with http.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
@@ -129,7 +147,8 @@ def test_gateway_route_work_is_credited_and_checked_and_a_cheater_blamed(world, 
                              route_log=str(tmp_path / "routes.jsonl"))
         await route.start()
         await sr._ensure_model()
-        gateway = GatewayServer(RouteAndMiners(NoMiners(), route, "first"), MinerClient(validator),
+        directory = CreditedBeforeAnswered(store, NoMiners(), route, "first")
+        gateway = GatewayServer(directory, MinerClient(validator),
                                 world["tokenizer"], GatewaySettings(enabled=True, port=0, model_name=MODEL,
                                                                     api_keys_file=str(world["keys"]), max_attempts=1))
         await gateway.start()
@@ -138,6 +157,7 @@ def test_gateway_route_work_is_credited_and_checked_and_a_cheater_blamed(world, 
                 # 1. the honest route
                 out["answers"] = [await complete(http, gateway.url, "def add(a, b):", False),
                                   await complete(http, gateway.url, "import os\n", True)]
+                out["rows_at_answer"] = list(directory.rows_at_answer)
                 out["honest"] = [await settled(route, 1), await settled(route, 2)]
                 records = [r for r in store.stage_checks() if r["kind"] == "gateway_work"]
                 out["work"], out["weights"] = sr.stage_work(), with_stage_miners({}, {}, sr.evidence())
@@ -167,6 +187,8 @@ def test_gateway_route_work_is_credited_and_checked_and_a_cheater_blamed(world, 
     for status, uid, text in [*out["answers"], *out["cheated"], out["spare"]]:
         assert status == 200 and uid == str(ROUTE_UID), text[:300]
     assert "data: [DONE]" in out["answers"][1][2]
+    # the stages were credited before the users' answers ended (a validator killed after answering loses nothing)
+    assert len(out["rows_at_answer"]) == 2 and all(n > 0 for n in out["rows_at_answer"]), out["rows_at_answer"]
     rows = store.stage_checks()
     for s in out["honest"]:
         assert s["checked"] == 3 * s["sessions"] and not s["outside"] and not s["problems"] and not s["blamed"], s

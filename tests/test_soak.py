@@ -72,10 +72,10 @@ def test_the_soak_blames_no_honest_party_the_route_driver_included(soak):
     assert not soak["report"]["honest_blames"], soak["report"]["honest_blames"]
 
 
-@pytest.mark.xfail(strict=False, reason="credits of route-served organic requests not yet settled live in the "
-                   "validator's memory and are lost when it is killed before it settles them (docs/localnet.md)")
 @pytest.mark.timeout(1700)
 def test_the_soak_loses_no_route_record(soak):
+    """A request the validator's route served is credited to its stages before the user's answer ends
+    (neurons/validator_app/gateway_route.py): a validator killed afterwards has lost nothing."""
     assert not soak["report"]["records"]["lost"], soak["report"]["records"]
 
 

@@ -4,10 +4,12 @@
 the validator's own route engine: the same `RouteEngine` and route driver (neurons/validator_app/stage_rounds.py)
 that drive the validator's own stage sessions, so a stage sees one driver and one kind of session. The gateway
 talks to it as to any miner (`RouteAndMiners` adds it to the validator's ranking, first or last), so tier 0 and
-failover apply unchanged. After each organic attempt through the route, `settle()` hands what the driver recorded
-to `StageRounds.settle`: every step's receipts are audited and the stages credited the layer-tokens they served
-(`gateway_work` rows), and a share of the sessions (--gateway-route-audit-rate) is checked after the fact from
-the stages' ledgers, every stage re-run on the validator's reference (neurons/validator_app/session_audits.py).
+failover apply unchanged. After each organic attempt through the route, before the gateway ends the user's answer,
+`credit()` audits every step's receipts of that request and credits the stages the layer-tokens they served
+(`gateway_work` rows, StageRounds.credit_finished: nothing awaited, so a validator killed once the user was
+answered has lost no record); then `settle()` (StageRounds.settle) credits what was left, and a share of the
+sessions (--gateway-route-audit-rate) is checked after the fact from the stages' ledgers, every stage re-run on
+the validator's reference (neurons/validator_app/session_audits.py).
 
 The driver re-reads the stages and the validator's blames every `--gateway-route-refresh-s` (and at once after a
 blame of its own), and with `--gateway-route-log FILE` appends one JSON line {"at", "route": [stage hotkeys]} per
@@ -81,6 +83,14 @@ class GatewayRoute:
     def target(self, score: float = 1.0) -> MinerTarget:
         return MinerTarget(ROUTE_UID, self.hotkey, self.server.url, score)
 
+    def credit(self, request_id: Optional[str]) -> None:
+        """Credit the stages at once for the request the route just served (StageRounds.credit_finished), before
+        the gateway ends the user's answer: the record outlives a validator killed right after."""
+        try:
+            self.stage_rounds.credit_finished(request_id)
+        except Exception:  # noqa: BLE001 (settle() credits what this could not; the user is answered either way)
+            log.exception("crediting the route's request %s failed", request_id)
+
     async def settle(self) -> Optional[dict]:
         """Credit and check what the route drove since the last settle (StageRounds.settle); after a blame the
         driver re-reads its directory at once, so the blamed stage leaves the route."""
@@ -116,6 +126,7 @@ class RouteAndMiners:
 
     def record_organic(self, *, uid, hotkey, outcome, **kw):
         if uid == ROUTE_UID and hotkey == self.route.hotkey:
+            self.route.credit(getattr(getattr(outcome, "request", None), "request_id", None))
             return self.route.settle()
         hook = getattr(self.miners, "record_organic", None)
         return hook(uid=uid, hotkey=hotkey, outcome=outcome, **kw) if hook is not None else None

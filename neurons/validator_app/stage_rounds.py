@@ -37,6 +37,7 @@ step time, the share of their sampled checks that could be made (availability), 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import random
@@ -214,6 +215,8 @@ class StageRounds:
         self._own: dict[str, None] = {}
         self._finished: dict[str, None] = {}
         self._settling = asyncio.Lock()
+        self._unchecked: collections.deque = collections.deque()  # (steps, stages, own) credited, to check
+        self._unsettled = _no_sessions()  # what was credited since the last settle
         self._audits: set[asyncio.Task] = set()  # checks of claimed route work, in the background
         self._claimed: dict[str, list[StepRecord]] = {}  # session -> the steps drivers claimed of it (bounded)
         self._held: dict[str, list] = {}  # driver -> [(when, claimed step)] whose request is not measured yet
@@ -341,40 +344,61 @@ class StageRounds:
         return 1
 
     # ------------------------------------------------------------ settling recorded sessions
+    def credit_finished(self, request_id: Optional[str] = None) -> dict:
+        """Credit at once, without awaiting anything, every complete session the validator's driver recorded:
+        closed, or of a request whose generation ended (`request_id`, marked ended here). The gateway calls it
+        before it writes the answer's end to the user, so a validator killed once the user was answered has
+        lost no record of the work; the sessions' checks wait for `settle()`. Returns what it credited."""
+        if request_id:
+            _remember(self._finished, request_id)
+        if self.driver is None:
+            return {"sessions": 0, "credited_tokens": 0, "problems": []}
+        return self._credit_done({s.hotkey: s for s in self.driver.known_stages()})
+
     async def settle(self) -> dict:
         """Credit and check every step the validator's driver recorded since the last settle (module doc, 3).
-        Returns a summary: sessions, credited layer-tokens, checks made, outside, blamed hotkeys."""
+        Returns a summary: sessions, credited layer-tokens, checks made, outside, blamed hotkeys (with what
+        `credit_finished` credited since the last settle)."""
         async with self._settling:
-            records, open_ = [], []
-            while self.driver is not None and self.driver.records:
-                rec = self.driver.records.popleft()
-                done = rec.session in self.driver.closed or rec.request_id in self._finished
-                (records if done else open_).append(rec)
-            if self.driver is not None:
-                self.driver.records.extendleft(reversed(open_))  # sessions still running: settled once closed
             stages = {s.hotkey: s for s in (await self.driver.stages() if self.driver else [])}
-            stages.update({m.hotkey: m.info for m in self.miners.values() if m.hotkey not in stages})
-            return await self._settle(records, stages, self.keypair.ss58_address)
+            self._credit_done(stages)
+            out, self._unsettled = {**self._unsettled, "checked": 0, "outside": 0, "blamed": []}, _no_sessions()
+            while self._unchecked:
+                recs, known, own = self._unchecked.popleft()
+                if own or self.rng.random() < self.organic_audit_rate:
+                    await self._check(recs, known, "validator" if own else "organic", out)
+            return out
 
-    async def _settle(self, records: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str) -> dict:
+    def _credit_done(self, stages: dict[str, StageInfo]) -> dict:
+        """Take the driver's records of complete sessions, audit and credit them (module doc, 3), and queue them
+        for their checks; what was credited is added to the next settle's summary."""
+        records, open_ = [], []
+        while self.driver is not None and self.driver.records:
+            rec = self.driver.records.popleft()
+            done = rec.session in self.driver.closed or rec.request_id in self._finished
+            (records if done else open_).append(rec)
+        if self.driver is not None:
+            self.driver.records.extendleft(reversed(open_))  # sessions still running: credited once closed
+        stages.update({m.hotkey: m.info for m in self.miners.values() if m.hotkey not in stages})
         sessions: dict[str, list[StepRecord]] = {}
         for rec in records:
             sessions.setdefault(rec.session, []).append(rec)
-        out = {"sessions": len(sessions), "credited_tokens": 0, "checked": 0, "outside": 0, "blamed": [],
-               "problems": []}
+        out = _no_sessions()
+        out["sessions"] = len(sessions)
         for session, recs in sessions.items():
             own = any(r.request_id in self._own for r in recs)
-            kind = "validator_work" if own else "gateway_work"
-            problem = self._credit(recs, stages, driver, kind)
+            problem = self._credit(recs, stages, self.keypair.ss58_address,
+                                   "validator_work" if own else "gateway_work")
             if problem:
                 out["problems"].append(problem)
                 continue
             out["credited_tokens"] += sum(int(r.input_specs[0].shape[0]) * len(r.receipts) for r in recs)
-            if own or self.rng.random() < self.organic_audit_rate:
-                await self._check(recs, stages, "validator" if own else "organic", out)
+            self._unchecked.append((recs, stages, own))
         for r in records:
             self._own.pop(r.request_id, None)
             self._finished.pop(r.request_id, None)
+        for key in out:
+            self._unsettled[key] += out[key]
         return out
 
     def _credit(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str,
@@ -677,6 +701,10 @@ class StageRounds:
 
 
 MAX_OWN = 10_000
+
+
+def _no_sessions() -> dict:
+    return {"sessions": 0, "credited_tokens": 0, "problems": []}
 
 
 def _remember(ids: dict, key: str) -> None:
