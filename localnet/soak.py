@@ -199,7 +199,7 @@ class Party:
     left: bool = False  # gone for good (a stage that left): not restarted
     busy: bool = False  # a fault is acting on it: the supervisor keeps its hands off
     ready_at: float = 0.0  # time.monotonic() when it last came to serve
-    # MiB it holds in a cache bounded by design (a stage's ledger), or None
+    # MiB it holds in a store bounded by design (a stage's ledger, a miner's committed states), or None
     bounded_mb: Optional[Callable[[], Optional[float]]] = None
 
 

@@ -810,18 +810,22 @@ def soak_party(n: Neuron, run_dir: Path) -> Party:
     def served_url() -> str:
         return json.loads(ready_file.read_text())["url"].rstrip("/")
 
-    def ledger_mb() -> float | None:
-        """The stage's ledger (bounded by --ledger-bytes and --ledger-retain-s), from its health; None when it does
-        not answer."""
+    def bounded_mb() -> float | None:
+        """What the party holds by design in a store bounded in bytes and age, from its health: a stage's ledger
+        (--ledger-bytes, --ledger-retain-s), a whole-model miner's committed states (--commit-max-bytes,
+        --commit-retain-s); None when it does not answer or keeps none."""
+        url, key = ((served_url() + "/stage/health", "ledger_bytes") if role == "stage"
+                    else (f"http://127.0.0.1:{n.port}/health", "committed_bytes"))
         try:
-            with urllib.request.urlopen(served_url() + "/stage/health", timeout=2) as r:
-                return json.loads(r.read())["ledger_bytes"] / 2**20
+            with urllib.request.urlopen(url, timeout=2) as r:
+                kept = json.loads(r.read())[key]
         except (OSError, ValueError, KeyError):
             return None
+        return kept / 2**20 if isinstance(kept, (int, float)) else None
 
     honest = not n.cheat and not n.kind.startswith("cheat")
     return Party(n.name, role, n.wallet.hotkey.ss58_address, honest, launch, ready, log=n.log,
-                 bounded_mb=ledger_mb if role == "stage" else None)
+                 bounded_mb=bounded_mb if role in ("stage", "miner") else None)
 
 
 def start_soak(args, run_dir: Path, neurons: list[Neuron], chain_spec: str, netuid: int,

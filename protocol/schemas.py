@@ -544,6 +544,9 @@ class Health(_WireModel):
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
     status: Literal["ok", "degraded", "down"]
     detail: str = Field("", max_length=1024)
+    # memory the answers' committed states hold, bounded by design (--commit-max-bytes, --commit-retain-s); None
+    # from an engine that does not commit
+    committed_bytes: Optional[int] = Field(None, ge=0)
 
 
 # ---------------------------------------------------------------- encoding / parsing

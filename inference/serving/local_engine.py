@@ -191,6 +191,12 @@ class LocalEngine(Engine):
         if close is not None:
             await asyncio.get_running_loop().run_in_executor(None, close)
 
+    @property
+    def committed_bytes(self) -> int | None:
+        """Memory the answers' committed states hold (bounded by commit_max_bytes and commit_retain_s); None when
+        this engine does not commit."""
+        return self.committed.nbytes if self.committed is not None else None
+
     def health(self) -> EngineHealth:
         problem = self._scheduler_problem()
         if problem is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -207,6 +208,9 @@ class StateLog:
         return torch.cat(self._rows[boundary])[:positions]
 
 
+HASH_HELD_BYTES = sys.getsizeof(bytes(32)) + 8  # one 32-byte hash in a tree: the bytes object and its list slot
+
+
 @dataclass
 class CommittedAnswer:
     """One answer's states and trees, kept for openings."""
@@ -219,7 +223,8 @@ class CommittedAnswer:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() * 4 for r in self.rows.values()) + sum(32 * sum(len(lv) for lv in levels)
+        """The memory it holds: its rows, and each tree's hashes as Python holds them (object and list slot)."""
+        return sum(r.numel() * 4 for r in self.rows.values()) + sum(HASH_HELD_BYTES * sum(len(lv) for lv in levels)
                                                                      for levels in self.levels.values())
 
 

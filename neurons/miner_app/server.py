@@ -451,9 +451,11 @@ class MinerServer:
         if watch.last_error is not None:
             problems.append(f"metagraph stale: using block {watch.snapshot.block} read {watch.age_s:.0f} s ago; "
                             f"the latest read failed ({watch.last_error})")
+        kept = getattr(self.engine, "committed_bytes", None)
         if problems:
-            return Health(status="degraded", detail="; ".join(problems))
-        return Health(status="ok", detail=f"metagraph block {watch.snapshot.block} read {watch.age_s:.0f} s ago")
+            return Health(status="degraded", detail="; ".join(problems), committed_bytes=kept)
+        return Health(status="ok", detail=f"metagraph block {watch.snapshot.block} read {watch.age_s:.0f} s ago",
+                      committed_bytes=kept)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         engine_metrics = getattr(self.engine, "metrics", None)
