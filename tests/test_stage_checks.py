@@ -29,6 +29,7 @@ from neurons.swarm.route import NUMERICS_ORDER
 from protocol.stage import sign_receipt, state_sha256
 from scoring.stage_checks import (OpenedStep, audit_receipts, compare_heads, compare_states, recheck_opened,
                                   reference_stage)
+from scoring.model_envelope import binomial_tail
 from scoring.stage_judge import (CheckStats, NumericsEnvelope, StageEnvelopeError, derive_envelope,
                                  load_stage_envelopes, parse_stage_section, stage_envelope_section, verdict)
 
@@ -40,6 +41,7 @@ BLOCKS = [(0, 3), (3, 9), (9, 13)]
 CHEATERS = {"echo": 5, "skip-layer": 5, "other-weights": 5, "sparse-liar": 5, "fewer-experts": 8, "quantized": 8,
             "misdeclared": 5, "watch-aware": 5, "replay": 6}
 HONEST_SESSIONS = 6
+HONEST_SEEDS = {"float32": 1, "bfloat16": 2, "float16": 3}  # fixed: the same sessions on every run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,7 +161,7 @@ def test_honest_stages_stay_inside_their_envelope(world, dtype, wire):
     route = route_of(middle, wire, dtype)
     numerics = str(dtype).split(".")[-1]
     outcomes = {i: [] for i in range(3)}
-    for recorded in sessions(world, route, HONEST_SESSIONS, seed=hash(numerics) % 1000):
+    for recorded in sessions(world, route, HONEST_SESSIONS, seed=HONEST_SEEDS[numerics]):
         for i, (ref, steps) in enumerate(zip(world["references"], recorded)):
             c = recheck_opened(steps, ref, seed=7)
             assert c.ok, c.reason
@@ -167,8 +169,10 @@ def test_honest_stages_stay_inside_their_envelope(world, dtype, wire):
             outcomes[i].append(world["envelopes"][(numerics, kind)].outside(CheckStats.of(c)))
     for i, got in outcomes.items():
         kind = "head" if i == 2 else "state"
-        assert not verdict(got, world["envelopes"][(numerics, kind)]).blame, (i, got)
-        assert sum(map(bool, got)) <= 1, got
+        envelope = world["envelopes"][(numerics, kind)]
+        assert not verdict(got, envelope).blame, (i, got)
+        # and no more checks outside than the envelope's measured share makes likely (1 in 1,000 for an honest stage)
+        assert binomial_tail(len(got), sum(map(bool, got)), envelope.p_outside) > 1e-3, (envelope.p_outside, got)
 
 
 @pytest.mark.parametrize("kind, limit", CHEATERS.items())
