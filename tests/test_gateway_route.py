@@ -9,8 +9,9 @@ validator, whose permit is on a devnet), the validator's SQLite store and its St
 weights and the model's measured stage envelope.
 
 1. Through the honest route: every answer is served; every stage is credited the layer-tokens it served
-   (`gateway_work`), before the gateway ends the user's answer, and every session (audit rate 1) is checked clean; the work is in the stage weights and in
-   `validator.py status`; the same records presented again credit nothing.
+   (`gateway_work`), before the gateway ends the user's answer, and every session (audit rate 1) is checked
+   clean; the work is in the stage weights and in `validator.py status`; the same records presented again credit
+   nothing.
 2. Through a route with the cheater: the users are still answered; each of its sessions is checked after the fact
    and lies outside the honest envelope; after a few the cheater is blamed (a `verdict` row), and no honest stage.
 3. The cheater is then left out of the route (trust); the spare carries the next request and is credited.
