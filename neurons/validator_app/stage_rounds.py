@@ -12,7 +12,8 @@ Nothing a stage can observe tells a check from traffic, because every check is t
 3. **Settle** (`settle`): every recorded step of the driver, whoever asked for it, has its receipts audited
    (signed by the stages for the layers they announce, chained from what the driver sent, never credited
    before) and each stage is credited the step's tokens (`validator_work` for the validator's own sessions,
-   `gateway_work` for organic ones). Then a share of the sessions (all of the validator's own, `organic_audit_rate`
+   `gateway_work` for organic ones; an organic request's steps are credited at once, `credit_finished`, before
+   the gateway ends the user's answer). Then a share of the sessions (all of the validator's own, `organic_audit_rate`
    of the organic ones) is checked after the fact (neurons/validator_app/session_audits.py): the stages' ledgers
    are read, every byte checked against what was signed, and every stage re-run on the validator's reference of
    its block over exactly its recorded inputs. Each check is a `session_check` row with its statistics and
@@ -352,7 +353,7 @@ class StageRounds:
         if request_id:
             _remember(self._finished, request_id)
         if self.driver is None:
-            return {"sessions": 0, "credited_tokens": 0, "problems": []}
+            return _no_sessions()
         return self._credit_done({s.hotkey: s for s in self.driver.known_stages()})
 
     async def settle(self) -> dict:
@@ -363,7 +364,7 @@ class StageRounds:
             stages = {s.hotkey: s for s in (await self.driver.stages() if self.driver else [])}
             self._credit_done(stages)
             out, self._unsettled = {**self._unsettled, "checked": 0, "outside": 0, "blamed": []}, _no_sessions()
-            while self._unchecked:
+            for _ in range(len(self._unchecked)):  # those credited since come with the next settle
                 recs, known, own = self._unchecked.popleft()
                 if own or self.rng.random() < self.organic_audit_rate:
                     await self._check(recs, known, "validator" if own else "organic", out)
