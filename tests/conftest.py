@@ -39,12 +39,16 @@ torch.set_num_threads(1)
 # ---------------------------------------------------------------- two workers (pytest-xdist, scripts/test.sh)
 # Files whose tests take longest (seconds on the 2-core CI machine), run first so that the two workers
 # finish together (xdist hands out whole files in this order: --dist loadfile --no-loadscope-reorder).
+# The soak first, on one worker for its 6 minutes, while the other runs files with no `exclusive` test (an exclusive
+# test waits for every running test to end, the soak's included), then the files that have them.
 SLOW_FILES_FIRST = (
-    "test_soak.py", "test_validator_e2e.py", "test_localnet.py", "test_vllm_real.py", "test_stage_rounds.py",
-    "test_envelope_bf16_cheats.py", "test_gateway_route.py", "test_speculative_route.py",
-    "test_benchmark_endpoint.py", "test_sharded.py", "test_selfcheck_endpoint.py", "test_swarm.py",
-    "test_scoring_verify.py", "test_scoring_envelope.py", "test_lm_eval.py", "test_metrics.py",
-    "test_packaging.py", "test_hostile_miner.py", "test_cli.py", "test_engine.py",
+    "test_soak.py", "test_localnet.py", "test_stage_rounds.py", "test_envelope_bf16_cheats.py",
+    "test_gateway_route.py", "test_speculative_route.py", "test_sharded.py", "test_selfcheck_endpoint.py",
+    "test_swarm.py", "test_scoring_envelope.py", "test_lm_eval.py", "test_sharded_pipelined_engine.py",
+    "test_swarm_shard_restart.py",
+    "test_validator_e2e.py", "test_vllm_real.py", "test_validator_sampling.py", "test_hostile_miner.py",
+    "test_benchmark_endpoint.py", "test_scoring_verify.py", "test_metrics.py", "test_packaging.py", "test_cli.py",
+    "test_engine.py",
 )
 
 
