@@ -345,16 +345,15 @@ class StageRounds:
         return 1
 
     # ------------------------------------------------------------ settling recorded sessions
-    def credit_finished(self, request_id: Optional[str] = None) -> dict:
+    def credit_finished(self, request_id: Optional[str] = None) -> None:
         """Credit at once, without awaiting anything, every complete session the validator's driver recorded:
         closed, or of a request whose generation ended (`request_id`, marked ended here). The gateway calls it
         before it writes the answer's end to the user, so a validator killed once the user was answered has
-        lost no record of the work; the sessions' checks wait for `settle()`. Returns what it credited."""
+        lost no record of the work; the sessions' checks wait for `settle()`."""
         if request_id:
             _remember(self._finished, request_id)
-        if self.driver is None:
-            return _no_sessions()
-        return self._credit_done({s.hotkey: s for s in self.driver.known_stages()})
+        if self.driver is not None:
+            self._credit_done({s.hotkey: s for s in self.driver.known_stages()})
 
     async def settle(self) -> dict:
         """Credit and check every step the validator's driver recorded since the last settle (module doc, 3).
@@ -370,7 +369,7 @@ class StageRounds:
                     await self._check(recs, known, "validator" if own else "organic", out)
             return out
 
-    def _credit_done(self, stages: dict[str, StageInfo]) -> dict:
+    def _credit_done(self, stages: dict[str, StageInfo]) -> None:
         """Take the driver's records of complete sessions, audit and credit them (module doc, 3), and queue them
         for their checks; what was credited is added to the next settle's summary."""
         records, open_ = [], []
@@ -384,8 +383,8 @@ class StageRounds:
         sessions: dict[str, list[StepRecord]] = {}
         for rec in records:
             sessions.setdefault(rec.session, []).append(rec)
-        out = _no_sessions()
-        out["sessions"] = len(sessions)
+        out = self._unsettled
+        out["sessions"] += len(sessions)
         for session, recs in sessions.items():
             own = any(r.request_id in self._own for r in recs)
             problem = self._credit(recs, stages, self.keypair.ss58_address,
@@ -398,9 +397,6 @@ class StageRounds:
         for r in records:
             self._own.pop(r.request_id, None)
             self._finished.pop(r.request_id, None)
-        for key in out:
-            self._unsettled[key] += out[key]
-        return out
 
     def _credit(self, recs: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str,
                 kind: str) -> Optional[str]:
