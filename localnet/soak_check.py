@@ -22,8 +22,10 @@ judges the soak's criteria (docs/localnet.md):
   organic `measurements` row of its request id, a route's answer as `gateway_work` rows of its request id (at
   most ROUTE_CREDIT_ROOM x its tokens per stage: more would be a duplicate); `PRAGMA integrity_check` of the
   validator's store and the devnet;
-- resources: per process, RSS and open descriptors over its longest-lived run: the median of the samples of
-  the minute after WARMUP_S, and of its last minute; it grew when the second exceeds the first by more than
+- resources: per process, RSS and open descriptors over its longest-lived run: for RSS the median of the samples
+  of the minute after WARMUP_S, and of its last minute; for descriptors the fewest open in each of those minutes
+  (the connections of the requests in flight come and go with the traffic, 14 to 60 for a route; a leaked
+  descriptor is never closed and raises the floor); it grew when the second exceeds the first by more than
   GROWTH_LIMIT and by more than the slack (GROWTH_SLACK_MB, GROWTH_SLACK_FDS: the allocator's and the connection
   pools' noise at these sizes); and each store's size at the soak's start and end.
 
@@ -71,6 +73,10 @@ def read_lines(path: Path) -> list[dict]:
 
 def median_of(rows: list[dict], key: str) -> Optional[float]:
     return statistics.median(r[key] for r in rows) if rows else None
+
+
+def least_of(rows: list[dict], key: str) -> Optional[float]:
+    return min(r[key] for r in rows) if rows else None
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -336,7 +342,7 @@ def resource_rows(samples: list[dict]) -> tuple[list[dict], dict]:
         row = {"process": name, "incarnation": rows[0]["incarnation"], "runs": sum(1 for k in runs if k[0] == name),
                "span_s": round(end - begin), "rss_start_mb": rows[0]["rss_mb"],
                "rss_warm_mb": median_of(warm, "rss_mb"), "rss_end_mb": median_of(last, "rss_mb"),
-               "fds_warm": median_of(warm, "fds"), "fds_end": median_of(last, "fds")}
+               "fds_warm": least_of(warm, "fds"), "fds_end": least_of(last, "fds")}
         rss_key = "rss_mb"
         if any("bounded_mb" in r for r in rows):  # a stage: its ledger fills to its bound by design, the rest must not
             for r in rows:

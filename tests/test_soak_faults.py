@@ -221,6 +221,23 @@ def test_a_stage_is_judged_on_its_memory_less_its_bounded_ledger():
     stage1 = next(r for r in rows if r["process"] == "stage1")
     assert stage1["bounded_end_mb"] > stage1["bounded_warm_mb"] and stage1["rss_less_bounded_end_mb"] == 300
 
+
+def test_descriptors_grow_only_when_their_floor_rises():
+    """A route's descriptors swing with the requests in flight (its connections to the stages open and close with
+    each session): a busy last minute is not a leak; descriptors that are never closed raise the floor, and are."""
+    def samples(name, fds):
+        return [{"at": float(t), "name": name, "incarnation": 1, "rss_mb": 300.0, "fds": fds(t)}
+                for t in range(0, 301, 5)]
+
+    def swinging(t):  # quiet in the first minute after warm-up, bursts of 60 open connections at the end
+        return 60 if t > 240 and t % 15 else 14
+
+    rows, _ = soak_check.resource_rows(samples("route", swinging) + samples("leaky", lambda t: 14 + t // 5))
+    grew = {r["process"]: r["grew"] for r in rows}
+    assert grew == {"route": [], "leaky": ["descriptors"]}
+    route = next(r for r in rows if r["process"] == "route")
+    assert (route["fds_warm"], route["fds_end"]) == (14, 14)
+
 # ------------------------------------------------------------------ a route through chain errors
 async def test_a_route_keeps_the_stages_it_knows_when_the_chain_cannot_be_read():
     from inference.model.config import ModelConfig
