@@ -54,7 +54,7 @@ def test_a_five_minute_soak_keeps_serving_and_sets_weights_through_every_kind_of
     records = report["records"]
     assert criteria["store integrity (validator, devnet)"]["met"], records
     assert not records["duplicated"] and records["without_request_id"] == 0, records
-    assert set(records["lost"]) == set(records["lost_route_served"]), records
+    assert not records["lost"], records  # a kill after a full disk included (neurons/validator_app/spill.py)
     # no honest stage miner blamed by a session check, whatever faults it met (a fault is never a lie)
     stage_blames = [b for b in report["honest_blames"] if b["what"].startswith("blamed") and b["party"] != "route"]
     assert not stage_blames, stage_blames

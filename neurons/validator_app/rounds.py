@@ -57,7 +57,7 @@ from neurons.validator_app.metrics import serve_validator_metrics
 from neurons.validator_app.references import shared_reference
 from neurons.validator_app.settings import ValidatorSettings, ValidatorSetupError
 from neurons.validator_app.stage_rounds import attach_stage_rounds, excuse_route_failures, whole_model_work
-from neurons.validator_app.store import ValidatorStore
+from neurons.validator_app.store import DEFERRED_RETRY_S, ValidatorStore
 from protocol.client import ClientTimeouts, GenerateResult, MinerClient, MinerError, MinerStreamError, MinerTimeout
 from protocol.schemas import Capabilities, ErrorEvent, FinalMessage
 from scoring.audit_sequence import AuditRecord, AuditSequence, CheckedAnswer, Verification
@@ -378,6 +378,7 @@ class ValidatorLoop:
         max_rounds = self.settings.rounds.max_rounds if max_rounds is None else max_rounds
         weights = (asyncio.create_task(self.weights_loop(stop), name="k3-weights")
                    if self.settings.weights.enabled else None)
+        kept_rows = asyncio.create_task(self.write_deferred_rows(stop), name="k3-deferred-rows")
         ran = 0
         try:
             while not stop.is_set():
@@ -391,11 +392,23 @@ class ValidatorLoop:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), wait)
         finally:
-            if weights is not None:
-                weights.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await weights
+            for task in (weights, kept_rows):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         return ran
+
+    async def write_deferred_rows(self, stop: asyncio.Event) -> None:
+        """Write the rows a full disk kept back as soon as it has room (store.py), not only with the next row."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), DEFERRED_RETRY_S)
+            if self.store.deferred_rows:
+                try:
+                    self.store.write_deferred()
+                except sqlite3.Error as error:
+                    log.warning("cannot write the rows a full disk kept back yet: %s", error)
 
     async def _round_unless_stopped(self, stop: asyncio.Event) -> bool:
         """One round; a stop cuts it short (what was measured is already stored). False when the

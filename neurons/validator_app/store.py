@@ -31,8 +31,11 @@ measurements) while the validator runs. Each write is its own short transaction.
 
 A full disk: a write transaction that fails with SQLite's "database or disk is full" rolls back. Rows that are
 only ever appended (measurements, failures, audits, stage checks) are then kept in memory, in order, and written
-with the next append once the disk has room (`deferred_rows`); up to MAX_DEFERRED_ROWS, beyond which the error
-goes to the caller. Other writes (a round's scores, weights, miners) raise it and are made again later.
+with the next append or `write_deferred()` (the validator calls it every DEFERRED_RETRY_S) once the disk has room
+(`deferred_rows`); up to MAX_DEFERRED_ROWS, beyond which the error goes to the caller. They are also kept in a
+spill file off the disk (neurons/validator_app/spill.py), which the next process to open the database writes in,
+so a validator killed while its disk is full loses none of them. Other writes (a round's scores, weights,
+miners) raise it and are made again later.
 Test-only: while the file named by the environment variable `K3_TEST_STORE_FULL_FILE` exists, every transaction
 that changed something fails at COMMIT exactly so (the local testnet's soak fills the validator's disk this way,
 docs/localnet.md).
@@ -52,11 +55,15 @@ from inference.version import __version__
 from scoring.metrics import COLUMNS, Measurement, MeasurementWindow
 from scoring.rewards import EmaEntry, MinerScore
 
+from .spill import RowSpill, SpillError
+
 log = logging.getLogger("k3.validator.store")
 SOURCES = ("validator", "organic")
 STORE_FULL_FILE_ENV = "K3_TEST_STORE_FULL_FILE"  # test-only (module doc)
 DISK_FULL = "database or disk is full"  # SQLite's message for SQLITE_FULL
 MAX_DEFERRED_ROWS = 100_000  # appended rows kept in memory while the disk is full
+DEFERRED_RETRY_S = 1.0  # how often the validator tries again to write them
+APPEND_ONLY_TABLES = ("measurements", "failures", "audits", "stage_checks")
 
 # Measurement columns as SQLite types (the dataclass holds only scalars).
 _MEASUREMENT_TYPES = {
@@ -206,7 +213,9 @@ class ValidatorStore:
         self.path = Path(path).expanduser()
         self.readonly = readonly
         self._full_file = os.environ.get(STORE_FULL_FILE_ENV, "")
-        self._deferred: list[tuple[str, list[tuple]]] = []  # appends not yet written (disk full), oldest first
+        # appends not yet written (disk full), oldest first: (table, columns, rows)
+        self._deferred: list[tuple[str, Sequence[str], list[tuple]]] = []
+        self._spill = RowSpill(self.path)
         if readonly and not self.path.exists():
             raise ValidatorStoreError(f"no validator database at {self.path}: run the validator first "
                                       f"(python neurons/validator.py run --db {self.path} ...)")
@@ -228,6 +237,8 @@ class ValidatorStore:
                 self._conn.execute("PRAGMA synchronous=NORMAL")
                 self._create()
             self._check_schema()
+            if not readonly:
+                self._replay_spill()
         except sqlite3.DatabaseError as error:
             self._conn.close()
             raise ValidatorStoreError(f"{self.path} is not a usable validator database: {error}") from None
@@ -323,33 +334,74 @@ class ValidatorStore:
     def _transaction(self) -> "_Transaction":
         return self._Transaction(self._conn, self._full_file)
 
-    def _append(self, sql: str, rows: list[tuple]) -> None:
+    def _append(self, table: str, columns: Sequence[str], rows: list[tuple]) -> None:
         """Insert rows of an append-only table, after any kept back by a full disk (module doc)."""
         if not rows:
             return
-        self._deferred.append((sql, rows))
+        self._deferred.append((table, columns, rows))
         try:
-            with self._transaction() as conn:
-                for statement, values in self._deferred:
-                    conn.executemany(statement, values)
+            self._write_kept()
         except sqlite3.OperationalError as error:
-            kept = sum(len(values) for _, values in self._deferred)
+            kept = self.deferred_rows
             if DISK_FULL not in str(error) or kept > MAX_DEFERRED_ROWS:
                 self._deferred.pop()
                 raise
             if len(self._deferred) == 1:
                 log.warning("validator database %s: the disk is full; keeping new rows in memory until it has room",
                             self.path)
-            return
-        if len(self._deferred) > 1:
+            self._spill.add(table, columns, rows)
+
+    def write_deferred(self) -> int:
+        """Write the rows a full disk kept back, if it has room now; the number still kept back."""
+        if self._deferred:
+            try:
+                self._write_kept()
+            except sqlite3.OperationalError as error:
+                if DISK_FULL not in str(error):
+                    raise
+        return self.deferred_rows
+
+    def _write_kept(self) -> None:
+        """Insert every kept batch in one transaction (with the id of their spill, if any), then forget them."""
+        with self._transaction() as conn:
+            for table, columns, values in self._deferred:
+                conn.executemany(_insert_sql(table, columns), values)
+            if self._spill.id is not None:
+                self._set_meta(conn, "spill_written", self._spill.id)
+        if len(self._deferred) > 1 or self._spill.id is not None:
             log.info("validator database %s: wrote %d rows kept back while the disk was full", self.path,
-                     sum(len(values) for _, values in self._deferred[:-1]))
+                     self.deferred_rows)
+        if self._spill.id is not None:
+            self._spill.discard()
         self._deferred.clear()
+
+    def _replay_spill(self) -> None:
+        """Take up the rows an earlier process kept back in its spill and could not write (spill.py)."""
+        columns = {t: {r["name"] for r in self._conn.execute(f"PRAGMA table_info({t})")} for t in APPEND_ONLY_TABLES}
+        try:
+            spill_id, batches = self._spill.read(columns)
+        except (SpillError, OSError) as error:
+            log.warning("validator database %s: a spill of rows kept back by a full disk cannot be read: %s",
+                        self.path, error)
+            return
+        if spill_id is None:
+            return
+        if self._meta("spill_written") == spill_id:  # written before a kill took the process, not yet deleted
+            self._spill.discard()
+            return
+        self._spill.id = spill_id
+        self._deferred = list(batches)
+        if not batches:
+            self._spill.discard()
+            return
+        log.info("validator database %s: %d rows an earlier process kept back while the disk was full", self.path,
+                 self.deferred_rows)
+        self.write_deferred()
 
     @property
     def deferred_rows(self) -> int:
         """Appended rows kept in memory because the disk was full (written with the next append)."""
-        return sum(len(values) for _, values in self._deferred)
+        return sum(len(values) for _, _, values in self._deferred)
 
     # ------------------------------------------------------------ meta
     def _meta(self, key: str) -> Optional[str]:
@@ -383,9 +435,7 @@ class ValidatorStore:
         """(measurement, tier-0 CPU seconds) pairs, committed at once."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-        columns = ", ".join(f'"{c}"' for c in COLUMNS)
-        marks = ", ".join("?" for _ in COLUMNS)
-        self._append(f"INSERT INTO measurements (round, source, tier0_cpu_s, {columns}) VALUES (?, ?, ?, {marks})",
+        self._append("measurements", ("round", "source", "tier0_cpu_s", *COLUMNS),
                      [(round_number, source, cpu_s, *_measurement_values(m)) for m, cpu_s in rows])
 
     def load_window(self, window_s: float, keep_s: Optional[float] = None,
@@ -447,8 +497,8 @@ class ValidatorStore:
         now = time.time()
         values = [(r.get("at", now), round_number, r["uid"], r["hotkey"], r.get("request_id"), r.get("kind"),
                    r["check"], str(r["reason"])[:2000], int(bool(r.get("hard", False))), source) for r in rows]
-        self._append("INSERT INTO failures (at, round, uid, hotkey, request_id, kind, check_name, reason, hard, "
-                     "source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        self._append("failures", ("at", "round", "uid", "hotkey", "request_id", "kind", "check_name", "reason",
+                                  "hard", "source"), values)
 
     def failures(self, uid: Optional[int] = None, since: Optional[float] = None) -> list[sqlite3.Row]:
         clauses, args = [], []
@@ -467,8 +517,7 @@ class ValidatorStore:
                   "failures", "cpu_s", "wall_s")
         values = [row.get(f) for f in fields]
         values[0] = values[0] or time.time()
-        self._append(f"INSERT INTO audits (round, {', '.join(fields)}) VALUES (?, {', '.join('?' for _ in fields)})",
-                     [(round_number, *values)])
+        self._append("audits", ("round", *fields), [(round_number, *values)])
 
     def audits(self, uid: Optional[int] = None) -> list[sqlite3.Row]:
         if uid is None:
@@ -611,8 +660,7 @@ class ValidatorStore:
         values = [row.get(f) for f in self._STAGE_CHECK_FIELDS]
         values[0] = values[0] or time.time()
         values[1] = values[1] or 0
-        self._append(f"INSERT INTO stage_checks ({', '.join(self._STAGE_CHECK_FIELDS)}) VALUES "
-                     f"({', '.join('?' for _ in self._STAGE_CHECK_FIELDS)})", [tuple(values)])
+        self._append("stage_checks", self._STAGE_CHECK_FIELDS, [tuple(values)])
 
     def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None) -> list[sqlite3.Row]:
         return self._conn.execute("SELECT * FROM stage_checks WHERE at >= ? AND (? IS NULL OR hotkey = ?) ORDER BY id",
@@ -683,6 +731,11 @@ def _scalar(value):
     if isinstance(value, bool):
         return int(value)
     return value
+
+
+def _insert_sql(table: str, columns: Sequence[str]) -> str:
+    names = ", ".join(f'"{c}"' for c in columns)
+    return f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in columns)})"
 
 
 def _measurement_values(m: Measurement) -> list:
