@@ -223,7 +223,7 @@ def stage_checks(device_model, reference, checkpoint: Path, prompt: list[int], n
     model), each block's recorded steps re-run on the reference (scoring.stage_checks.recheck_opened) and judged by
     the model's stage envelope for `numerics` where one is shipped."""
     from benchmarks.stage_envelope import RouteStage, drive_session, session_plan  # noqa: PLC0415
-    from inference.model import fingerprint  # noqa: PLC0415
+    from inference.model import fingerprint, model_device  # noqa: PLC0415
     from inference.planning.swarm_plan import stage_blocks  # noqa: PLC0415
     from inference.swarm.stage import LayerRange, Stage  # noqa: PLC0415
     from scoring.model_envelope import shipped_envelope  # noqa: PLC0415
@@ -238,16 +238,30 @@ def stage_checks(device_model, reference, checkpoint: Path, prompt: list[int], n
     route = [RouteStage(Stage(device_model, LayerRange(a, b, config.num_layers)), wire) for a, b in blocks]
     plan = session_plan(random.Random(0), len(prompt), new_tokens)
     recorded = drive_session(route, prompt, plan, temperature=0.0, seed=1, session="gpu-check")
+    # the validator's block reference on the same device (fp32, weights read from disk under a budget) rechecks the
+    # same steps: its verdict and time beside the CPU reference's
+    from inference.swarm.block_reference import BlockReference  # noqa: PLC0415
+
+    lazy = BlockReference(checkpoint, 1 << 40, device=model_device(device_model))
     out = []
     for (a, b), steps in zip(blocks, recorded):
+        t0 = time.perf_counter()
         c = recheck_opened(steps, reference_stage(reference, a, b), seed=7)
+        cpu_s = time.perf_counter() - t0
         stats = CheckStats.of(c)
         kind = "head" if b == config.num_layers else "state"
         env = envelopes.get((numerics, kind))
+        t0 = time.perf_counter()
+        on_device = recheck_opened(steps, lazy[(a, b)], seed=7)
+        _sync(model_device(device_model))
         out.append({"layers": [a, b - 1], "kind": kind, "exact_checks": "ok" if c.ok else c.reason,
                     "tokens": stats.tokens, "bad": stats.bad, "median": stats.median, "worst": stats.worst,
                     "judged_by": f"{numerics} {kind} envelope" if env else None,
-                    "outside": (env.outside(stats) or "inside") if env else None})
+                    "outside": (env.outside(stats) or "inside") if env else None, "recheck_cpu_s": cpu_s,
+                    "device_block_reference": {"exact_checks": "ok" if on_device.ok else on_device.reason,
+                                               "median": CheckStats.of(on_device).median,
+                                               "seconds": time.perf_counter() - t0}})
+    lazy.close()
     return out
 
 
@@ -515,7 +529,8 @@ def summary(results: dict) -> list[str]:
         blocks = [b["outside"] or f"exact checks {b['exact_checks']}, no envelope" for b in r["stage_judge"]]
         lines.append(f"{name}: greedy equal {r['greedy']['equal']} (first difference {r['greedy']['first_difference']});"
                      f" {tf['failed']}/{tf['audits']} audits failed, max |dlogprob| {tf['max_abs_logprob_diff']:.3g};"
-                     f" stage blocks {blocks}")
+                     f" stage blocks {blocks}; the block reference on the device: "
+                     f"{[b['device_block_reference']['exact_checks'] for b in r['stage_judge']]}")
         lines.append(f"  decode 1 stream {s['decode_1']['tokens_per_s']:.1f} tok/s, 16 streams "
                      f"{s['decode_16']['tokens_per_s']:.1f} tok/s, prefill {s['prefill']['tokens']} tokens "
                      f"{s['prefill']['tokens_per_s']:.0f} tok/s")

@@ -42,7 +42,7 @@ import bittensor as bt
 import torch
 
 from chain.devnet import DevnetChain
-from inference.model import load_tokenizer, read_config
+from inference.model import DeviceError, load_tokenizer, read_config, resolve_device
 from inference.swarm.block_reference import BlockReference, reset_rss_peak, rss_peak
 from localnet.cheats.stage import start_hosts, stop_hosts
 from neurons.swarm.route import StaticDirectory
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.validator_scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint made by k3-checkpoint")
     p.add_argument("--reference-memory", type=float, default=3.0, help="GiB of weights the block reference holds")
+    p.add_argument("--device", default="cpu", help="where the block reference computes: cpu, cuda or cuda:N (its "
+                   "budget is then GPU memory); the miners stay on the CPU")
     p.add_argument("--phase", choices=("miner", "swarm", "both"), default="both")
     p.add_argument("--commit-layers", type=int, default=1, help="the miner commits every N layers")
     p.add_argument("--openings", type=int, default=4, help="answers, each opened at one block (spread over the model)")
@@ -256,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     reset_rss_peak()
-    reference = BlockReference(args.checkpoint, int(args.reference_memory * GIB))
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        print(f"validator_scale: {error}", file=sys.stderr)
+        return 2
+    reference = BlockReference(args.checkpoint, int(args.reference_memory * GIB), device=device)
     model = reference.model
     print(f"{read_config(args.checkpoint).model_id}: checkpoint "
           f"{sum(f.stat().st_size for f in args.checkpoint.glob('*.safetensors')) / 1e9:.2f} GB, block reference "

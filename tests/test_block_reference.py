@@ -172,4 +172,24 @@ def test_the_validator_runs_block_checks_only_when_told_and_within_its_budget(ti
     assert isinstance(shared, SharedReference) and shared_reference(loop, on) is shared and not shared.made
     ref = shared.get()
     assert shared.made and ref.memory_bytes == 3 * 2**30 and ref.model.traffic.bytes_read == 0  # nothing read yet
+    assert ref.model.home_device == torch.device("cpu") and ref.model.dtype == torch.float32  # the defaults
     shared.close()
+    # the block reference follows --device and --dtype, and says so when they cannot be
+    bf16 = read_validator_settings(base + ["--reference-memory", "3", "--dtype", "bfloat16"], environ={})
+    ref = shared_reference(Loop(), bf16).get()
+    assert ref.model.dtype == torch.bfloat16
+    ref.close()
+
+
+def test_the_block_reference_takes_host_states_and_gives_host_states_from_its_device(whole, tiny_checkpoint):
+    """Whatever its device, the reference reads states off the host (the wire's) and answers on the host, where the
+    checks compare; its decode state and a Stage over it are on its device (here the CPU: tests/test_gpu.py runs
+    the same on CUDA)."""
+    inputs = session_inputs(whole)
+    lazy = BlockReference(tiny_checkpoint, 16 << 20, device="cpu")
+    assert lazy.model.input_device() == torch.device("cpu") and lazy[(3, 6)].device == torch.device("cpu")
+    out = lazy.run_block(3, 6, inputs[3])
+    assert out.partial.device.type == "cpu" and lazy.head(out, [1]).device.type == "cpu"
+    cache = lazy.model.new_cache(range(3, 6))
+    assert all(c.state.device.type == "cpu" for c in cache.layers if hasattr(c, "state"))
+    lazy.close()

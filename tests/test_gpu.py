@@ -99,6 +99,26 @@ def test_validator_reference_refuses_cuda_without_a_gpu(no_cuda, tiny_checkpoint
     assert code == 2 and "device cuda:0 asked for" in line and "torch.cuda.is_available() is false" in line
 
 
+def test_validator_block_reference_refuses_cuda_without_a_gpu(no_cuda, tiny_checkpoint, capsys, tmp_path):
+    """The block reference alone (no --reference-engine) computes on --device too: asked for a GPU it cannot have,
+    the validator says so in one line before it starts."""
+    from neurons import validator  # noqa: PLC0415
+
+    code = validator.main(["run", "--checkpoint", str(tiny_checkpoint), "--reference-memory", "1", "--device", "cuda",
+                           "--canary-pool", str(tmp_path / "pool.json"), "--network", f"devnet:{tmp_path}/c.sqlite",
+                           "--netuid", "1", "--no-gateway", "--db", str(tmp_path / "v.sqlite")])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and "device cuda asked for" in line and "torch.cuda.is_available() is false" in line
+
+
+def test_the_validator_scale_benchmark_refuses_cuda_without_a_gpu(no_cuda, tiny_checkpoint, capsys):
+    from benchmarks import validator_scale  # noqa: PLC0415
+
+    code = validator_scale.main(["--checkpoint", str(tiny_checkpoint), "--device", "cuda"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and "torch.cuda.is_available() is false" in line
+
+
 def test_k3_generate_refuses_cuda_without_a_gpu(no_cuda, tiny_checkpoint, capsys):
     from inference.__main__ import main  # noqa: PLC0415
 
@@ -339,6 +359,30 @@ def test_bf16_on_the_gpu_decodes_the_cpu_references_greedy_tokens(trained_checkp
     assert tokens["gpu"] == tokens["cpu"]
 
 
+@needs_cuda
+def test_the_validators_block_reference_on_the_gpu_checks_as_on_the_cpu(tiny_checkpoint):
+    """The lazy block reference on CUDA (fp32, as the validator's default): the same blocks and head as on the CPU
+    within fp32 kernel differences, its weights only ever on the GPU, and a stage check of honest CPU steps passes."""
+    from inference.swarm.block_reference import BlockReference, ModelReferences  # noqa: PLC0415
+    from scoring.stage_checks import OpenedStep, recheck_opened  # noqa: PLC0415
+
+    whole = load_reference_model(tiny_checkpoint, verify=False)[0]
+    held, gpu = ModelReferences(whole), BlockReference(tiny_checkpoint, 16 << 20, device="cuda")
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(5))
+    x = held.run_block(0, 3, ids)
+    want, got = held.run_block(3, 6, x), gpu.run_block(3, 6, x)
+    assert got.partial.device.type == "cpu" and torch.allclose(got.partial, want.partial, rtol=1e-3, atol=1e-4)
+    assert torch.allclose(gpu.head(want, [0, 7]), held.head(want, [0, 7]), rtol=1e-3, atol=1e-3)
+    assert all(t.is_meta or t.is_cuda for t in gpu.model.state_dict().values())
+    held[(3, 6)].open("x")
+    steps = [OpenedStep(k, lo, "none", None, 0, None, part, held[(3, 6)].forward("x", lo, part))
+             for k, (lo, hi) in enumerate(((0, 20), (20, 21), (21, 22)))
+             for part in [type(x)((hi - lo,), [t[lo:hi] for t in x.blocks], x.partial[lo:hi])]]
+    assert gpu[(3, 6)].device.type == "cuda"
+    assert recheck_opened(steps, gpu[(3, 6)], seed=7).ok
+    gpu.close()
+
+
 # ----------------------------------------------------------------------------- the prepared GPU check
 def test_the_gpu_checks_dry_run_writes_every_step(tmp_path):
     """benchmarks/gpu_check.py's entry at a tiny size on the CPU (its dry run's path; the tiny trained model's step
@@ -363,6 +407,7 @@ def test_the_gpu_checks_dry_run_writes_every_step(tmp_path):
     assert {"greedy", "teacher_forced", "stage_judge", "speed", "roofline", "config"} <= set(scaled)
     assert len(scaled["greedy"]["device"]) == 2 and scaled["teacher_forced"]["audits"] == 1
     assert [b["exact_checks"] for b in scaled["stage_judge"]] == ["ok"] * 3
+    assert [b["device_block_reference"]["exact_checks"] for b in scaled["stage_judge"]] == ["ok"] * 3
     assert {"decode_1", "decode_16", "prefill"} <= set(scaled["speed"])
     roof = scaled["roofline"]
     assert roof["weight_bytes_per_step"]["experts"] > 0 and 0 < roof["fraction_of_measured_bandwidth"]

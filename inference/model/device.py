@@ -78,7 +78,11 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of a model's materialised tensors (a stage's skeleton keeps the others on meta)."""
+    """The device of a model's materialised tensors (a stage's skeleton keeps the others on meta); a model that
+    holds its tensors only while it computes (inference.model.lazy) names its device as `home_device`."""
+    home = getattr(model, "home_device", None)
+    if home is not None:
+        return torch.device(home)
     for t in model.parameters():
         if not t.is_meta:
             return t.device

@@ -15,6 +15,9 @@ budget is a statement about its resident memory. Every read is counted (`WeightT
 sites evicted, the most bytes held at once), and every tensor is checked against the manifest's per-tensor sha256
 the first time it is read (when the manifest has them).
 
+On a GPU (`device`), each tensor is read into a host buffer of its own size and moved to the device at once; the
+budget is then the device's memory, and the host holds one tensor at a time. Decode state is made on the device.
+
 The computation is the in-memory model's, tensor for tensor: the same casts on load, the same kernels (small
 models keep decoded experts, as `load_reference_model` and `load_stage_model` do), so an fp32 `LazyK3Model`
 gives the in-memory fp32 model's outputs bit for bit.
@@ -106,10 +109,13 @@ class LazyK3Model(KimiK3Model):
     them (module doc). Thread-safe: one forward runs at a time."""
 
     def __init__(self, checkpoint: str | Path, budget_bytes: int, dtype: torch.dtype = torch.float32,
-                 verify_tensors: bool | None = None):
+                 verify_tensors: bool | None = None, device: torch.device | str = "cpu"):
         config = read_config(checkpoint)
         with torch.device("meta"):
             super().__init__(config, dtype=dtype, random_init=False)
+        # where the weights go as they are read, and the computation runs (the budget is that device's memory);
+        # model_device() reads it, since between reads every tensor is on the meta device
+        self.home_device = torch.device(device)
         self.eval()
         self.checkpoint = Path(checkpoint)
         self.budget_bytes = int(budget_bytes)
@@ -173,9 +179,9 @@ class LazyK3Model(KimiK3Model):
 
     # ------------------------------------------------------------ the forward's entry points
     def new_cache(self, layers: Iterable[int] | None = None) -> SequenceCache:
-        """Empty decode state on the CPU (the skeleton's tensors are on the meta device)."""
+        """Empty decode state on the model's device (the skeleton's tensors are on the meta device)."""
         wanted = set(range(self.config.num_layers) if layers is None else layers)
-        return SequenceCache([layer.self_attn.new_cache(device="cpu") if i in wanted else None
+        return SequenceCache([layer.self_attn.new_cache(device=self.home_device) if i in wanted else None
                               for i, layer in enumerate(self.layers)])
 
     def embed(self, ids: Tensor, lengths: Sequence[int] | None = None) -> ResidualState:
@@ -197,7 +203,7 @@ class LazyK3Model(KimiK3Model):
             return super().head(state, rows)
 
     def input_device(self) -> torch.device:
-        return torch.device("cpu")  # the skeleton's tensors are on the meta device until read
+        return self.home_device  # the skeleton's tensors are on the meta device until read
 
     # ------------------------------------------------------------ residency
     def _holding(self, site: Site):
@@ -272,7 +278,7 @@ class LazyK3Model(KimiK3Model):
         elif tuple(t.shape) != tuple(target.shape):
             raise CheckpointError(f"tensor {name} has shape {list(t.shape)} in the checkpoint but the model expects "
                                   f"{list(target.shape)}")
-        return t.to(dtype=target.dtype).contiguous()
+        return t.to(device=self.home_device, dtype=target.dtype).contiguous()
 
     def _held(self, key: str) -> Tensor:
         module_name, _, name = key.rpartition(".")

@@ -6,7 +6,8 @@ and runs a block over one sequence (`run_block`) or the head over some rows (`he
 whole-model miner's state commitment (scoring.openings). Every block shares one `LazyK3Model`
 (inference.model.lazy): the checkpoint is never loaded whole; a check reads the layers it runs and, of each MoE
 layer, the routed experts its tokens pick, and holds at most `memory_bytes` of weights, evicting what was used
-least recently.
+least recently. With `device` "cuda" the weights and the computation are on the GPU, under a budget of its
+memory; states come in from and go back to the host, where the checks compare them.
 
 What a check costs is measured (`track()`: the bytes it read from the checkpoint, the tensors and sites it read
 and evicted, the process CPU seconds and wall seconds it took, the most weight bytes the reference held, and the
@@ -28,6 +29,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from inference.model.device import model_device
 from inference.model.k3 import KimiK3Model, ResidualState
 from inference.model.lazy import LazyK3Model, WeightTraffic
 from inference.swarm.stage import LayerRange, Stage
@@ -102,18 +104,18 @@ class _References:
         """Layers [start, stop) over one fresh sequence: `inputs` are token ids [N] when start == 0, else the
         ResidualState entering layer `start` at positions 0..N-1; the state leaving layer stop - 1."""
         cache = self.model.new_cache(range(start, stop))
+        device = model_device(self.model)
         with torch.inference_mode():
             if start == 0:
-                state = self.model.embed(torch.as_tensor(inputs, dtype=torch.long))
+                state = self.model.embed(torch.as_tensor(inputs, dtype=torch.long).to(device))
             else:
-                state = ResidualState((int(inputs.partial.shape[0]),), [b.float() for b in inputs.blocks],
-                                      inputs.partial.float())
-            return self.model.run_layers(start, stop, state, [cache])
+                state = _on(ResidualState((int(inputs.partial.shape[0]),), inputs.blocks, inputs.partial), device)
+            return _on(self.model.run_layers(start, stop, state, [cache]), torch.device("cpu"))
 
     def head(self, state: ResidualState, rows: Sequence[int] | None = None) -> Tensor:
-        """fp32 logits [n, V] of the head at `rows` of the state entering it (all rows when None)."""
+        """fp32 logits [n, V] of the head at `rows` of the state entering it (all rows when None), on the host."""
         with torch.inference_mode():
-            return self.model.head(state, rows)
+            return self.model.head(_on(state, model_device(self.model)), rows).cpu()
 
     def _traffic(self) -> WeightTraffic:
         return WeightTraffic()
@@ -143,13 +145,20 @@ class _References:
                 cost.peak_rss_bytes = rss_peak() if reset else None
 
 
+def _on(state: ResidualState, device: torch.device) -> ResidualState:
+    """The state as fp32 on `device` (the checks read the host's; the blocks compute on the reference's)."""
+    return ResidualState(tuple(state.lengths), [b.to(device, torch.float32) for b in state.blocks],
+                         state.partial.to(device, torch.float32))
+
+
 class BlockReference(_References):
-    """Blocks of the checkpoint at `checkpoint`, holding at most `memory_bytes` of weights (module doc)."""
+    """Blocks of the checkpoint at `checkpoint`, holding at most `memory_bytes` of weights (module doc) on `device`
+    (its memory, a GPU's on "cuda")."""
 
     def __init__(self, checkpoint: str | Path, memory_bytes: int, dtype: torch.dtype = torch.float32,
-                 verify_tensors: bool | None = None):
+                 verify_tensors: bool | None = None, device: torch.device | str = "cpu"):
         super().__init__()
-        self.model = LazyK3Model(checkpoint, memory_bytes, dtype, verify_tensors)
+        self.model = LazyK3Model(checkpoint, memory_bytes, dtype, verify_tensors, device=device)
         self.memory_bytes = int(memory_bytes)
 
     def _traffic(self) -> WeightTraffic:

@@ -11,23 +11,28 @@ log = logging.getLogger("k3.validator.reference")
 
 
 class SharedReference:
-    """A BlockReference over `checkpoint` holding at most `memory_bytes` of weights, made once, on first `get()`
-    (from any thread)."""
+    """A BlockReference over `checkpoint` holding at most `memory_bytes` of weights on `device` in `dtype` (the
+    validator's --device and --dtype: fp32 unless told otherwise), made once, on first `get()` (from any thread)."""
 
-    def __init__(self, checkpoint: str, memory_bytes: int):
+    def __init__(self, checkpoint: str, memory_bytes: int, device: str = "cpu", dtype: str = "float32"):
         self.checkpoint = checkpoint
         self.memory_bytes = int(memory_bytes)
+        self.device, self.dtype = device, dtype
         self._reference = None
         self._lock = threading.Lock()
 
     def get(self):
         with self._lock:
             if self._reference is None:
-                from inference.swarm.block_reference import BlockReference  # noqa: PLC0415 (torch, on first need)
+                # torch, on first need
+                from inference.model.device import resolve_device, resolve_dtype  # noqa: PLC0415
+                from inference.swarm.block_reference import BlockReference  # noqa: PLC0415
 
-                self._reference = BlockReference(self.checkpoint, self.memory_bytes)
-                log.info("block reference over %s: at most %.2f GiB of weights held, %.2f GiB for one layer",
-                         self.checkpoint, self.memory_bytes / 2**30,
+                device = resolve_device(self.device)
+                self._reference = BlockReference(self.checkpoint, self.memory_bytes,
+                                                 resolve_dtype(self.dtype, device), device=device)
+                log.info("block reference over %s on %s: at most %.2f GiB of weights held, %.2f GiB for one layer",
+                         self.checkpoint, device, self.memory_bytes / 2**30,
                          self._reference.model.working_set_bytes() / 2**30)
             return self._reference
 
@@ -44,7 +49,8 @@ def shared_reference(loop, settings) -> SharedReference:
     """The loop's block reference (`loop.block_reference`), made the first time a part of the validator asks."""
     existing = getattr(loop, "block_reference", None)
     if existing is None:
-        existing = SharedReference(settings.engine.checkpoint, settings.reference_memory_bytes)
+        existing = SharedReference(settings.engine.checkpoint, settings.reference_memory_bytes,
+                                   settings.engine.device, settings.engine.dtype)
         loop.block_reference = existing
     return existing
 

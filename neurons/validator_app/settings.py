@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from inference.model import CheckpointError, fingerprint
+from inference.model import WEIGHT_DTYPES, CheckpointError, device_problem, fingerprint
+from inference.model.device import DTYPE_NAMES
 from inference.serving import EngineSpec
 from neurons.base.settings import (CHAIN, LOG_FORMAT, LOG_LEVEL, WALLET, ChainSettings, Option, Section, Setting,
                                    WalletSettings, build_settings, engine_section, expanded_path, non_negative_float,
@@ -227,7 +228,8 @@ class ValidatorSettings:
     reference_memory: float = setting(0.0, "GB of weights this validator's block reference may hold: it re-runs one "
                                       "block of layers at a time, read from --checkpoint on disk as checks need it "
                                       "(stage checks, openings of whole-model miners' state commitments), never the "
-                                      "whole model; 0: 8 GB with --reference-engine, else no block checks",
+                                      "whole model, on --device (a GPU's memory with cuda); 0: 8 GB with "
+                                      "--reference-engine, else no block checks",
                                       read=non_negative_float, metavar="GB", group="engine")
     db: str = setting("~/.k3-subnet/validator.sqlite", "SQLite file of everything the validator learns "
                       "(measurements, audits, failures, EMA, weights); a restart resumes from it", read=expanded_path,
@@ -339,7 +341,12 @@ class ValidatorSettings:
                        "k3-checkpoint or point it at the model's directory")
         if self.reference_engine:
             out += [p for p in self.engine.problems() if "checkpoint" not in p]
-        elif not self.audits.canary_pool:
+        elif self.block_checks:  # the block reference computes on --device in --dtype too
+            problem = device_problem(self.engine.device)
+            out += [problem] if problem else []
+            if self.engine.dtype not in WEIGHT_DTYPES and self.engine.dtype not in DTYPE_NAMES:
+                out.append(f"dtype {self.engine.dtype!r} is not one of {list(WEIGHT_DTYPES)}")
+        if not self.reference_engine and not self.audits.canary_pool:
             out.append("neither --reference-engine nor --canary-pool: tier-1 audits would rest on other miners alone, "
                        "who could frame honest miners or shield a partner with nothing to settle it, and tier-2 "
                        "canaries could not run; run the model as this validator's reference (--reference-engine, "
