@@ -1153,17 +1153,22 @@ class OrganicTraffic:
 
 
 def read_validator(run_dir: Path) -> dict:
-    """The validator's view from its store: `validator.py status`'s report and every stage check (empty while
-    the store does not exist yet)."""
+    """The validator's view from its store: `validator.py status`'s report, every stage check (not the credited
+    work, most of the table: read every 2 s for an hour, it would be the dashboard's whole cost) and the route work
+    credited per stage and per driver (empty while the store does not exist yet)."""
     from neurons.validator_app.status import status_report  # noqa: PLC0415
-    from neurons.validator_app.store import ValidatorStore  # noqa: PLC0415
+    from neurons.validator_app.store import WORK_KINDS, ValidatorStore  # noqa: PLC0415
 
     db = run_dir / "validator.sqlite"
     if not db.exists():
         return {}
     try:
         with ValidatorStore(db, readonly=True) as store:
-            return {"status": status_report(store), "checks": [dict(r) for r in store.stage_checks()]}
+            return {"status": status_report(store), "checks": [dict(r) for r in store.stage_checks(without=WORK_KINDS)],
+                    "route_work": {who: t.tokens.get("route_work", 0)
+                                   for who, t in store.stage_totals(0.0, ["route_work"], ()).items()},
+                    "route_work_by_driver": {who: t.tokens.get("route_work", 0) for who, t in
+                                             store.stage_totals(0.0, ["route_work"], (), by="origin").items()}}
     except Exception:  # noqa: BLE001 (the validator may be creating or migrating it right now)
         return {}
 
@@ -1218,8 +1223,7 @@ async def swarm_stages(chain, netuid: int, stages: list[Neuron], ready: dict[str
                      "announced": commitments[hotkey].data if hotkey in commitments else None,
                      "alive": n.process is not None and n.process.poll() is None,
                      "tokens": h.get("tokens"), "verified_tokens": v.get("tokens", 0),
-                     "route_work_tokens": sum(int(c["tokens"] or 0) for c in view.get("checks", [])
-                                              if c["hotkey"] == hotkey and c["kind"] == "route_work"),
+                     "route_work_tokens": view.get("route_work", {}).get(hotkey, 0),
                      "checked": v.get("checked", 0), "outside": v.get("outside", 0),
                      "weight": v.get("weight", 0.0), "blamed": v.get("blamed", False), "reason": v.get("reason"),
                      "blame": blame_timeline(view.get("checks", []), hotkey),
@@ -1236,8 +1240,7 @@ def swarm_driver(route: Neuron, view: dict) -> dict:
     blame = blame_timeline(checks, hotkey)
     return {"name": route.name, "hotkey": hotkey, "cheat": route.cheat, "uid": miner.get("uid"),
             "weight": miner.get("weight", 0.0), "blamed": blame["blamed"], "reason": blame.get("reason"),
-            "blame": blame, "credited_tokens": sum(int(c["tokens"] or 0) for c in checks if c["kind"] == "route_work"
-                                                   and f"driver {hotkey} " in (c["reason"] or ""))}
+            "blame": blame, "credited_tokens": view.get("route_work_by_driver", {}).get(hotkey, 0)}
 
 
 def swarm_table(stages: list[dict], route: list[dict], caption: str = "") -> Table:

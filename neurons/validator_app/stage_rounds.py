@@ -63,6 +63,7 @@ from neurons.validator_app.references import shared_reference
 from neurons.validator_app.route_work import RouteWorkServer
 from neurons.validator_app.session_audits import SessionAuditor, StageCheck, describe
 from neurons.validator_app.settings import ValidatorSetupError
+from neurons.validator_app.store import OWN_WORK_KINDS, WORK_KINDS, StageTotals
 from protocol.stage import state_sha256, verify_receipt
 from scoring.corpus import code_snippet, paragraph
 from scoring.stage_checks import audit_receipts
@@ -73,8 +74,7 @@ from scoring.weights import StageEvidence
 log = logging.getLogger("k3.validator.stages")
 
 OWN_REQUEST_PREFIX = "stage-session-"  # request ids of the validator's own sessions (never sent to a stage)
-WORK_KINDS = ("validator_work", "gateway_work", "route_work")  # credited layer-tokens
-OWN_WORK_KINDS = ("validator_work", "gateway_work")  # of sessions the validator's own driver spread by load
+SAMPLED_KINDS = ("session_check", "unchecked", "session_lie")  # a sampled session: checked, or could not be
 MAX_HELD_STEPS = 4096  # per driver: claimed steps waiting for the validator to measure their request
 # a request's route work is credited up to this many times its measured prompt and completion tokens (a verify step
 # of speculative decoding runs its drafts through every stage, and a recovery re-prefills)
@@ -470,8 +470,8 @@ class StageRounds:
             return True
         if not c.checked:
             return False
-        rows = [r for r in self.store.stage_checks(since=time.time() - self.window_s, hotkey=m.hotkey)
-                if r["kind"] == "session_check" and r["numerics"] == c.numerics]
+        rows = [r for r in self.store.stage_checks(since=time.time() - self.window_s, hotkey=m.hotkey,
+                                                   kinds=["session_check"]) if r["numerics"] == c.numerics]
         v = self.auditor.judge([r["outside"] for r in rows], c.numerics, c.kind)
         if v is None or not v.blame:
             return False
@@ -650,8 +650,8 @@ class StageRounds:
     def blamed_drivers(self, now: Optional[float] = None) -> dict[str, str]:
         """Route drivers blamed for receipts that do not audit within `blame_s`: hotkey -> the latest reason."""
         since = (time.time() if now is None else now) - self.blame_s
-        return {r["hotkey"]: r["reason"] for r in self.store.stage_checks(since=since)
-                if r["blame"] and r["kind"] == "route_receipts"}
+        return {r["hotkey"]: r["reason"]
+                for r in self.store.stage_checks(since=since, kinds=["route_receipts"], blamed=True)}
 
     def _uid_of(self, hotkey: str) -> Optional[int]:
         m = self.miners.get(hotkey)
@@ -669,18 +669,20 @@ class StageRounds:
         announced one until it served any), availability (the share of its sampled checks that could be made),
         and the blame reasons within `blame_s`."""
         now = time.time() if now is None else now
-        rows = self.store.stage_checks(since=now - max(self.window_s, self.blame_s))
+        # added up by the store: the credited work is most of the table, and this runs every round
+        totals = self.store.stage_totals(now - self.window_s, WORK_KINDS, SAMPLED_KINDS)
+        latest_blame = {r["hotkey"]: f"{r['kind']}: {r['reason']}"
+                        for r in self.store.stage_checks(since=now - self.blame_s, blamed=True)}
         out, own, outside = {}, {}, {}
         for uid, sm in self.store.stage_miners().items():
-            mine = [r for r in rows if r["hotkey"] == sm["hotkey"]]
-            recent = [r for r in mine if r["at"] >= now - self.window_s]
-            own[uid] = sum(int(r["tokens"] or 0) for r in recent if r["kind"] in OWN_WORK_KINDS)
-            outside[uid] = sum(int(r["tokens"] or 0) for r in recent if r["kind"] == "route_work")
-            sampled = [r for r in recent if r["kind"] in ("session_check", "unchecked", "session_lie")]
-            available = sum(r["kind"] != "unchecked" for r in sampled) / len(sampled) if sampled else 1.0
-            blames = [f"{r['kind']}: {r['reason']}" for r in mine if r["blame"] and r["at"] >= now - self.blame_s]
+            mine = totals.get(sm["hotkey"]) or StageTotals()
+            own[uid] = sum(mine.tokens.get(k, 0) for k in OWN_WORK_KINDS)
+            outside[uid] = mine.tokens.get("route_work", 0)
+            sampled = sum(mine.rows.get(k, 0) for k in SAMPLED_KINDS)
+            available = (sampled - mine.rows.get("unchecked", 0)) / sampled if sampled else 1.0
+            blames = [latest_blame[sm["hotkey"]]] if sm["hotkey"] in latest_blame else []
             a, b = (int(x) for x in sm["layers"].split("-"))
-            out[uid] = MinerWork(sm["hotkey"], 0, self._step_ms(sm), available, (a, b + 1), blames[-1:])
+            out[uid] = MinerWork(sm["hotkey"], 0, self._step_ms(sm), available, (a, b + 1), blames)
         for uid, tokens in pooled_route_work(out, own, outside).items():
             out[uid].verified_tokens = tokens
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from neurons.validator_app.store import ValidatorStore
+from neurons.validator_app.store import WORK_KINDS, ValidatorStore
 
 STATUS_COLUMNS = ("uid", "hotkey", "ttft_per_1k_s", "decode_tps", "burst_tps", "long_context_share", "quality",
                   "failures", "last_failure", "score", "ema", "weight", "zero_weight_reason")
@@ -63,9 +63,10 @@ def status_report(store: ValidatorStore) -> dict:
         failures.setdefault(int(row["uid"]), []).append(row)
     uids = sorted(set(latest) | set(ema) | set(miners))
     # whole-model miners blamed as route drivers (receipts the stages never signed): zeroed, and why
-    drivers = {c["hotkey"]: f"{c['kind']}: {c['reason']}" for c in store.stage_checks(since=time.time() - 24 * 3600.0)
-               if c["blame"] and c["kind"] == "route_receipts"}
-    openings = [c for c in store.stage_checks(since=time.time() - 24 * 3600.0) if c["kind"] == "state_opening"]
+    day = time.time() - 24 * 3600.0
+    drivers = {c["hotkey"]: f"{c['kind']}: {c['reason']}"
+               for c in store.stage_checks(since=day, kinds=["route_receipts"], blamed=True)}
+    openings = store.stage_checks(since=day, kinds=["state_opening"])
     rows = []
     for uid in uids:
         score = latest.get(uid)
@@ -116,19 +117,21 @@ def stage_miner_rows(store: ValidatorStore, last, blame_s: float = 24 * 3600.0) 
     """Swarm stage miners: layers, sessions checked (and how many lay outside the honest envelope, how many could
     not be checked), layer-tokens credited, the weight last set, and why a zeroed one is zeroed (its latest
     blame)."""
-    now = time.time()
-    checks = store.stage_checks(since=now - blame_s)
+    since = time.time() - blame_s
+    # the credited work is added up by the store (it is most of the table); the checks themselves are read
+    work = store.stage_totals(since, WORK_KINDS, ())
+    checks = store.stage_checks(since=since, without=WORK_KINDS)
     rows = []
     for uid, sm in store.stage_miners().items():
         mine = [c for c in checks if c["hotkey"] == sm["hotkey"]]
         checked = [c for c in mine if c["kind"] in ("session_check", "session_lie")]
         blames = [c for c in mine if c["blame"]]
+        credited = work.get(sm["hotkey"])
         rows.append({
             "uid": uid, "hotkey": sm["hotkey"], "url": sm["url"], "layers": sm["layers"],
             "checked": len(checked), "outside": sum(1 for c in checked if c["outside"] or c["blame"]),
             "unchecked": sum(1 for c in mine if c["kind"] == "unchecked"),
-            "tokens": sum(int(c["tokens"] or 0) for c in mine
-                          if c["kind"] in ("validator_work", "gateway_work", "route_work")),
+            "tokens": sum(credited.tokens.values()) if credited else 0,
             "step_ms": sm["step_ms"],
             "blamed": bool(blames),
             "reason": f"{blames[-1]['kind']}: {blames[-1]['reason']}" if blames else None,

@@ -47,7 +47,7 @@ import logging
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -64,6 +64,8 @@ DISK_FULL = "database or disk is full"  # SQLite's message for SQLITE_FULL
 MAX_DEFERRED_ROWS = 100_000  # appended rows kept in memory while the disk is full
 DEFERRED_RETRY_S = 1.0  # how often the validator tries again to write them
 APPEND_ONLY_TABLES = ("measurements", "failures", "audits", "stage_checks")
+WORK_KINDS = ("validator_work", "gateway_work", "route_work")  # stage_checks rows that credit layer-tokens
+OWN_WORK_KINDS = ("validator_work", "gateway_work")  # of sessions the validator's own driver spread by load
 
 # Measurement columns as SQLite types (the dataclass holds only scalars).
 _MEASUREMENT_TYPES = {
@@ -131,6 +133,13 @@ CREATE TABLE IF NOT EXISTS weight_attempts (
 );
 CREATE TABLE IF NOT EXISTS canaries (id TEXT PRIMARY KEY, body TEXT NOT NULL, used INTEGER NOT NULL DEFAULT 0);
 """
+
+
+@dataclass
+class StageTotals:
+    """One hotkey's stage_checks added up (ValidatorStore.stage_totals): layer-tokens per work kind, rows per kind."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -662,9 +671,44 @@ class ValidatorStore:
         values[1] = values[1] or 0
         self._append("stage_checks", self._STAGE_CHECK_FIELDS, [tuple(values)])
 
-    def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None) -> list[sqlite3.Row]:
-        return self._conn.execute("SELECT * FROM stage_checks WHERE at >= ? AND (? IS NULL OR hotkey = ?) ORDER BY id",
-                                  (since or 0.0, hotkey, hotkey)).fetchall()
+    def stage_checks(self, since: Optional[float] = None, hotkey: Optional[str] = None,
+                     kinds: Optional[Sequence[str]] = None, without: Sequence[str] = (),
+                     blamed: bool = False) -> list[sqlite3.Row]:
+        """Rows of stage_checks since `since`, oldest first: of one hotkey, of some kinds, without others, only
+        those that blame (the credited work is most of the table: readers that do not add it up leave it out)."""
+        clauses, args = ["at >= ?"], [since or 0.0]
+        if hotkey is not None:
+            clauses.append("hotkey = ?")
+            args.append(hotkey)
+        if kinds is not None:
+            clauses.append(f"kind IN ({', '.join('?' for _ in kinds)})")
+            args += list(kinds)
+        if without:
+            clauses.append(f"kind NOT IN ({', '.join('?' for _ in without)})")
+            args += list(without)
+        if blamed:
+            clauses.append("blame = 1")
+        return self._conn.execute(f"SELECT * FROM stage_checks WHERE {' AND '.join(clauses)} ORDER BY id",
+                                  args).fetchall()
+
+    def stage_totals(self, since: float, work_kinds: Sequence[str], sampled_kinds: Sequence[str],
+                     by: str = "hotkey") -> dict[str, StageTotals]:
+        """Per hotkey (or per `origin`: the driver) since `since`: layer-tokens credited of each of `work_kinds`, and
+        how many rows of each of `sampled_kinds`; added up by SQLite, not read row by row."""
+        if by not in ("hotkey", "origin"):
+            raise ValueError(f"by must be hotkey or origin, got {by!r}")
+        kinds = list(work_kinds) + list(sampled_kinds)
+        rows = self._conn.execute(
+            f"SELECT {by}, kind, COALESCE(SUM(tokens), 0), COUNT(*) FROM stage_checks WHERE at >= ? AND kind IN "
+            f"({', '.join('?' for _ in kinds)}) GROUP BY {by}, kind", [since, *kinds])
+        out: dict[str, StageTotals] = {}
+        for who, kind, tokens, count in rows:
+            totals = out.setdefault(who, StageTotals())
+            if kind in work_kinds:
+                totals.tokens[kind] = int(tokens)
+            else:
+                totals.rows[kind] = int(count)
+        return out
 
     def request_measurement(self, request_id: str, hotkey: str) -> Optional[sqlite3.Row]:
         """The measurement of the request `request_id` this validator sent to `hotkey`, if it has one."""
@@ -700,7 +744,7 @@ class ValidatorStore:
 
     def stage_blame(self, hotkey: str, since: float, kind: Optional[str] = None) -> list[sqlite3.Row]:
         """The checks that blamed `hotkey` since `since` (of one kind, when given)."""
-        return [r for r in self.stage_checks(since, hotkey) if r["blame"] and (kind is None or r["kind"] == kind)]
+        return self.stage_checks(since, hotkey, kinds=None if kind is None else [kind], blamed=True)
 
     def save_stage_miners(self, rows: Iterable[Mapping]) -> None:
         now = time.time()
@@ -742,4 +786,5 @@ def _measurement_values(m: Measurement) -> list:
     return [_scalar(getattr(m, c)) for c in COLUMNS]
 
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "SOURCES", "LastWeights", "Migration", "StoredMiner", "ValidatorStore", "ValidatorStoreError"]
+__all__ = ["MIGRATIONS", "OWN_WORK_KINDS", "SCHEMA_VERSION", "SOURCES", "WORK_KINDS", "LastWeights", "Migration",
+           "StageTotals", "StoredMiner", "ValidatorStore", "ValidatorStoreError"]
