@@ -150,6 +150,25 @@ def test_a_spill_that_is_not_the_stores_own_is_refused_and_left_alone(disk, tamp
     assert "cannot be read" in caplog.text and "move" in caplog.text
 
 
+def test_a_link_planted_where_the_spill_goes_is_neither_written_through_nor_read(disk, tmp_path, caplog):
+    """Someone with write access to the shared directory links the spill's name to a file of the validator's user:
+    the rows do not land in that file, and a link found at start is refused."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    with ValidatorStore(disk.db) as store:
+        name = spill.RowSpill(disk.db).path.name
+        (disk.ram / name).symlink_to(victim)
+        disk.full.write_text("full")
+        store.add_measurements([(row(0), None)], 0, source="organic")
+        assert store.deferred_rows == 1  # kept in memory; the spill refused
+    assert victim.read_text() == "precious\n"
+    assert "cannot keep rows" in caplog.text
+    disk.full.unlink()
+    with ValidatorStore(disk.db) as store:
+        assert store.measurement_count() == 0
+    assert "not a plain file" in caplog.text and (disk.ram / name).is_symlink()
+
+
 async def test_the_validator_writes_kept_rows_once_the_disk_has_room_without_a_new_row(disk):
     """ValidatorLoop.write_deferred_rows retries every DEFERRED_RETRY_S: a kill a while after the disk has room
     finds the rows written, whenever the next measurement comes."""

@@ -5,7 +5,8 @@ then (SIGKILL, an OOM kill, a power-off of the container) would lose them; so ea
 spill file on a RAM-backed file system that does not share the database's disk (`/dev/shm` where there is one,
 or the directory named by `K3_VALIDATOR_SPILL_DIR`). It survives the process, not a reboot of the host.
 
-The file is one JSON object per line: first `{"format": FORMAT, "id": ..., "db": ...}`, then one batch per line
+It is opened without following links (a link planted in the shared directory would otherwise have the rows
+appended to the file it names). The file is one JSON object per line: first `{"format": FORMAT, "id": ..., "db": ...}`, then one batch per line
 (`{"table", "columns", "rows"}`). It is named after the database's absolute path, readable by its owner only,
 and is replayed only when that owner is this process's user. The store writes the kept rows and, in the same
 transaction, the spill's id in its `meta` table; then it deletes the file. A file whose id the database already
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import uuid
+from stat import S_ISREG
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -56,7 +58,8 @@ class RowSpill:
                 self.id = uuid.uuid4().hex
                 lines.append(json.dumps({"format": FORMAT, "id": self.id, "db": str(self.db)}))
             lines.append(json.dumps({"table": table, "columns": list(columns), "rows": [list(r) for r in rows]}))
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            # never through a link someone planted in a shared directory (it would append to the file it names)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
                 if os.fstat(fd).st_uid != os.getuid():
                     raise SpillError(f"{self.path} belongs to another user")
@@ -72,9 +75,11 @@ class RowSpill:
     def read(self, table_columns: dict[str, set[str]]) -> tuple[Optional[str], list[tuple[str, list[str], list]]]:
         """The id and batches of a spill left by an earlier process; (None, []) when there is none. Batches are
         checked against `table_columns` (the append-only tables and their columns); SpillError otherwise."""
-        if self.path is None or not self.path.exists():
+        if self.path is None or not os.path.lexists(self.path):
             return None, []
-        stat = self.path.stat()
+        stat = self.path.lstat()
+        if not S_ISREG(stat.st_mode):
+            raise SpillError(f"{self.path} is not a plain file (a link, or something else); move it aside")
         if stat.st_uid != os.getuid() or stat.st_mode & 0o077:
             raise SpillError(f"{self.path} is not this user's alone (owner uid {stat.st_uid}, mode "
                              f"{stat.st_mode & 0o777:o}); move it aside")
