@@ -28,6 +28,11 @@ class DelayLink:
         self.is_cut = False
 
     @property
+    def open_sockets(self) -> int:
+        """Sockets of the connections it relays now (two a connection: the client's and the target's)."""
+        return len(self._writers)
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.listen_port}"
 

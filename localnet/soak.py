@@ -14,7 +14,8 @@ afterwards:
 - `events.jsonl`: every start, exit, readiness and stop of a process the soak looks after (`Supervisor`: a process
   that exits unasked is restarted, as systemd would, and the exit recorded as a crash).
 - `resources.jsonl`: every `SAMPLE_S` seconds each process's RSS and open descriptors (its children, the shard
-  processes, included) and the size of every SQLite store in the run directory.
+  processes, included; the harness's less the sockets its stage links relay) and the size of every SQLite store in
+  the run directory.
 - `soak.json`: the parties (name, role, hotkey, honest or not), the soak's start and end, the seed.
 
 Fault kinds (`FAULT_KINDS`): SIGKILL and restart of a miner, a stage miner, the route miner or the validator
@@ -304,6 +305,10 @@ class StageLinks:
 
     def call(self, fn: Callable[[], None]) -> None:
         self.loop.call_soon_threadsafe(fn)
+
+    def open_sockets(self) -> int:
+        """Sockets of the connections the links relay now: the emulated network's, held in this process."""
+        return sum(link.open_sockets for link in list(self.links.values()))
 
     def remove(self, name: str) -> None:
         """Take a stage's link down for good (its port refuses connections, as a host that left)."""
@@ -681,11 +686,14 @@ class SoakTraffic:
 # ------------------------------------------------------------------ resources
 class ResourceSampler:
     """Every SAMPLE_S: RSS and open descriptors of each party (with its children) and of this process, and the
-    size of every SQLite store of the run (with its -wal), to resources.jsonl."""
+    size of every SQLite store of the run (with its -wal), to resources.jsonl. The harness's descriptors are
+    counted less the sockets of the connections its stage links relay (`links_fds`): those are the emulated
+    network's, and come and go with the parties' connection pools."""
 
-    def __init__(self, run_dir: Path, supervisor: Supervisor):
+    def __init__(self, run_dir: Path, supervisor: Supervisor, links: Optional[StageLinks] = None):
         self.run_dir = run_dir
         self.supervisor = supervisor
+        self.links = links
 
     def sample(self) -> None:
         at = now()
@@ -699,6 +707,9 @@ class ResourceSampler:
                 bounded = bounded_mb() if bounded_mb is not None else None
                 if usage is not None and bounded is not None:
                     usage["bounded_mb"] = round(bounded, 1)
+                if usage is not None and name == "harness" and self.links is not None:
+                    relayed = self.links.open_sockets()
+                    usage.update(fds=max(0, usage["fds"] - relayed), links_fds=relayed)
                 if usage is not None:
                     f.write(json.dumps({"at": at, "name": name, "role": role, "pid": pid, "incarnation": incarnation,
                                         **usage}) + "\n")
@@ -743,7 +754,7 @@ class Soak:
                  injector: FaultInjector, schedule: list[Fault]):
         self.run_dir, self.seed, self.duration_s = run_dir, seed, duration_s
         self.supervisor, self.traffic, self.injector, self.schedule = supervisor, traffic, injector, schedule
-        self.sampler = ResourceSampler(run_dir, supervisor)
+        self.sampler = ResourceSampler(run_dir, supervisor, injector.links)
         self._stop_soon: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread = threading.Thread(target=self._run, name="soak", daemon=True)

@@ -222,6 +222,39 @@ def test_a_stage_is_judged_on_its_memory_less_its_bounded_ledger():
     assert stage1["bounded_end_mb"] > stage1["bounded_warm_mb"] and stage1["rss_less_bounded_end_mb"] == 300
 
 
+def test_the_harness_is_sampled_less_the_connections_its_links_relay(tmp_path):
+    """The stage links' relayed connections are the emulated network's: the harness's own descriptors exclude them
+    (`links_fds`), so connection pools filling up between the parties do not read as the harness leaking."""
+    import socket
+    import types
+
+    from localnet.soak import RESOURCES_LOG, ResourceSampler, StageLinks
+
+    server = socket.create_server(("127.0.0.1", 0))
+    links = StageLinks()
+    ends = []  # this test's own sockets: 6 clients and the 6 ends the target accepted
+    try:
+        port = links.add("stage0", server.getsockname()[1])
+        sampler = ResourceSampler(tmp_path, types.SimpleNamespace(parties={}), links)
+        sampler.sample()
+        for _ in range(6):
+            ends.append(socket.create_connection(("127.0.0.1", port)))
+            ends.append(server.accept()[0])
+        deadline = time.monotonic() + 5
+        while links.open_sockets() < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sampler.sample()
+    finally:
+        for end in ends:
+            end.close()
+        links.stop()
+        server.close()
+    first, second = (json.loads(line) for line in (tmp_path / RESOURCES_LOG).read_text().splitlines()
+                     if '"harness"' in line)
+    assert (first["links_fds"], second["links_fds"]) == (0, 12)
+    assert 12 <= second["fds"] - first["fds"] <= 14  # the test's own 12, not the link's 12 besides
+
+
 def test_descriptors_grow_only_when_their_floor_rises():
     """A route's descriptors swing with the requests in flight (its connections to the stages open and close with
     each session): a busy last minute is not a leak; descriptors that are never closed raise the floor, and are."""
