@@ -106,6 +106,32 @@ def rows_of(store, swarm, name):
     return [r for r in store.stage_checks() if r["hotkey"] == swarm["info"][name]["hotkey"]]
 
 
+def test_a_stage_the_listing_dropped_after_it_served_is_still_credited(swarm, tmp_path):
+    """A validator just restarted (no round yet: it knows no stage miners) serves a session through a route; by the
+    time it is credited, its driver's listing has dropped a stage of that route (gone unhealthy, or left after
+    serving it): the stage is credited all the same, for work done on the validator's own route (RouteDriver.routed).
+    Without it the session's receipts did not audit and the request's record was lost (the 5-minute soak)."""
+    store = ValidatorStore(tmp_path / "v.sqlite")
+
+    async def scenario():
+        sr = await stage_rounds(swarm, store, ["h0", "h1", "h2"])
+        try:
+            sr.miners = {}
+            assert await sr.drive_session() == 1
+            gone = swarm["info"]["h1"]["hotkey"]
+            sr.driver._stages = [s for s in sr.driver._stages if s.hotkey != gone]
+            assert gone not in {s.hotkey for s in sr.driver.known_stages()}
+            sr.credit_finished()
+        finally:
+            await sr.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
+    for name in ("h0", "h1", "h2"):
+        credited = [r for r in rows_of(store, swarm, name) if r["kind"] == "validator_work"]
+        assert credited and all(r["tokens"] > 0 for r in credited), name
+    store.close()
+
+
 def test_checked_sessions_blame_every_cheater_and_no_honest_stage(swarm, tmp_path):
     store = ValidatorStore(tmp_path / "v.sqlite")
     took = {}

@@ -239,6 +239,7 @@ def plan_route(stages: list[StageInfo], num_layers: int, exclude: set[str] = fro
 
 
 NUMERICS_ORDER = ("float32", "float16", "bfloat16")  # from the finest to the coarsest
+MAX_ROUTED = 4096  # stages a driver remembers having routed through (RouteDriver.routed)
 
 
 def route_numerics(stages: Sequence[StageInfo]) -> str:
@@ -359,6 +360,7 @@ class RouteDriver:
         # per stage hotkey: the recent decode step times of the routes it was on, each divided by their stages
         self.step_times: dict[str, collections.deque] = {}
         self.closed: dict[str, None] = {}  # sessions this driver closed (their records are complete), oldest first
+        self.routed: dict[str, StageInfo] = {}  # every stage of a route it planned, the latest last (MAX_ROUTED)
 
     @property
     def url(self) -> str:
@@ -435,6 +437,11 @@ class RouteDriver:
                               f"no route: no live stage miner continues at {where} (layers 0-"
                               f"{self.config.num_layers - 1}; {len(stages)} stages known, {len(exclude)} failed)")
         self.current = route
+        for s in route:  # what a session's receipts may name, whatever the listing says later
+            self.routed.pop(s.hotkey, None)
+            self.routed[s.hotkey] = s
+        while len(self.routed) > MAX_ROUTED:
+            del self.routed[next(iter(self.routed))]
         return route
 
     async def _await_restarts(self) -> bool:

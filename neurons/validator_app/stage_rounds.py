@@ -379,6 +379,9 @@ class StageRounds:
             (records if done else open_).append(rec)
         if self.driver is not None:
             self.driver.records.extendleft(reversed(open_))  # sessions still running: credited once closed
+            # a session was planned on stages its driver's listing may have dropped since (gone unhealthy, or left
+            # after serving it): their receipts are still for work done on the validator's own route
+            stages.update({h: info for h, info in self.driver.routed.items() if h not in stages})
         stages.update({m.hotkey: m.info for m in self.miners.values() if m.hotkey not in stages})
         sessions: dict[str, list[StepRecord]] = {}
         for rec in records:
