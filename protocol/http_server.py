@@ -56,8 +56,9 @@ class BodyRefusal(ProtocolError):
 
 
 def runner_options(settings: GuardSettings) -> dict:
-    """Keyword arguments for web.AppRunner that go with a guarded site."""
-    return dict(auto_decompress=False, keepalive_timeout=settings.idle_timeout_s, max_line_size=8190,
+    """Keyword arguments for web.AppRunner that go with a guarded site. aiohttp's own keep-alive deadline is a
+    second behind the guard's, so that the guard closes (and counts) an idle connection, and aiohttp only backs it."""
+    return dict(auto_decompress=False, keepalive_timeout=settings.idle_timeout_s + 1.0, max_line_size=8190,
                 max_field_size=8190)
 
 
@@ -103,7 +104,7 @@ class _Tally:
         self._flush = None
         if self.counts:
             parts = ", ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
-            log.log(self.level, "%s: in the last %.0f s: %s", self.name, self.interval_s, parts)
+            log.log(self.level, "%s: in the last %g s: %s", self.name, self.interval_s, parts)
             self.lines += 1
             self.counts = {}
 
