@@ -6,12 +6,13 @@ A route driver (the route miner, or anyone driving routes over the subnet's stag
 request the validator itself sent to this driver), the token ids it sent the first stage (what the first
 receipt's input hash must hash to, as the driver framed them) and every stage's signed receipt. The validator
 audits the receipts (signed by registered stage miners for their layers, chained from those ids, every layer
-once, none presented before) and credits each stage the step's tokens, but only for requests it sent this
-driver, and at most the tokens it measured for that request: work nobody asked for earns nothing. Receipts the
-stages never signed blame the driver and credit no one.
+once, none credited before to another driver) and credits each stage the step's tokens, but only for requests it
+sent this driver, and at most the tokens it measured for that request: work nobody asked for earns nothing.
+Receipts the stages never signed blame the driver and credit no one.
 
-Answers: 200 {"steps", "credited_tokens", "held_steps", "uncredited_steps"} (held: the request is not measured
-yet; credited once it is); 400 a malformed claim; 401/403 the signature; 413 too large; 422
+Answers: 200 {"steps", "credited_tokens", "held_steps", "uncredited_steps", "credited_before_steps"} (held: the
+request is not measured yet, credited once it is; credited before: steps this driver claimed and was credited for
+already, sent again after an answer it never got); 400 a malformed claim; 401/403 the signature; 413 too large; 422
 receipts that do not audit (the driver is blamed; {"error": {"code": "receipts_rejected", "message"}}); 503
 the validator has not found the stage miners yet (try again later).
 """

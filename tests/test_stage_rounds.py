@@ -16,6 +16,7 @@ SQLite store, real sr25519 hotkeys, a devnet subnet where every stage miner is r
 """
 import asyncio
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -385,6 +386,58 @@ def test_route_work_is_credited_only_for_requests_the_validator_sent(swarm, tmp_
     assert out["weights"].get(8, 0.0) == 0.0 and out["weights"].get(7, 0.0) > 0.0
     store.close()
 
+
+
+def test_a_claim_sent_again_after_a_lost_answer_is_not_blamed(swarm, tmp_path):
+    """The route miner's `WorkReport` keeps a batch whose answer it never got (a timeout: the validator was paused,
+    or the link cut) and sends it again: the validator says those steps were credited before, credits nothing
+    twice and blames no one. Another driver presenting the same receipts (for a request sent to it too) is
+    blamed: a receipt is credited once."""
+    from neurons.route_miner import WorkReport
+    from neurons.swarm.signed_http import post_signed
+    from protocol.route_work import ROUTE_WORK_PATH, RouteWork
+    from protocol.stage import Hop
+
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    driver_key = swarm["wallets"]["driver"].hotkey
+    other_key = swarm["wallets"]["owner"].hotkey
+
+    class Driver:
+        def __init__(self, records):
+            self.records = collections.deque(records)
+
+    async def scenario():
+        sr = await stage_rounds(swarm, store, list(HONEST), work_port=0, work_audit_rate=1.0)
+        sr.serving = {driver_key.ss58_address, other_key.ss58_address}
+        sr.claim_settle_s = 0.2
+        hop = Hop(url=sr.work_server.url, hotkey=swarm["wallets"]["validator"].hotkey.ss58_address)
+        records = await driven_records(swarm, driver_key, "req-retry")
+        measured(store, "req-retry", driver_key.ss58_address, prompt=20, completion=6)
+        measured(store, "req-retry", other_key.ss58_address, prompt=20, completion=6)
+        body = RouteWork(steps=WorkReport(Driver([]), driver_key, hop).claims(records)).model_dump_json().encode()
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            for name, key in (("first", driver_key), ("again", driver_key), ("other", other_key)):
+                status, answer = await post_signed(http, key, hop, ROUTE_WORK_PATH, body, 10.0, "application/json")
+                out[name] = (status, json.loads(answer))
+        await asyncio.wait_for(asyncio.gather(*sr._audits), 120)
+        out["claimed"] = dict(sr._claimed)  # the session was drawn and checked: its steps are let go
+        await sr.close()
+        return out, len(records), {r.session for r in records}
+
+    out, steps, sessions = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert out["first"][0] == 200 and out["first"][1]["credited_tokens"] > 0, out["first"]
+    assert out["again"] == (200, {"steps": steps, "credited_tokens": 0, "held_steps": 0, "uncredited_steps": 0,
+                                  "credited_before_steps": steps}), out["again"]
+    assert out["other"][0] == 422 and "presented before" in out["other"][1]["error"]["message"], out["other"]
+    credited = sum(r["tokens"] for r in store.stage_checks() if r["kind"] == "route_work")
+    assert credited == out["first"][1]["credited_tokens"]
+    blamed = [r["hotkey"] for r in store.stage_checks() if r["blame"]]
+    assert blamed == [other_key.ss58_address]
+    checked = {r["hotkey"] for r in store.stage_checks() if r["kind"] in ("session_check", "unchecked")}
+    assert checked == {swarm["info"][n]["hotkey"] for n in HONEST}, store.stage_checks()  # the check ran
+    assert out["claimed"] == {session: None for session in sessions}
+    store.close()
 
 
 def test_route_work_through_a_stage_the_round_did_not_find_waits_for_it_and_blames_nobody(swarm, tmp_path):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import math
 import random
@@ -219,14 +220,16 @@ class StageRounds:
         self._unchecked: collections.deque = collections.deque()  # (steps, stages, own) credited, to check
         self._unsettled = _no_sessions()  # what was credited since the last settle
         self._audits: set[asyncio.Task] = set()  # checks of claimed route work, in the background
-        self._claimed: dict[str, list[StepRecord]] = {}  # session -> the steps drivers claimed of it (bounded)
+        # session -> the steps drivers claimed of it while it waits for its check, None when not drawn or checked
+        # (insertion-ordered, the oldest forgotten past 4096)
+        self._claimed: dict[str, Optional[list[StepRecord]]] = {}
         self._held: dict[str, list] = {}  # driver -> [(when, claimed step)] whose request is not measured yet
         self.hold_s = 600.0
         self._claimed_at: dict[str, float] = {}  # session -> when a step of it was last credited
         self.claim_settle_s = 20.0  # a sampled claimed session is checked once no step came for this long
         self.number = 0
         self.last_report = StageRoundReport()
-        self._credited = _SeenReceipts()  # receipt signatures credited (the validator's driver and outside drivers)
+        self._credited = _SeenReceipts()  # receipts credited (the validator's driver and outside drivers): to whom
         self.loader = None  # () -> the reference (a BlockReference), called in a thread when reference is None
 
     # ------------------------------------------------------------ lifecycle
@@ -406,10 +409,10 @@ class StageRounds:
         """Audit a session's receipts and credit its stages the tokens of each step; the problem otherwise (the
         stage that signs for layers it does not announce is blamed; anything else is the recording driver's)."""
         registered = {h: (s.start, s.stop) for h, s in stages.items()}
+        seen = _NewReceipts(self._credited, driver)
         for rec in sorted(recs, key=lambda r: r.step):
             a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
-                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers,
-                               self._credited)
+                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen)
             if not a.ok:
                 if a.blame != "driver" and a.blame in stages:
                     m = self._stage_miner(stages[a.blame])
@@ -417,6 +420,7 @@ class StageRounds:
                 else:
                     log.warning("driver %s recorded receipts that do not audit: %s", driver, a.problem)
                 return a.problem
+        seen.keep()
         for rec in recs:
             tokens = int(rec.input_specs[0].shape[0])
             for r in rec.receipts:
@@ -550,6 +554,9 @@ class StageRounds:
 
     def _credit_steps(self, steps, driver: str, hold: bool) -> tuple[int, dict]:
         stages = {m.hotkey: m.info for m in self.miners.values()}
+        before = [self._credited.credited_to_all(s.receipts, driver) for s in steps]
+        resent = [s for s, b in zip(steps, before) if b]
+        steps = [s for s, b in zip(steps, before) if not b]
         waiting = [s for s in steps if self._undiscovered(s)]
         found = [s for s in steps if not self._undiscovered(s)]
         room = max(0, MAX_HELD_STEPS - len(self._held.get(driver, ()))) if hold else 0
@@ -557,7 +564,7 @@ class StageRounds:
         records, uncredited, held = self._asked_for(found, driver, hold)
         uncredited, held = uncredited + len(waiting[room:]), held + len(waiting[:room])
         registered = {h: (s.start, s.stop) for h, s in stages.items()}
-        seen = _NewReceipts(self._credited)
+        seen = _NewReceipts(self._credited, driver)
         for rec in records:
             a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
                                state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen)
@@ -576,21 +583,26 @@ class StageRounds:
                 credited += tokens
         seen.keep()
         self._sample_claimed(records, stages, driver)
-        log.info("route driver %s: %d steps, %d layer-tokens credited, %d held, %d not credited", driver, len(steps),
-                 credited, held, uncredited)
-        return 200, {"steps": len(steps), "credited_tokens": credited, "held_steps": held,
-                     "uncredited_steps": uncredited}
+        log.info("route driver %s: %d steps, %d layer-tokens credited, %d held, %d not credited, %d credited before",
+                 driver, len(steps) + len(resent), credited, held, uncredited, len(resent))
+        return 200, {"steps": len(steps) + len(resent), "credited_tokens": credited, "held_steps": held,
+                     "uncredited_steps": uncredited, "credited_before_steps": len(resent)}
 
     def _sample_claimed(self, records: Sequence[StepRecord], stages: Mapping[str, StageInfo], driver: str) -> None:
-        """Keep the claimed steps per session; a session is drawn for a check once, at its first claimed step."""
+        """A session is drawn for a check once, at its first claimed step; the claimed steps of a drawn session are
+        kept until it is checked, of the others only that they were seen."""
         for rec in records:
-            known = self._claimed.setdefault(rec.session, [])
-            if not known and self.rng.random() < self.work_audit_rate:
-                task = asyncio.ensure_future(self._check_claimed(rec.session, stages, driver))
-                self._audits.add(task)
-                task.add_done_callback(self._audits.discard)
-            known.append(rec)
-            self._claimed_at[rec.session] = time.monotonic()
+            if rec.session not in self._claimed:
+                drawn = self.rng.random() < self.work_audit_rate
+                self._claimed[rec.session] = [] if drawn else None
+                if drawn:
+                    task = asyncio.ensure_future(self._check_claimed(rec.session, stages, driver))
+                    self._audits.add(task)
+                    task.add_done_callback(self._audits.discard)
+            known = self._claimed[rec.session]
+            if known is not None:
+                known.append(rec)
+                self._claimed_at[rec.session] = time.monotonic()
         while len(self._claimed) > 4096:
             self._claimed_at.pop(next(iter(self._claimed)), None)
             del self._claimed[next(iter(self._claimed))]
@@ -644,7 +656,12 @@ class StageRounds:
             if quiet >= self.claim_settle_s:
                 break
             await asyncio.sleep(self.claim_settle_s - quiet)
-        recs = sorted(self._claimed.get(session, []), key=lambda r: r.step)
+        recs = sorted(self._claimed.get(session) or [], key=lambda r: r.step)
+        if session in self._claimed:
+            self._claimed[session] = None  # checked: its steps are let go, the session stays seen
+        self._claimed_at.pop(session, None)
+        if not recs:  # forgotten while it settled (more than 4096 sessions claimed since)
+            return
         try:
             await self._check(recs, stages, f"route work of {driver}", {"checked": 0, "outside": 0, "blamed": []})
         except Exception:  # noqa: BLE001 (a background check must never take the validator down)
@@ -716,30 +733,43 @@ def _remember(ids: dict, key: str) -> None:
 
 
 class _SeenReceipts(dict):
-    """Receipt signatures already credited (a set for audit_receipts), the oldest forgotten past `limit`."""
+    """The receipts already credited, each with the driver it was credited to, the oldest forgotten past `limit`.
+    A receipt is kept by a 16-byte digest of its signature (not the 128 hex characters: a third of the memory)."""
 
     limit = 200_000
 
-    def add(self, signature: str) -> None:
-        self[signature] = None
+    @staticmethod
+    def key(signature: str) -> bytes:
+        return hashlib.blake2b(signature.encode(), digest_size=16).digest()
+
+    def add(self, signature: str, driver: str) -> None:
+        self[self.key(signature)] = driver
         while len(self) > self.limit:
             del self[next(iter(self))]
+
+    def __contains__(self, signature) -> bool:
+        return super().__contains__(self.key(signature))
+
+    def credited_to_all(self, receipts, driver: str) -> bool:
+        """Whether every one of a step's receipts was credited to `driver` before: the same driver presenting its
+        own claim again (a retry after an answer it never got) is told so, not blamed."""
+        return bool(receipts) and all(self.get(self.key(r.signature)) == driver for r in receipts)
 
 
 class _NewReceipts(set):
     """The receipt signatures one claim presents, checked against those already credited; `keep()` adds them to
-    the credited ones (only once the whole claim audited)."""
+    the credited ones, for `driver` (only once the whole claim audited)."""
 
-    def __init__(self, credited: _SeenReceipts):
+    def __init__(self, credited: _SeenReceipts, driver: str):
         super().__init__()
-        self.credited = credited
+        self.credited, self.driver = credited, driver
 
     def __contains__(self, signature) -> bool:
         return super().__contains__(signature) or signature in self.credited
 
     def keep(self) -> None:
         for signature in self:
-            self.credited.add(signature)
+            self.credited.add(signature, self.driver)
 
 
 def whole_model_work(loop) -> dict[int, MinerWork]:
