@@ -612,8 +612,7 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
     state = await snapshot(chain, netuid, run_dir, neurons)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signalled = on_stop_signals(loop, stop)
     plain = args.no_dashboard or not console.is_terminal
     live = None if plain else Live(render(state, started), console=console, refresh_per_second=1)
     if live:
@@ -666,10 +665,37 @@ async def watch(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list
         if live:
             live.stop()
         await chain.close()
+        off_stop_signals(loop, signalled)
     state["first_weights"] = first_weights
     state["caught"] = caught
     state["watch_s"] = time.monotonic() - started
     return state
+
+
+def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
+    """SIGINT and SIGTERM end a watch: `stop` is set, and the signal noted in the list returned."""
+    signalled: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: (signalled.append(sig), stop.set()))
+    return signalled
+
+
+def off_stop_signals(loop: asyncio.AbstractEventLoop, signalled: list[int]) -> None:
+    """The end of a watch: a signal ended it, so the shutdown begins (`shutting_down`), else SIGTERM leaves through
+    the caller's `finally` again (asyncio would put the defaults back)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+    if signalled:
+        shutting_down()
+    else:
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
+
+
+def shutting_down() -> None:
+    """From here on a second Ctrl-C (or SIGTERM) is ignored: the shutdown that stops every process it started is
+    bounded (stop_all's grace, then SIGKILL), and one cut short would leave them holding their ports."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def exit_on_sigterm(signum, frame) -> None:
@@ -748,6 +774,7 @@ def main(argv=None, prog: str = "k3-localnet") -> int:
             soak = start_soak(args, run_dir, neurons, chain_spec, netuid)
         state = asyncio.run(watch(args, chain_spec, netuid, run_dir, neurons, t_launch, supervised=soak is not None))
     finally:
+        shutting_down()
         if soak is not None:
             soak.stop()
         print("[localnet] stopping every process it started")
@@ -1303,8 +1330,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
     console, started = Console(), time.monotonic()
     stop, organic = asyncio.Event(), traffic.sent if traffic else []
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signalled = on_stop_signals(loop, stop)
     state: dict = {"caught": False, "rows": []}
     live = None if args.no_dashboard or not console.is_terminal else Live(console=console, refresh_per_second=1)
     if live:
@@ -1357,9 +1383,7 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
             await asyncio.to_thread(traffic.stop)
         if live:
             live.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        signal.signal(signal.SIGTERM, exit_on_sigterm)  # asyncio put back the default
+        off_stop_signals(loop, signalled)
     view = read_validator(run_dir)
     state.update(organic=organic, seconds=time.monotonic() - started, routes=planned_routes(run_dir),
                  gateway_routes=planned_routes(run_dir, GATEWAY_ROUTE_LOG),
@@ -1449,6 +1473,7 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
         summary["stages"] = asyncio.run(final())
         Console(width=None if sys.stdout.isatty() else 200).print(swarm_table(summary["stages"], done["route"]))
     finally:
+        shutting_down()
         if traffic is not None:
             traffic.stop()
         if soak is not None:

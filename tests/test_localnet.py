@@ -312,3 +312,42 @@ def test_whole_model_layout_with_bf16_miners_and_a_sampling_cheat(tmp_path, caps
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_again_while_it_stops_still_stops_every_process_it_started(tmp_path):
+    """An operator presses Ctrl-C, then again and again while the swarm's local testnet is stopping: the first one
+    starts the shutdown, the others are ignored until every process it started (stage miners, miners, the route
+    miner, the validator) has stopped, so none is left holding its port, and no traceback."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "localnet.testnet", "--swarm", "3", "--swarm-tokens", "4", "--run-dir", str(run_dir),
+           "--no-dashboard", "--base-port", str(free_port_block(swarm_ports(3))), "--duration", "600"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # up to the first completion: every process is up
+            seen.append(line)
+            if "completion through" in line:
+                break
+        assert proc.poll() is None, "".join(seen[-30:])
+        ours = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+        assert len(ours) >= 6, [p.info["cmdline"] for p in ours]
+        time.sleep(2.0)  # into the watch
+        deadline = time.monotonic() + 5.0
+        while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, and again, while it stops
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+        out, _ = proc.communicate(timeout=120)
+        seen.append(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    for p in leftovers:  # not left to the rest of the suite
+        p.kill()
+    text = "".join(seen)
+    assert not leftovers, (text[-3000:], [p.info["cmdline"] for p in leftovers])
+    assert "Traceback" not in text and "stopping every process it started" in text, text[-3000:]
