@@ -594,7 +594,7 @@ class SoakTraffic:
         self.rng = random.Random(seed)
         self.rate, self.burst_every_s, self.burst_size = rate, burst_every_s, burst_size
         self.long_share, self.max_tokens = long_share, max_tokens
-        self.sent = 0
+        self.sent = self.served = 0
         self._tasks: set[asyncio.Task] = set()
 
     def _prompt(self, long: bool) -> str:
@@ -646,6 +646,7 @@ class SoakTraffic:
                 await asyncio.sleep(attempt.get("retry_after_s") or 1.0)  # back-pressure: come back, as told
                 continue
             if attempt["ok"]:
+                self.served += 1
                 record.update(ok=True, miner_uid=attempt["miner_uid"], request_id=attempt["request_id"],
                               prompt_tokens=attempt["prompt_tokens"], completion_tokens=attempt["completion_tokens"])
                 break

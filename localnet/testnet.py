@@ -1321,10 +1321,11 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
 
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
-                      ready: dict[str, dict], traffic: OrganicTraffic | None = None, supervised: bool = False) -> dict:
+                      ready: dict[str, dict], traffic: OrganicTraffic | None = None, supervised: bool = False,
+                      soak_traffic=None) -> dict:
     """The live swarm dashboard until --duration, Ctrl-C, a process dying (unless a soak restarts them) or
     (--stop-when-caught) every cheater caught; with --cheat-stage, organic requests go through the validator's
-    gateway all along."""
+    gateway all along (with a soak, its users' requests are counted: `soak_traffic`)."""
     stages = [n for n in neurons if n.role == "stage" and n.name in ready]
     route = next(n for n in neurons if n.name == "route")
     console, started = Console(), time.monotonic()
@@ -1350,7 +1351,8 @@ async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons
                 last_route = next((o["route"] for o in reversed(organic) if o["ok"]), [])
                 names = {r["hotkey"]: r["name"] for r in rows}
                 driver = swarm_driver(route, view)
-                caption = (f"running {elapsed:.0f} s; organic requests (gateway) {ok} served / {len(organic)} sent; "
+                served, sent = (soak_traffic.served, soak_traffic.sent) if soak_traffic else (ok, len(organic))
+                caption = (f"running {elapsed:.0f} s; organic requests (gateway) {served} served / {sent} sent; "
                            "last route "
                            + " > ".join(names.get(h, h[:8]) for h in last_route)
                            + f"; route driver ({driver['cheat'] or 'honest'}): {driver['credited_tokens']} "
@@ -1456,7 +1458,8 @@ def run_swarm(args, run_dir: Path, t_launch: float, stage_flags: dict[str, list[
                               soak_joiner(args, run_dir, neurons, chain_spec, netuid))
         if args.duration or args.stop_when_caught:
             watched = asyncio.run(watch_swarm(args, chain_spec, netuid, run_dir, neurons, ready, traffic,
-                                              supervised=soak is not None))
+                                              supervised=soak is not None,
+                                              soak_traffic=soak.traffic if soak is not None else None))
             summary.update(caught=watched["caught"], organic=watched["organic"], watch_s=watched["seconds"],
                            routes=watched["routes"], gateway_routes=watched["gateway_routes"],
                            driver=watched["driver"],

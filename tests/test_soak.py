@@ -3,6 +3,7 @@ miners (one sharded) and a swarm of stage miners with a spare for every block, a
 its organic gateway, under organic traffic while every kind of fault of localnet/soak.py hits them; the checker
 (localnet/soak_check.py) reads the history afterwards. docs/localnet.md says what each criterion means."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,8 @@ def test_a_five_minute_soak_keeps_serving_and_sets_weights_through_every_kind_of
     assert len(faults) >= 20 and {f["kind"] for f in faults} == set(FAULT_KINDS), table
     # users: served, a request that failed in flight failed once at most (the gateway and the user retried)
     assert criteria["served share"]["met"], table
+    counts = re.findall(r"organic requests \(gateway\) (\d+) served / (\d+) sent", soak["stdout"])
+    assert counts and 0 < int(counts[-1][0]) <= int(counts[-1][1]), counts[-3:]  # the live view counts the users
     assert criteria["requests that failed twice"]["met"], table
     # every epoch the validator served throughout has its weights, whatever the chain and its disk did
     assert criteria["epochs with weights / validator up throughout"]["met"], table
