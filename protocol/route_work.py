@@ -5,8 +5,8 @@ A route driver (the route miner, or anyone driving routes over the subnet's stag
 `RouteWork`: per step the route, session and step, the request the session served (`request_id`: the id of a
 request the validator itself sent to this driver), the token ids it sent the first stage (what the first
 receipt's input hash must hash to, as the driver framed them) and every stage's signed receipt. The validator
-audits the receipts (signed by registered stage miners for their layers, chained from those ids, every layer
-once, none credited before to another driver) and credits each stage the step's tokens, but only for requests it
+audits the receipts (signed by registered stage miners for their layers, for sessions this driver opened,
+chained from those ids, every layer once) and credits each stage the step's tokens, but only for requests it
 sent this driver, and at most the tokens it measured for that request: work nobody asked for earns nothing.
 Receipts the stages never signed blame the driver and credit no one.
 

@@ -148,6 +148,7 @@ class Receipt(_Msg):
     input_sha256: str = Field(pattern=_HEX64)
     output_sha256: str = Field(pattern=_HEX64)
     stage: str = Field(pattern=_SS58)
+    driver: str = Field(pattern=_SS58)  # who opened the session: the only party the work may be credited to
     signature: str = Field(default="", max_length=256, pattern=r"^[0-9a-f]*$")
 
     def payload(self) -> bytes:
@@ -284,15 +285,17 @@ def verify_receipt(receipt: Receipt, expected_hotkey: str | None = None) -> bool
 
 
 def verify_receipt_chain(receipts: list[Receipt], route_id: str, session: str, step: int, input_sha256: str,
-                         hotkeys: list[str] | None = None) -> str | None:
+                         hotkeys: list[str] | None = None, driver: str | None = None) -> str | None:
     """None when the receipts are a valid chain from `input_sha256` for this route, session and step (and
-    from these stage hotkeys in order, if given), else what is wrong."""
+    from these stage hotkeys in order, and for this driver's session, if given), else what is wrong."""
     h = input_sha256
     if hotkeys is not None and [r.stage for r in receipts] != list(hotkeys):
         return f"receipts come from {[r.stage for r in receipts]}, the route is {hotkeys}"
     for i, r in enumerate(receipts):
         if (r.route_id, r.session, r.step) != (route_id, session, step):
             return f"receipt {i} is for another route, session or step"
+        if driver is not None and r.driver != driver:
+            return f"receipt {i} ({r.stage}) names {r.driver} as the session's driver, not {driver}"
         if r.input_sha256 != h:
             return f"receipt {i} ({r.stage}) does not start where the previous one ended"
         if not verify_receipt(r):

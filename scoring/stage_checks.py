@@ -162,10 +162,11 @@ class RouteAudit:
 
 def audit_receipts(receipts: Sequence[Receipt], route_id: str, session: str, step: int, input_sha256: str,
                    registered: dict[str, tuple[int, int]], num_layers: int,
-                   seen_signatures: set[str] | None = None) -> RouteAudit:
+                   seen_signatures: set[str] | None = None, driver: str | None = None) -> RouteAudit:
     """One step's receipts: signed by registered hotkeys for the layers each is registered for, for this
-    route id / session / step (route ids are the validator's fresh nonces: `seen_signatures` catches a
-    receipt presented twice), chained from `input_sha256`, every layer covered exactly once, in order."""
+    route id / session / step and for a session `driver` opened (a driver presenting the receipts of another's
+    session copied them; `seen_signatures` catches a receipt presented twice), chained from `input_sha256`,
+    every layer covered exactly once, in order."""
     if not receipts:
         return RouteAudit(False, "no receipts", "driver")
     for i, r in enumerate(receipts):
@@ -176,6 +177,8 @@ def audit_receipts(receipts: Sequence[Receipt], route_id: str, session: str, ste
         if (r.route_id, r.session, r.step) != (route_id, session, step):
             return RouteAudit(False, f"receipt {i} is for another route, session or step (stale or replayed)",
                               "driver")
+        if driver is not None and r.driver != driver:
+            return RouteAudit(False, f"receipt {i} is for a session {r.driver} opened, not {driver}", "driver")
         if seen_signatures is not None:
             if r.signature in seen_signatures:
                 return RouteAudit(False, f"receipt {i} was presented before", "driver")

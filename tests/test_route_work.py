@@ -45,7 +45,8 @@ def test_stage_work_port_is_its_own_port(tmp_path):
 
 def test_a_claim_holds_its_bounds():
     receipt = {"route_id": "r", "session": "s", "step": 0, "layers": [0, 3], "fingerprint": "f",
-               "input_sha256": "0" * 64, "output_sha256": "1" * 64, "stage": HOTKEY, "signature": "ab"}
+               "input_sha256": "0" * 64, "output_sha256": "1" * 64, "stage": HOTKEY, "driver": HOTKEY,
+               "signature": "ab"}
     step = {"route_id": "r", "session": "s", "step": 0, "position": 0, "token_ids": [1, 2], "receipts": [receipt]}
     work = parse_model(RouteWork, {"steps": [step]}, "route work")
     assert work.tokens() == 2

@@ -230,7 +230,7 @@ def receipts_for(route_id: str, session: str, step: int, ids: list[int]) -> tupl
     for i, (key, blk) in enumerate(zip(KEYS, BLOCKS)):
         nxt = state_sha256([], f"{session}:{step}:{i}".encode())
         out.append(sign_receipt(key, route_id=route_id, session=session, step=step, layers=list(blk),
-                                fingerprint="tiny", input_sha256=h, output_sha256=nxt))
+                                fingerprint="tiny", input_sha256=h, output_sha256=nxt, driver=DRIVER.ss58_address))
         h = nxt
     return out, start
 
@@ -258,6 +258,10 @@ def test_driver_side_receipt_attacks_are_the_drivers_fault():
     assert audit_receipts(chain, "route-a", "s", 0, start, REGISTERED, 13, seen).ok
     a = audit_receipts(chain, "route-a", "s", 0, start, REGISTERED, 13, seen)
     assert not a.ok and "presented before" in a.problem
+    # the receipts of a session DRIVER opened, presented by another driver (copied: a stage on the route sees them)
+    assert audit_receipts(chain, "route-a", "s", 0, start, REGISTERED, 13, driver=DRIVER.ss58_address).ok
+    a = audit_receipts(chain, "route-a", "s", 0, start, REGISTERED, 13, driver=KEYS[0].ss58_address)
+    assert not a.ok and a.blame == "driver" and f"a session {DRIVER.ss58_address} opened" in a.problem
 
 
 def test_a_stage_claiming_other_layers_is_blamed_itself():

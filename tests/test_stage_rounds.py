@@ -388,11 +388,13 @@ def test_route_work_is_credited_only_for_requests_the_validator_sent(swarm, tmp_
 
 
 
-def test_a_claim_sent_again_after_a_lost_answer_is_not_blamed(swarm, tmp_path):
-    """The route miner's `WorkReport` keeps a batch whose answer it never got (a timeout: the validator was paused,
-    or the link cut) and sends it again: the validator says those steps were credited before, credits nothing
-    twice and blames no one. Another driver presenting the same receipts (for a request sent to it too) is
-    blamed: a receipt is credited once."""
+def test_receipts_credit_only_the_driver_whose_session_they_are_and_its_retry_is_not_blamed(swarm, tmp_path):
+    """Every stage's receipt names the driver that opened the session. A thief that saw an honest driver's
+    receipts (a stage on its route sees those of the stages before it) presents them first, for a request the
+    validator did send the thief: it is blamed and credited nothing, and the honest driver's claim is credited
+    after it. The honest route miner's `WorkReport` then sends the same batch again (its answer was lost to a
+    timeout: the validator was paused, or the link cut): told those steps were credited before, credited nothing
+    twice, blamed for nothing. The session drawn for a check lets its claimed steps go once checked."""
     from neurons.route_miner import WorkReport
     from neurons.swarm.signed_http import post_signed
     from protocol.route_work import ROUTE_WORK_PATH, RouteWork
@@ -400,7 +402,7 @@ def test_a_claim_sent_again_after_a_lost_answer_is_not_blamed(swarm, tmp_path):
 
     store = ValidatorStore(tmp_path / "v.sqlite")
     driver_key = swarm["wallets"]["driver"].hotkey
-    other_key = swarm["wallets"]["owner"].hotkey
+    thief_key = swarm["wallets"]["owner"].hotkey
 
     class Driver:
         def __init__(self, records):
@@ -408,32 +410,34 @@ def test_a_claim_sent_again_after_a_lost_answer_is_not_blamed(swarm, tmp_path):
 
     async def scenario():
         sr = await stage_rounds(swarm, store, list(HONEST), work_port=0, work_audit_rate=1.0)
-        sr.serving = {driver_key.ss58_address, other_key.ss58_address}
+        sr.serving = {driver_key.ss58_address, thief_key.ss58_address}
         sr.claim_settle_s = 0.2
         hop = Hop(url=sr.work_server.url, hotkey=swarm["wallets"]["validator"].hotkey.ss58_address)
         records = await driven_records(swarm, driver_key, "req-retry")
         measured(store, "req-retry", driver_key.ss58_address, prompt=20, completion=6)
-        measured(store, "req-retry", other_key.ss58_address, prompt=20, completion=6)
+        measured(store, "req-retry", thief_key.ss58_address, prompt=20, completion=6)
         body = RouteWork(steps=WorkReport(Driver([]), driver_key, hop).claims(records)).model_dump_json().encode()
         out = {}
         async with aiohttp.ClientSession() as http:
-            for name, key in (("first", driver_key), ("again", driver_key), ("other", other_key)):
+            for name, key in (("thief", thief_key), ("first", driver_key), ("again", driver_key)):
                 status, answer = await post_signed(http, key, hop, ROUTE_WORK_PATH, body, 10.0, "application/json")
                 out[name] = (status, json.loads(answer))
         await asyncio.wait_for(asyncio.gather(*sr._audits), 120)
-        out["claimed"] = dict(sr._claimed)  # the session was drawn and checked: its steps are let go
+        out["claimed"] = dict(sr._claimed)
         await sr.close()
         return out, len(records), {r.session for r in records}
 
     out, steps, sessions = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert out["thief"][0] == 422 and f"a session {driver_key.ss58_address} opened" in \
+        out["thief"][1]["error"]["message"], out["thief"]
     assert out["first"][0] == 200 and out["first"][1]["credited_tokens"] > 0, out["first"]
     assert out["again"] == (200, {"steps": steps, "credited_tokens": 0, "held_steps": 0, "uncredited_steps": 0,
                                   "credited_before_steps": steps}), out["again"]
-    assert out["other"][0] == 422 and "presented before" in out["other"][1]["error"]["message"], out["other"]
-    credited = sum(r["tokens"] for r in store.stage_checks() if r["kind"] == "route_work")
-    assert credited == out["first"][1]["credited_tokens"]
+    work = [r for r in store.stage_checks() if r["kind"] == "route_work"]
+    assert sum(r["tokens"] for r in work) == out["first"][1]["credited_tokens"]
+    assert {r["origin"] for r in work} == {driver_key.ss58_address}
     blamed = [r["hotkey"] for r in store.stage_checks() if r["blame"]]
-    assert blamed == [other_key.ss58_address]
+    assert blamed == [thief_key.ss58_address]
     checked = {r["hotkey"] for r in store.stage_checks() if r["kind"] in ("session_check", "unchecked")}
     assert checked == {swarm["info"][n]["hotkey"] for n in HONEST}, store.stage_checks()  # the check ran
     assert out["claimed"] == {session: None for session in sessions}

@@ -101,7 +101,8 @@ def test_the_ledger_keeps_what_was_signed_within_its_bounds():
             body_in, body_out = bytes([step]) * 1000, bytes([step + 1]) * 1000
             specs = [WireTensorSpec(name="partial", dtype="float32", shape=[250, 1])]
             receipt = sign_receipt(key, route_id="r", session=f"s{s}", step=step, layers=[3, 9], fingerprint="f",
-                                   input_sha256=state_sha256(specs, body_in), output_sha256=state_sha256(specs, body_out))
+                                   input_sha256=state_sha256(specs, body_in), output_sha256=state_sha256(specs, body_out),
+                                   driver=key.ss58_address)
             ledger.add("r", f"s{s}", step=step, position=step, mode="none", targets=None, top_k=0, rewind=None,
                        input_specs=specs, input_body=body_in, output_specs=specs, output_body=body_out,
                        receipt=receipt)

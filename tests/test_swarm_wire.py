@@ -77,9 +77,9 @@ def test_frame_bounds():
 def test_receipts_chain_and_signatures():
     h0 = state_sha256([], b"ids")
     r1 = sign_receipt(K1, route_id="r", session="s", step=3, layers=[0, 4], fingerprint="f1",
-                      input_sha256=h0, output_sha256="a" * 64)
+                      input_sha256=h0, output_sha256="a" * 64, driver=K2.ss58_address)
     r2 = sign_receipt(K2, route_id="r", session="s", step=3, layers=[4, 13], fingerprint="f2",
-                      input_sha256="a" * 64, output_sha256="b" * 64)
+                      input_sha256="a" * 64, output_sha256="b" * 64, driver=K2.ss58_address)
     assert verify_receipt(r1) and verify_receipt(r2, K2.ss58_address) and not verify_receipt(r2, K1.ss58_address)
     assert verify_receipt_chain([r1, r2], "r", "s", 3, h0, [K1.ss58_address, K2.ss58_address]) is None
     assert "does not start" in verify_receipt_chain([r2, r1], "r", "s", 3, "a" * 64)
@@ -87,6 +87,8 @@ def test_receipts_chain_and_signatures():
     assert not verify_receipt(forged)
     assert "bad signature" in verify_receipt_chain([r1, forged], "r", "s", 3, h0)
     assert verify_receipt_chain([r1, r2], "r", "s", 4, h0) is not None
+    assert verify_receipt_chain([r1, r2], "r", "s", 3, h0, driver=K2.ss58_address) is None
+    assert "not " + K1.ss58_address in verify_receipt_chain([r1, r2], "r", "s", 3, h0, driver=K1.ss58_address)
 
 
 def caps(key, a, b, step_ms=1.0):

@@ -653,11 +653,13 @@ class RouteDriver:
                                    restarting={e.stage: urls[e.stage]} if e.stage in urls else {})
             raise RouteFailure(f"stage {e.stage} reports {e.code}: {e.message}", blame)
         problem = verify_receipt_chain(header.receipts, rs.route_id, rs.session, step, pending.input_sha,
-                                       pending.hotkeys)
+                                       pending.hotkeys, driver=self.hotkey)
         if problem is None and header.receipts[-1].output_sha256 != state_sha256([], body):
             problem = "the last receipt does not match the result"
         if problem is not None:
-            bad = next((r.stage for r in header.receipts if r.stage in pending.hotkeys), pending.hotkeys[-1])
+            bad = next((r.stage for r in header.receipts if r.stage in pending.hotkeys and r.driver != self.hotkey),
+                       None) or next((r.stage for r in header.receipts if r.stage in pending.hotkeys),
+                                     pending.hotkeys[-1])
             raise RouteFailure(f"receipts do not chain: {problem}", {bad})
         rs.receipts = list(header.receipts)
         self.last_receipts = rs.receipts

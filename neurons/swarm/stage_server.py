@@ -385,7 +385,7 @@ class StageServer:
             out_sha = state_sha256(specs, body)
         receipt = sign_receipt(self.keypair, route_id=header.route_id, session=header.session, step=header.step,
                                layers=[layers.start, layers.stop], fingerprint=self.stage.fingerprint or "unknown",
-                               input_sha256=input_sha, output_sha256=out_sha)
+                               input_sha256=input_sha, output_sha256=out_sha, driver=session.owner)
         receipts = list(header.receipts) + [receipt]
         self.ledger.add(header.route_id, header.session, step=header.step, position=header.position,
                         mode=header.mode, targets=header.targets, top_k=header.top_k, rewind=header.rewind,

@@ -412,7 +412,8 @@ class StageRounds:
         seen = _NewReceipts(self._credited, driver)
         for rec in sorted(recs, key=lambda r: r.step):
             a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
-                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen)
+                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen,
+                               driver)
             if not a.ok:
                 if a.blame != "driver" and a.blame in stages:
                     m = self._stage_miner(stages[a.blame])
@@ -567,7 +568,8 @@ class StageRounds:
         seen = _NewReceipts(self._credited, driver)
         for rec in records:
             a = audit_receipts(list(rec.receipts), rec.route_id, rec.session, rec.step,
-                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen)
+                               state_sha256(list(rec.input_specs), rec.input_body), registered, self.num_layers, seen,
+                               driver)
             if not a.ok:
                 self._blame_driver(driver, a, rec)
                 return 422, {"code": "receipts_rejected",
