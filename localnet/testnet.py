@@ -1322,7 +1322,7 @@ def caught_everyone(rows: list[dict], view: dict, organic: list[dict], driver: d
 
 async def watch_swarm(args, chain_spec: str, netuid: int, run_dir: Path, neurons: list[Neuron],
                       ready: dict[str, dict], traffic: OrganicTraffic | None = None, supervised: bool = False,
-                      soak_traffic=None) -> dict:
+                      soak_traffic: SoakTraffic | None = None) -> dict:
     """The live swarm dashboard until --duration, Ctrl-C, a process dying (unless a soak restarts them) or
     (--stop-when-caught) every cheater caught; with --cheat-stage, organic requests go through the validator's
     gateway all along (with a soak, its users' requests are counted: `soak_traffic`)."""
