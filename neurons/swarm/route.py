@@ -657,9 +657,9 @@ class RouteDriver:
         if problem is None and header.receipts[-1].output_sha256 != state_sha256([], body):
             problem = "the last receipt does not match the result"
         if problem is not None:
-            bad = next((r.stage for r in header.receipts if r.stage in pending.hotkeys and r.driver != self.hotkey),
-                       None) or next((r.stage for r in header.receipts if r.stage in pending.hotkeys),
-                                     pending.hotkeys[-1])
+            on_route = [r for r in header.receipts if r.stage in pending.hotkeys]
+            bad = next((r.stage for r in on_route if r.driver != self.hotkey),
+                       on_route[0].stage if on_route else pending.hotkeys[-1])
             raise RouteFailure(f"receipts do not chain: {problem}", {bad})
         rs.receipts = list(header.receipts)
         self.last_receipts = rs.receipts
